@@ -1,0 +1,31 @@
+# make test: install into .venv and run the CPU suite (GPU tests skip, with the reason, without a GPU)
+# make serve: install and run the daemon (ARGS="--isolation mps ...")
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-gpu serve bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -m 'gpu or mps' -v $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(BIN)/meshd-mps serve $(ARGS)
+
+bench: $(STAMP)
+	$(BIN)/meshd-mps bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

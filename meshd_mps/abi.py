@@ -1,0 +1,36 @@
+"""Program ABI v1: the constants a resident program and meshd-mps agree on.
+
+docs/program-abi.md explains them; examples/include/mesh_program.h is the
+device-side copy.  Offsets are bytes into one mailbox slot; every word is
+little-endian and naturally aligned.
+"""
+
+from __future__ import annotations
+
+#: Value of the program's ``mesh_rt_abi`` global that this meshd-mps accepts.
+RT_ABI = 1
+RT_ABI_SYMBOL = "mesh_rt_abi"
+ENTRY = "mesh_main"
+
+SLOT_BYTES = 4096
+SLOTS = 256
+MAILBOX_BYTES = SLOT_BYTES * SLOTS  # 1 MiB
+
+# ---- one slot ------------------------------------------------------------------------------
+CONTROL = 0  # u32, host writes: RUN or HALT
+STATE = 4  # u32, program writes: IDLE, RUNNING, EXITED
+HEARTBEAT = 8  # u64, program increments
+BEAT_TIME = 16  # u64, program writes %globaltimer (ns) at each beat
+MAX_GAP = 24  # u64, program writes the largest gap between beats (ns) since the last reset
+GAP_RESET = 32  # u32, host writes 1; the program zeroes MAX_GAP and this word
+REQ_HEAD = 64  # u32, host increments after writing a request
+RESP_HEAD = 68  # u32, program increments after writing the response to request RESP_HEAD
+RING = 8  # entries
+ENTRY_BYTES = 192  # u32 length + up to 188 payload bytes
+ENTRY_PAYLOAD = ENTRY_BYTES - 4
+REQ_BASE = 128
+RESP_BASE = REQ_BASE + RING * ENTRY_BYTES  # 1664
+USER_BASE = RESP_BASE + RING * ENTRY_BYTES  # 3200: free for the program
+
+RUN, HALT = 0, 1
+IDLE, RUNNING, EXITED = 0, 1, 2

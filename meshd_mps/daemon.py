@@ -1,0 +1,208 @@
+"""meshd-mps's private MPS control daemon: started, spoken to, quit and reaped.
+
+``nvidia-cuda-mps-control -d`` daemonizes: the process we start exits and its
+child, the daemon, is re-parented.  meshd-mps makes itself a child subreaper
+(PR_SET_CHILD_SUBREAPER) so the daemon becomes its child and can be reaped
+after ``quit``; otherwise it stays a zombie (seen on the H200).  The same
+code drives the real binary and the stand-in that tests put first on PATH.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import shutil
+import signal
+import stat
+import time
+
+import anyio
+import structlog
+
+from .errors import MpsError
+
+log = structlog.get_logger("meshd_mps")
+
+CONTROL = "nvidia-cuda-mps-control"
+PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
+LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
+COMMAND_S = 10.0
+START_S = 10.0
+QUIT_S = 5.0
+REAP_S = 5.0
+NO_DAEMON = "Cannot find MPS control daemon process"
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants (the daemonized control process) become our children."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise MpsError(f"mps: prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
+
+
+def _children_running(program: str) -> set[int]:
+    """Our direct children whose command line runs ``program`` (from /proc).
+
+    The command line, not the name: a script's process is named after its
+    interpreter (the stand-in's is "python3").
+    """
+    me = os.getpid()
+    out = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                s = f.read().decode(errors="replace")
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(s[s.rindex(")") + 2 :].split()[1])
+        if ppid == me and any(os.path.basename(a.decode(errors="replace")) == program for a in argv[:2]):
+            out.add(int(d))
+    return out
+
+
+def _make_private_dir(path: str) -> None:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise MpsError(f"mps: {path} is not a directory")
+    if st.st_uid != os.getuid():
+        raise MpsError(f"mps: {path} belongs to uid {st.st_uid}, not to us; refusing")
+    os.chmod(path, 0o700)
+
+
+class ControlDaemon:
+    """One private control daemon under ``dir`` (``dir/pipe``, ``dir/log``)."""
+
+    def __init__(self, dir: str, temporary: bool):
+        self.dir = os.path.abspath(dir)
+        self.temporary = temporary
+        self.pipe_dir = os.path.join(self.dir, "pipe")
+        self.log_dir = os.path.join(self.dir, "log")
+        self.pid: int | None = None
+        self.binary: str | None = None
+        self.started = False
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a process needs in its environment to reach this daemon."""
+        return {PIPE_ENV: self.pipe_dir, LOG_ENV: self.log_dir}
+
+    async def _run(self, args: list[str], stdin: str | None, within: float) -> tuple[int, str]:
+        assert self.binary is not None
+        env = {**os.environ, **self.env}
+        proc = await asyncio.create_subprocess_exec(
+            self.binary,
+            *args,
+            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+        )
+        try:
+            with anyio.fail_after(within):
+                out, _ = await proc.communicate(stdin.encode() if stdin is not None else None)
+        except TimeoutError:
+            proc.kill()
+            with anyio.move_on_after(2, shield=True):
+                await proc.wait()
+            raise MpsError(f"mps: {CONTROL} {' '.join(args) or repr(stdin)}: no answer in {within:g}s") from None
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                with anyio.move_on_after(2, shield=True):
+                    await proc.wait()
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(errors="replace")
+
+    async def control(self, command: str) -> str:
+        """One control command (``get_server_list``, ...); its output, or MpsError."""
+        rc, out = await self._run([], command + "\n", COMMAND_S)
+        if rc != 0:
+            raise MpsError(f"mps: {command}: {out.strip() or f'exit status {rc}'}")
+        return out
+
+    async def start(self) -> None:
+        self.binary = shutil.which(CONTROL)
+        if self.binary is None:
+            raise MpsError(f"mps: {CONTROL} not found on PATH (install the NVIDIA driver's MPS binaries); refusing --isolation mps")
+        _make_private_dir(self.dir)
+        _make_private_dir(self.pipe_dir)
+        _make_private_dir(self.log_dir)
+        rc, out = await self._run([], "get_server_list\n", COMMAND_S)
+        if rc == 0:
+            raise MpsError(f"mps: a control daemon already runs on {self.pipe_dir} and it is not ours; refusing")
+        become_subreaper()
+        before = _children_running(CONTROL)
+        t0 = time.monotonic()
+        rc, out = await self._run(["-d"], None, START_S)
+        if rc != 0:
+            raise MpsError(f"mps: {CONTROL} -d: {out.strip() or f'exit status {rc}'}")
+        self.started = True
+        try:
+            with anyio.fail_after(START_S):
+                while True:
+                    rc, out = await self._run([], "get_server_list\n", COMMAND_S)
+                    if rc == 0:
+                        break
+                    await anyio.sleep(0.01)  # the daemon is coming up: poll its socket
+        except TimeoutError:
+            raise MpsError(f"mps: the control daemon did not answer within {START_S:g}s: {out.strip()}") from None
+        pids = _children_running(CONTROL) - before
+        self.pid = min(pids) if pids else None
+        log.info(
+            f"mps: control daemon {self.pid} ready in {(time.monotonic() - t0) * 1e3:.0f} ms",
+            pipe=self.pipe_dir,
+            log_dir=self.log_dir,
+        )
+
+    def alive(self) -> bool:
+        if self.pid is None:
+            return False
+        try:
+            pid, _ = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return False
+        if pid == self.pid:
+            self.pid = None
+            return False
+        return True
+
+    async def _reap(self, within: float) -> bool:
+        if self.pid is None:
+            return True
+        with anyio.move_on_after(within):
+            while self.alive():
+                await anyio.sleep(0.005)  # waitpid has no awaitable form for a re-parented child
+            return True
+        return False
+
+    async def quit(self) -> None:
+        """``quit``, then the daemon reaped (killed if it lingers); the directory removed if ours."""
+        if self.started:
+            self.started = False
+            t0 = time.monotonic()
+            try:
+                rc, out = await self._run([], "quit\n", QUIT_S)
+                if rc != 0:
+                    log.error(f"mps: quit: {out.strip() or f'exit status {rc}'}")
+            except MpsError as e:
+                log.error(str(e))
+            if not await self._reap(REAP_S):
+                log.error(f"mps: control daemon {self.pid} did not exit {REAP_S:g}s after quit; killing it")
+                if self.pid is not None:
+                    try:
+                        os.kill(self.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                if not await self._reap(REAP_S):
+                    log.error(f"mps: control daemon {self.pid} not reaped; left behind")
+            log.info(f"mps: control daemon quit in {(time.monotonic() - t0) * 1e3:.0f} ms")
+        if self.temporary:
+            shutil.rmtree(self.dir, ignore_errors=True)

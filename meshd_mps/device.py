@@ -1,0 +1,195 @@
+"""What the GPU is, asked of the driver WITHOUT creating a context (the seed's device_info).
+
+``query_device`` only calls cuInit, cuDeviceGet, cuDeviceGetName and
+cuDeviceGetAttribute: no context, so no MPS client and no GPU memory.  Under
+``--isolation mps`` the caller points CUDA_MPS_PIPE_DIRECTORY somewhere with no
+daemon first, as the seed does, so that even cuInit joins no server.
+
+``simulated_device`` is the explicit CPU simulation (``--gpu sim``): an H200's
+figures, so that limits and register caps are computed as on the real thing.
+
+cuda.bindings is imported lazily: this module (and the simulation) works on a
+machine without cuda-python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError, DeviceError, NoDriver
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    cc_major: int
+    cc_minor: int
+    sms_total: int
+    blocks_per_sm: int
+    host_atomics: bool
+    max_threads: int  # per block
+    max_shared: int  # bytes of shared memory per block, opt-in
+    regs_per_block: int
+
+    @property
+    def arch(self) -> str:
+        """The real architecture, for nvJitLink: ``sm_90``."""
+        return f"sm_{self.cc_major}{self.cc_minor}"
+
+    @property
+    def compute(self) -> str:
+        """The virtual architecture, for NVRTC: ``compute_90``."""
+        return f"compute_{self.cc_major}{self.cc_minor}"
+
+
+@dataclass(frozen=True)
+class Caps:
+    """The backend's capabilities as meshd reports them (the seed's mesh_caps)."""
+
+    backend: str
+    name: str
+    cc_major: int
+    cc_minor: int
+    sms_total: int
+    sms: int  # SMs a program may use: the green context's request, else sms_total
+    green: bool
+    blocks_per_sm: int
+    max_threads: int
+    max_shared: int
+    arch: str
+
+
+def simulated_device() -> DeviceInfo:
+    """The CPU simulation's device: an NVIDIA H200's figures (probe/RESULTS.md)."""
+    return DeviceInfo(
+        name="simulated NVIDIA H200 (meshd-mps --gpu sim)",
+        cc_major=9,
+        cc_minor=0,
+        sms_total=132,
+        blocks_per_sm=32,
+        host_atomics=False,
+        max_threads=1024,
+        max_shared=232448,
+        regs_per_block=65536,
+    )
+
+
+def is_no_driver(e: BaseException) -> bool:
+    """True for cuda.pathfinder's "driver library not found" errors (raised by the first call)."""
+    try:
+        from cuda.pathfinder import DynamicLibNotFoundError
+
+        if isinstance(e, DynamicLibNotFoundError):
+            return True
+    except ImportError:  # an older cuda-python without cuda.pathfinder
+        pass
+    return type(e).__name__ in ("DynamicLibNotFoundError", "DynamicLibNotAvailableError")
+
+
+def error_name(err: object) -> tuple[str, str]:
+    """A CUresult's (name, description), e.g. ("CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid").
+
+    Asks the driver (cuGetErrorName / cuGetErrorString) and falls back on the
+    enum's name where the driver cannot say.
+    """
+    from cuda.bindings import driver as cu
+
+    code = int(err)  # type: ignore[call-overload]
+    try:
+        enum_name = cu.CUresult(code).name
+    except ValueError:
+        enum_name = f"CUDA error {code}"
+    name, text = enum_name, ""
+    try:
+        r, s = cu.cuGetErrorName(code)
+        if int(r) == 0 and s:
+            name = s.decode(errors="replace")
+        r, s = cu.cuGetErrorString(code)
+        if int(r) == 0 and s:
+            text = s.decode(errors="replace")
+    except Exception:  # no driver to ask
+        pass
+    return name, text
+
+
+def describe_error(err: object) -> str:
+    """``NAME (description)`` for a CUresult."""
+    name, text = error_name(err)
+    return f"{name} ({text})" if text else name
+
+
+def query_device(ordinal: int = 0) -> DeviceInfo:
+    """Device ``ordinal``'s figures, without creating a context.
+
+    Raises NoDriver("no NVIDIA driver: ...") where the driver library is not
+    found, DeviceError for a driver call that fails (naming the call and error).
+    """
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as e:
+        raise DeviceError(f"cuda-python is not installed: {e}") from None
+
+    def ck(call: str, r):  # (err, *values) -> the value
+        err, *vals = r if isinstance(r, tuple) else (r,)
+        if int(err) != 0:
+            raise DeviceError(f"{call}: {describe_error(err)}")
+        return vals[0] if len(vals) == 1 else tuple(vals)
+
+    try:
+        ck("cuInit", cu.cuInit(0))
+        dev = ck("cuDeviceGet", cu.cuDeviceGet(ordinal))
+        raw = ck("cuDeviceGetName", cu.cuDeviceGetName(256, dev))
+        name = bytes(raw).split(b"\0", 1)[0].decode(errors="replace").strip()
+        A = cu.CUdevice_attribute
+
+        def attr(a: str) -> int:
+            return int(ck(f"cuDeviceGetAttribute({a})", cu.cuDeviceGetAttribute(getattr(A, "CU_DEVICE_ATTRIBUTE_" + a), dev)))
+
+        return DeviceInfo(
+            name=name,
+            cc_major=attr("COMPUTE_CAPABILITY_MAJOR"),
+            cc_minor=attr("COMPUTE_CAPABILITY_MINOR"),
+            sms_total=attr("MULTIPROCESSOR_COUNT"),
+            blocks_per_sm=attr("MAX_BLOCKS_PER_MULTIPROCESSOR"),
+            host_atomics=attr("HOST_NATIVE_ATOMIC_SUPPORTED") != 0,
+            max_threads=attr("MAX_THREADS_PER_BLOCK"),
+            max_shared=attr("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
+            regs_per_block=attr("MAX_REGISTERS_PER_BLOCK"),
+        )
+    except DeviceError:
+        raise
+    except Exception as e:
+        if is_no_driver(e):
+            raise NoDriver(f"no NVIDIA driver: {e}") from None
+        raise DeviceError(f"device {ordinal}: {type(e).__name__}: {e}") from None
+
+
+def check_sms(info: DeviceInfo, sms: int) -> None:
+    """Refuse an ``--sms`` the device cannot give (0 means the whole device)."""
+    if sms < 0:
+        raise ConfigError(f"--sms {sms}: must be 0 (the whole device) or a count of SMs")
+    if sms > info.sms_total:
+        raise ConfigError(f"--sms {sms}: the device has {info.sms_total}")
+
+
+def caps_of(info: DeviceInfo, sms: int) -> Caps:
+    """The capabilities for ``--sms sms`` (0: the whole device, no green context).
+
+    ``sms`` is the request as given; the driver rounds a green context up to
+    its partition granularity (multiples of 8 on an H200) and each worker's
+    LOADED reports the count it really got.
+    """
+    check_sms(info, sms)
+    return Caps(
+        backend="cuda",
+        name=info.name,
+        cc_major=info.cc_major,
+        cc_minor=info.cc_minor,
+        sms_total=info.sms_total,
+        sms=sms or info.sms_total,
+        green=sms != 0,
+        blocks_per_sm=info.blocks_per_sm,
+        max_threads=info.max_threads,
+        max_shared=info.max_shared,
+        arch=info.arch,
+    )

@@ -1,0 +1,219 @@
+"""The worker frame protocol, shared by the supervisor and the worker process.
+
+A frame is ``u32 little-endian length`` of what follows, ``u8 op``, then the
+body; the length counts the op byte, so it is at least 1 and at most
+``MAX_FRAME``.  docs/protocol.md describes every op and body byte by byte;
+this module is the only implementation of it, on both sides.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+HEADER = struct.Struct("<I")
+#: Largest ``length`` accepted (op + body): a cubin travels in one LOAD frame.
+MAX_FRAME = 64 << 20
+
+
+class Op(enum.IntEnum):
+    READY = 1
+    LOAD = 2
+    LOADED = 3
+    LAUNCH = 4
+    LAUNCHED = 5
+    DONE = 6
+    UNLOAD = 7
+    QUIT = 8
+
+
+#: Ops a worker sends only in answer to a request.
+REPLIES = {Op.READY, Op.LOADED, Op.LAUNCHED}
+
+
+class FrameError(Exception):
+    """A frame that breaks the protocol: short, oversized, unknown op, bad body."""
+
+
+def encode(op: Op | int, body: bytes = b"") -> bytes:
+    n = 1 + len(body)
+    if n > MAX_FRAME:
+        raise FrameError(f"frame of {n} bytes is over the {MAX_FRAME}-byte limit")
+    return HEADER.pack(n) + bytes((int(op),)) + body
+
+
+def check_length(n: int) -> None:
+    if n == 0:
+        raise FrameError("frame length 0 (no op byte)")
+    if n > MAX_FRAME:
+        raise FrameError(f"frame length {n} is over the {MAX_FRAME}-byte limit")
+
+
+def check_op(b: int) -> Op:
+    try:
+        return Op(b)
+    except ValueError:
+        raise FrameError(f"unknown op {b}") from None
+
+
+def decode(buf: bytes) -> tuple[Op, bytes, int]:
+    """One whole frame from the front of ``buf``: (op, body, bytes used).
+
+    Raises FrameError for a bad frame and for a short buffer, so that a
+    fuzzer can drive it with arbitrary bytes.
+    """
+    if len(buf) < HEADER.size:
+        raise FrameError(f"short frame: {len(buf)} bytes, no length")
+    (n,) = HEADER.unpack_from(buf)
+    check_length(n)
+    end = HEADER.size + n
+    if len(buf) < end:
+        raise FrameError(f"short frame: length {n}, {len(buf) - HEADER.size} bytes present")
+    op = check_op(buf[HEADER.size])
+    return op, bytes(buf[HEADER.size + 1 : end]), end
+
+
+# ---- bodies ---------------------------------------------------------------------------------
+
+U32 = struct.Struct("<I")
+READY_BODY = struct.Struct("<II")  # ok, pid
+LOAD_HEAD = struct.Struct("<IIIII")  # module, threads, smem, scratch, name length
+LOADED_BODY = struct.Struct("<IIIIIIQQ")  # ok, rt_abi, regs, per_sm, local, sms, dev, scratch
+LAUNCH_BODY = struct.Struct("<IIII")  # module, gen, slot, nodes
+UNLOAD_BODY = struct.Struct("<I")  # module
+DONE_HEAD = struct.Struct("<III")  # module, gen, ok
+MAX_NAME = 255
+
+
+def _exact(what: str, s: struct.Struct, body: bytes) -> tuple[int, ...]:
+    if len(body) != s.size:
+        raise FrameError(f"{what} body of {len(body)} bytes, expected {s.size}")
+    return s.unpack(body)
+
+
+def _text(b: bytes) -> str:
+    return b.decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class Load:
+    module: int
+    threads: int
+    smem: int
+    scratch: int
+    name: str
+    cubin: bytes
+
+    def encode(self) -> bytes:
+        name = self.name.encode()
+        if len(name) > MAX_NAME:
+            raise FrameError(f"program name of {len(name)} bytes is over {MAX_NAME}")
+        return LOAD_HEAD.pack(self.module, self.threads, self.smem, self.scratch, len(name)) + name + self.cubin
+
+    @classmethod
+    def decode(cls, body: bytes) -> Load:
+        if len(body) < LOAD_HEAD.size:
+            raise FrameError(f"LOAD body of {len(body)} bytes, shorter than its {LOAD_HEAD.size}-byte head")
+        module, threads, smem, scratch, nn = LOAD_HEAD.unpack_from(body)
+        if nn > MAX_NAME or LOAD_HEAD.size + nn > len(body):
+            raise FrameError(f"LOAD name length {nn} does not fit its {len(body)}-byte body")
+        name = body[LOAD_HEAD.size : LOAD_HEAD.size + nn]
+        return cls(module, threads, smem, scratch, _text(name), bytes(body[LOAD_HEAD.size + nn :]))
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What a worker reports of the module it loaded (the seed's ``winfo`` and ``dev``)."""
+
+    rt_abi: int
+    regs: int
+    per_sm: int
+    local: int
+    sms: int
+    dev: int
+    scratch: int
+
+    def encode(self) -> bytes:
+        return LOADED_BODY.pack(1, self.rt_abi, self.regs, self.per_sm, self.local, self.sms, self.dev, self.scratch)
+
+    @classmethod
+    def decode_ok(cls, payload: bytes) -> Loaded:
+        """From the payload after the ok word."""
+        v = _exact("LOADED", LOADED_BODY, U32.pack(1) + payload)
+        return cls(*v[1:])
+
+
+@dataclass(frozen=True)
+class Launch:
+    module: int
+    gen: int
+    slot: int
+    nodes: int
+
+    def encode(self) -> bytes:
+        return LAUNCH_BODY.pack(self.module, self.gen, self.slot, self.nodes)
+
+    @classmethod
+    def decode(cls, body: bytes) -> Launch:
+        return cls(*_exact("LAUNCH", LAUNCH_BODY, body))
+
+
+@dataclass(frozen=True)
+class Done:
+    module: int
+    gen: int
+    ok: bool
+    message: str = ""
+
+    def encode(self) -> bytes:
+        return DONE_HEAD.pack(self.module, self.gen, 1 if self.ok else 0) + self.message.encode()
+
+    @classmethod
+    def decode(cls, body: bytes) -> Done:
+        if len(body) < DONE_HEAD.size:
+            raise FrameError(f"DONE body of {len(body)} bytes, shorter than {DONE_HEAD.size}")
+        module, gen, ok = DONE_HEAD.unpack_from(body)
+        if ok not in (0, 1):
+            raise FrameError(f"DONE ok word {ok}, expected 0 or 1")
+        return cls(module, gen, ok == 1, _text(body[DONE_HEAD.size :]))
+
+
+def unload_body(module: int) -> bytes:
+    return UNLOAD_BODY.pack(module)
+
+
+def unload_module(body: bytes) -> int:
+    return _exact("UNLOAD", UNLOAD_BODY, body)[0]
+
+
+def ok_reply(payload: bytes = b"") -> bytes:
+    return U32.pack(1) + payload
+
+
+def error_reply(message: str) -> bytes:
+    return U32.pack(0) + message.encode()
+
+
+def split_reply(op: Op, body: bytes) -> tuple[bool, bytes]:
+    """A reply's ok word and the rest: the payload, or the error text."""
+    if len(body) < U32.size:
+        raise FrameError(f"{op.name} reply of {len(body)} bytes, no ok word")
+    (ok,) = U32.unpack_from(body)
+    if ok not in (0, 1):
+        raise FrameError(f"{op.name} reply ok word {ok}, expected 0 or 1")
+    return ok == 1, body[U32.size :]
+
+
+def ready_reply(pid: int) -> bytes:
+    return READY_BODY.pack(1, pid)
+
+
+def ready_pid(payload: bytes) -> int:
+    if len(payload) != U32.size:
+        raise FrameError(f"READY reply payload of {len(payload)} bytes, expected a u32 pid")
+    return U32.unpack(payload)[0]
+
+
+def reply_text(payload: bytes) -> str:
+    return _text(payload)

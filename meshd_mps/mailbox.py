@@ -1,0 +1,112 @@
+"""The mailbox: one memfd that meshd and every worker map, a slot per program.
+
+meshd creates it; a worker opens it by the path ``/proc/<meshd pid>/fd/<fd>``
+passed with ``--mailbox`` and registers it with the GPU (host-mapped memory),
+so that a resident kernel and the host talk through plain loads and stores.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+from . import abi
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+class MailboxError(Exception):
+    pass
+
+
+class Mailbox:
+    def __init__(self, fd: int, path: str, owner: bool):
+        self.fd = fd
+        self.path = path
+        self.size = abi.MAILBOX_BYTES
+        self._owner = owner
+        self.mm = mmap.mmap(fd, self.size)
+
+    @classmethod
+    def create(cls) -> Mailbox:
+        """A fresh, zeroed mailbox; its fd stays open (and inheritable by path) until close."""
+        fd = os.memfd_create("meshd-mps-mailbox", os.MFD_CLOEXEC)
+        os.ftruncate(fd, abi.MAILBOX_BYTES)
+        return cls(fd, f"/proc/{os.getpid()}/fd/{fd}", owner=True)
+
+    @classmethod
+    def open(cls, path: str) -> Mailbox:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise MailboxError(f"mailbox {path}: {e.strerror}") from None
+        size = os.fstat(fd).st_size
+        if size != abi.MAILBOX_BYTES:
+            os.close(fd)
+            raise MailboxError(f"mailbox {path}: {size} bytes, expected {abi.MAILBOX_BYTES}")
+        return cls(fd, path, owner=False)
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # still exported (registered with the GPU); unmapped at exit
+        os.close(self.fd)
+        self.fd = -1
+
+    # ---- slot words ---------------------------------------------------------------------
+    def _at(self, slot: int, off: int) -> int:
+        if not 0 <= slot < abi.SLOTS:
+            raise MailboxError(f"slot {slot} out of range 0..{abi.SLOTS - 1}")
+        return slot * abi.SLOT_BYTES + off
+
+    def u32(self, slot: int, off: int) -> int:
+        return _U32.unpack_from(self.mm, self._at(slot, off))[0]
+
+    def set_u32(self, slot: int, off: int, v: int) -> None:
+        _U32.pack_into(self.mm, self._at(slot, off), v)
+
+    def u64(self, slot: int, off: int) -> int:
+        return _U64.unpack_from(self.mm, self._at(slot, off))[0]
+
+    def set_u64(self, slot: int, off: int, v: int) -> None:
+        _U64.pack_into(self.mm, self._at(slot, off), v)
+
+    def reset_slot(self, slot: int) -> None:
+        base = self._at(slot, 0)
+        self.mm[base : base + abi.SLOT_BYTES] = bytes(abi.SLOT_BYTES)
+
+    def halt(self, slot: int) -> None:
+        self.set_u32(slot, abi.CONTROL, abi.HALT)
+
+    def run(self, slot: int) -> None:
+        self.set_u32(slot, abi.CONTROL, abi.RUN)
+
+    def heartbeat(self, slot: int) -> int:
+        return self.u64(slot, abi.HEARTBEAT)
+
+    # ---- the request ring ---------------------------------------------------------------
+    def post(self, slot: int, payload: bytes) -> int:
+        """Write the next request; returns its sequence number."""
+        if len(payload) > abi.ENTRY_PAYLOAD:
+            raise MailboxError(f"request of {len(payload)} bytes is over {abi.ENTRY_PAYLOAD}")
+        head = self.u32(slot, abi.REQ_HEAD)
+        if head - self.u32(slot, abi.RESP_HEAD) >= abi.RING:
+            raise MailboxError(f"slot {slot}: request ring full ({abi.RING} outstanding)")
+        at = self._at(slot, abi.REQ_BASE + (head % abi.RING) * abi.ENTRY_BYTES)
+        _U32.pack_into(self.mm, at, len(payload))
+        self.mm[at + 4 : at + 4 + len(payload)] = payload
+        self.set_u32(slot, abi.REQ_HEAD, (head + 1) & 0xFFFFFFFF)  # published last
+        return head
+
+    def response(self, slot: int, seq: int) -> bytes | None:
+        """The response to request ``seq`` once the program has written it."""
+        if (self.u32(slot, abi.RESP_HEAD) - seq) & 0xFFFFFFFF == 0 or (self.u32(slot, abi.RESP_HEAD) - seq) & 0x80000000:
+            return None
+        at = self._at(slot, abi.RESP_BASE + (seq % abi.RING) * abi.ENTRY_BYTES)
+        n = min(_U32.unpack_from(self.mm, at)[0], abi.ENTRY_PAYLOAD)
+        return bytes(self.mm[at + 4 : at + 4 + n])

@@ -1,0 +1,217 @@
+"""MPS mode: the private daemon, workers verified as its clients, the pool, preload.
+
+There is no fallback: no daemon, a worker that is not a client of *our*
+server (the driver silently runs such a process as a plain context), or a
+failed load refuses.  The seed's ``Mps``, ``mps_check_clients``,
+``mps_spawn``, ``mps_preload`` and ``mps_prewarm``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import anyio
+import structlog
+
+from . import frames
+from .daemon import ControlDaemon
+from .errors import LimitError, MpsError, WorkerError
+from .frames import Done, Launch, Load, Loaded, Op
+from .pool import Pool
+from .proc import WorkerProc
+from .supervisor import Supervisor
+
+log = structlog.get_logger("meshd_mps")
+
+#: Clients one MPS server accepts (CUDA 13.0 on the H200: the 49th is refused).
+MAX_CLIENTS = 48
+
+
+def pids_debug(pids: Sequence[int]) -> str:
+    return "[" + ", ".join(str(p) for p in pids) + "]"
+
+
+def worker_argv(mailbox: str, sms: int, gpu: str) -> list[str]:
+    """``meshd-mps worker`` for this interpreter (no PATH lookup, the same venv)."""
+    argv = [sys.executable, "-m", "meshd_mps", "worker", "--mailbox", mailbox, "--gpu", gpu]
+    if sms:
+        argv += ["--sms", str(sms)]
+    return argv
+
+
+@dataclass
+class Worker:
+    """One image in its own MPS client process."""
+
+    proc: WorkerProc
+    name: str
+    info: Loaded
+    fresh: bool
+    module: int = 0
+
+
+class Mps:
+    def __init__(self, daemon: ControlDaemon, sup: Supervisor, mailbox: str, sms: int, gpu: str, pool_cap: int,
+                 max_clients: int = MAX_CLIENTS):
+        self.daemon = daemon
+        self.sup = sup
+        self.mailbox = mailbox
+        self.sms = sms
+        self.gpu = gpu
+        self.pool = Pool(pool_cap, sup.retire)
+        self.server: str | None = None  # the server's pid once a worker was seen in its client list
+        self.native: set[int] = set()
+        self.max_clients = max_clients
+
+    # ---- clients --------------------------------------------------------------------------
+    async def server_pid(self) -> str | None:
+        out = await self.daemon.control("get_server_list")
+        first = out.split("\n", 1)[0].strip()
+        return first or None
+
+    async def clients(self, server: str) -> list[int]:
+        out = await self.daemon.control(f"get_client_list {server}")
+        return [int(s) for s in (line.strip() for line in out.splitlines()) if s.isdigit()]
+
+    async def check_clients(self, want: Sequence[int]) -> None:
+        """Every pid in ``want`` must be a client of our daemon's server, or MpsError."""
+        server = await self.server_pid()
+        if server is None:
+            raise MpsError(f"mps: workers {pids_debug(want)} are up but our daemon runs no server: they are not MPS clients; refusing")
+        pids = await self.clients(server)
+        for p in want:
+            if p not in pids:
+                raise MpsError(f"mps: worker {p} is not among server {server}'s clients {pids_debug(pids)}; refusing")
+        foreign = [p for p in pids if p not in self.sup.workers and p not in self.native]
+        if foreign:
+            log.error(f"mps: server {server} has clients that are not meshd's workers: {pids_debug(foreign)}")
+        if self.server != server:
+            log.info(f"mps: server pid {server}, clients {pids_debug(pids)}")
+            self.server = server
+
+    def native_pipe_dir(self) -> str:
+        """The pipe dir a native GPU worker must be started with to be a client of our server."""
+        return self.daemon.pipe_dir
+
+    async def check_native(self, pid: int) -> None:
+        """A native GPU worker that said ready must be a client of our server."""
+        self.native.add(pid)
+        try:
+            await self.check_clients([pid])
+        except BaseException:
+            self.native.discard(pid)
+            raise
+
+    # ---- workers --------------------------------------------------------------------------
+    def _count_clients(self) -> int:
+        return len(self.sup.workers) + len(self.native)
+
+    async def spawn(self, program: str | None = None) -> WorkerProc:
+        if self._count_clients() >= self.max_clients:
+            raise LimitError(
+                f"mps: {self._count_clients()} clients already: the MPS server takes at most {self.max_clients}"
+                f" (CUDA 13.0); refusing another worker{' for ' + program if program else ''}"
+            )
+        env = {**os.environ, **self.daemon.env}
+        try:
+            return await self.sup.spawn(worker_argv(self.mailbox, self.sms, self.gpu), env, program)
+        except WorkerError as e:
+            raise WorkerError(f"load: {e}") from None
+
+    async def prewarm(self, n: int) -> None:
+        """Spawn n, READY all, verify them as our clients, then pool them; all or none."""
+        if n == 0:
+            return
+        t0 = time.monotonic()
+        procs: list[WorkerProc] = []
+        try:
+            for _ in range(n):
+                procs.append(await self.spawn())
+            async with anyio.create_task_group() as tg:
+                for p in procs:
+                    tg.start_soon(self._ready, p)
+            await self.check_clients([p.pid for p in procs])
+        except BaseException as e:
+            for p in procs:
+                self.sup.retire(p)
+            if isinstance(e, ExceptionGroup):
+                raise e.exceptions[0] from None
+            raise
+        for p in procs:
+            self.pool.add(p)
+        log.info(f"mps: pool of {n} idle workers {pids_debug([p.pid for p in procs])} ready in {(time.monotonic() - t0) * 1e3:.0f} ms")
+
+    async def _ready(self, p: WorkerProc) -> None:
+        try:
+            payload = await p.ask(Op.READY, b"", Op.READY, self.sup.deadlines.ready)
+            pid = frames.ready_pid(payload)
+        except (WorkerError, frames.FrameError) as e:
+            raise WorkerError(f"mps: pool: {e}") from None
+        if pid != p.pid:
+            p.mark_unfit(f"worker {p.pid}: READY says pid {pid}")
+            raise WorkerError(f"mps: pool: worker {p.pid}: READY says pid {pid}")
+
+    async def preload(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int) -> Worker:
+        """The image's module loaded in a pooled worker if one is fit, else in a fresh one."""
+        t0 = time.monotonic()
+        p = self.pool.take()
+        fresh = p is None
+        if p is None:
+            p = await self.spawn(name)
+        p.program = name
+        req = Load(0, threads, smem, scratch, name, cubin)
+        try:
+            payload = await p.ask(Op.LOAD, req.encode(), Op.LOADED, self.sup.deadlines.load)
+            info = Loaded.decode_ok(payload)
+        except (WorkerError, frames.FrameError) as e:
+            self.sup.retire(p)
+            raise WorkerError(f"load: {e}") from None
+        w = Worker(p, name, info, fresh)
+        try:
+            if self.sms and self.sms != info.sms:
+                raise MpsError(f"load: the worker's green context has {info.sms} SMs, not {self.sms}")
+            if fresh:
+                await self.check_clients([p.pid])
+        except BaseException:
+            await self.drop(w)
+            raise
+        log.info(
+            f"mps: worker {p.pid} ({'new' if fresh else 'pooled'}) for {name}: module loaded, mailbox at device"
+            f" 0x{info.dev:x}, {info.sms} SMs, in {(time.monotonic() - t0) * 1e3:.1f} ms",
+            pid=p.pid,
+            program=name,
+        )
+        return w
+
+    async def drop(self, w: Worker) -> bool:
+        """Back to the pool with UNLOAD, unless unfit or the pool is full (then retired)."""
+        return await self.pool.give_back(w.proc, w.module)
+
+    async def close(self) -> None:
+        await self.sup.close(self.pool.drain())
+        await self.daemon.quit()
+
+
+async def launch(w: Worker, slot: int, nodes: int) -> asyncio.Future[Done]:
+    """LAUNCH the worker's module on ``nodes`` blocks; the future its DONE resolves."""
+    p = w.proc
+    gen, done = p.next_gen(w.module)
+    try:
+        await p.ask(Op.LAUNCH, Launch(w.module, gen, slot, nodes).encode(), Op.LAUNCHED, p.deadlines.launch)
+    except WorkerError as e:
+        done.cancel()
+        raise WorkerError(f"{w.name} ({e})") from None
+    return done
+
+
+def query(w: Worker) -> bool:
+    """The last launch's stream finished; WorkerError (naming the program) otherwise."""
+    try:
+        return w.proc.query(w.module)
+    except WorkerError as e:
+        raise WorkerError(f"{w.name}: {e}") from None

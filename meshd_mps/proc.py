@@ -1,0 +1,203 @@
+"""One worker process as the supervisor sees it (the seed's ``proc``).
+
+Its stdin and stdout are asyncio streams; one reader task (owned by the
+:class:`~meshd_mps.supervisor.Supervisor`'s task group) turns stdout into
+frames.  A request and its reply meet in a future, one ask at a time; DONE
+frames arrive on their own and resolve the launch's completion future.  A
+frame that breaks the protocol, or a reply that comes late or unasked, makes
+the worker *unfit*: it is never asked again and its owner retires it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+import structlog
+
+from . import frames
+from .errors import WorkerError
+from .frames import Done, FrameError, Op
+
+log = structlog.get_logger("meshd_mps")
+
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Every wait on a worker, in seconds; the defaults are the seed's."""
+
+    load: float = 30.0  # a worker's first load also starts the MPS server (context creation)
+    ready: float = 30.0
+    launch: float = 2.0
+    retire_quit: float = 2.0  # QUIT -> exit
+    retire_kill: float = 2.0  # SIGKILL -> reaped
+    cleanup_reap: float = 0.5  # one shared deadline for every worker at exit
+
+
+def _secs(s: float) -> str:
+    """Rust's Duration Debug for whole seconds, as the seed prints it: "30s", "2s"."""
+    return f"{s:g}s"
+
+
+class WorkerProc:
+    def __init__(self, process: asyncio.subprocess.Process, on_unfit: Callable[[WorkerProc], None], deadlines: Deadlines):
+        assert process.stdin is not None and process.stdout is not None
+        self.process = process
+        self.pid = process.pid
+        self.program: str | None = None  # for log lines: the image it runs, if any
+        self._stdin = process.stdin
+        self._stdout = process.stdout
+        self._on_unfit = on_unfit
+        self.deadlines = deadlines
+        self._ask_lock = asyncio.Lock()
+        self._pending: asyncio.Future[tuple[Op, bytes]] | None = None
+        self.gen: dict[int, int] = {}  # module -> last launch's generation
+        self.done: dict[int, int] = {}  # module -> last generation whose stream finished
+        self._waiters: dict[tuple[int, int], asyncio.Future[Done]] = {}
+        self.err: str | None = None  # the first stream error, "worker N: ..."
+        self.unfit: str | None = None  # why it must not be used again
+        self.dead = False  # stdout closed: the process exited (or closed it)
+        self.exited = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return f"<worker {self.pid}{' ' + self.program if self.program else ''}>"
+
+    # ---- reading ----------------------------------------------------------------------------
+    async def read_frames(self) -> None:
+        """The reader task: runs until stdout closes or a frame breaks the protocol."""
+        with structlog.contextvars.bound_contextvars(pid=self.pid):
+            try:
+                while True:
+                    try:
+                        head = await self._stdout.readexactly(frames.HEADER.size)
+                    except asyncio.IncompleteReadError as e:
+                        if e.partial:
+                            raise FrameError(f"stdout closed inside a frame header ({len(e.partial)} bytes)") from None
+                        break
+                    (n,) = frames.HEADER.unpack(head)
+                    frames.check_length(n)
+                    try:
+                        rest = await self._stdout.readexactly(n)
+                    except asyncio.IncompleteReadError as e:
+                        raise FrameError(f"stdout closed inside a frame ({len(e.partial)} of {n} bytes)") from None
+                    self._frame(frames.check_op(rest[0]), rest[1:])
+            except FrameError as e:
+                self.mark_unfit(f"worker {self.pid}: bad frame: {e}")
+            except (ConnectionError, OSError) as e:
+                self.mark_unfit(f"worker {self.pid}: stdout: {e}")
+            finally:
+                self._closed()
+
+    def _frame(self, op: Op, body: bytes) -> None:
+        if op == Op.DONE:
+            d = Done.decode(body)
+            if not d.ok and self.err is None:
+                self.err = f"worker {self.pid}: {d.message}"
+            if d.gen > self.gen.get(d.module, 0):
+                raise FrameError(f"DONE for generation {d.gen} of module {d.module}, never launched")
+            self.done[d.module] = d.gen
+            fut = self._waiters.pop((d.module, d.gen), None)
+            if fut is not None and not fut.done():
+                fut.set_result(d)
+            return
+        if op not in frames.REPLIES:
+            raise FrameError(f"op {op.name} is not a worker's frame")
+        fut = self._pending
+        if fut is None or fut.done():
+            raise FrameError(f"unsolicited reply {op.name}")
+        fut.set_result((op, body))
+
+    def _closed(self) -> None:
+        self.dead = True
+        self.exited.set()
+        why = self.unfit or f"worker {self.pid} exited"
+        if self._pending is not None and not self._pending.done():
+            self._pending.set_exception(WorkerError(why))
+        for (_module, _gen), fut in self._waiters.items():
+            if not fut.done():
+                fut.set_exception(WorkerError(self.err or f"worker {self.pid} exited while its kernel ran"))
+        self._waiters.clear()
+
+    def mark_unfit(self, why: str) -> None:
+        if self.unfit is None:
+            self.unfit = why
+            log.error("worker unfit", pid=self.pid, program=self.program, why=why)
+            if self._pending is not None and not self._pending.done():
+                self._pending.set_exception(WorkerError(why))
+            self._on_unfit(self)
+
+    # ---- writing ----------------------------------------------------------------------------
+    async def send(self, op: Op, body: bytes = b"") -> None:
+        if self._stdin.is_closing():
+            raise WorkerError(f"worker {self.pid}: stdin closed")
+        try:
+            self._stdin.write(frames.encode(op, body))
+            await self._stdin.drain()
+        except (ConnectionError, OSError) as e:
+            raise WorkerError(f"worker {self.pid}: {e.strerror or e}") from None
+
+    def close_stdin(self) -> None:
+        """EOF on the worker's stdin: an idle worker exits on it."""
+        if not self._stdin.is_closing():
+            self._stdin.close()
+
+    async def ask(self, op: Op, body: bytes, want: Op, within: float) -> bytes:
+        """Send a request, wait for its reply; the reply's payload, or WorkerError."""
+        async with self._ask_lock:
+            if self.unfit:
+                raise WorkerError(self.unfit)
+            if self.dead:
+                raise WorkerError(f"worker {self.pid} exited")
+            fut: asyncio.Future[tuple[Op, bytes]] = asyncio.get_running_loop().create_future()
+            self._pending = fut
+            try:
+                await self.send(op, body)
+                try:
+                    with anyio.fail_after(within):
+                        got, reply = await fut
+                except TimeoutError:
+                    why = f"worker {self.pid}: no reply in {_secs(within)}"
+                    self.mark_unfit(why)  # a late reply would be taken for the next one's
+                    raise WorkerError(why) from None
+            finally:
+                self._pending = None
+            if got != want:
+                why = f"worker {self.pid}: reply {got.name}, expected {want.name}"
+                self.mark_unfit(why)
+                raise WorkerError(why)
+            try:
+                ok, payload = frames.split_reply(got, reply)
+            except FrameError as e:
+                why = f"worker {self.pid}: bad frame: {e}"
+                self.mark_unfit(why)
+                raise WorkerError(why) from None
+            if not ok:
+                raise WorkerError(f"worker {self.pid}: {frames.reply_text(payload)}")
+            return payload
+
+    # ---- launches ---------------------------------------------------------------------------
+    def next_gen(self, module: int) -> tuple[int, asyncio.Future[Done]]:
+        """A new launch generation of ``module`` and the future its DONE resolves."""
+        gen = self.gen.get(module, 0) + 1
+        self.gen[module] = gen
+        fut: asyncio.Future[Done] = asyncio.get_running_loop().create_future()
+        self._waiters[(module, gen)] = fut
+        return gen, fut
+
+    def query(self, module: int = 0) -> bool:
+        """The last launch's stream finished; WorkerError on a stream error or a death."""
+        if self.err:
+            raise WorkerError(self.err)
+        d = self.done.get(module, 0) == self.gen.get(module, 0)
+        if not d and self.dead:
+            raise WorkerError(f"worker {self.pid} exited while its kernel ran")
+        return d
+
+    def idle(self) -> bool:
+        """Alive, fit, no stream error, nothing running: fit for another image."""
+        if self.dead or self.unfit or self.err:
+            return False
+        return all(self.done.get(m, 0) == g for m, g in self.gen.items())

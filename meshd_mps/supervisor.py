@@ -1,0 +1,157 @@
+"""The owner of every worker process and of the tasks that serve them.
+
+One runner task holds an anyio task group for the supervisor's lifetime;
+each worker's reader task and each retirement run in it, so no task is
+fire-and-forget and close() ends them all.  Retire is the seed's: QUIT, 2 s
+to exit, SIGKILL, 2 s more, else "left behind".  Cleanup is the seed's too:
+idle workers get EOF, every worker SIGKILL, one shared 500 ms reap deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Mapping, Sequence
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup
+
+from .errors import WorkerError
+from .frames import Op
+from .proc import Deadlines, WorkerProc
+
+log = structlog.get_logger("meshd_mps")
+
+
+class Supervisor:
+    def __init__(self, deadlines: Deadlines = Deadlines()) -> None:
+        self.deadlines = deadlines
+        self._tg: TaskGroup | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self.workers: dict[int, WorkerProc] = {}  # live, not retiring: the seed's `workers`
+        self._children: dict[int, WorkerProc] = {}  # every process not yet reaped
+        self.closed = False
+        self.retired = 0
+        self.left_behind: list[int] = []
+
+    async def start(self) -> None:
+        started = asyncio.Event()
+
+        async def run() -> None:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                started.set()
+                await self._stop.wait()
+                tg.cancel_scope.cancel()
+
+        self._runner = asyncio.create_task(run(), name="meshd-mps supervisor")
+        await started.wait()
+
+    def _group(self) -> TaskGroup:
+        if self._tg is None or self.closed:
+            raise WorkerError("supervisor closed")
+        return self._tg
+
+    async def spawn(self, argv: Sequence[str], env: Mapping[str, str], program: str | None = None) -> WorkerProc:
+        """A new worker process with its reader task; stderr passes through to ours."""
+        tg = self._group()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=None,
+                env=dict(env),
+                close_fds=True,
+            )
+        except OSError as e:
+            raise WorkerError(f"mps worker: {argv[0]}: {e.strerror or e}") from None
+        w = WorkerProc(process, self._unfit, self.deadlines)
+        w.program = program
+        self.workers[w.pid] = w
+        self._children[w.pid] = w
+        tg.start_soon(w.read_frames, name=f"reader {w.pid}")
+        log.debug("worker spawned", pid=w.pid)
+        return w
+
+    def _unfit(self, w: WorkerProc) -> None:
+        """A worker that broke the protocol or hung is retired at once."""
+        if w.pid in self.workers and not self.closed:
+            self.retire(w)
+
+    def retire(self, w: WorkerProc) -> None:
+        """QUIT, then reaped by a task of ours (killed if it lingers); never blocks the caller."""
+        if self.workers.pop(w.pid, None) is None:
+            return  # already retiring
+        if self.closed:
+            return
+        self._group().start_soon(self._retire, w, name=f"retire {w.pid}")
+
+    async def _retire(self, w: WorkerProc) -> None:
+        with structlog.contextvars.bound_contextvars(pid=w.pid, program=w.program):
+            if not w.dead and not w.unfit:
+                try:
+                    with anyio.move_on_after(self.deadlines.retire_quit / 4):
+                        await w.send(Op.QUIT)
+                except WorkerError:
+                    pass
+            w.close_stdin()
+            d = self.deadlines
+            with anyio.move_on_after(d.retire_quit):
+                await w.process.wait()
+            if w.process.returncode is None:
+                log.error(f"mps: worker {w.pid} did not exit in {d.retire_quit:g} s; killing it")
+                _kill(w)
+                with anyio.move_on_after(d.retire_kill):
+                    await w.process.wait()
+            if w.process.returncode is None:
+                log.error(f"mps: worker {w.pid} not reaped {d.retire_kill:g} s after SIGKILL; left behind")
+                self.left_behind.append(w.pid)
+            else:
+                log.info(f"mps: worker {w.pid} exited", status=w.process.returncode)
+                self._children.pop(w.pid, None)
+            self.retired += 1
+
+    def live(self) -> list[int]:
+        return sorted(self.workers)
+
+    def children(self) -> list[int]:
+        return sorted(self._children)
+
+    async def close(self, idle: Sequence[WorkerProc] = ()) -> None:
+        """Idle ones see EOF; then every worker is killed and reaped within one shared deadline."""
+        if self.closed:
+            return
+        self.closed = True
+        for w in idle:
+            w.close_stdin()
+        kids = list(self._children.values())
+        for w in kids:
+            _kill(w)
+        t0 = time.monotonic()
+        with anyio.move_on_after(self.deadlines.cleanup_reap, shield=True):
+            for w in kids:
+                await w.process.wait()
+        for w in kids:
+            if w.process.returncode is None:
+                log.error(f"mps: worker {w.pid} not reaped {self.deadlines.cleanup_reap * 1e3:.0f} ms after SIGKILL; left behind")
+                self.left_behind.append(w.pid)
+            else:
+                self._children.pop(w.pid, None)
+        self.workers.clear()
+        log.debug("workers reaped", n=len(kids), ms=round((time.monotonic() - t0) * 1e3, 1))
+        self._stop.set()
+        if self._runner is not None:
+            with anyio.CancelScope(shield=True):
+                await self._runner
+
+
+def _kill(w: WorkerProc) -> None:
+    if w.process.returncode is None:
+        try:
+            os.kill(w.pid, 9)
+        except ProcessLookupError:
+            pass

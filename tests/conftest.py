@@ -1,0 +1,75 @@
+"""Shared fixtures: the stand-in MPS daemon on PATH, a rig of daemon + supervisor
++ simulated workers, and the check that no test leaves a child process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from meshd_mps import standin
+from meshd_mps.daemon import ControlDaemon, become_subreaper
+from meshd_mps.mailbox import Mailbox
+from meshd_mps.mps import Mps
+from meshd_mps.proc import Deadlines
+from meshd_mps.supervisor import Supervisor
+
+from .procs import children, describe, wait_gone
+
+# The control daemon is re-parented to us; tests reap it as meshd does.
+become_subreaper()
+
+
+@pytest.fixture(autouse=True)
+def no_child_left():
+    """After every test: no child process of ours, running or zombie (checked, not assumed)."""
+    before = children()
+    yield
+    left = wait_gone(children() - before, within=5.0)
+    assert not left, f"child processes left behind: {describe(left)}"
+
+
+@pytest.fixture
+def standin_on_path(monkeypatch):
+    """The explicit stand-in for nvidia-cuda-mps-control, first on PATH (CI has no GPU)."""
+    monkeypatch.setenv("PATH", standin.BIN_DIR + os.pathsep + os.environ.get("PATH", ""))
+    return standin.BIN_DIR
+
+
+def sim(**script) -> bytes:
+    """An image for the simulated GPU: what its kernel and the worker do."""
+    return b"MESHSIM1" + json.dumps(script).encode()
+
+
+#: Short retire deadlines keep hang tests quick; replies keep the seed's.
+TEST_DEADLINES = Deadlines(retire_quit=1.0, retire_kill=2.0)
+
+
+class Rig:
+    def __init__(self, tmp_path, deadlines=TEST_DEADLINES, pool_cap=4, max_clients=48, sms=0):
+        self.mailbox = Mailbox.create()
+        self.daemon = ControlDaemon(str(tmp_path / "mps"), temporary=True)
+        self.sup = Supervisor(deadlines)
+        self.pool_cap, self.max_clients, self.sms = pool_cap, max_clients, sms
+        self.mps: Mps | None = None
+
+    async def __aenter__(self) -> Mps:
+        await self.daemon.start()
+        await self.sup.start()
+        self.mps = Mps(self.daemon, self.sup, self.mailbox.path, self.sms, "sim", self.pool_cap, self.max_clients)
+        return self.mps
+
+    async def __aexit__(self, *exc) -> None:
+        if self.mps is not None:
+            await self.mps.close()
+        else:
+            await self.sup.close()
+            await self.daemon.quit()
+        self.mailbox.close()
+
+
+@pytest.fixture
+def rig(tmp_path, standin_on_path):
+    """Rig(...) as an async context manager: the Mps of a fresh stand-in daemon."""
+    return lambda **kw: Rig(tmp_path, **kw)

@@ -1,0 +1,198 @@
+"""The worker loop: frames on stdin, frames on stdout, logs on stderr.
+
+One request at a time from the supervisor, read on the main thread; DONE
+frames come from the GPU's completion threads, so every write holds a lock.
+The worker exits at stdin EOF (which the supervisor's death also gives) or at
+QUIT; a frame it cannot parse makes it exit with status 2, which the
+supervisor sees as a death.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+import structlog
+
+from meshd_mps import frames
+from meshd_mps.frames import Done, FrameError, Launch, Load, Op
+from meshd_mps.log import setup_logging
+from meshd_mps.mailbox import Mailbox
+
+from .gpu import Gpu, GpuError
+
+log = structlog.get_logger("meshd_mps.worker")
+
+EXIT_PROTOCOL = 2
+
+
+class Channel:
+    """The worker's end of the pipes: blocking reads on fd 0, locked writes to fd 1."""
+
+    def __init__(self, rfd: int = 0, wfd: int = 1):
+        self.rfd, self.wfd = rfd, wfd
+        self._wlock = threading.Lock()
+
+    def _read_exactly(self, n: int) -> bytes | None:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = os.read(self.rfd, n - len(buf))
+            if not chunk:
+                if buf:
+                    raise FrameError(f"stdin closed inside a frame ({len(buf)} of {n} bytes)")
+                return None
+            buf += chunk
+        return bytes(buf)
+
+    def read(self) -> tuple[Op, bytes] | None:
+        head = self._read_exactly(frames.HEADER.size)
+        if head is None:
+            return None
+        (n,) = frames.HEADER.unpack(head)
+        frames.check_length(n)
+        rest = self._read_exactly(n)
+        if rest is None:
+            raise FrameError(f"stdin closed after a frame header (length {n})")
+        return frames.check_op(rest[0]), rest[1:]
+
+    def write_raw(self, data: bytes) -> None:
+        with self._wlock:
+            view = memoryview(data)
+            while view:
+                k = os.write(self.wfd, view)
+                view = view[k:]
+
+    def write(self, op: Op, body: bytes = b"") -> None:
+        self.write_raw(frames.encode(op, body))
+
+
+def _misbehave(ch: Channel, how: str | None, op: Op) -> bool:
+    """Carry out a scripted fault of the simulation; True if the reply is replaced."""
+    if how is None:
+        return False
+    log.warning("simulated misbehaviour", how=how, op=op.name)
+    if how == "hang":
+        threading.Event().wait()
+    if how == "exit":
+        os._exit(3)
+    if how == "garbage":
+        ch.write_raw(b"\xff\xff\xff\x7fgarbage")
+    elif how == "wrong-op":
+        ch.write(Op.LAUNCHED if op != Op.LAUNCHED else Op.LOADED, frames.ok_reply())
+    elif how == "short":
+        ch.write(op, b"\x01")
+    elif how == "close-stdout":
+        os.close(ch.wfd)
+        threading.Event().wait()
+    elif how == "unsolicited":
+        ch.write(Op.READY, frames.ready_reply(os.getpid()))
+        return False
+    else:
+        raise SystemExit(f"unknown simulated misbehaviour {how!r}")
+    return True
+
+
+def serve(ch: Channel, gpu: Gpu | None, open_error: str | None) -> int:
+    """Answer requests until EOF or QUIT; returns the exit status."""
+
+    def on_done(d: Done) -> None:
+        try:
+            ch.write(Op.DONE, d.encode())
+        except OSError:
+            pass  # the supervisor is gone; stdin EOF ends the loop
+
+    while True:
+        try:
+            got = ch.read()
+        except FrameError as e:
+            log.error("bad frame from the supervisor; exiting", error=str(e))
+            return EXIT_PROTOCOL
+        if got is None:
+            if gpu is not None and gpu.misbehaviour("eof") == "ignore":
+                threading.Event().wait()
+            return 0
+        op, body = got
+        if op == Op.QUIT:
+            if gpu is not None and gpu.misbehaviour("quit") == "ignore":
+                continue
+            return 0
+        if gpu is None:
+            if op in (Op.READY, Op.LOAD, Op.LAUNCH):
+                reply = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED}[op]
+                ch.write(reply, frames.error_reply(open_error or "no GPU"))
+            continue
+        try:
+            if op == Op.READY:
+                if not _misbehave(ch, gpu.misbehaviour("ready"), Op.READY):
+                    ch.write(Op.READY, frames.ready_reply(os.getpid()))
+            elif op == Op.LOAD:
+                req = Load.decode(body)
+                try:
+                    t0 = time.monotonic()
+                    info = gpu.load(req)
+                    log.info("module loaded", program=req.name, module=req.module, ms=round((time.monotonic() - t0) * 1e3, 2))
+                    reply = info.encode()
+                except GpuError as e:
+                    reply = frames.error_reply(str(e))
+                if not _misbehave(ch, gpu.misbehaviour("load"), Op.LOADED):
+                    ch.write(Op.LOADED, reply)
+            elif op == Op.LAUNCH:
+                req = Launch.decode(body)
+                try:
+                    gpu.launch(req.module, req.gen, req.slot, req.nodes, on_done)
+                    reply = frames.ok_reply()
+                except GpuError as e:
+                    reply = frames.error_reply(str(e))
+                if not _misbehave(ch, gpu.misbehaviour("launch"), Op.LAUNCHED):
+                    ch.write(Op.LAUNCHED, reply)
+                started = getattr(gpu, "launched", None)  # the simulation starts its kernels here
+                if started is not None:
+                    started()
+            elif op == Op.UNLOAD:
+                module = frames.unload_module(body)
+                try:
+                    gpu.unload(module)
+                except GpuError as e:
+                    log.error("unload failed", module=module, error=str(e))
+            else:
+                log.error("unexpected op from the supervisor; exiting", op=op.name)
+                return EXIT_PROTOCOL
+        except FrameError as e:
+            log.error("bad frame from the supervisor; exiting", op=op.name, error=str(e))
+            return EXIT_PROTOCOL
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="meshd-mps worker", description="One MPS client process of meshd-mps (started by the daemon).")
+    ap.add_argument("--mailbox", required=True, help="path of the mailbox memfd (/proc/PID/fd/N)")
+    ap.add_argument("--sms", type=int, default=0, help="a green context of this many SMs (0: the whole device)")
+    ap.add_argument("--gpu", choices=("cuda", "sim"), default="cuda", help="the real GPU, or the CPU simulation for tests")
+    args = ap.parse_args(argv)
+    setup_logging(component="worker")
+    structlog.contextvars.bind_contextvars(pid=os.getpid())
+    ch = Channel()
+    gpu: Gpu | None = None
+    open_error = None
+    try:
+        mailbox = Mailbox.open(args.mailbox)
+        if args.gpu == "sim":
+            from .sim_gpu import SimGpu
+
+            gpu = SimGpu(mailbox, args.sms)
+        else:
+            from .cuda_gpu import CudaGpu
+
+            gpu = CudaGpu(mailbox, args.sms)
+    except Exception as e:  # any failure to come up is reported on the first request
+        open_error = f"worker {os.getpid()}: {e}"
+        log.error("GPU not opened", error=str(e))
+    try:
+        return serve(ch, gpu, open_error)
+    except BrokenPipeError:
+        return 0
+    finally:
+        if gpu is not None:
+            gpu.close()
