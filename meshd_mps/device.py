@@ -96,15 +96,15 @@ def error_name(err: object) -> tuple[str, str]:
 
     code = int(err)  # type: ignore[call-overload]
     try:
-        enum_name = cu.CUresult(code).name
+        enum = cu.CUresult(code)
     except ValueError:
-        enum_name = f"CUDA error {code}"
-    name, text = enum_name, ""
+        return f"CUDA error {code}", ""
+    name, text = enum.name, ""
     try:
-        r, s = cu.cuGetErrorName(code)
+        r, s = cu.cuGetErrorName(enum)
         if int(r) == 0 and s:
             name = s.decode(errors="replace")
-        r, s = cu.cuGetErrorString(code)
+        r, s = cu.cuGetErrorString(enum)
         if int(r) == 0 and s:
             text = s.decode(errors="replace")
     except Exception:  # no driver to ask

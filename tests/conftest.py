@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import tempfile
 
 import pytest
 
@@ -33,7 +35,9 @@ def no_child_left():
 @pytest.fixture
 def standin_on_path(monkeypatch):
     """The explicit stand-in for nvidia-cuda-mps-control, first on PATH (CI has no GPU)."""
-    monkeypatch.setenv("PATH", standin.BIN_DIR + os.pathsep + os.environ.get("PATH", ""))
+    # This interpreter's bin next: the stand-in runs under the first python3 on PATH.
+    path = [standin.BIN_DIR, os.path.dirname(sys.executable), os.environ.get("PATH", "")]
+    monkeypatch.setenv("PATH", os.pathsep.join(path))
     return standin.BIN_DIR
 
 
@@ -47,9 +51,10 @@ TEST_DEADLINES = Deadlines(retire_quit=1.0, retire_kill=2.0)
 
 
 class Rig:
-    def __init__(self, tmp_path, deadlines=TEST_DEADLINES, pool_cap=4, max_clients=48, sms=0):
+    def __init__(self, deadlines=TEST_DEADLINES, pool_cap=4, max_clients=48, sms=0):
         self.mailbox = Mailbox.create()
-        self.daemon = ControlDaemon(str(tmp_path / "mps"), temporary=True)
+        # A short path: MPS's sockets live in it and AF_UNIX paths stop at 108 bytes.
+        self.daemon = ControlDaemon(tempfile.mkdtemp(prefix="meshd-test-"), temporary=True)
         self.sup = Supervisor(deadlines)
         self.pool_cap, self.max_clients, self.sms = pool_cap, max_clients, sms
         self.mps: Mps | None = None
@@ -70,6 +75,6 @@ class Rig:
 
 
 @pytest.fixture
-def rig(tmp_path, standin_on_path):
+def rig(standin_on_path):
     """Rig(...) as an async context manager: the Mps of a fresh stand-in daemon."""
-    return lambda **kw: Rig(tmp_path, **kw)
+    return lambda **kw: Rig(**kw)

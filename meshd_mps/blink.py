@@ -1,0 +1,170 @@
+"""Blink mode: every program is a kernel of one CUDA context.
+
+The context lives in one worker process (so the event loop never blocks on
+CUDA).  In one context a module load or unload waits for every running
+kernel, so each one is a *blink*: every resident program is halted through
+its mailbox slot, the module work is done, and the halted programs are
+relaunched on the same slots.  The blink's length is measured and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+
+import anyio
+import structlog
+
+from . import frames
+from .errors import MeshError, WorkerError
+from .frames import Launch as LaunchReq, Load, Loaded, Op
+from .launch import Launch
+from .mailbox import Mailbox
+from .proc import WorkerProc
+from .supervisor import Supervisor
+
+log = structlog.get_logger("meshd_mps")
+
+#: How long a resident program may take to see HALT and return.
+HALT_S = 5.0
+
+
+@dataclass
+class Module:
+    name: str
+    module: int
+    info: Loaded
+    runs: list[Launch] = field(default_factory=list)
+
+    def running(self) -> list[Launch]:
+        self.runs = [r for r in self.runs if not r.finished()]
+        return self.runs
+
+
+class BlinkContext:
+    def __init__(self, sup: Supervisor, mailbox: Mailbox, sms: int, gpu: str, halt_s: float = HALT_S):
+        self.sup = sup
+        self.mailbox = mailbox
+        self.sms = sms
+        self.gpu = gpu
+        self.halt_s = halt_s
+        self.proc: WorkerProc | None = None
+        self.modules: dict[int, Module] = {}
+        self._next = 1
+        self._lock = anyio.Lock()  # one blink at a time
+        self.dev = 0
+        self.last_blink_ms: float | None = None
+        self.blinks = 0
+
+    async def open(self) -> None:
+        from .mps import worker_argv
+
+        self.proc = await self.sup.spawn(worker_argv(self.mailbox.path, self.sms, self.gpu), dict(os.environ), "blink context")
+        await self.proc.ask(Op.READY, b"", Op.READY, self.sup.deadlines.ready)
+
+    def _p(self) -> WorkerProc:
+        if self.proc is None:
+            raise MeshError("blink: the context is not open")
+        return self.proc
+
+    # ---- the blink --------------------------------------------------------------------------
+    async def _halt_all(self) -> list[Launch]:
+        running = [r for m in self.modules.values() for r in m.running()]
+        for r in running:
+            r.blinking()
+            self.mailbox.halt(r.slot)
+        if running:
+            await asyncio.wait([r.inner for r in running], timeout=self.halt_s)  # waits, never cancels them
+        stuck = [r for r in running if not r.inner.done()]
+        if stuck:
+            for r in running:
+                self.mailbox.run(r.slot)
+            await self._relaunch([r for r in running if r not in stuck])
+            for r in stuck:
+                r.relaunched(r.inner)
+            names = ", ".join(f"{r.name} (slot {r.slot})" for r in stuck)
+            raise MeshError(f"blink: {names} did not halt within {self.halt_s:g}s: refusing the module change, which would wait for it")
+        return running
+
+    async def _relaunch(self, halted: list[Launch]) -> None:
+        for r in halted:
+            m = next(m for m in self.modules.values() if r in m.runs)
+            if not _halted_cleanly(r):
+                r.relaunched(r.inner)  # it failed rather than halted: it is not restarted
+                continue
+            self.mailbox.run(r.slot)
+            try:
+                r.relaunched(await self._start(m, r.slot, r.nodes))
+            except WorkerError as e:
+                r.relaunch_failed(e)
+
+    async def _blink(self, what: str, work):  # type: ignore[no-untyped-def]
+        async with self._lock:
+            t0 = time.perf_counter()
+            halted = await self._halt_all()
+            try:
+                return await work()
+            finally:
+                await self._relaunch(halted)
+                ms = (time.perf_counter() - t0) * 1e3
+                if halted:
+                    self.blinks += 1
+                    self.last_blink_ms = ms
+                    log.info(f"blink: {what}: {len(halted)} programs halted for {ms:.2f} ms")
+
+    # ---- modules ----------------------------------------------------------------------------
+    async def load(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int) -> Module:
+        module = self._next
+        self._next += 1
+        req = Load(module, threads, smem, scratch, name, cubin)
+
+        async def work() -> Module:
+            try:
+                payload = await self._p().ask(Op.LOAD, req.encode(), Op.LOADED, self.sup.deadlines.load)
+                info = Loaded.decode_ok(payload)
+            except (WorkerError, frames.FrameError) as e:
+                raise WorkerError(f"load: {e}") from None
+            self.dev = info.dev
+            m = self.modules[module] = Module(name, module, info)
+            return m
+
+        return await self._blink(f"load {name}", work)
+
+    async def unload(self, m: Module) -> None:
+        if m.running():
+            raise MeshError(f"blink: {m.name} still runs; halt it before unloading")
+
+        async def work() -> None:
+            self.modules.pop(m.module, None)
+            await self._p().send(Op.UNLOAD, frames.unload_body(m.module))
+
+        await self._blink(f"unload {m.name}", work)
+
+    async def _start(self, m: Module, slot: int, nodes: int):  # type: ignore[no-untyped-def]
+        p = self._p()
+        gen, done = p.next_gen(m.module)
+        try:
+            await p.ask(Op.LAUNCH, LaunchReq(m.module, gen, slot, nodes).encode(), Op.LAUNCHED, self.sup.deadlines.launch)
+        except WorkerError as e:
+            done.cancel()
+            raise WorkerError(f"{m.name} ({e})") from None
+        return done
+
+    async def launch(self, m: Module, slot: int, nodes: int) -> Launch:
+        r = Launch(m.name, slot, nodes, await self._start(m, slot, nodes))
+        m.runs.append(r)
+        return r
+
+    def query(self, m: Module) -> bool:
+        try:
+            return self._p().query(m.module)
+        except WorkerError as e:
+            raise WorkerError(f"{m.name}: {e}") from None
+
+
+
+def _halted_cleanly(r: Launch) -> bool:
+    f = r.inner
+    return f.done() and not f.cancelled() and f.exception() is None and f.result().ok

@@ -1,0 +1,437 @@
+"""The CUDA worker on a real GPU: ``python -m meshd_mps worker --gpu cuda`` spoken to frame by frame.
+
+No supervisor and no MPS: the test process creates the mailbox, starts
+workers with raw pipes, and checks what the examples do in the mailbox.  The
+examples are compiled here, from CUDA C, with this machine's NVRTC and
+nvJitLink (PTX from a newer NVRTC would be refused by an older nvJitLink).
+Skipped, with the reason, where there is no NVIDIA driver.
+
+The tests of one worker run in file order on a module-scoped worker; fault
+runs last, in its own worker, since it poisons its context.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from meshd_mps import abi, frames
+from meshd_mps.compiler import Manifest, cuda_to_ptx, ptx_to_cubin, reg_cap
+from meshd_mps.device import DeviceInfo, query_device
+from meshd_mps.errors import NoDriver
+from meshd_mps.frames import Done, Launch, Load, Loaded, Op
+from meshd_mps.mailbox import Mailbox
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+EXAMPLES = ["heartbeat", "echo", "spin", "fault"]
+
+# A test-only program: no mesh_rt_abi (rt_abi 0), scratch through mesh_scratch, 64 KiB of
+# dynamic shared memory (over the 48 KiB default, so the worker must opt in), 2 warps.
+PROBE = rb"""
+#include "mesh_program.h"
+MESH_DEFINE_SCRATCH();
+extern __shared__ unsigned char smem[];
+MESH_MAIN {
+    mesh_slot_t s = mesh_slot(mailbox, slot);
+    unsigned n;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    for (unsigned i = threadIdx.x; i < n; i += blockDim.x)
+        smem[i] = (unsigned char)i;
+    __syncthreads();
+    if (threadIdx.x != 0 || blockIdx.x != 0)
+        return;
+    unsigned sum = 0;
+    for (unsigned i = 0; i < n; i++)
+        sum += smem[i];
+    unsigned long long *scr = (unsigned long long *)mesh_scratch;
+    unsigned long long was = scr ? scr[1] + 7 : 0;
+    if (scr)
+        scr[0] = 0x1234;
+    *mesh_u64(s, MESH_USER_BASE) = mesh_scratch;
+    *mesh_u64(s, MESH_USER_BASE + 8) = scr ? scr[0] + was : 0;
+    *mesh_u32(s, MESH_USER_BASE + 16) = sum;
+    *mesh_u32(s, MESH_USER_BASE + 20) = blockDim.x;
+    *mesh_u32(s, MESH_USER_BASE + 24) = n;
+    __threadfence_system();
+}
+"""
+PROBE_MANIFEST = {"name": "probe", "backend": "cuda", "warps": 2, "abi": 1, "smem": 65536, "scratch": 4096}
+
+
+@pytest.fixture(scope="module")
+def info() -> DeviceInfo:
+    try:
+        got = query_device()
+    except NoDriver as e:
+        print(f"skipping the GPU tests: {e}", file=sys.stderr)
+        pytest.skip(str(e))
+    print(f"GPU: {got}", file=sys.stderr)
+    return got
+
+
+class Image:
+    def __init__(self, info: DeviceInfo, name: str, source: bytes, manifest: bytes | dict):
+        self.manifest = Manifest.parse(manifest)
+        t0 = time.perf_counter()
+        ptx = cuda_to_ptx(source, name, arch=info.compute)
+        self.cubin = ptx_to_cubin(ptx, info.arch, reg_cap(info, self.manifest.warps))
+        self.ms = (time.perf_counter() - t0) * 1e3
+
+    def load(self, module: int) -> Load:
+        m = self.manifest
+        return Load(module, m.threads, m.smem, m.scratch, m.name, self.cubin)
+
+
+@pytest.fixture(scope="module")
+def images(info: DeviceInfo) -> dict[str, Image]:
+    out = {}
+    for n in EXAMPLES:
+        d = ROOT / "examples" / n
+        out[n] = Image(info, n, (d / f"{n}.cu").read_bytes(), (d / "manifest.json").read_bytes())
+    out["probe"] = Image(info, "probe", PROBE, PROBE_MANIFEST)
+    print("compile ms:", {k: round(v.ms, 1) for k, v in out.items()}, file=sys.stderr)
+    return out
+
+
+class Worker:
+    """One worker process and its frames: replies in order, DONEs collected on the side."""
+
+    def __init__(self, mailbox: Mailbox, sms: int = 0):
+        args = [sys.executable, "-m", "meshd_mps", "worker", "--mailbox", mailbox.path, "--gpu", "cuda"]
+        if sms:
+            args += ["--sms", str(sms)]
+        self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(mailbox.fd,), cwd=ROOT)
+        self.replies: queue.Queue[tuple[Op, bytes] | None] = queue.Queue()
+        self.dones: dict[tuple[int, int], Done] = {}
+        self.cv = threading.Condition()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        out = self.p.stdout
+        assert out is not None
+        try:
+            while True:
+                head = out.read(frames.HEADER.size)
+                if len(head) < frames.HEADER.size:
+                    break
+                (n,) = frames.HEADER.unpack(head)
+                rest = out.read(n)
+                if len(rest) < n:
+                    break
+                op, body = Op(rest[0]), rest[1:]
+                if op == Op.DONE:
+                    d = Done.decode(body)
+                    with self.cv:
+                        self.dones[(d.module, d.gen)] = d
+                        self.cv.notify_all()
+                else:
+                    self.replies.put((op, body))
+        except Exception as e:  # reported by the test waiting for a reply
+            self.replies.put((Op.QUIT, f"reader: {e!r}".encode()))
+        self.replies.put(None)
+
+    def send(self, op: Op, body: bytes = b"") -> None:
+        assert self.p.stdin is not None
+        self.p.stdin.write(frames.encode(op, body))
+        self.p.stdin.flush()
+
+    def ask(self, op: Op, body: bytes, want: Op, timeout: float = 60) -> tuple[bool, bytes]:
+        self.send(op, body)
+        try:
+            got = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no {want.name} within {timeout} s") from None
+        assert got is not None, f"the worker closed stdout (exit {self.p.poll()}) instead of {want.name}"
+        rop, rbody = got
+        assert rop == want, f"{rop.name} {rbody!r} instead of {want.name}"
+        return frames.split_reply(rop, rbody)
+
+    def ready(self) -> int:
+        ok, payload = self.ask(Op.READY, b"", Op.READY)
+        assert ok, frames.reply_text(payload)
+        return frames.ready_pid(payload)
+
+    def load(self, req: Load) -> Loaded:
+        ok, payload = self.ask(Op.LOAD, req.encode(), Op.LOADED)
+        assert ok, frames.reply_text(payload)
+        return Loaded.decode_ok(payload)
+
+    def load_error(self, req: Load) -> str:
+        ok, payload = self.ask(Op.LOAD, req.encode(), Op.LOADED)
+        assert not ok, "the load succeeded"
+        return frames.reply_text(payload)
+
+    def launch(self, module: int, gen: int, slot: int, nodes: int = 1) -> None:
+        ok, payload = self.ask(Op.LAUNCH, Launch(module, gen, slot, nodes).encode(), Op.LAUNCHED)
+        assert ok, frames.reply_text(payload)
+
+    def done(self, module: int, gen: int, timeout: float = 10) -> Done:
+        end = time.monotonic() + timeout
+        with self.cv:
+            while (module, gen) not in self.dones:
+                left = end - time.monotonic()
+                assert left > 0, f"no DONE for module {module} gen {gen} within {timeout} s"
+                self.cv.wait(left)
+            return self.dones[(module, gen)]
+
+    def quit(self, timeout: float = 20) -> int:
+        try:
+            self.send(Op.QUIT)
+        except OSError:
+            pass
+        try:
+            rc = self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+            raise AssertionError(f"the worker did not exit within {timeout} s of QUIT") from None
+        finally:
+            self.close_pipes()
+        return rc
+
+    def close_pipes(self) -> None:
+        for f in (self.p.stdin, self.p.stdout):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+        self.reader.join(timeout=5)
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+        self.close_pipes()
+
+
+def wait_for(what: str, cond, timeout: float = 10.0, every: float = 0.001):
+    end = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(every)
+
+
+@pytest.fixture(scope="module")
+def mailbox():
+    mb = Mailbox.create()
+    yield mb
+    mb.close()
+
+
+def halt_all(mb: Mailbox) -> None:
+    for s in range(8):
+        mb.halt(s)
+
+
+@pytest.fixture(scope="module")
+def worker(info: DeviceInfo, mailbox: Mailbox):
+    w = Worker(mailbox)
+    yield w
+    halt_all(mailbox)
+    if w.p.poll() is None:
+        try:
+            w.quit()
+        finally:
+            w.kill()
+    else:
+        w.close_pipes()
+
+
+# Modules of the module-scoped worker; slots are the same numbers minus one.
+HB, ECHO, SPIN, PROBE_ID = 1, 2, 3, 4
+LOADED: dict[int, Loaded] = {}
+
+
+def test_ready(worker: Worker) -> None:
+    assert worker.ready() == worker.p.pid
+
+
+def test_bad_cubin_is_a_loaded_error(worker: Worker) -> None:
+    junk = b"\x7fELF\x02\x01\x01" + bytes(57) + b"\xff" * 4096  # an ELF header that says nothing
+    msg = worker.load_error(Load(99, 32, 0, 0, "junk", junk))
+    assert msg.startswith("cuModuleLoadData: CUDA_ERROR_"), msg
+    assert "(" in msg  # the driver's description follows the name
+
+
+def test_load_every_program(worker: Worker, images: dict[str, Image], info: DeviceInfo) -> None:
+    for module, name in [(HB, "heartbeat"), (ECHO, "echo"), (SPIN, "spin"), (PROBE_ID, "probe")]:
+        got = worker.load(images[name].load(module))
+        print(name, got, file=sys.stderr)
+        assert got.regs > 0 and got.per_sm > 0 and got.sms == info.sms_total and got.dev != 0, (name, got)
+        assert got.rt_abi == (0 if name == "probe" else abi.RT_ABI), (name, got)
+        assert got.scratch == (4096 if name == "probe" else 0)
+        LOADED[module] = got
+    assert len({g.dev for g in LOADED.values()}) == 1
+
+
+def test_a_loaded_module_id_is_refused(worker: Worker, images: dict[str, Image]) -> None:
+    assert "already loaded" in worker.load_error(images["echo"].load(HB))
+
+
+def test_probe_scratch_and_big_smem(worker: Worker, mailbox: Mailbox) -> None:
+    slot = PROBE_ID - 1
+    mailbox.reset_slot(slot)
+    worker.launch(PROBE_ID, 1, slot, nodes=2)
+    d = worker.done(PROBE_ID, 1)
+    assert d.ok, d.message
+    scratch = mailbox.u64(slot, abi.USER_BASE)
+    assert scratch != 0
+    assert mailbox.u64(slot, abi.USER_BASE + 8) == 0x1234 + 7  # the scratch was zeroed
+    assert mailbox.u32(slot, abi.USER_BASE + 24) == 65536
+    assert mailbox.u32(slot, abi.USER_BASE + 16) == 256 * (255 * 256 // 2)
+    assert mailbox.u32(slot, abi.USER_BASE + 20) == 64
+
+
+def test_unload_and_load_again(worker: Worker, images: dict[str, Image]) -> None:
+    worker.send(Op.UNLOAD, frames.unload_body(PROBE_ID))
+    again = worker.load(images["probe"].load(PROBE_ID))  # the id is free again
+    assert again.scratch == 4096 and again.regs == LOADED[PROBE_ID].regs
+
+
+def test_heartbeat_beats(worker: Worker, mailbox: Mailbox) -> None:
+    slot = HB - 1
+    mailbox.reset_slot(slot)
+    worker.launch(HB, 1, slot)
+    wait_for("the first beat", lambda: mailbox.heartbeat(slot) > 0)
+    assert mailbox.u32(slot, abi.STATE) == abi.RUNNING
+    a = mailbox.heartbeat(slot)
+    time.sleep(0.05)
+    b = mailbox.heartbeat(slot)
+    assert b > a, (a, b)
+    t = mailbox.u64(slot, abi.BEAT_TIME)
+    assert t > 0 and mailbox.u64(slot, abi.MAX_GAP) > 0
+    mailbox.set_u32(slot, abi.GAP_RESET, 1)
+    wait_for("GAP_RESET cleared", lambda: mailbox.u32(slot, abi.GAP_RESET) == 0)
+    time.sleep(0.02)
+    gap = mailbox.u64(slot, abi.MAX_GAP)
+    print(f"heartbeat: {b - a} beats in 50 ms, max gap {gap / 1e3:.1f} us", file=sys.stderr)
+    assert gap < 50_000_000
+    assert (HB, 1) not in worker.dones
+
+
+def test_echo_answers_the_ring(worker: Worker, mailbox: Mailbox) -> None:
+    slot = ECHO - 1
+    mailbox.reset_slot(slot)
+    worker.launch(ECHO, 1, slot)
+    wait_for("echo running", lambda: mailbox.u32(slot, abi.STATE) == abi.RUNNING)
+    for i in range(abi.RING * 2 + 3):  # round the ring twice
+        msg = f"hello {i} ".encode() * (i + 1)
+        msg = msg[: abi.ENTRY_PAYLOAD]
+        seq = mailbox.post(slot, msg)
+        assert seq == i
+        got = wait_for(f"the response to request {i}", lambda: mailbox.response(slot, seq), timeout=5)
+        assert got == msg
+    assert mailbox.heartbeat(slot) > 0
+
+
+def test_spin_runs_its_time(worker: Worker, mailbox: Mailbox) -> None:
+    slot = SPIN - 1
+    mailbox.reset_slot(slot)
+    mailbox.set_u32(slot, abi.USER_BASE, 300)
+    t0 = time.monotonic()
+    worker.launch(SPIN, 1, slot)
+    d = worker.done(SPIN, 1, timeout=10)
+    took = time.monotonic() - t0
+    assert d.ok, d.message
+    print(f"spin 300 ms: DONE after {took * 1e3:.1f} ms", file=sys.stderr)
+    assert 0.29 <= took < 2.0, took
+    assert mailbox.u32(slot, abi.STATE) == abi.EXITED
+    # 0 means 100 ms
+    mailbox.reset_slot(slot)
+    t0 = time.monotonic()
+    worker.launch(SPIN, 2, slot)
+    assert worker.done(SPIN, 2).ok
+    took = time.monotonic() - t0
+    assert 0.095 <= took < 1.5, took
+
+
+def test_halt_ends_the_residents(worker: Worker, mailbox: Mailbox) -> None:
+    for module in (HB, ECHO):
+        slot = module - 1
+        assert (module, 1) not in worker.dones
+        t0 = time.monotonic()
+        mailbox.halt(slot)
+        d = worker.done(module, 1, timeout=5)
+        print(f"module {module}: DONE {(time.monotonic() - t0) * 1e3:.2f} ms after HALT", file=sys.stderr)
+        assert d.ok and d.message == "", d
+        assert mailbox.u32(slot, abi.STATE) == abi.EXITED
+
+
+def test_relaunch_after_halt_and_quit(worker: Worker, mailbox: Mailbox) -> None:
+    slot = HB - 1
+    mailbox.run(slot)
+    before = mailbox.heartbeat(slot)
+    worker.launch(HB, 2, slot)
+    wait_for("beats again", lambda: mailbox.heartbeat(slot) > before)
+    mailbox.halt(slot)
+    assert worker.done(HB, 2).ok
+    for m in (HB, ECHO, SPIN, PROBE_ID):
+        worker.send(Op.UNLOAD, frames.unload_body(m))
+    assert worker.quit() == 0
+
+
+@pytest.mark.parametrize("sms, want", [(16, 16), (12, 16)])
+def test_green_context(info: DeviceInfo, images: dict[str, Image], mailbox: Mailbox, sms: int, want: int) -> None:
+    w = Worker(mailbox, sms=sms)
+    slot = 10
+    try:
+        w.ready()
+        got = w.load(images["heartbeat"].load(1))
+        print(f"--sms {sms}: {got}", file=sys.stderr)
+        assert got.sms == want and got.regs > 0 and got.rt_abi == abi.RT_ABI
+        mailbox.reset_slot(slot)
+        w.launch(1, 1, slot)
+        wait_for("a beat in the green context", lambda: mailbox.heartbeat(slot) > 0)
+        mailbox.halt(slot)
+        d = w.done(1, 1)
+        assert d.ok, d.message
+        assert w.quit() == 0
+    finally:
+        mailbox.halt(slot)
+        w.kill()
+
+
+def test_sms_over_the_device(info: DeviceInfo, mailbox: Mailbox) -> None:
+    w = Worker(mailbox, sms=info.sms_total + 1)
+    try:
+        ok, payload = w.ask(Op.READY, b"", Op.READY)
+        assert not ok
+        assert f"--sms {info.sms_total + 1}: the device has {info.sms_total}" in frames.reply_text(payload)
+        assert w.quit() == 0
+    finally:
+        w.kill()
+
+
+def test_fault_is_an_illegal_address(info: DeviceInfo, images: dict[str, Image], mailbox: Mailbox) -> None:
+    """Last, and in a worker of its own: the fault poisons its context."""
+    w = Worker(mailbox)
+    slot = 20
+    try:
+        w.ready()
+        got = w.load(images["fault"].load(7))
+        assert got.regs > 0
+        mailbox.reset_slot(slot)
+        w.launch(7, 1, slot)
+        d = w.done(7, 1, timeout=20)
+        print(f"fault: {d}", file=sys.stderr)
+        assert not d.ok
+        assert d.message.startswith("CUDA_ERROR_ILLEGAL_ADDRESS: "), d.message
+        assert mailbox.u32(slot, abi.STATE) == abi.RUNNING  # never reached EXITED
+        assert w.quit() == 0
+    finally:
+        w.kill()

@@ -1,0 +1,155 @@
+"""Backend.open in both modes, blinks, and the Programs layer, on the simulated GPU
+with real NVRTC + nvJitLink compiles of the example programs."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import anyio
+import pytest
+
+from meshd_mps import abi
+from meshd_mps.backend import Backend, Image
+from meshd_mps.compiler import Prepared, cuda_to_ptx
+from meshd_mps.errors import ConfigError, MeshError, NoDriver
+from meshd_mps.programs import ProgramError, Programs
+
+from .conftest import TEST_DEADLINES, sim
+
+pytestmark = pytest.mark.timeout(90)
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def example(name: str) -> tuple[dict, bytes]:
+    d = EXAMPLES / name
+    man = json.loads((d / "manifest.json").read_text())
+    ptx = cuda_to_ptx((d / f"{name}.cu").read_bytes(), name, include=[str(EXAMPLES / "include")])
+    return man, ptx
+
+
+async def beats(b: Backend, slot: int, more_than: int, within: float = 10.0) -> int:
+    with anyio.fail_after(within):
+        while (n := b.mailbox.heartbeat(slot)) <= more_than:
+            await anyio.sleep(0.005)
+    return n
+
+
+@pytest.fixture(params=["blink", "mps"])
+async def backend(request, standin_on_path):
+    b = await Backend.open(isolation=request.param, gpu="sim", pool=2, deadlines=TEST_DEADLINES)
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+async def test_load_launch_halt(backend):
+    man, ptx = example("heartbeat")
+    k = await backend.load(await backend.prepare(man, ptx))
+    assert k.rt_abi == abi.RT_ABI and k.regs > 0
+    run = await backend.launch(k, slot=5)
+    await beats(backend, 5, 10)
+    assert not backend.query(k)
+    backend.mailbox.halt(5)
+    with anyio.fail_after(10):
+        d = await run
+    assert d.ok and backend.query(k)
+    assert backend.mailbox.u32(5, abi.STATE) == abi.EXITED
+    await backend.unload(k)
+
+
+async def test_programs_load_call_upgrade_unload(backend):
+    progs = Programs(backend)
+    hb = await progs.load(*example("heartbeat"))
+    echo = await progs.load(*example("echo"))
+    assert (hb.slot, echo.slot) == (0, 1)
+    await beats(backend, hb.slot, 10)
+    assert await progs.call("echo", b"hello") == b"hello"
+    before = backend.mailbox.heartbeat(hb.slot)
+    up = await progs.upgrade("echo", *example("echo"))
+    assert up.slot == 1 and up.upgrades == 1 and up.cached  # the second compile came from the cache
+    assert await progs.call("echo", b"again") == b"again"
+    await beats(backend, hb.slot, before)  # the heartbeat kept (or resumed) running
+    rows = {r["name"]: r for r in progs.list()}
+    assert rows["heartbeat"]["state"] == "running" and rows["echo"]["upgrades"] == 1
+    with pytest.raises(ProgramError, match="already loaded"):
+        await progs.load(*example("echo"))
+    with pytest.raises(ProgramError, match="'nope' is not loaded"):
+        await progs.unload("nope")
+    await progs.unload("echo")
+    await progs.unload("heartbeat")
+    assert progs.list() == []
+    if backend.isolation == "blink":
+        assert backend.blink is not None and backend.blink.blinks >= 2
+
+
+async def test_blink_halts_and_relaunches_running_programs(standin_on_path):
+    async with await Backend.open(gpu="sim", deadlines=TEST_DEADLINES) as b:
+        progs = Programs(b)
+        hb = await progs.load(*example("heartbeat"))
+        await beats(b, hb.slot, 10)
+        gen_before = b.blink.proc.gen[hb.kernel.module.module]
+        await progs.load(*example("spin"))
+        assert b.blink.blinks == 1 and b.blink.last_blink_ms is not None
+        assert b.blink.proc.gen[hb.kernel.module.module] == gen_before + 1  # relaunched
+        assert not hb.launch.finished()  # the caller never saw the blink as an ending
+        n = b.mailbox.heartbeat(hb.slot)
+        await beats(b, hb.slot, n)
+        await progs.close()
+
+
+async def test_blink_refuses_when_a_program_does_not_halt(standin_on_path):
+    async with await Backend.open(gpu="sim", deadlines=TEST_DEADLINES) as b:
+        b.blink.halt_s = 0.5
+        man, _ = example("spin")
+        stuck = await b.load(Image(Prepared(man_parse(man, "stuck"), 1, sim(kernel="hang"), 0, False, 64, 32)))
+        run = await b.launch(stuck, 3)
+        with pytest.raises(MeshError, match=r"blink: stuck \(slot 3\) did not halt within 0.5s"):
+            await b.load(await b.prepare(*example("spin")))
+        assert not run.finished()
+
+
+def man_parse(man: dict, name: str):
+    from meshd_mps.compiler import Manifest
+
+    return Manifest.parse({**man, "name": name})
+
+
+async def test_rt_abi_mismatch_is_refused(backend):
+    man, _ = example("spin")
+    img = Image(Prepared(man_parse(man, "old"), 1, sim(rt_abi=7), 0, False, 64, 32))
+    if backend.mps is not None:
+        img.worker = await backend.mps.preload("old", img.prepared.cubin, 32, 0, 0)
+    with pytest.raises(MeshError, match="old: mesh_rt_abi is 7, this meshd-mps runs program ABI 1"):
+        await backend.load(img)
+
+
+async def test_sms_over_the_device_is_refused(standin_on_path):
+    for iso in ("blink", "mps"):
+        with pytest.raises(ConfigError, match="^--sms 200: the device has 132$"):
+            await Backend.open(isolation=iso, gpu="sim", sms=200)
+
+
+async def test_green_context_sm_count_is_checked(standin_on_path):
+    async with await Backend.open(isolation="mps", gpu="sim", sms=16, pool=1) as b:
+        assert b.caps.sms == 16 and b.caps.green
+        k = await b.load(await b.prepare(*example("spin")))
+        assert k.worker.info.sms == 16
+        await b.unload(k)
+        with pytest.raises(MeshError, match="load: the worker's green context has 8 SMs, not 16"):
+            await b.mps.preload("liar", sim(sms=8), 32, 0, 0)
+
+
+async def test_no_driver_is_a_plain_error(standin_on_path):
+    try:
+        from meshd_mps.device import query_device
+
+        query_device()
+    except NoDriver:
+        pass
+    else:
+        pytest.skip("this machine has an NVIDIA driver")
+    for iso in ("blink", "mps"):
+        with pytest.raises(NoDriver, match="^no NVIDIA driver"):
+            await Backend.open(isolation=iso, gpu="cuda")
