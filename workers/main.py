@@ -69,7 +69,7 @@ class Channel:
         self.write_raw(frames.encode(op, body))
 
 
-def _misbehave(ch: Channel, how: str | None, op: Op) -> bool:
+def _misbehave(ch: Channel, how: str | None, op: Op, reply: bytes) -> bool:
     """Carry out a scripted fault of the simulation; True if the reply is replaced."""
     if how is None:
         return False
@@ -87,9 +87,9 @@ def _misbehave(ch: Channel, how: str | None, op: Op) -> bool:
     elif how == "close-stdout":
         os.close(ch.wfd)
         threading.Event().wait()
-    elif how == "unsolicited":
+    elif how == "unsolicited":  # the true reply, then one nobody asked for
+        ch.write(op, reply)
         ch.write(Op.READY, frames.ready_reply(os.getpid()))
-        return False
     else:
         raise SystemExit(f"unknown simulated misbehaviour {how!r}")
     return True
@@ -126,8 +126,9 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None) -> int:
             continue
         try:
             if op == Op.READY:
-                if not _misbehave(ch, gpu.misbehaviour("ready"), Op.READY):
-                    ch.write(Op.READY, frames.ready_reply(os.getpid()))
+                reply = frames.ready_reply(os.getpid())
+                if not _misbehave(ch, gpu.misbehaviour("ready"), Op.READY, reply):
+                    ch.write(Op.READY, reply)
             elif op == Op.LOAD:
                 req = Load.decode(body)
                 try:
@@ -137,7 +138,7 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None) -> int:
                     reply = info.encode()
                 except GpuError as e:
                     reply = frames.error_reply(str(e))
-                if not _misbehave(ch, gpu.misbehaviour("load"), Op.LOADED):
+                if not _misbehave(ch, gpu.misbehaviour("load"), Op.LOADED, reply):
                     ch.write(Op.LOADED, reply)
             elif op == Op.LAUNCH:
                 req = Launch.decode(body)
@@ -146,7 +147,7 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None) -> int:
                     reply = frames.ok_reply()
                 except GpuError as e:
                     reply = frames.error_reply(str(e))
-                if not _misbehave(ch, gpu.misbehaviour("launch"), Op.LAUNCHED):
+                if not _misbehave(ch, gpu.misbehaviour("launch"), Op.LAUNCHED, reply):
                     ch.write(Op.LAUNCHED, reply)
                 started = getattr(gpu, "launched", None)  # the simulation starts its kernels here
                 if started is not None:
