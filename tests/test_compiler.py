@@ -70,7 +70,7 @@ def test_header_matches_abi_py() -> None:
     assert "extern \"C\" __global__ void mesh_main(unsigned long long mailbox, unsigned int slot)" in text
 
 
-def test_scratch_global_and_threads(tmp_path: Path) -> None:
+def test_scratch_global_and_threads() -> None:
     src = b"""#include "mesh_program.h"
 MESH_DEFINE_RT_ABI();
 MESH_DEFINE_SCRATCH();
