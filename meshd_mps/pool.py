@@ -32,6 +32,7 @@ class Pool:
         return [w.pid for w in self._idle]
 
     def add(self, w: WorkerProc) -> None:
+        """An idle worker in; over the cap only for a moment (a batch about to be taken)."""
         self._idle.append(w)
 
     def take(self) -> WorkerProc | None:

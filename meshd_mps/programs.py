@@ -8,6 +8,7 @@ starts the new one on the same slot.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Mapping
@@ -28,6 +29,11 @@ log = structlog.get_logger("meshd_mps")
 
 HALT_S = 5.0
 CALL_S = 5.0
+#: How long after a program fails the server log is watched for a fatal-fault line.
+FAULT_WINDOW_S = 1.0
+#: How long recovery waits for the torn-down clients to exit and the server to take new ones.
+RECOVER_S = 30.0
+FATAL = re.compile(r"Client \{PID: (\d+)\} encountered a fatal GPU error")
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -48,9 +54,16 @@ class Program:
     upgrades: int = 0
     compile_ms: float = 0.0
     cached: bool = False
+    manifest: Manifest | None = None
+    ptx: bytes = b""
+    restarts: int = 0
+    faulted: str = ""  # the fault this program caused; it is not relaunched
+    lost_to: str = ""  # the program whose fault took this one down
 
     def state(self) -> tuple[str, str]:
-        """(running | exited | failed, the error text if failed)."""
+        """(running | exited | failed | faulted, the error text)."""
+        if self.faulted:
+            return "faulted", self.faulted
         if not self.launch.finished():
             return "running", ""
         f = self.launch.inner
@@ -63,13 +76,35 @@ class Program:
         return ("exited", "") if d.ok else ("failed", d.message)
 
 
+@dataclass
+class FaultReport:
+    """What a GPU fault cost: who caused it, who was lost with it, who came back."""
+
+    at: float
+    error: str
+    faulted: str | None
+    pid: int | None
+    gpu_wide: bool
+    lost: list[str] = field(default_factory=list)
+    relaunched: list[str] = field(default_factory=list)
+    not_relaunched: dict[str, str] = field(default_factory=dict)
+    ms: float = 0.0
+
+
 class Programs:
-    def __init__(self, backend: Backend):
+    """``restart``: after a GPU-wide fault, relaunch the programs lost with it (not the
+    one that faulted) on fresh workers."""
+
+    def __init__(self, backend: Backend, restart: bool = True):
         self.b = backend
+        self.restart = restart
         self.by_name: dict[str, Program] = {}
-        self._lock = anyio.Lock()  # one load/upgrade/unload at a time
+        self._lock = anyio.Lock()  # one load/upgrade/unload/recovery at a time
         self.loads = 0
         self.load_ms: list[float] = []
+        self.faults: list[FaultReport] = []
+        self._closing = False
+        self._log_at = self._server_log_size()
 
     def _free_slot(self) -> int:
         used = {p.slot for p in self.by_name.values()}
@@ -115,11 +150,16 @@ class Programs:
                 with anyio.CancelScope(shield=True):
                     await self.b.drop(img)
                 raise
-            p = Program(m.name, slot, k, run, img.prepared.hash, nodes, compile_ms=img.prepared.compile_ms, cached=img.prepared.cached)
-            self.by_name[m.name] = p
+            p = Program(m.name, slot, k, run, img.prepared.hash, nodes, compile_ms=img.prepared.compile_ms,
+                        cached=img.prepared.cached, manifest=m, ptx=ptx)
+            self._install(p)
             self._count(t0)
             log.info(f"program {m.name} loaded on slot {slot}", program=m.name, pid=k.pid, slot=slot)
             return p
+
+    def _install(self, p: Program) -> None:
+        self.by_name[p.name] = p
+        self.b.sup.start_soon(self._watch, p, name=f"watch {p.name}")
 
     def _count(self, t0: float) -> None:
         self.loads += 1
@@ -163,8 +203,8 @@ class Programs:
                     self.by_name.pop(name, None)
                 raise
             p = Program(name, old.slot, k, run, img.prepared.hash, old.nodes, upgrades=old.upgrades + 1,
-                        compile_ms=img.prepared.compile_ms, cached=img.prepared.cached)
-            self.by_name[name] = p
+                        compile_ms=img.prepared.compile_ms, cached=img.prepared.cached, manifest=m, ptx=ptx)
+            self._install(p)
             self._count(t0)
             log.info(f"program {name} upgraded on slot {p.slot}", program=name, pid=k.pid)
             return p
@@ -195,6 +235,124 @@ class Programs:
                 delay = min(delay * 2, 1e-3)
         raise ProgramError(f"program {name}: no response in {within:g}s")
 
+    # ---- faults ---------------------------------------------------------------------------
+    def _server_log(self) -> str | None:
+        d = self.b.daemon
+        return None if d is None else f"{d.log_dir}/server.log"
+
+    def _server_log_size(self) -> int:
+        path = self._server_log()
+        try:
+            return 0 if path is None else os.path.getsize(path)
+        except OSError:
+            return 0
+
+    def _fatal_pids(self) -> list[int]:
+        """Pids the MPS server logged as having hit a fatal GPU error since the last look."""
+        path = self._server_log()
+        if path is None:
+            return []
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._log_at)
+                text = f.read()
+        except OSError:
+            return []
+        end = text.rfind(b"\n") + 1
+        self._log_at += end
+        return [int(m) for m in FATAL.findall(text[:end].decode(errors="replace"))]
+
+    async def _watch(self, p: Program) -> None:
+        """Await a program's end; a failure in MPS mode may be a fault that took every client."""
+        try:
+            d = await p.launch.wait()
+            failed = not d.ok
+        except Exception:
+            failed = True
+        if failed and not self._closing and self.by_name.get(p.name) is p and not (p.faulted or p.lost_to):
+            await self._on_failure(p)
+
+    async def _on_failure(self, p: Program) -> None:
+        async with self._lock:
+            if self._closing or self.by_name.get(p.name) is not p or p.faulted or p.lost_to:
+                return  # a recovery already dealt with it
+            t0 = time.perf_counter()
+            error = p.state()[1]
+            pids: list[int] = []
+            if self.b.isolated:
+                with anyio.move_on_after(FAULT_WINDOW_S):
+                    while not (pids := self._fatal_pids()):
+                        await anyio.sleep(0.02)  # the server writes its log line within milliseconds
+            if not pids:
+                self.faults.append(FaultReport(time.time(), error, p.name, p.kernel.pid, False))
+                log.error(f"program {p.name} failed: {error}", program=p.name, pid=p.kernel.pid)
+                return
+            await self._recover(p, pids, error, t0)
+
+    async def _recover(self, first: Program, pids: list[int], error: str, t0: float) -> None:
+        """Every MPS client was torn down: retire them all, wait until the server takes
+        clients again, refill the pool, relaunch the lost programs (not the culprit)."""
+        mps = self.b.mps
+        assert mps is not None
+        culprit = next((q for q in self.by_name.values() if q.kernel.pid in pids), first)
+        culprit.faulted = error or "fatal GPU error"
+        # Every client of the server goes down with it: the ones still running fail within ms.
+        lost = [q for q in self.by_name.values() if q is not culprit and q.state()[0] in ("running", "failed")]
+        for q in lost:
+            q.lost_to = culprit.name
+        r = FaultReport(time.time(), culprit.faulted, culprit.name, culprit.kernel.pid, True, [q.name for q in lost])
+        log.error(
+            f"mps: GPU fault in program {culprit.name} (worker {culprit.kernel.pid}): {culprit.faulted}; "
+            f"lost with it: {', '.join(r.lost) or 'none'}",
+            program=culprit.name,
+        )
+        torn = [q.kernel.worker.proc for q in self.by_name.values() if q.kernel.worker is not None]
+        torn += mps.pool.drain()
+        for w in torn:
+            self.b.sup.retire(w)
+        try:
+            with anyio.fail_after(RECOVER_S):
+                for w in torn:
+                    await w.process.wait()
+                # The lost programs' new workers and a full pool, in one batch.
+                want = min(mps.pool.cap + (len(lost) if self.restart else 0), mps.max_clients)
+                while True:  # the server takes clients again once the torn-down ones exited
+                    try:
+                        await mps.prewarm(want)
+                        break
+                    except MeshError as e:
+                        log.info(f"mps: after the fault, the pool does not come up yet: {e}")
+                        await anyio.sleep(0.2)
+        except TimeoutError:
+            log.error(f"mps: the server took no new clients within {RECOVER_S:g}s of the fault")
+        for q in lost:
+            if not self.restart:
+                r.not_relaunched[q.name] = "restart policy off"
+                continue
+            try:
+                await self._relaunch(q)
+                r.relaunched.append(q.name)
+            except MeshError as e:
+                r.not_relaunched[q.name] = str(e)
+                log.error(f"program {q.name}: not relaunched after the fault: {e}", program=q.name)
+        r.ms = (time.perf_counter() - t0) * 1e3
+        self.faults.append(r)
+        log.info(f"mps: fault recovery done in {r.ms:.0f} ms: relaunched {r.relaunched}, not {list(r.not_relaunched)}")
+
+    async def _relaunch(self, q: Program) -> None:
+        assert q.manifest is not None
+        img = await self.b.prepare(q.manifest, q.ptx)
+        try:
+            k, run = await self._start(img, q.slot, q.nodes)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.b.drop(img)
+            raise
+        await self.b.unload(q.kernel)  # the dead worker: already retired
+        p = Program(q.name, q.slot, k, run, img.prepared.hash, q.nodes, upgrades=q.upgrades, compile_ms=img.prepared.compile_ms,
+                    cached=img.prepared.cached, manifest=q.manifest, ptx=q.ptx, restarts=q.restarts + 1)
+        self._install(p)
+
     def describe(self, p: Program) -> dict[str, Any]:
         state, error = p.state()
         mb = self.b.mailbox
@@ -208,6 +366,7 @@ class Programs:
             "uptime_s": round(time.monotonic() - p.started, 3),
             "hash": f"{p.hash:016x}",
             "upgrades": p.upgrades,
+            "restarts": p.restarts,
             "regs": p.kernel.regs,
             "nodes": p.nodes,
         }
@@ -217,6 +376,7 @@ class Programs:
 
     async def close(self) -> None:
         """Every program halted (briefly) and unloaded, before the backend closes."""
+        self._closing = True
         with anyio.CancelScope(shield=True):
             for p in list(self.by_name.values()):
                 try:

@@ -77,6 +77,10 @@ class Supervisor:
         log.debug("worker spawned", pid=w.pid)
         return w
 
+    def start_soon(self, fn, *args, name: str) -> None:  # type: ignore[no-untyped-def]
+        """Run a task owned by the supervisor's task group (cancelled at close)."""
+        self._group().start_soon(fn, *args, name=name)
+
     def _unfit(self, w: WorkerProc) -> None:
         """A worker that broke the protocol or hung is retired at once."""
         if w.pid in self.workers and not self.closed:

@@ -83,7 +83,10 @@ class SimGpu:
         self._modules: dict[int, _Module] = {}
         self._pending: list[threading.Thread] = []
         self._quit = "ignore" if self.startup == "ignore-quit" else None
+        self._poison: str | None = None  # a sticky error: every later call fails with it
         self._connect()
+        if self._client is not None:
+            threading.Thread(target=self._listen, args=(self._client,), name="sim mps client", daemon=True).start()
 
     def _connect(self) -> None:
         from meshd_mps.standin import StandinRefused, connect_client
@@ -99,6 +102,23 @@ class SimGpu:
             raise GpuError(f"cuCtxCreate: CUDA_ERROR_MPS_CONNECTION_FAILED ({e})") from None
         log.debug("simulated context", mps=self._client is not None, sms=self.sms)
 
+    def _listen(self, sock: socket.socket) -> None:
+        """What the (stand-in) MPS server tells its clients: a fatal fault tears all down."""
+        try:
+            data = sock.recv(64)
+        except OSError:
+            data = b""
+        if b"FAULT" in data:
+            self._poison = "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered (simulated)"
+        elif b"TERMINATED" in data:
+            self._poison = "CUDA_ERROR_MPS_CLIENT_TERMINATED: the MPS client has been terminated by the server (simulated)"
+        elif self._client is not None:
+            self._poison = "CUDA_ERROR_MPS_RPC_FAILURE: the connection to the MPS server was lost (simulated)"
+
+    def _check(self, call: str) -> None:
+        if self._poison:
+            raise GpuError(f"{call}: {self._poison}")
+
     def misbehaviour(self, phase: str) -> str | None:
         if phase in ("quit", "eof"):
             return self._quit
@@ -112,6 +132,7 @@ class SimGpu:
 
     # ---- the Gpu protocol ---------------------------------------------------------------
     def load(self, req: Load) -> Loaded:
+        self._check("cuModuleLoadData")
         if req.module in self._modules:
             raise GpuError(f"module {req.module} is already loaded")
         script = _script_of(req)
@@ -142,6 +163,7 @@ class SimGpu:
         )
 
     def launch(self, module: int, gen: int, slot: int, nodes: int, on_done: DoneCallback) -> None:
+        self._check("cuLaunchKernel")
         m = self._modules.get(module)
         if m is None:
             raise GpuError(f"cuLaunchKernel: CUDA_ERROR_INVALID_HANDLE (module {module} is not loaded)")
@@ -156,6 +178,8 @@ class SimGpu:
             ok, msg = True, ""
             try:
                 ok, msg = self._kernel(m, slot)
+                if self._poison:
+                    ok, msg = False, self._poison
             finally:
                 m.running.clear()
                 on_done(Done(module, gen, ok, msg))
@@ -181,10 +205,14 @@ class SimGpu:
         if kind == "exit":
             os._exit(4)
         if kind == "fault":
+            if self._client is not None:
+                self._client.sendall(b"FAULT\n")  # the server tears every client down
             return False, "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered (simulated)"
         if kind == "spin":
             ms = mb.u32(slot, abi.USER_BASE) or 100
-            time.sleep(ms / 1e3)
+            end = time.monotonic() + ms / 1e3
+            while time.monotonic() < end and not self._poison:
+                time.sleep(0.001)
             return True, ""
         if kind in ("heartbeat", "echo"):
             self._resident(slot, echo=kind == "echo")
@@ -197,7 +225,7 @@ class SimGpu:
         mb.set_u32(slot, abi.STATE, abi.RUNNING)
         last = time.monotonic_ns()
         gap = 0
-        while mb.u32(slot, abi.CONTROL) != abi.HALT:
+        while mb.u32(slot, abi.CONTROL) != abi.HALT and not self._poison:
             now = time.monotonic_ns()
             if mb.u32(slot, abi.GAP_RESET):
                 gap = 0

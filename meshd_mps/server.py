@@ -1,0 +1,945 @@
+"""``meshd-mps serve``: the daemon, its control API on a Unix socket, its metrics.
+
+The control API is HTTP/1.1 + JSON, served by this module on
+``asyncio.start_unix_server`` (standard library only): one request per
+connection (``Connection: close``), ``Content-Length`` bodies up to 64 MiB.
+Every answer is ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``
+with its status: 400 a bad request, 404 an unknown program or route, 405,
+409 a conflict (already loaded, not running, ...), 413, 500, 503 while the
+daemon shuts down, 504 a call that got no response in time.  A bad request
+changes nothing: the body is checked whole before any program is touched.
+
+Signals: SIGTERM or SIGINT shuts down cleanly (stop accepting, the in-flight
+requests finish, every program halted and unloaded, the backend closed, the
+socket removed; exit status 0).  A second signal during that forces the exit:
+every descendant process is killed and reaped, the socket and a temporary MPS
+directory removed, and the process exits with 128 + the signal's number.
+The signal handlers only record the signal; a task of the loop acts on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import http
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import stat
+import sys
+import time
+import traceback
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+import structlog
+
+from . import abi
+from .backend import Backend
+from .client import MAX_BODY, default_socket
+from .compiler import INCLUDE_DIR, CompileError, HashMismatch, Manifest, ManifestError, cuda_to_ptx, nvjitlink_version
+from .daemon import become_subreaper
+from .errors import ConfigError, LimitError, MeshError, NoDriver, WorkerError
+from .log import setup_logging
+from .mailbox import MailboxError
+from .metrics import CONTENT_TYPE as METRICS_TYPE, Registry
+from .programs import CALL_S, NAME, Program, ProgramError, Programs
+
+log = structlog.get_logger("meshd_mps")
+
+NO_DRIVER_HINT = "no NVIDIA driver on this machine; to try meshd-mps without a GPU: meshd-mps serve --gpu sim"
+#: The device-side header's folder (examples/include next to the package), for CUDA C sources.
+EXAMPLES_INCLUDE = Path(__file__).resolve().parent.parent / "examples" / "include"
+
+HEAD_S = 30.0  # to send the request line and headers
+BODY_S = 120.0  # to send the body
+GRACE_S = 10.0  # in-flight requests at shutdown
+MONITOR_S = 1.0  # program states are checked this often (faults, deaths)
+MAX_HEAD = 64 << 10
+MAX_HEADERS = 100
+MAX_CALL_S = 300.0
+SUN_PATH_MAX = 107  # AF_UNIX: 108 bytes with the NUL
+
+LOAD_FIELDS = ("manifest", "ptx", "cuda", "hash", "nodes")
+CALL_FIELDS = ("data", "hex", "timeout")
+
+
+# ---- configuration and start-up errors ----------------------------------------------------
+
+
+@dataclass
+class Config:
+    isolation: str = "blink"
+    sms: int = 0
+    mps_dir: str | None = None
+    pool: int | None = None  # None: 2 in MPS mode, 0 in blink mode
+    gpu: str = "cuda"
+    socket: str | None = None
+    cache_dir: str | None = None
+    log_level: str | None = None
+    log_format: str | None = None  # json | console | None (JSON unless stderr is a TTY)
+
+
+class StartError(MeshError):
+    """The daemon cannot start (the socket is taken, ...)."""
+
+
+def main(cfg: Config) -> int:
+    """Run the daemon until a signal stops it; the exit status."""
+    setup_logging("meshd", cfg.log_level, json=None if cfg.log_format is None else cfg.log_format == "json")
+    try:
+        return asyncio.run(Daemon(cfg).run())
+    except NoDriver as e:
+        print(f"meshd-mps: {e}", file=sys.stderr)
+        print(f"meshd-mps: {NO_DRIVER_HINT}", file=sys.stderr)
+        return 1
+    except (MeshError, OSError) as e:
+        msg = str(e) if isinstance(e, MeshError) else f"{type(e).__name__}: {e}"
+        print(f"meshd-mps: {msg}", file=sys.stderr)
+        return 1
+
+
+# ---- versions -----------------------------------------------------------------------------
+
+
+def own_version() -> str:
+    try:
+        return importlib.metadata.version("meshd-mps")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        import tomllib
+
+        with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+            return str(tomllib.load(f)["project"]["version"]) + "+source"
+    except (OSError, KeyError, ValueError):
+        return "unknown"
+
+
+def versions() -> dict[str, str]:
+    out = {"meshd-mps": own_version(), "python": platform.python_version()}
+    try:
+        out["cuda-bindings"] = importlib.metadata.version("cuda-bindings")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            from cuda import bindings
+
+            out["cuda-bindings"] = str(getattr(bindings, "__version__", "unknown"))
+        except ImportError:
+            out["cuda-bindings"] = "not installed"
+    try:
+        major, minor = nvjitlink_version()
+        out["nvjitlink"] = f"{major}.{minor}"
+    except Exception as e:  # no library: the daemon still serves status
+        out["nvjitlink"] = f"unavailable ({type(e).__name__})"
+    return out
+
+
+# ---- HTTP ---------------------------------------------------------------------------------
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+@dataclass
+class Request:
+    method: str
+    target: str
+    path: str
+    segments: list[str]
+    headers: dict[str, str]
+    body: bytes = b""
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def json_response(status: int, obj: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    return Response(status, (json.dumps(obj, default=str) + "\n").encode(), headers=headers or {})
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return json_response(status, {"ok": False, "error": message}, headers)
+
+
+def reason(status: int) -> str:
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
+
+
+async def read_head(reader: asyncio.StreamReader) -> Request | None:
+    """The request line and headers (None: the client closed without a request)."""
+    try:
+        line = await reader.readline()
+    except ValueError:  # over the reader's limit
+        raise HttpError(431, "request line too long") from None
+    if not line:
+        return None
+    if not line.endswith(b"\n"):
+        raise HttpError(400, "incomplete request line")
+    parts = line.decode("latin-1").rstrip("\r\n").split(" ")
+    if len(parts) != 3 or not parts[0] or not parts[1]:
+        raise HttpError(400, "bad request line: expected METHOD TARGET HTTP/1.1")
+    method, target, version = parts
+    if not version.startswith("HTTP/1."):
+        raise HttpError(505, f"{version}: only HTTP/1.x is served")
+    headers: dict[str, str] = {}
+    size = 0
+    for _ in range(MAX_HEADERS + 1):
+        try:
+            h = await reader.readline()
+        except ValueError:
+            raise HttpError(431, "header line too long") from None
+        if h in (b"\r\n", b"\n"):
+            break
+        if not h.endswith(b"\n"):
+            raise HttpError(400, "incomplete headers")
+        size += len(h)
+        if size > MAX_HEAD:
+            raise HttpError(431, f"headers over {MAX_HEAD} bytes")
+        name, sep, value = h.decode("latin-1").partition(":")
+        if not sep or not name or name != name.strip():
+            raise HttpError(400, f"bad header line {h[:80]!r}")
+        key, value = name.lower(), value.strip()
+        if key == "content-length" and key in headers and headers[key] != value:
+            raise HttpError(400, "conflicting Content-Length headers")
+        headers[key] = value
+    else:
+        raise HttpError(431, f"more than {MAX_HEADERS} headers")
+    if target.startswith(("http://", "https://")):
+        target = urllib.parse.urlsplit(target).path or "/"
+    if not target.startswith("/"):
+        raise HttpError(400, f"request target {target[:80]!r}: a path starting with / expected")
+    path = target.split("?", 1)[0].split("#", 1)[0]
+    raw = path[1:].split("/")
+    if len(raw) > 1 and raw[-1] == "":
+        raw.pop()  # one trailing slash
+    try:
+        segments = [urllib.parse.unquote(s, errors="strict") for s in raw]
+    except UnicodeDecodeError:
+        raise HttpError(400, f"path {path[:80]!r}: not UTF-8") from None
+    return Request(method.upper(), target, path, segments, headers)
+
+
+def content_length(req: Request) -> int:
+    if "transfer-encoding" in req.headers:
+        raise HttpError(411, "chunked bodies are not supported: send Content-Length")
+    v = req.headers.get("content-length")
+    if v is None:
+        return 0
+    if not v.isdigit():
+        raise HttpError(400, f"Content-Length {v[:40]!r}: not a number")
+    n = int(v)
+    if n > MAX_BODY:
+        raise HttpError(413, f"body of {n} bytes is over the limit of {MAX_BODY} bytes (64 MiB)")
+    return n
+
+
+# ---- request bodies -----------------------------------------------------------------------
+
+
+def json_body(req: Request) -> dict[str, Any]:
+    if not req.body.strip():
+        raise HttpError(400, "body: a JSON object expected, got an empty body")
+    try:
+        obj = json.loads(req.body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HttpError(400, f"body: not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise HttpError(400, f"body: a JSON object expected, got {type(obj).__name__}")
+    return obj
+
+
+def check_fields(obj: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    for k in obj:
+        if k not in allowed:
+            raise HttpError(400, f"unknown field {k!r} (expected {', '.join(allowed)})")
+
+
+def check_name(name: str) -> str:
+    if not NAME.match(name) or ".." in name:
+        raise HttpError(
+            400,
+            f"program name {name[:80]!r}: 1-64 characters of A-Z a-z 0-9 _ . -, starting with a letter, digit or _,"
+            " without '..'",
+        )
+    return name
+
+
+def _int_field(obj: dict[str, Any], key: str) -> int | None:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise HttpError(400, f"field {key!r}: an integer expected, got {type(v).__name__}")
+    return v
+
+
+@dataclass
+class Image:
+    """A load or upgrade request, checked."""
+
+    manifest: Manifest
+    kind: str  # ptx | cuda
+    text: str
+    expect: int | None
+    nodes: int | None
+
+
+def parse_image(obj: dict[str, Any]) -> Image:
+    check_fields(obj, LOAD_FIELDS)
+    if "manifest" not in obj:
+        raise HttpError(400, "field 'manifest' is missing")
+    raw = obj["manifest"]
+    if not isinstance(raw, (dict, str)):
+        raise HttpError(400, f"field 'manifest': a JSON object expected, got {type(raw).__name__}")
+    m = Manifest.parse(raw)  # ManifestError names the field: 400
+    check_name(m.name)
+    have = [k for k in ("ptx", "cuda") if k in obj]
+    if len(have) != 1:
+        raise HttpError(400, "one of the fields 'ptx' (PTX text) or 'cuda' (CUDA C source) is needed" if not have
+                        else "the fields 'ptx' and 'cuda' exclude each other")
+    kind = have[0]
+    text = obj[kind]
+    if not isinstance(text, str):
+        raise HttpError(400, f"field {kind!r}: a string expected, got {type(text).__name__}")
+    if not text.strip():
+        raise HttpError(400, f"field {kind!r} is empty")
+    expect = None
+    if obj.get("hash") is not None:
+        h = obj["hash"]
+        if not isinstance(h, str) or len(h) != 16 or any(c not in "0123456789abcdefABCDEF" for c in h):
+            raise HttpError(400, f"field 'hash' {h!r}: 16 hex digits expected")
+        expect = int(h, 16)
+    nodes = _int_field(obj, "nodes")
+    if nodes is not None and nodes < 1:
+        raise HttpError(400, f"field 'nodes' {nodes}: at least 1")
+    return Image(m, kind, text, expect, nodes)
+
+
+# ---- the daemon ---------------------------------------------------------------------------
+
+
+class Daemon:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.socket_path = os.path.abspath(cfg.socket or default_socket())
+        self.backend: Backend | None = None
+        self.programs: Programs | None = None
+        self.stopping = False
+        self.signals: list[int] = []
+        self._wake: asyncio.Event | None = None
+        self._stop: asyncio.Event | None = None
+        self._conns: set[asyncio.Task[Any]] = set()
+        self._busy: set[asyncio.Task[Any]] = set()
+        self._sock_id: tuple[int, int] | None = None
+        self.t0 = time.monotonic()
+        self.started = datetime.now(timezone.utc)
+        self.versions: dict[str, str] = {}
+        self.faults = 0
+        self.deaths = 0
+        self._seen: dict[tuple[str, float], str] = {}  # (name, start) -> last state seen
+        self.http_codes: dict[int, int] = {}
+        self.registry = Registry()
+        self.load_seconds = self.registry.histogram(
+            "meshd_mps_load_seconds", "Time of each successful load or upgrade (checks, JIT or cache, preload, launch).")
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._wake, self._stop = asyncio.Event(), asyncio.Event()
+        for s in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(s, self._on_signal, s)
+        watcher = asyncio.create_task(self._watch_signals(), name="signals")
+        monitor: asyncio.Task[None] | None = None
+        server: asyncio.base_events.Server | None = None
+        try:
+            try:
+                become_subreaper()  # orphans of ours (the MPS daemon's) are ours to reap
+            except MeshError as e:
+                log.warning(str(e))
+            sock = self._bind()
+            opening = asyncio.create_task(self._open(), name="open")
+            stopped = asyncio.create_task(self._stop.wait())
+            await asyncio.wait({opening, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not opening.done():
+                log.info("stopped during start-up")
+                opening.cancel()
+                try:
+                    await opening
+                except (asyncio.CancelledError, Exception):
+                    pass
+                sock.close()
+                return 0
+            stopped.cancel()
+            opening.result()  # its error (NoDriver, MpsError, ...) ends the start
+            server = await asyncio.start_unix_server(self._handle, sock=sock, limit=MAX_HEAD, start_serving=False)
+            await server.start_serving()
+            b = self.backend
+            assert b is not None and b.caps is not None
+            log.info(
+                f"meshd-mps {self.versions.get('meshd-mps')} serves on {self.socket_path}: isolation {b.isolation},"
+                f" gpu {b.gpu}, device {b.caps.name}",
+                socket=self.socket_path, isolation=b.isolation, gpu=b.gpu, device=b.caps.name,
+            )
+            monitor = asyncio.create_task(self._monitor(), name="monitor")
+            await self._stop.wait()
+            await self._drain(server)
+            return 0
+        finally:
+            with anyio.CancelScope(shield=True):
+                if monitor is not None:
+                    monitor.cancel()
+                if server is not None:
+                    server.close()
+                await self._close_backend()
+                self._remove_socket()
+            for s in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(s)
+            watcher.cancel()
+            if server is not None:
+                log.info("meshd-mps stopped")
+
+    async def _open(self) -> None:
+        c = self.cfg
+        pool = c.pool if c.pool is not None else (2 if c.isolation == "mps" else 0)
+        self.versions = await anyio.to_thread.run_sync(versions)
+        b = await Backend.open(isolation=c.isolation, sms=c.sms, mps_dir=c.mps_dir, pool=pool,  # type: ignore[arg-type]
+                               gpu=c.gpu, cache_dir=c.cache_dir)
+        self.backend = b
+        self.programs = Programs(b)
+        self._register_metrics()
+
+    async def _close_backend(self) -> None:
+        if self.programs is not None:
+            try:
+                await self.programs.close()
+            except Exception:
+                log.error("closing the programs failed", traceback=traceback.format_exc())
+        if self.backend is not None:
+            await self.backend.close()
+
+    async def _drain(self, server: asyncio.base_events.Server) -> None:
+        """Stop accepting; requests being served get GRACE_S to finish, idle connections are closed."""
+        self.stopping = True
+        server.close()
+        for t in list(self._conns - self._busy):
+            t.cancel()
+        if self._busy:
+            log.info(f"shutdown: waiting up to {GRACE_S:g}s for {len(self._busy)} requests")
+            _done, pending = await asyncio.wait(set(self._busy), timeout=GRACE_S)
+            for t in pending:
+                t.cancel()
+        if self._conns:
+            await asyncio.wait(set(self._conns), timeout=2.0)
+
+    # ---- signals ----------------------------------------------------------------------------
+    def _on_signal(self, sig: int) -> None:
+        """Called by the loop: only records the signal."""
+        self.signals.append(sig)
+        assert self._wake is not None
+        self._wake.set()
+
+    async def _watch_signals(self) -> None:
+        assert self._wake is not None and self._stop is not None
+        handled = 0
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while handled < len(self.signals):
+                sig = self.signals[handled]
+                handled += 1
+                if handled == 1:
+                    log.info(f"{signal.Signals(sig).name}: shutting down (a second signal forces the exit)")
+                    self._stop.set()
+                else:
+                    self._force_exit(sig)
+
+    def _force_exit(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        kids = _descendants(os.getpid())
+        log.error(f"{name} during shutdown: forcing the exit; killing {len(kids)} processes", pids=sorted(kids))
+        for pid in kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _reap_all(within=3.0)
+        self._remove_socket()
+        b = self.backend
+        if b is not None and b.daemon is not None and b.daemon.temporary:
+            shutil.rmtree(b.daemon.dir, ignore_errors=True)
+        log.error(f"meshd-mps exits on {name} (status {128 + sig})")
+        sys.stderr.flush()
+        os._exit(128 + sig)
+
+    # ---- the socket -----------------------------------------------------------------------
+    def _bind(self) -> socket.socket:
+        path = self.socket_path
+        if len(os.fsencode(path)) > SUN_PATH_MAX:
+            raise StartError(f"--socket {path}: {len(os.fsencode(path))} bytes, AF_UNIX allows {SUN_PATH_MAX}")
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if not stat.S_ISSOCK(st.st_mode):
+                raise StartError(f"{path} exists and is not a socket; refusing to replace it")
+            if _serves(path):
+                raise StartError(f"another meshd-mps serves on {path}")
+            os.unlink(path)
+            log.info(f"replaced the stale socket {path}")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            s.bind(path)
+        except OSError as e:
+            s.close()
+            if e.errno == errno.EADDRINUSE:
+                raise StartError(f"another meshd-mps serves on {path}") from None
+            raise StartError(f"{path}: bind: {e.strerror}") from None
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        st = os.stat(path)
+        self._sock_id = (st.st_dev, st.st_ino)
+        s.listen(128)  # a client that connects during start-up waits for the answer
+        s.setblocking(False)
+        return s
+
+    def _remove_socket(self) -> None:
+        if self._sock_id is None:
+            return
+        try:
+            st = os.lstat(self.socket_path)
+            if (st.st_dev, st.st_ino) == self._sock_id:
+                os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.error(f"{self.socket_path}: not removed: {e.strerror}")
+        self._sock_id = None
+
+    # ---- connections ------------------------------------------------------------------------
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        try:
+            await self._serve_one(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        except Exception:
+            log.error("connection failed", traceback=traceback.format_exc())
+        finally:
+            self._conns.discard(task)
+            self._busy.discard(task)
+            try:
+                writer.close()
+            except Exception:
+                pass
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        t0 = time.perf_counter()
+        req: Request | None = None
+        linger = False
+        try:
+            try:
+                req = await asyncio.wait_for(read_head(reader), HEAD_S)
+            except TimeoutError:
+                raise HttpError(408, f"no request in {HEAD_S:g}s") from None
+            if req is None:
+                return
+            try:
+                n = content_length(req)
+            except HttpError as e:
+                linger = e.status == 413
+                raise
+            if n and req.headers.get("expect", "").lower() == "100-continue":
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            try:
+                req.body = await asyncio.wait_for(reader.readexactly(n), BODY_S) if n else b""
+            except TimeoutError:
+                raise HttpError(408, f"body not received in {BODY_S:g}s") from None
+            if self.stopping:
+                raise HttpError(503, "meshd-mps is shutting down")
+            task = asyncio.current_task()
+            assert task is not None
+            self._busy.add(task)
+            resp = await self._dispatch(req)
+        except HttpError as e:
+            resp = error_response(e.status, e.message, e.headers)
+        self.http_codes[resp.status] = self.http_codes.get(resp.status, 0) + 1
+        head = [f"HTTP/1.1 {resp.status} {reason(resp.status)}", f"Content-Type: {resp.content_type}",
+                f"Content-Length: {len(resp.body)}", "Connection: close", "Server: meshd-mps"]
+        head += [f"{k}: {v}" for k, v in resp.headers.items()]
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + resp.body)
+        await writer.drain()
+        ms = (time.perf_counter() - t0) * 1e3
+        what = f"{req.method} {req.path}" if req is not None else "-"
+        log.debug(f"http {what} {resp.status}", ms=round(ms, 2))
+        if linger:  # the client may still be sending the body: take it, so that it reads the 413
+            writer.write_eof()
+            with anyio.move_on_after(2.0):
+                while await reader.read(1 << 20):
+                    pass
+
+    async def _dispatch(self, req: Request) -> Response:
+        try:
+            handler, args = self._route(req)
+            return await handler(req, *args)
+        except HttpError as e:
+            return error_response(e.status, e.message, e.headers)
+        except ProgramError as e:
+            return error_response(_program_status(str(e)), str(e))
+        except MeshError as e:
+            status = _mesh_status(e)
+            if status >= 500:
+                log.error(f"{req.method} {req.path}: {e}")
+            return error_response(status, str(e))
+        except MailboxError as e:
+            return error_response(409 if "full" in str(e) else 400, str(e))
+        except Exception:
+            log.error(f"{req.method} {req.path}: internal error", traceback=traceback.format_exc())
+            return error_response(500, "internal error (the daemon's log has the traceback)")
+
+    def _route(self, req: Request) -> tuple[Callable[..., Awaitable[Response]], tuple[str, ...]]:
+        seg = req.segments
+        if any(s in (".", "..") for s in seg):
+            raise HttpError(400, f"path {req.path[:80]!r}: '.' and '..' segments are refused")
+        table: list[tuple[list[str | None], dict[str, Callable[..., Awaitable[Response]]]]] = [
+            (["v1", "status"], {"GET": self.get_status}),
+            (["v1", "programs"], {"GET": self.get_programs, "POST": self.post_program}),
+            (["v1", "programs", None], {"GET": self.get_program, "PUT": self.put_program, "DELETE": self.delete_program}),
+            (["v1", "programs", None, "call"], {"POST": self.post_call}),
+            (["metrics"], {"GET": self.get_metrics}),
+        ]
+        for pattern, methods in table:
+            if len(pattern) != len(seg) or any(p is not None and p != s for p, s in zip(pattern, seg)):
+                continue
+            args = tuple(check_name(s) for p, s in zip(pattern, seg) if p is None)
+            h = methods.get(req.method)
+            if h is None:
+                allow = ", ".join(methods)
+                raise HttpError(405, f"{req.method} {req.path}: method not allowed (allowed: {allow})", {"Allow": allow})
+            return h, args
+        raise HttpError(404, f"no route {req.method} {req.path[:200]}")
+
+    # ---- routes -----------------------------------------------------------------------------
+    def _p(self) -> Programs:
+        if self.programs is None:
+            raise HttpError(503, "meshd-mps is starting")
+        return self.programs
+
+    def _b(self) -> Backend:
+        if self.backend is None:
+            raise HttpError(503, "meshd-mps is starting")
+        return self.backend
+
+    def _describe(self, p: Program) -> dict[str, Any]:
+        d = self._p().describe(p)
+        d["worker_pid"] = d["pid"]
+        d["started"] = datetime.fromtimestamp(p.started_wall, timezone.utc).isoformat()
+        d["compile_ms"] = round(p.compile_ms, 3)
+        d["cached"] = p.cached
+        return d
+
+    async def get_status(self, req: Request) -> Response:
+        b, ps = self._b(), self._p()
+        s = b.status()
+        out: dict[str, Any] = {
+            "ok": True,
+            "pid": os.getpid(),
+            "socket": self.socket_path,
+            "isolation": b.isolation,
+            "gpu": b.gpu,
+            "device": b.caps.name if b.caps else None,
+            "sms": b.sms,
+            "caps": s["caps"],
+            "pool": {"idle": s.get("pool", []), "capacity": s.get("pool_cap", 0)},
+            "workers": s["workers"],
+            "retired": s["retired"],
+            "server_pid": None,
+            "clients": None,
+            "daemon_pid": s.get("daemon_pid"),
+            "mps_dir": s.get("mps_dir"),
+            "programs": len(ps.by_name),
+            "loads": ps.loads,
+            "uptime_s": round(time.monotonic() - self.t0, 3),
+            "started": self.started.isoformat(),
+            "versions": self.versions,
+        }
+        if b.mps is not None:
+            try:
+                server = await b.mps.server_pid()
+                out["server_pid"] = int(server) if server and server.isdigit() else server
+                out["clients"] = await b.mps.clients(server) if server else []
+            except MeshError as e:
+                out["clients_error"] = str(e)
+        else:
+            out.update(blinks=s.get("blinks", 0), last_blink_ms=s.get("last_blink_ms"), context_pid=s.get("context_pid"))
+        return json_response(200, out)
+
+    async def get_programs(self, req: Request) -> Response:
+        ps = self._p()
+        self._scan()
+        return json_response(200, {"ok": True, "programs": [self._describe(p) for p in sorted(ps.by_name.values(), key=lambda p: p.slot)]})
+
+    async def get_program(self, req: Request, name: str) -> Response:
+        return json_response(200, {"ok": True, "program": self._describe(self._p().get(name))})
+
+    async def _ptx(self, img: Image) -> bytes:
+        if img.kind == "ptx":
+            return img.text.encode()
+        include = [str(EXAMPLES_INCLUDE)] if EXAMPLES_INCLUDE.is_dir() and EXAMPLES_INCLUDE != INCLUDE_DIR else []
+        b = self._b()
+        assert b.info is not None
+        compile = functools.partial(cuda_to_ptx, img.text.encode(), img.manifest.name, b.info.compute, include)
+        return await anyio.to_thread.run_sync(compile)
+
+    def _loaded(self, p: Program, status: int, what: str) -> Response:
+        ps = self._p()
+        if ps.load_ms:
+            self.load_seconds.observe(ps.load_ms[-1] / 1e3)
+        return json_response(status, {"ok": True, what: p.name, "program": self._describe(p)})
+
+    async def post_program(self, req: Request) -> Response:
+        ps = self._p()
+        img = parse_image(json_body(req))
+        name = img.manifest.name
+        if name in ps.by_name:
+            raise HttpError(409, f"program {name!r} is already loaded (upgrade it with PUT /v1/programs/{name})")
+        ptx = await self._ptx(img)
+        p = await ps.load(img.manifest, ptx, img.expect, img.nodes or 1)
+        return self._loaded(p, 201, "loaded")
+
+    async def put_program(self, req: Request, name: str) -> Response:
+        ps = self._p()
+        img = parse_image(json_body(req))
+        if img.manifest.name != name:
+            raise HttpError(400, f"upgrade {name}: the manifest names {img.manifest.name!r}")
+        old = ps.get(name)  # 404
+        if img.nodes is not None and img.nodes != old.nodes:
+            raise HttpError(400, f"field 'nodes' {img.nodes}: an upgrade keeps the program's {old.nodes} (unload and load to change it)")
+        ptx = await self._ptx(img)
+        p = await ps.upgrade(name, img.manifest, ptx, img.expect)
+        return self._loaded(p, 200, "upgraded")
+
+    async def delete_program(self, req: Request, name: str) -> Response:
+        ps = self._p()
+        p = ps.get(name)
+        await ps.unload(name)
+        return json_response(200, {"ok": True, "unloaded": name, "slot": p.slot})
+
+    async def post_call(self, req: Request, name: str) -> Response:
+        ps = self._p()
+        obj = json_body(req)
+        check_fields(obj, CALL_FIELDS)
+        if ("data" in obj) == ("hex" in obj):
+            raise HttpError(400, "one of the fields 'data' (text) or 'hex' (bytes in hex) is needed")
+        if "data" in obj:
+            if not isinstance(obj["data"], str):
+                raise HttpError(400, f"field 'data': a string expected, got {type(obj['data']).__name__}")
+            payload = obj["data"].encode()
+        else:
+            if not isinstance(obj["hex"], str):
+                raise HttpError(400, f"field 'hex': a string expected, got {type(obj['hex']).__name__}")
+            try:
+                payload = bytes.fromhex(obj["hex"])
+            except ValueError as e:
+                raise HttpError(400, f"field 'hex': {e}") from None
+        if len(payload) > abi.ENTRY_PAYLOAD:
+            raise HttpError(400, f"request of {len(payload)} bytes: a ring entry holds at most {abi.ENTRY_PAYLOAD}")
+        within = CALL_S
+        if obj.get("timeout") is not None:
+            t = obj["timeout"]
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= MAX_CALL_S:
+                raise HttpError(400, f"field 'timeout' {t!r}: seconds, more than 0 and at most {MAX_CALL_S:g}")
+            within = float(t)
+        ps.get(name)  # 404
+        t0 = time.perf_counter()
+        got = await ps.call(name, payload, within)
+        return json_response(200, {"ok": True, "program": name, "data": got.decode("utf-8", "replace"), "hex": got.hex(),
+                                   "bytes": len(got), "ms": round((time.perf_counter() - t0) * 1e3, 3)})
+
+    async def get_metrics(self, req: Request) -> Response:
+        self._scan()
+        return Response(200, self.registry.render().encode(), METRICS_TYPE)
+
+    # ---- program states, metrics ----------------------------------------------------------
+    def _scan(self) -> None:
+        """Note programs that failed since the last look (faults; deaths when their worker died)."""
+        if self.programs is None:
+            return
+        current = {}
+        for p in self.programs.by_name.values():
+            key = (p.name, p.started)
+            state, error = p.state()
+            current[key] = state
+            before = self._seen.get(key)
+            if state == before:
+                continue
+            if state == "failed":
+                self.faults += 1
+                f = p.launch.inner
+                died = f.done() and not f.cancelled() and isinstance(f.exception(), WorkerError)
+                if died:
+                    self.deaths += 1
+                log.error(f"program {p.name} failed: {error}", program=p.name, slot=p.slot, worker_died=died)
+            elif state == "exited":
+                log.info(f"program {p.name} exited", program=p.name, slot=p.slot)
+        self._seen = current
+
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(MONITOR_S)
+            try:
+                self._scan()
+            except Exception:
+                log.error("monitor failed", traceback=traceback.format_exc())
+
+    def _register_metrics(self) -> None:
+        r, b, ps = self.registry, self.backend, self.programs
+        assert b is not None and ps is not None and b.caps is not None
+        caps = b.caps
+        r.gauge("meshd_mps_info", "This daemon: version, isolation mode, GPU kind and device (always 1).",
+                lambda: [({"version": self.versions.get("meshd-mps", ""), "isolation": b.isolation, "gpu": b.gpu,
+                           "device": caps.name}, 1)])
+        r.gauge("meshd_mps_uptime_seconds", "Seconds since the daemon started.", lambda: round(time.monotonic() - self.t0, 3))
+        r.counter("meshd_mps_loads_total", "Successful loads and upgrades.", lambda: ps.loads)
+
+        def by_state() -> list[tuple[dict[str, str], float]]:
+            n = {"running": 0, "exited": 0, "failed": 0}
+            for p in ps.by_name.values():
+                n[p.state()[0]] += 1
+            return [({"state": k}, v) for k, v in n.items()]
+
+        r.gauge("meshd_mps_programs", "Loaded programs, by state.", by_state)
+        r.counter("meshd_mps_faults_total", "Programs seen failed (a launch error, a fault, a worker death).", lambda: self.faults)
+        r.counter("meshd_mps_worker_deaths_total", "Programs that ended because their worker process died.", lambda: self.deaths)
+        r.gauge("meshd_mps_workers", "Live worker processes (MPS clients, or the blink context).", lambda: len(b.sup.live()))
+        r.counter("meshd_mps_workers_retired_total", "Worker processes retired and reaped (pool overflow, unfit, dead).",
+                  lambda: b.sup.retired)
+        r.gauge("meshd_mps_pool_idle", "Idle pooled workers (MPS mode).", lambda: len(b.mps.pool) if b.mps else 0)
+        r.gauge("meshd_mps_pool_capacity", "The pool's capacity (--pool).", lambda: b.mps.pool.cap if b.mps else 0)
+        if b.blink is not None:
+            blink = b.blink
+            r.counter("meshd_mps_blinks_total", "Blinks: module changes that halted and relaunched running programs.",
+                      lambda: blink.blinks)
+            r.gauge("meshd_mps_last_blink_seconds", "Length of the last blink (absent before the first).",
+                    lambda: None if blink.last_blink_ms is None else blink.last_blink_ms / 1e3)
+        r.gauge("meshd_mps_program_heartbeat", "Each program's heartbeat counter (its mailbox slot's HEARTBEAT word).",
+                lambda: [({"program": p.name}, b.mailbox.heartbeat(p.slot)) for p in ps.by_name.values()])
+        r.gauge("meshd_mps_sms", "SMs a program may use (--sms, else the device's).", lambda: caps.sms)
+        r.counter("meshd_mps_http_requests_total", "Control API requests answered, by status code.",
+                  lambda: [({"code": str(k)}, v) for k, v in sorted(self.http_codes.items())])
+
+
+def _program_status(msg: str) -> int:
+    if "is not loaded" in msg:
+        return 404
+    if "no response in" in msg:
+        return 504
+    if "nodes must" in msg or "the manifest names" in msg:
+        return 400
+    return 409  # already loaded, no free slot, not running, did not halt
+
+
+def _mesh_status(e: MeshError) -> int:
+    if isinstance(e, (ManifestError, CompileError, HashMismatch, ConfigError)):
+        return 400
+    if isinstance(e, LimitError):
+        return 409 if "clients already" in str(e) else 400
+    if "did not halt" in str(e) or "still runs" in str(e):
+        return 409
+    return 500  # a worker, the MPS daemon or the device failed: the message says which
+
+
+# ---- processes ------------------------------------------------------------------------------
+
+
+def _serves(path: str) -> bool:
+    """Someone accepts connections on the socket ``path`` (a stale socket refuses them)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(2.0)
+    try:
+        s.connect(path)
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except TimeoutError:
+        return True  # a full backlog: it is alive
+    except OSError as e:
+        raise StartError(f"{path}: {e.strerror}; refusing to replace it") from None
+    finally:
+        s.close()
+
+
+def _ppids() -> dict[int, int]:
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                s = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        out[int(d)] = int(s[s.rindex(")") + 2 :].split()[1])
+    return out
+
+
+def _descendants(root: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for pid, ppid in _ppids().items():
+        kids.setdefault(ppid, []).append(pid)
+    out, todo = set(), [root]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _reap_all(within: float) -> None:
+    """Kill and reap every child (orphans re-parented to us, a subreaper, included) until none is left."""
+    deadline = time.monotonic() + within
+    me = os.getpid()
+    while time.monotonic() < deadline:
+        kids = [p for p, pp in _ppids().items() if pp == me]
+        if not kids:
+            return
+        for p in kids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                os.waitpid(p, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        time.sleep(0.01)
