@@ -1,9 +1,117 @@
-"""The ``meshd-mps`` command: ``serve``, ``worker`` and the client subcommands."""
+"""The ``meshd-mps`` command: ``serve``, ``worker`` and the client subcommands.
+
+``worker`` is dispatched first and imports nothing else (it must start fast);
+the client subcommands import only :mod:`meshd_mps.client` (standard library);
+``serve`` imports the daemon.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from typing import Any
+
+DESCRIPTION = "Resident CUDA kernels, one MPS client process each: the daemon and its client."
+EPILOG = """\
+examples:
+  meshd-mps serve --isolation mps          # the daemon (--gpu sim: the CPU simulation, no GPU needed)
+  meshd-mps load examples/heartbeat        # a program directory: manifest.json + one .cu or .ptx
+  meshd-mps ps                             # the loaded programs
+  meshd-mps call echo hello                # a request through a program's ring
+  meshd-mps upgrade echo examples/echo     # a new image on the same slot
+  meshd-mps unload echo
+the socket: --socket, else $MESHD_MPS_SOCKET, else $XDG_RUNTIME_DIR/meshd-mps.sock, else /tmp/meshd-mps-$UID.sock
+"""
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("run the daemon: programs, workers and the control API on a Unix socket",
+              "meshd-mps serve --isolation mps --pool 4\n  meshd-mps serve --gpu sim   # no GPU: the explicit CPU simulation"),
+    "worker": ("one MPS client process (started by the daemon, not by hand)", "(started by meshd-mps serve)"),
+    "bench": ("measure stalls, round trips, pool and load costs on this GPU (meshd-mps bench --help)",
+              "meshd-mps bench\n  meshd-mps bench --gpu sim --quick"),
+    "load": ("load a program: compile, start it on a free mailbox slot",
+             "meshd-mps load examples/heartbeat\n  meshd-mps load --manifest m.json --ptx prog.ptx --hash 0123456789abcdef"),
+    "upgrade": ("replace a loaded program's image; it keeps its slot",
+                "meshd-mps upgrade echo examples/echo\n  meshd-mps upgrade echo --manifest m.json --cuda echo.cu"),
+    "unload": ("halt a program and unload it", "meshd-mps unload echo"),
+    "ps": ("list the loaded programs: slot, state, worker, heartbeat, uptime", "meshd-mps ps\n  meshd-mps ps --json"),
+    "status": ("the daemon's state: device, isolation, pool, MPS server and clients, versions",
+               "meshd-mps status\n  meshd-mps status --json"),
+    "call": ("send DATA to a program's request ring and print its response",
+             "meshd-mps call echo hello\n  meshd-mps call echo --hex 00ff10 --timeout 2"),
+}
+
+
+def _sub(sub: Any, name: str) -> argparse.ArgumentParser:
+    line, example = COMMANDS[name]
+    return sub.add_parser(name, help=line, description=line[0].upper() + line[1:] + ".",
+                          epilog=f"example:\n  {example}", formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _client_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", metavar="PATH", help="the daemon's socket (default: $MESHD_MPS_SOCKET, "
+                   "$XDG_RUNTIME_DIR/meshd-mps.sock or /tmp/meshd-mps-$UID.sock)")
+    p.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
+
+
+def _image_opts(p: argparse.ArgumentParser, nodes: bool) -> None:
+    p.add_argument("dir", nargs="?", metavar="DIR", help="a program directory: manifest.json and one .ptx or .cu file")
+    p.add_argument("--manifest", metavar="FILE", help="the manifest (instead of DIR/manifest.json)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--ptx", metavar="FILE", help="the program's PTX")
+    src.add_argument("--cuda", metavar="FILE", help="the program's CUDA C source (compiled by the daemon with NVRTC)")
+    p.add_argument("--hash", metavar="H", help="the image hash expected (16 hex digits); another image is refused")
+    if nodes:
+        p.add_argument("--nodes", type=int, metavar="N", help="blocks to launch (default 1)")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="meshd-mps", description=DESCRIPTION, epilog=EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    s = _sub(sub, "serve")
+    s.add_argument("--isolation", choices=("blink", "mps"), default="blink",
+                   help="blink: one CUDA context, a load halts every program briefly; mps: one MPS client per program"
+                        " (default blink)")
+    s.add_argument("--sms", type=int, default=0, metavar="N", help="SMs per program, a green context (default 0: the whole device)")
+    s.add_argument("--mps-dir", metavar="DIR", help="the private MPS daemon's directory (default: a temporary one, removed at exit)")
+    s.add_argument("--pool", type=int, metavar="N", help="idle workers kept ready (default 2 in mps mode)")
+    s.add_argument("--gpu", choices=("cuda", "sim"), default="cuda",
+                   help="cuda: the GPU; sim: the explicit CPU simulation, for trying meshd-mps without one (default cuda)")
+    s.add_argument("--socket", metavar="PATH", help="the control socket (default: $MESHD_MPS_SOCKET, "
+                   "$XDG_RUNTIME_DIR/meshd-mps.sock or /tmp/meshd-mps-$UID.sock)")
+    s.add_argument("--cache-dir", metavar="DIR", help="keep compiled cubins here across restarts")
+    s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="default info ($MESHD_MPS_LOG_LEVEL)")
+    s.add_argument("--log-format", choices=("json", "console"), help="default: JSON lines unless stderr is a terminal")
+
+    _sub(sub, "worker")
+    _sub(sub, "bench")
+
+    p = _sub(sub, "load")
+    _image_opts(p, nodes=True)
+    _client_opts(p)
+
+    p = _sub(sub, "upgrade")
+    p.add_argument("name", metavar="NAME", help="the loaded program")
+    _image_opts(p, nodes=False)
+    _client_opts(p)
+
+    p = _sub(sub, "unload")
+    p.add_argument("name", metavar="NAME", help="the loaded program")
+    _client_opts(p)
+
+    _client_opts(_sub(sub, "ps"))
+    _client_opts(_sub(sub, "status"))
+
+    p = _sub(sub, "call")
+    p.add_argument("name", metavar="NAME", help="the loaded program")
+    p.add_argument("data", metavar="DATA", help="the request: text (UTF-8), or hex digits with --hex")
+    p.add_argument("--hex", action="store_true", help="DATA is hex; the response is printed in hex")
+    p.add_argument("--timeout", type=float, metavar="S", help="seconds to wait for the response (default 5)")
+    _client_opts(p)
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,9 +121,155 @@ def main(argv: list[str] | None = None) -> int:
         from workers.main import main as worker_main
 
         return worker_main(argv[1:])
-    ap = argparse.ArgumentParser(prog="meshd-mps", description="Resident CUDA kernels, one MPS client process each.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("worker", help="one MPS client process (started by the daemon, not by hand)")
-    args = ap.parse_args(argv)
-    ap.error(f"unknown command {args.cmd}")
-    return 2
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench_main  # it has its own options (--gpu, --quick, --json)
+
+        return bench_main(argv[1:])
+    args = parser().parse_args(argv)
+    if args.cmd == "serve":
+        from . import server
+
+        if args.pool is not None and args.pool < 0:
+            print("meshd-mps: --pool must not be negative", file=sys.stderr)
+            return 2
+        return server.main(server.Config(isolation=args.isolation, sms=args.sms, mps_dir=args.mps_dir, pool=args.pool,
+                                         gpu=args.gpu, socket=args.socket, cache_dir=args.cache_dir,
+                                         log_level=args.log_level, log_format=args.log_format))
+    return _client(args)
+
+
+# ---- the client commands ------------------------------------------------------------------
+
+
+def _client(args: argparse.Namespace) -> int:
+    from .client import Client, ClientError, program_body
+
+    c = Client(args.socket)
+    try:
+        if args.cmd in ("load", "upgrade"):
+            body = program_body(args.dir, args.manifest, args.ptx, args.cuda, args.hash, getattr(args, "nodes", None))
+            ans = c.load(body) if args.cmd == "load" else c.upgrade(args.name, body)
+            if args.json:
+                return _json(ans)
+            p = ans["program"]
+            how = "from the cache" if p.get("cached") else f"compiled in {p.get('compile_ms', 0):.1f} ms"
+            if args.cmd == "load":
+                print(f"{p['name']} loaded on slot {p['slot']} (pid {p['pid']}, hash {p['hash']}, {how})")
+            else:
+                print(f"{p['name']} upgraded on slot {p['slot']} (upgrade {p['upgrades']}, pid {p['pid']}, hash {p['hash']}, {how})")
+        elif args.cmd == "unload":
+            ans = c.unload(args.name)
+            if args.json:
+                return _json(ans)
+            print(f"{args.name} unloaded from slot {ans.get('slot')}")
+        elif args.cmd == "ps":
+            ans = c.request("GET", "/v1/programs")
+            if args.json:
+                return _json(ans)
+            print(ps_table(ans["programs"]), end="")
+        elif args.cmd == "status":
+            ans = c.status()
+            if args.json:
+                return _json(ans)
+            print(status_table(ans), end="")
+        elif args.cmd == "call":
+            if args.hex:
+                try:
+                    data: bytes | str = bytes.fromhex(args.data)
+                except ValueError as e:
+                    raise ClientError(f"DATA: not hex: {e}") from None
+            else:
+                data = args.data
+            ans = c.call(args.name, data, args.timeout)
+            if args.json:
+                return _json(ans)
+            print(ans["hex"] if args.hex else ans["data"])
+        else:  # pragma: no cover - argparse knows the commands
+            raise ClientError(f"unknown command {args.cmd}")
+    except ClientError as e:
+        print(f"meshd-mps: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _json(ans: dict[str, Any]) -> int:
+    print(json.dumps(ans, indent=2))
+    return 0
+
+
+def duration(s: float) -> str:
+    """12.3s, 4m05s, 2h03m, 3d04h."""
+    if s < 60:
+        return f"{s:.1f}s"
+    m, sec = divmod(int(s), 60)
+    if m < 60:
+        return f"{m}m{sec:02d}s"
+    h, m = divmod(m, 60)
+    if h < 24:
+        return f"{h}h{m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{d}d{h:02d}h"
+
+
+def table(rows: list[list[str]]) -> str:
+    """Left-aligned columns, two spaces apart; the last column is not padded."""
+    if not rows:
+        return ""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n" for r in rows)
+
+
+def ps_table(programs: list[dict[str, Any]]) -> str:
+    head = ["NAME", "SLOT", "STATE", "PID", "HEARTBEAT", "UPTIME", "UPGRADES", "HASH"]
+    errors = any(p.get("error") for p in programs)
+    if errors:
+        head.append("ERROR")
+    rows = [head]
+    for p in programs:
+        r = [p["name"], str(p["slot"]), p["state"], str(p["pid"]), str(p["heartbeat"]), duration(p["uptime_s"]),
+             str(p["upgrades"]), p["hash"]]
+        if errors:
+            r.append(p.get("error") or "")
+        rows.append(r)
+    out = table(rows)
+    return out if programs else out + "(no programs loaded)\n"
+
+
+def status_table(s: dict[str, Any]) -> str:
+    caps = s.get("caps") or {}
+    pool = s.get("pool") or {}
+    rows = [
+        ["socket", s.get("socket", "")],
+        ["pid", str(s.get("pid", ""))],
+        ["isolation", s.get("isolation", "")],
+        ["gpu", s.get("gpu", "")],
+        ["device", f"{s.get('device')} ({caps.get('arch', '?')}, {caps.get('sms_total', '?')} SMs)"],
+        ["sms", f"{caps.get('sms', '?')} per program" + (" (green context)" if caps.get("green") else "")],
+    ]
+    if s.get("isolation") == "mps":
+        clients = s.get("clients")
+        rows += [
+            ["pool", f"{len(pool.get('idle', []))} idle of {pool.get('capacity', 0)} {_pids(pool.get('idle', []))}"],
+            ["mps daemon", f"{s.get('daemon_pid')} ({s.get('mps_dir')})"],
+            ["mps server", f"{s.get('server_pid') or '-'}, clients " + (_pids(clients) if clients is not None
+                                                                         else s.get("clients_error", "?"))],
+        ]
+    else:
+        last = s.get("last_blink_ms")
+        rows += [["context", str(s.get("context_pid"))],
+                 ["blinks", f"{s.get('blinks', 0)}" + (f", the last {last:.2f} ms" if last is not None else "")]]
+    rows += [
+        ["workers", f"{len(s.get('workers', []))} {_pids(s.get('workers', []))}, {s.get('retired', 0)} retired"],
+        ["programs", str(s.get("programs", 0))],
+        ["loads", str(s.get("loads", 0))],
+        ["uptime", duration(float(s.get("uptime_s", 0)))],
+        ["versions", ", ".join(f"{k} {v}" for k, v in (s.get("versions") or {}).items())],
+    ]
+    return table(rows)
+
+
+def _pids(pids: list[int]) -> str:
+    return "[" + ", ".join(str(p) for p in pids) + "]"
+

@@ -43,12 +43,8 @@ def become_subreaper() -> None:
         raise MpsError(f"mps: prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
 
 
-def _children_running(program: str) -> set[int]:
-    """Our direct children whose command line runs ``program`` (from /proc).
-
-    The command line, not the name: a script's process is named after its
-    interpreter (the stand-in's is "python3").
-    """
+def _children_where(match) -> set[int]:  # type: ignore[no-untyped-def]
+    """Our direct children (zombies too) whose command line satisfies ``match`` (from /proc)."""
     me = os.getpid()
     out = set()
     for d in os.listdir("/proc"):
@@ -58,13 +54,32 @@ def _children_running(program: str) -> set[int]:
             with open(f"/proc/{d}/stat", "rb") as f:
                 s = f.read().decode(errors="replace")
             with open(f"/proc/{d}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
         except OSError:
             continue
         ppid = int(s[s.rindex(")") + 2 :].split()[1])
-        if ppid == me and any(os.path.basename(a.decode(errors="replace")) == program for a in argv[:2]):
+        if ppid == me and match(argv):
             out.add(int(d))
     return out
+
+
+def _children_running(program: str) -> set[int]:
+    """Children running ``program``: by command line, not name (a script's process is
+    named after its interpreter; the stand-in's is "python3")."""
+    return _children_where(lambda argv: any(os.path.basename(a) == program for a in argv[:2]))
+
+
+def _mps_orphans() -> set[int]:
+    """MPS processes re-parented to us: a server whose daemon died becomes our child."""
+    return _children_where(lambda argv: any("nvidia-cuda-mps" in a for a in argv))
+
+
+def _reap_now(pid: int) -> bool:
+    try:
+        got, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return got == pid
 
 
 def _make_private_dir(path: str) -> None:
@@ -88,6 +103,7 @@ class ControlDaemon:
         self.pid: int | None = None
         self.binary: str | None = None
         self.started = False
+        self.servers: set[int] = set()  # server pids seen: one whose daemon died becomes our child
 
     @property
     def env(self) -> dict[str, str]:
@@ -183,6 +199,24 @@ class ControlDaemon:
             return True
         return False
 
+    async def _reap_orphans(self) -> None:
+        """A server left behind by a dead daemon exits within ~1 s (H200); reap it, or kill it."""
+        left = {p for p in _mps_orphans() | self.servers if not _reap_now(p)}
+        with anyio.move_on_after(REAP_S):
+            while left:
+                await anyio.sleep(0.01)
+                left = {p for p in left if not _reap_now(p)}
+        for p in left:
+            log.error(f"mps: process {p} outlived its daemon; killing it")
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        with anyio.move_on_after(REAP_S):
+            while left:
+                await anyio.sleep(0.01)
+                left = {p for p in left if not _reap_now(p)}
+
     async def quit(self) -> None:
         """``quit``, then the daemon reaped (killed if it lingers); the directory removed if ours."""
         if self.started:
@@ -203,6 +237,7 @@ class ControlDaemon:
                         pass
                 if not await self._reap(REAP_S):
                     log.error(f"mps: control daemon {self.pid} not reaped; left behind")
+            await self._reap_orphans()
             log.info(f"mps: control daemon quit in {(time.monotonic() - t0) * 1e3:.0f} ms")
         if self.temporary:
             shutil.rmtree(self.dir, ignore_errors=True)

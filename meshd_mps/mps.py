@@ -67,11 +67,15 @@ class Mps:
         self.server: str | None = None  # the server's pid once a worker was seen in its client list
         self.native: set[int] = set()
         self.max_clients = max_clients
+        #: The environment a worker gets on top of ours (tests point it elsewhere).
+        self.worker_env: dict[str, str] = dict(daemon.env)
 
     # ---- clients --------------------------------------------------------------------------
     async def server_pid(self) -> str | None:
         out = await self.daemon.control("get_server_list")
         first = out.split("\n", 1)[0].strip()
+        if first.isdigit():
+            self.daemon.servers.add(int(first))
         return first or None
 
     async def clients(self, server: str) -> list[int]:
@@ -117,7 +121,7 @@ class Mps:
                 f"mps: {self._count_clients()} clients already: the MPS server takes at most {self.max_clients}"
                 f" (CUDA 13.0); refusing another worker{' for ' + program if program else ''}"
             )
-        env = {**os.environ, **self.daemon.env}
+        env = {**os.environ, **self.worker_env}
         try:
             return await self.sup.spawn(worker_argv(self.mailbox, self.sms, self.gpu), env, program)
         except WorkerError as e:

@@ -223,7 +223,7 @@ class Programs:
         if p.launch.finished():
             raise ProgramError(f"program {name} is not running ({p.state()[0]})")
         seq = self.b.mailbox.post(p.slot, payload)
-        delay = 20e-6
+        t0 = time.perf_counter()
         with anyio.move_on_after(within):
             while True:
                 got = self.b.mailbox.response(p.slot, seq)
@@ -231,8 +231,9 @@ class Programs:
                     return got
                 if p.launch.finished():
                     raise ProgramError(f"program {name} ended before answering ({p.state()[1] or p.state()[0]})")
-                await anyio.sleep(delay)  # the kernel answers in host memory: nothing to wait on but the word
-                delay = min(delay * 2, 1e-3)
+                # The kernel answers in host memory: nothing to wait on but the word.  For the
+                # first 200 us just yield (the loop's timers round any sleep up to 1 ms), then back off.
+                await anyio.sleep(0 if time.perf_counter() - t0 < 200e-6 else 1e-3)
         raise ProgramError(f"program {name}: no response in {within:g}s")
 
     # ---- faults ---------------------------------------------------------------------------
@@ -378,9 +379,16 @@ class Programs:
         """Every program halted (briefly) and unloaded, before the backend closes."""
         self._closing = True
         with anyio.CancelScope(shield=True):
-            for p in list(self.by_name.values()):
+            progs = list(self.by_name.values())
+            for p in progs:  # all halted first: in blink mode the unloads then halt nobody
+                self.b.mailbox.halt(p.slot)
+            for p in progs:
                 try:
                     await self._halt(p, within=1.0)
+                except MeshError as e:
+                    log.error(f"program {p.name}: {e}")
+            for p in progs:
+                try:
                     await self.b.unload(p.kernel)
                 except MeshError as e:
                     log.error(f"program {p.name}: {e}")

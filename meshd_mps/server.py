@@ -47,12 +47,12 @@ import structlog
 from . import abi
 from .backend import Backend
 from .client import MAX_BODY, default_socket
-from .compiler import INCLUDE_DIR, CompileError, HashMismatch, Manifest, ManifestError, cuda_to_ptx, nvjitlink_version
+from .compiler import INCLUDE_DIR, Manifest, cuda_to_ptx, nvjitlink_version
 from .daemon import become_subreaper
-from .errors import ConfigError, LimitError, MeshError, NoDriver, WorkerError
+from .errors import CompileError, ConfigError, HashMismatch, LimitError, ManifestError, MeshError, NoDriver, WorkerError
 from .log import setup_logging
 from .mailbox import MailboxError
-from .metrics import CONTENT_TYPE as METRICS_TYPE, Registry
+from .metrics import CONTENT_TYPE as METRICS_TYPE, Histogram, Registry
 from .programs import CALL_S, NAME, Program, ProgramError, Programs
 
 log = structlog.get_logger("meshd_mps")
@@ -363,8 +363,7 @@ class Daemon:
         self._seen: dict[tuple[str, float], str] = {}  # (name, start) -> last state seen
         self.http_codes: dict[int, int] = {}
         self.registry = Registry()
-        self.load_seconds = self.registry.histogram(
-            "meshd_mps_load_seconds", "Time of each successful load or upgrade (checks, JIT or cache, preload, launch).")
+        self.load_seconds: Histogram | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------
     async def run(self) -> int:
@@ -375,6 +374,7 @@ class Daemon:
         watcher = asyncio.create_task(self._watch_signals(), name="signals")
         monitor: asyncio.Task[None] | None = None
         server: asyncio.base_events.Server | None = None
+        sock: socket.socket | None = None
         try:
             try:
                 become_subreaper()  # orphans of ours (the MPS daemon's) are ours to reap
@@ -391,7 +391,6 @@ class Daemon:
                     await opening
                 except (asyncio.CancelledError, Exception):
                     pass
-                sock.close()
                 return 0
             stopped.cancel()
             opening.result()  # its error (NoDriver, MpsError, ...) ends the start
@@ -414,6 +413,8 @@ class Daemon:
                     monitor.cancel()
                 if server is not None:
                     server.close()
+                elif sock is not None:
+                    sock.close()
                 await self._close_backend()
                 self._remove_socket()
             for s in (signal.SIGTERM, signal.SIGINT):
@@ -688,6 +689,8 @@ class Daemon:
             "mps_dir": s.get("mps_dir"),
             "programs": len(ps.by_name),
             "loads": ps.loads,
+            "requests_in_flight": len(self._busy),  # this one included
+            "faults": [_fault(f) for f in getattr(ps, "faults", [])[-10:]],
             "uptime_s": round(time.monotonic() - self.t0, 3),
             "started": self.started.isoformat(),
             "versions": self.versions,
@@ -722,7 +725,7 @@ class Daemon:
 
     def _loaded(self, p: Program, status: int, what: str) -> Response:
         ps = self._p()
-        if ps.load_ms:
+        if ps.load_ms and self.load_seconds is not None:
             self.load_seconds.observe(ps.load_ms[-1] / 1e3)
         return json_response(status, {"ok": True, what: p.name, "program": self._describe(p)})
 
@@ -791,26 +794,23 @@ class Daemon:
 
     # ---- program states, metrics ----------------------------------------------------------
     def _scan(self) -> None:
-        """Note programs that failed since the last look (faults; deaths when their worker died)."""
+        """Count programs that failed or faulted since the last look (deaths: their worker died).
+        Programs logs the failures itself; this only counts them, once each."""
         if self.programs is None:
             return
         current = {}
         for p in self.programs.by_name.values():
             key = (p.name, p.started)
-            state, error = p.state()
+            state, _error = p.state()
             current[key] = state
             before = self._seen.get(key)
-            if state == before:
+            if state == before or state in ("running", "exited"):
                 continue
-            if state == "failed":
+            if before in (None, "running", "exited"):  # newly failed (failed -> faulted is one fault)
                 self.faults += 1
                 f = p.launch.inner
-                died = f.done() and not f.cancelled() and isinstance(f.exception(), WorkerError)
-                if died:
+                if f.done() and not f.cancelled() and isinstance(f.exception(), WorkerError):
                     self.deaths += 1
-                log.error(f"program {p.name} failed: {error}", program=p.name, slot=p.slot, worker_died=died)
-            elif state == "exited":
-                log.info(f"program {p.name} exited", program=p.name, slot=p.slot)
         self._seen = current
 
     async def _monitor(self) -> None:
@@ -830,15 +830,21 @@ class Daemon:
                            "device": caps.name}, 1)])
         r.gauge("meshd_mps_uptime_seconds", "Seconds since the daemon started.", lambda: round(time.monotonic() - self.t0, 3))
         r.counter("meshd_mps_loads_total", "Successful loads and upgrades.", lambda: ps.loads)
+        self.load_seconds = r.histogram(
+            "meshd_mps_load_seconds", "Time of each successful load or upgrade (checks, JIT or cache, preload, launch).")
 
         def by_state() -> list[tuple[dict[str, str], float]]:
-            n = {"running": 0, "exited": 0, "failed": 0}
+            n = dict.fromkeys(("running", "exited", "failed", "faulted"), 0)
             for p in ps.by_name.values():
-                n[p.state()[0]] += 1
+                st = p.state()[0]
+                n[st] = n.get(st, 0) + 1
             return [({"state": k}, v) for k, v in n.items()]
 
         r.gauge("meshd_mps_programs", "Loaded programs, by state.", by_state)
-        r.counter("meshd_mps_faults_total", "Programs seen failed (a launch error, a fault, a worker death).", lambda: self.faults)
+        r.counter("meshd_mps_faults_total", "Programs seen failed or faulted (a launch error, a GPU fault, a worker death).",
+                  lambda: self.faults)
+        r.counter("meshd_mps_gpu_faults_total", "GPU faults that took every MPS client down (MPS mode; each one recovered).",
+                  lambda: sum(1 for f in getattr(ps, "faults", []) if getattr(f, "gpu_wide", False)))
         r.counter("meshd_mps_worker_deaths_total", "Programs that ended because their worker process died.", lambda: self.deaths)
         r.gauge("meshd_mps_workers", "Live worker processes (MPS clients, or the blink context).", lambda: len(b.sup.live()))
         r.counter("meshd_mps_workers_retired_total", "Worker processes retired and reaped (pool overflow, unfit, dead).",
@@ -856,6 +862,14 @@ class Daemon:
         r.gauge("meshd_mps_sms", "SMs a program may use (--sms, else the device's).", lambda: caps.sms)
         r.counter("meshd_mps_http_requests_total", "Control API requests answered, by status code.",
                   lambda: [({"code": str(k)}, v) for k, v in sorted(self.http_codes.items())])
+
+
+def _fault(f: Any) -> dict[str, Any]:
+    """A FaultReport as JSON (its fields, the time in ISO 8601)."""
+    d = dict(getattr(f, "__dict__", {}))
+    if isinstance(d.get("at"), (int, float)):
+        d["at"] = datetime.fromtimestamp(d["at"], timezone.utc).isoformat()
+    return d
 
 
 def _program_status(msg: str) -> int:

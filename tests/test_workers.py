@@ -222,3 +222,16 @@ async def test_spawning_many_does_not_freeze_the_loop(rig):
             tg.cancel_scope.cancel()
         assert len(m.pool) == 8
     assert max(gaps) < 1.0, f"the loop stalled {max(gaps):.3f} s while spawning"
+
+
+async def test_daemon_killed_underneath(rig):
+    r = rig(pool_cap=0)
+    async with r as m:
+        w = await preload(m, "before")
+        assert r.daemon.pid is not None
+        os.kill(r.daemon.pid, 9)
+        with anyio.fail_after(30):
+            with pytest.raises((MpsError, WorkerError), match=r"Cannot find MPS control daemon process|MPS_RPC_FAILURE|exited"):
+                await preload(m, "after")  # a fresh worker cannot be verified: refused, no hang
+        await m.drop(w)
+    # the server it left behind was re-parented to us and reaped at close (no_child_left checks)

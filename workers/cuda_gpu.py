@@ -101,6 +101,7 @@ class CudaGpu:
         self.requested_sms = sms
         self.sms = 0
         self.dev = 0  # the mailbox's device address
+        self._waiters: list[threading.Thread] = []
         self._ctx: Any = None
         self._green: Any = None
         self._primary: Any = None  # the CUdevice whose primary context we retained
@@ -331,7 +332,13 @@ class CudaGpu:
         with self._lock:
             m.running.add(gen)
         t = threading.Thread(target=self._wait, args=(m, gen, ev, on_done), name=f"done-{module}-{gen}", daemon=True)
-        t.start()
+        self._waiters.append(t)  # started once LAUNCHED is written: Thread.start() costs the reply ~100 us
+
+    def launched(self) -> None:
+        """Called by the worker loop after LAUNCHED is written: start the completion waiters."""
+        waiters, self._waiters = self._waiters, []
+        for t in waiters:
+            t.start()
 
     def _wait(self, m: _Module, gen: int, ev: Any, on_done: DoneCallback) -> None:
         ok, message = True, ""

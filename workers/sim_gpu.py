@@ -211,7 +211,7 @@ class SimGpu:
         if kind == "spin":
             ms = mb.u32(slot, abi.USER_BASE) or 100
             end = time.monotonic() + ms / 1e3
-            while time.monotonic() < end and not self._poison:
+            while time.monotonic() < end and not self._poison and mb.u32(slot, abi.CONTROL) != abi.HALT:
                 time.sleep(0.001)
             return True, ""
         if kind in ("heartbeat", "echo"):

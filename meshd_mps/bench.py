@@ -1,0 +1,674 @@
+"""``python -m meshd_mps.bench [--gpu cuda|sim] [--quick] [--json FILE] [--mps-dir DIR]``: one table.
+
+Every figure stands beside a baseline measured in the same run, with the
+ratio, the target and PASS / MISS ("-": a figure without a target, shown
+for comparison).  The examples are compiled from CUDA C here (NVRTC, then
+the backend's nvJitLink); nothing ships as PTX.  Rows (issue 6):
+
+(a) stall: the largest gap between two beats of a running ``heartbeat``
+    (MAX_GAP, ns of the kernel's %globaltimer, zeroed through GAP_RESET before
+    the window) while ``echo`` is loaded until its first beat: into a pooled
+    MPS worker, into a fresh one (pool emptied first), and in blink mode.
+    Baseline: the heartbeat's own max gap over a window of the same length
+    with nothing happening.  In blink mode the heartbeat is halted and
+    relaunched, and a relaunched kernel restarts MAX_GAP, so the gap across
+    the blink is estimated from (HEARTBEAT, BEAT_TIME) samples taken by the
+    host: the time between two samples less the beats between them at the
+    idle beat rate.
+(b) ask: WorkerProc.ask round trip of a LAUNCH until its LAUNCHED, for a
+    kernel that returns at once (``heartbeat`` whose slot already says HALT),
+    its DONE awaited before the next ask; one worker alone, then 32 (8 with
+    --quick) workers asking concurrently.  Baseline: a raw pipe ping-pong of
+    the same frame with a child process that echoes it (os.write / os.read).
+(c) done: a kernel's end to the caller's awaitable resolving, measured from
+    the host's HALT write on a running ``heartbeat`` to its Launch resolving.
+    Baseline: HALT write to STATE = EXITED seen by a host spin on the slot
+    (the kernel's end itself, without the DONE path).
+(d) pool: Mps.prewarm of 1, 8, 32 workers (spawn to every READY and the
+    client check), and VmRSS per worker, against as many bare clients
+    started under the same daemon: python + import cuda.bindings + cuInit +
+    primary context + one 1 MiB alloc (probe/pool.py's child); with --gpu sim
+    a bare client is python importing cuda.bindings only.
+(e) load: a program's PTX to running (Programs.load: prepare, preload into a
+    pooled MPS worker, launch; until its first heartbeat), from the cubin
+    cache, against the same with a cold JIT (a fresh Compiler, no cache).
+(f) ring: one request and its response through ``echo``'s mailbox ring
+    (Programs.call), against one kernel launch plus synchronise per request
+    (LAUNCH of a kernel that returns at once, DONE awaited).
+(g) idle: this supervisor process's CPU (getrusage user + sys) over 5 s
+    (2 s with --quick) with 32 (8) idle pooled workers, in % of one core,
+    against the same window before any backend was opened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from . import abi, frames
+from .backend import Backend
+from .compiler import Compiler, cuda_to_ptx, nvjitlink_version
+from .frames import Launch as LaunchReq, Op
+from .log import setup_logging
+from .mps import Worker
+from .programs import Programs
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+BARE_CUDA = r"""
+import os, sys
+from cuda.bindings import driver as cu
+def ck(r, what):
+    err, *v = r if isinstance(r, tuple) else (r,)
+    if int(err) != 0:
+        print("error", what, err, flush=True); sys.exit(1)
+    return v[0] if v else None
+ck(cu.cuInit(0), "cuInit")
+ctx = ck(cu.cuDevicePrimaryCtxRetain(ck(cu.cuDeviceGet(0), "cuDeviceGet")), "cuDevicePrimaryCtxRetain")
+ck(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+ck(cu.cuMemAlloc(1 << 20), "cuMemAlloc")
+print("ok", os.getpid(), flush=True)
+sys.stdin.readline()
+"""
+BARE_SIM = "import os, sys\nfrom cuda.bindings import driver\nprint('ok', os.getpid(), flush=True)\nsys.stdin.readline()\n"
+ECHO_CHILD = "import os\nwhile True:\n    b = os.read(0, 4096)\n    if not b: break\n    os.write(1, b)\n"
+
+
+@dataclass
+class Row:
+    id: str
+    name: str
+    unit: str = ""
+    value: float | None = None
+    baseline: float | None = None
+    base_name: str = ""
+    target: str = "-"
+    ok: bool | None = None
+    note: str = ""
+    error: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        return self.value / self.baseline if self.value is not None and self.baseline else None
+
+    @property
+    def result(self) -> str:
+        return "ERROR" if self.error else "-" if self.ok is None else "PASS" if self.ok else "MISS"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ratio": self.ratio, "result": self.result}
+
+
+class Bench:
+    def __init__(self, gpu: str, quick: bool, mps_dir: str | None):
+        self.gpu, self.quick = gpu, quick
+        self.own_base = mps_dir is None
+        self.base = mps_dir or tempfile.mkdtemp(prefix="meshd-bench.")  # short: AF_UNIX paths stop at 108 bytes
+        self.dirs: list[str] = []
+        self.device = ""
+        self._src: dict[tuple[str, str], tuple[dict[str, Any], bytes]] = {}
+
+    def n(self, full: int, quick: int) -> int:
+        return quick if self.quick else full
+
+    async def backend(self, isolation: str, pool: int = 0) -> Backend:
+        d = None
+        if isolation == "mps":
+            d = os.path.join(self.base, str(len(self.dirs)))
+            self.dirs.append(d)
+        b = await Backend.open(isolation=isolation, pool=pool, gpu=self.gpu, mps_dir=d)  # type: ignore[arg-type]
+        if not self.device and b.caps is not None:
+            c = b.caps
+            self.device = f"{c.name} (sm_{c.cc_major}{c.cc_minor}, {c.sms_total} SMs, {c.blocks_per_sm} blocks/SM)"
+        return b
+
+    async def src(self, b: Backend, name: str) -> tuple[dict[str, Any], bytes]:
+        """An example's manifest and PTX, compiled here from CUDA C for the device's arch."""
+        assert b.info is not None
+        arch = b.info.compute
+        if (name, arch) not in self._src:
+            d = EXAMPLES / name
+            cu = (d / f"{name}.cu").read_bytes()
+            ptx = await anyio.to_thread.run_sync(lambda: cuda_to_ptx(cu, name, arch=arch, include=[str(EXAMPLES / "include")]))
+            self._src[name, arch] = (json.loads((d / "manifest.json").read_text()), ptx)
+        return self._src[name, arch]
+
+    def cleanup(self) -> None:
+        for d in [self.base] if self.own_base else self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def until(pred: Any, within: float, what: str) -> None:
+    """Wait for pred(): a hot yield for 5 ms (asyncio sleeps round up to 1 ms), then 1 ms sleeps."""
+    t0 = time.perf_counter()
+    while not pred():
+        dt = time.perf_counter() - t0
+        if dt > within:
+            raise TimeoutError(f"{what}: not within {within:g} s")
+        await asyncio.sleep(0 if dt < 0.005 else 0.001)
+
+
+def spin(pred: Any, within: float, what: str) -> None:
+    """A host busy-wait (for the baselines), bounded."""
+    end = time.perf_counter() + within
+    while not pred():
+        if time.perf_counter() > end:
+            raise TimeoutError(f"{what}: not within {within:g} s")
+
+
+async def timed(n: int, f: Any, warm: int = 10) -> list[float]:
+    """Seconds each of n ``await f()`` took (or the float f returns), after ``warm`` untimed ones."""
+    out = []
+    for i in range(n + warm):
+        t0 = time.perf_counter()
+        r = await f()
+        if i >= warm:
+            out.append(r if isinstance(r, float) else time.perf_counter() - t0)
+    return out
+
+
+async def launch_sync(w: Worker, slot: int, ask_only: bool = False) -> float:
+    """LAUNCH of w's kernel through WorkerProc.ask, then its DONE: seconds to LAUNCHED (ask_only) or to DONE."""
+    p = w.proc
+    gen, done = p.next_gen(w.module)
+    t0 = time.perf_counter()
+    try:
+        await p.ask(Op.LAUNCH, LaunchReq(w.module, gen, slot, 1).encode(), Op.LAUNCHED, p.deadlines.launch)
+    except BaseException:
+        done.cancel()
+        raise
+    t1 = time.perf_counter()
+    with anyio.fail_after(5):
+        d = await done
+    if not d.ok:
+        raise RuntimeError(f"{w.name} on worker {p.pid}: DONE says {d.message}")
+    return t1 - t0 if ask_only else time.perf_counter() - t0
+
+
+async def returning_worker(bench: Bench, b: Backend, slot: int) -> Worker:
+    """A pooled worker with ``heartbeat`` loaded and its slot set to HALT: each launch returns at once."""
+    img = await b.prepare(*await bench.src(b, "heartbeat"))
+    assert img.worker is not None
+    b.mailbox.reset_slot(slot)
+    b.mailbox.halt(slot)
+    return img.worker
+
+
+async def retire_idle(b: Backend) -> None:
+    """Empty the pool: its workers retired and reaped."""
+    assert b.mps is not None
+    idle = b.mps.pool.drain()
+    for w in idle:
+        b.sup.retire(w)
+    pids = {w.pid for w in idle}
+    await until(lambda: not pids & set(b.sup.children()), 15, "retired workers to exit")
+
+
+def vmrss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 1024
+
+
+# ---- (a) stall -----------------------------------------------------------------------------------
+async def beat(b: Backend, slot: int, reset: bool = False) -> None:
+    """The heartbeat's next beat; with ``reset`` the beat that zeroed MAX_GAP (GAP_RESET)."""
+    mb, n = b.mailbox, b.mailbox.heartbeat(slot)
+    if reset:
+        mb.set_u32(slot, abi.GAP_RESET, 1)
+        await until(lambda: mb.u32(slot, abi.GAP_RESET) == 0, 10, "the heartbeat to zero MAX_GAP")
+    else:
+        await until(lambda: mb.heartbeat(slot) > n, 10, "the heartbeat's next beat")
+
+
+def across(samples: list[tuple[int, int, int]], period: float) -> float:
+    """The largest gap seen from host samples (n, beat time, max gap): between two samples, the
+    time less the beats between them at ``period`` ns a beat (or a sampled MAX_GAP, if larger)."""
+    est = max((g for _, _, g in samples), default=0)
+    for (n0, t0, _), (n1, t1, _) in zip(samples, samples[1:]):
+        if n1 > n0 and t1 >= t0:
+            est = max(est, (t1 - t0) - (n1 - n0 - 1) * period)
+    return est
+
+
+async def stall_window(b: Backend, progs: Programs, slot: int, echo: tuple[dict[str, Any], bytes], sampled: bool) -> tuple[float, float]:
+    """(max gap us while echo loads until its first beat, max gap us over as long with nothing)."""
+    mb, samples, stop = b.mailbox, [], asyncio.Event()
+
+    async def poll() -> None:
+        while not stop.is_set():
+            samples.append((mb.heartbeat(slot), mb.u64(slot, abi.BEAT_TIME), mb.u64(slot, abi.MAX_GAP)))
+            await asyncio.sleep(0)
+
+    await beat(b, slot, reset=True)
+    t0 = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        if sampled:
+            tg.start_soon(poll)
+        p = await progs.load(*echo)
+        await until(lambda: mb.heartbeat(p.slot) > 0, 10, "echo's first beat")
+        window = time.perf_counter() - t0
+        await beat(b, slot)
+        stop.set()
+    gap = float(mb.u64(slot, abi.MAX_GAP))
+    await progs.unload(p.name)
+    await beat(b, slot, reset=True)
+    n0, t0ns = mb.heartbeat(slot), mb.u64(slot, abi.BEAT_TIME)
+    await anyio.sleep(window)
+    await beat(b, slot)
+    idle = float(mb.u64(slot, abi.MAX_GAP))
+    if sampled:
+        period = (mb.u64(slot, abi.BEAT_TIME) - t0ns) / max(1, mb.heartbeat(slot) - n0)
+        gap = max(gap, across(samples, period))
+    return gap / 1e3, idle / 1e3
+
+
+async def sec_stall(bench: Bench) -> list[Row]:
+    reps, rows = bench.n(3, 1), []
+    note = "echo loaded until its first beat; worst of %d; heartbeat's MAX_GAP (%%globaltimer)" % bench.n(3, 1)
+    for mode in ("mps", "blink"):
+        async with await bench.backend(mode, pool=2) as b:
+            progs = Programs(b)
+            try:
+                hb = await progs.load(*await bench.src(b, "heartbeat"))
+                echo = await bench.src(b, "echo")
+                assert b.compiler is not None
+                await b.compiler.prepare(*echo)  # the JIT outside the windows
+                await until(lambda: b.mailbox.heartbeat(hb.slot) > 0, 10, "the heartbeat's first beat")
+                for case in ("pooled", "fresh") if mode == "mps" else ("blink",):
+                    gap = idle = 0.0
+                    for _ in range(reps):
+                        if case == "fresh":
+                            await retire_idle(b)
+                        elif case == "pooled" and b.mps is not None and not len(b.mps.pool):
+                            raise RuntimeError("no pooled worker left for the pooled case")
+                        g, i = await stall_window(b, progs, hb.slot, echo, sampled=case == "blink")
+                        gap, idle = max(gap, g), max(idle, i)
+                    r = Row("a", f"stall: load into a {case} MPS worker" if mode == "mps" else "stall: load in blink mode",
+                            "us", gap, idle, "idle gap", note=note)
+                    if case == "pooled":
+                        r.target, r.ok = "<= 2x idle", gap <= 2 * idle
+                    if case == "blink":
+                        r.note += "; across the halt+relaunch estimated from host samples of HEARTBEAT/BEAT_TIME"
+                    rows.append(r)
+            finally:
+                await progs.close()
+    return rows
+
+
+# ---- (b) ask -----------------------------------------------------------------------------------
+def raw_pipe(n: int) -> list[float]:
+    """Round trips of a LAUNCH-sized frame with a child process that echoes it."""
+    req = frames.encode(Op.LAUNCH, LaunchReq(1, 1, 0, 1).encode())
+    child = subprocess.Popen([sys.executable, "-c", ECHO_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+    assert child.stdin is not None and child.stdout is not None
+    wfd, rfd, out = child.stdin.fileno(), child.stdout.fileno(), []
+    try:
+        for i in range(n + 50):
+            t0 = time.perf_counter()
+            os.write(wfd, req)
+            got = b""
+            while len(got) < len(req):
+                if not select.select([rfd], [], [], 5)[0]:
+                    raise TimeoutError("raw pipe: the echoing child did not answer in 5 s")
+                chunk = os.read(rfd, len(req) - len(got))
+                if not chunk:
+                    raise RuntimeError("raw pipe: the echoing child exited")
+                got += chunk
+            if i >= 50:
+                out.append(time.perf_counter() - t0)
+    finally:
+        child.stdin.close()
+        try:
+            child.wait(5)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(5)
+    return out
+
+
+async def sec_ask(bench: Bench) -> list[Row]:
+    n1, nw, each = bench.n(2000, 300), bench.n(32, 8), bench.n(200, 50)
+    raw = await anyio.to_thread.run_sync(raw_pipe, n1)
+    rp50, rp99 = pct(raw, 0.5) * 1e6, pct(raw, 0.99) * 1e6
+    async with await bench.backend("mps", pool=nw) as b:
+        ws = [await returning_worker(bench, b, 100 + i) for i in range(nw)]
+        one = await timed(n1, lambda: launch_sync(ws[0], 100, ask_only=True))
+        many: list[float] = []
+
+        async def asker(i: int) -> None:
+            many.extend(await timed(each, lambda: launch_sync(ws[i], 100 + i, ask_only=True)))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(nw):
+                tg.start_soon(asker, i)
+    note = "WorkerProc.ask LAUNCH->LAUNCHED, heartbeat with HALT preset; raw: pipe ping-pong of the frame with an echoing child"
+    p50, p99 = pct(one, 0.5) * 1e6, pct(one, 0.99) * 1e6
+    m50, m99 = pct(many, 0.5) * 1e6, pct(many, 0.99) * 1e6
+    return [
+        Row("b", "ask p50, 1 worker", "us", p50, rp50, "raw pipe p50", "<= 3x raw pipe", p50 <= 3 * rp50, note + f"; {n1} asks"),
+        Row("b", "ask p99, 1 worker", "us", p99, rp99, "raw pipe p99", note=f"{n1} asks"),
+        Row("b", f"ask p50, {nw} workers busy", "us", m50, rp50, "raw pipe p50", note=f"{nw} workers x {each} asks, concurrently"),
+        Row("b", f"ask p99, {nw} workers busy", "us", m99, rp99, "raw pipe p99", "< 1000 us", m99 < 1000, note=f"{nw} workers x {each} asks"),
+    ]
+
+
+# ---- (c) done ----------------------------------------------------------------------------------
+async def sec_done(bench: Bench) -> list[Row]:
+    n, slot = bench.n(200, 30), 10
+    done: list[float] = []
+    ended: list[float] = []
+    async with await bench.backend("mps", pool=1) as b:
+        mb = b.mailbox
+        k = await b.load(await b.prepare(*await bench.src(b, "heartbeat")))
+        mb.reset_slot(slot)
+        for i in range(2 * n + 4):  # even: HALT -> Launch resolved; odd: HALT -> STATE = EXITED (the baseline)
+            mb.set_u32(slot, abi.STATE, abi.IDLE)
+            beats = mb.heartbeat(slot)
+            run = await b.launch(k, slot)
+            await until(lambda: mb.heartbeat(slot) > beats and mb.u32(slot, abi.STATE) == abi.RUNNING, 10, "heartbeat running")
+            t0 = time.perf_counter()
+            mb.halt(slot)
+            if i % 2:
+                spin(lambda: mb.u32(slot, abi.STATE) == abi.EXITED, 5, "STATE = EXITED after HALT")
+                t1 = time.perf_counter()
+            with anyio.fail_after(5):
+                d = await run
+            if i % 2 == 0:
+                t1 = time.perf_counter()
+            if not d.ok:
+                raise RuntimeError(f"heartbeat: DONE says {d.message}")
+            if i >= 4:
+                (ended if i % 2 else done).append(t1 - t0)
+        await b.unload(k)
+    p50, p99 = pct(done, 0.5) * 1e6, pct(done, 0.99) * 1e6
+    e50, e99 = pct(ended, 0.5) * 1e6, pct(ended, 0.99) * 1e6
+    note = "from the host's HALT write on a running heartbeat to its Launch resolving (MPS worker); baseline: HALT to STATE=EXITED by a host spin"
+    return [
+        Row("c", "done p50", "us", p50, e50, "kernel end p50", "< 200 us", p50 < 200, note + f"; {n} each"),
+        Row("c", "done p99", "us", p99, e99, "kernel end p99", note=f"{n} each"),
+    ]
+
+
+# ---- (d) pool ----------------------------------------------------------------------------------
+async def bare_clients(bench: Bench, b: Backend, n: int) -> tuple[float, float, int | None]:
+    """n bare clients under b's daemon: (all ready s, median VmRSS MiB, how many are in the client list)."""
+    assert b.daemon is not None and b.mps is not None
+    env = {**os.environ, **b.daemon.env}
+    code = BARE_CUDA if bench.gpu == "cuda" else BARE_SIM
+    procs: list[asyncio.subprocess.Process] = []
+    t0 = time.perf_counter()
+    try:
+        for _ in range(n):
+            procs.append(await asyncio.create_subprocess_exec(sys.executable, "-c", code, stdin=asyncio.subprocess.PIPE,
+                                                              stdout=asyncio.subprocess.PIPE, env=env))
+        with anyio.fail_after(120):
+            for p in procs:
+                assert p.stdout is not None
+                line = (await p.stdout.readline()).decode(errors="replace").split()
+                if line[:1] != ["ok"]:
+                    raise RuntimeError(f"bare client {p.pid}: {' '.join(line) or 'exited before it was ready'}")
+        t = time.perf_counter() - t0
+        rss = statistics.median(vmrss_mib(p.pid) for p in procs)
+        seen = None
+        if bench.gpu == "cuda":
+            server = await b.mps.server_pid()
+            listed = set(await b.mps.clients(server)) if server else set()
+            seen = sum(p.pid in listed for p in procs)
+        return t, rss, seen
+    finally:
+        for p in procs:
+            if p.stdin is not None:
+                p.stdin.close()
+        with anyio.move_on_after(10, shield=True):
+            for p in procs:
+                await p.wait()
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+        with anyio.move_on_after(5, shield=True):
+            for p in procs:
+                await p.wait()
+
+
+async def sec_pool(bench: Bench) -> list[Row]:
+    rows, rss = [], (0.0, 0.0, 0)
+    bare = ("bare clients: python + cuda.bindings + cuInit + primary context + 1 MiB alloc" if bench.gpu == "cuda"
+            else "sim: bare clients are python importing cuda.bindings only")
+    async with await bench.backend("mps", pool=0) as b:
+        assert b.mps is not None
+        for n in (1, 8) if bench.quick else (1, 8, 32):
+            t0 = time.perf_counter()
+            await b.mps.prewarm(n)
+            tw = time.perf_counter() - t0
+            rw = statistics.median(vmrss_mib(p) for p in b.mps.pool.pids())
+            await retire_idle(b)
+            tb, rb, seen = await bare_clients(bench, b, n)
+            listed = f"; {seen}/{n} bare clients in the server's client list" if seen is not None else ""
+            pl = "s" if n > 1 else ""
+            rows.append(Row("d", f"pool: prewarm {n} worker{pl}", "ms", tw * 1e3, tb * 1e3, f"{n} bare client{pl}", "<= 1.2x",
+                            tw <= 1.2 * tb, f"spawn to all READY + client check; {bare}{listed}"))
+            rss = (rw, rb, n)
+    rows.append(Row("d", "pool: VmRSS per worker", "MiB", rss[0], rss[1], "bare client", "<= 1.2x", rss[0] <= 1.2 * rss[1],
+                    f"median of {rss[2]} idle pooled workers vs {rss[2]} bare clients"))
+    return rows
+
+
+# ---- (e) load ----------------------------------------------------------------------------------
+async def sec_load(bench: Bench) -> list[Row]:
+    cold: list[float] = []
+    hot: list[float] = []
+    jit: list[float] = []
+    async with await bench.backend("mps", pool=2) as b:
+        progs = Programs(b)
+        src = await bench.src(b, "heartbeat")
+        try:
+            for _ in range(bench.n(5, 2)):
+                assert b.info is not None
+                b.compiler = Compiler(b.info)  # cold: an empty cache, nothing on disk
+                for out in (cold, hot):
+                    t0 = time.perf_counter()
+                    p = await progs.load(*src)
+                    await until(lambda: b.mailbox.heartbeat(p.slot) > 0, 10, "the program's first beat")
+                    out.append((time.perf_counter() - t0) * 1e3)
+                    if out is cold:
+                        jit.append(p.compile_ms)
+                    elif not p.cached:
+                        raise RuntimeError("the second load did not come from the cubin cache")
+                    await progs.unload(p.name)
+        finally:
+            await progs.close()
+    c, h = statistics.median(cold), statistics.median(hot)
+    return [Row("e", "load: PTX to running, cached", "ms", h, c, "cold JIT", "< 5 ms", h < 5,
+                f"Programs.load into a pooled MPS worker until the first heartbeat; median of {len(hot)};"
+                f" cold JIT alone {statistics.median(jit):.1f} ms (nvJitLink already loaded in this process)")]
+
+
+# ---- (f) ring ----------------------------------------------------------------------------------
+async def sec_ring(bench: Bench) -> list[Row]:
+    n, payload = bench.n(500, 50), bytes(range(64))
+    async with await bench.backend("mps", pool=2) as b:
+        progs, mb = Programs(b), b.mailbox
+        try:
+            p = await progs.load(*await bench.src(b, "echo"))
+            await until(lambda: mb.heartbeat(p.slot) > 0, 10, "echo's first beat")
+
+            async def call() -> None:
+                if await progs.call("echo", payload) != payload:
+                    raise RuntimeError("echo answered something else")
+
+            async def spun_call() -> None:  # the same ring, the response awaited by a host spin
+                seq = mb.post(p.slot, payload)
+                spin(lambda: mb.response(p.slot, seq) is not None, 5, "echo's response")
+
+            ring, spun = await timed(n, call), await timed(n // 2, spun_call)
+            w = await returning_worker(bench, b, 20)
+            base = await timed(n, lambda: launch_sync(w, 20))
+        finally:
+            await progs.close()
+    r, s, lb = (pct(x, 0.5) * 1e6 for x in (ring, spun, base))
+    return [Row("f", "ring: request/response p50", "us", r, lb, "launch+sync p50", "<= 0.5x", r <= 0.5 * lb,
+                f"Programs.call on echo, {n} calls of 64 B; the same ring with a host spin instead: p50 {s:.1f} us;"
+                f" launch+sync: LAUNCH of a kernel that returns at once, DONE awaited")]
+
+
+# ---- (g) idle ----------------------------------------------------------------------------------
+async def cpu_percent(window: float) -> float:
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    await anyio.sleep(window)
+    r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    return (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / (t1 - t0) * 100
+
+
+async def sec_idle(bench: Bench) -> list[Row]:
+    window, nw = bench.n(5, 2), bench.n(32, 8)
+    base = await cpu_percent(window)
+    async with await bench.backend("mps", pool=nw) as b:
+        await anyio.sleep(0.5)  # the prewarm's tail settles
+        v = await cpu_percent(window)
+    return [Row("g", f"idle: supervisor CPU, {nw} pooled workers", "%", v, base, "no backend", "< 1 %", v < 1,
+                f"getrusage(RUSAGE_SELF) user+sys over {window} s, % of one core")]
+
+
+SECTIONS = [("a", "stall", sec_stall), ("b", "ask", sec_ask), ("c", "done", sec_done), ("d", "pool", sec_pool),
+            ("e", "load", sec_load), ("f", "ring", sec_ring), ("g", "idle", sec_idle)]
+
+
+def describe(e: BaseException) -> str:
+    while isinstance(e, BaseExceptionGroup) and e.exceptions:
+        e = e.exceptions[0]
+    return f"{type(e).__name__}: {e}"
+
+
+async def run_all(bench: Bench) -> list[Row]:
+    rows: list[Row] = []
+    for id, name, fn in SECTIONS:
+        print(f"bench: ({id}) {name} ...", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        limit = bench.n(300, 120)
+        try:
+            with anyio.fail_after(limit):
+                rows += await fn(bench)
+        except Exception as e:  # the row is ERROR; the other sections still run
+            why = describe(e) if str(e) else f"{type(e).__name__}: the section did not finish in {limit} s"
+            rows.append(Row(id, name, error=why))
+        print(f"bench: ({id}) {name} done in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+    return rows
+
+
+# ---- the report ------------------------------------------------------------------------------
+def _try(f: Any) -> str:
+    try:
+        return str(f())
+    except Exception as e:
+        return f"unknown ({describe(e)})"
+
+
+def _driver() -> str:
+    from cuda.bindings import driver as cu
+
+    v = cu.cuDriverGetVersion()[1]  # no cuInit, no context
+    smi = _try(lambda: subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                      capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0])
+    return f"{smi} (CUDA {v // 1000}.{v % 1000 // 10})"
+
+
+def header(bench: Bench, argv: list[str]) -> dict[str, str]:
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "device": bench.device or "unknown (no backend opened)",
+            "driver": _try(_driver) if bench.gpu == "cuda" else "none: the simulated GPU (--gpu sim)",
+            "cuda-bindings": _try(lambda: metadata.version("cuda-bindings")),
+            "nvjitlink": _try(lambda: "%s (library %d.%d)" % (metadata.version("nvidia-nvjitlink"), *nvjitlink_version())),
+            "nvrtc": _try(lambda: metadata.version("nvidia-cuda-nvrtc")), "python": sys.version.split()[0],
+            "command": " ".join(["python -m meshd_mps.bench", *argv])}
+
+
+def fmt(v: float | None, unit: str) -> str:
+    if v is None:
+        return "-"
+    return (f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:.0f}") + f" {unit}"
+
+
+def table(h: dict[str, str], rows: list[Row]) -> str:
+    out = [f"meshd-mps bench  {h['date']}", *(f"  {k}: {v}" for k, v in h.items() if k != "date"), ""]
+    cells = [["row", "figure", "value", "baseline", "ratio", "target", "result", "note"]]
+    for r in rows:
+        ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "-"
+        base = f"{fmt(r.baseline, r.unit)} ({r.base_name})" if r.base_name else fmt(r.baseline, r.unit)
+        cells.append([f"({r.id})", r.name, fmt(r.value, r.unit), base, ratio, r.target, r.result, r.error or r.note])
+    widths = [max(len(c[i]) for c in cells) for i in range(7)]
+    for c in cells:
+        out.append("  ".join(x.ljust(w) for x, w in zip(c, widths)) + "  " + c[7])
+    return "\n".join(out)
+
+
+def _ppid(pid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            s = f.read()
+        return int(s[s.rindex(")") + 2 :].split()[1])
+    except (OSError, ValueError):
+        return -1
+
+
+def leftovers() -> list[int]:
+    """Our children still there (running or zombie), killed and reaped; their pids."""
+    left = [int(d) for d in os.listdir("/proc") if d.isdigit() and _ppid(d) == os.getpid()]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    return left
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="python -m meshd_mps.bench", description="meshd-mps's figures, each beside its baseline.")
+    ap.add_argument("--gpu", choices=("cuda", "sim"), default="cuda", help="the real GPU (default) or the CPU simulation")
+    ap.add_argument("--quick", action="store_true", help="smaller counts (8 workers, fewer samples): a CPU smoke run")
+    ap.add_argument("--json", metavar="FILE", help="also write the header and rows as JSON")
+    ap.add_argument("--mps-dir", metavar="DIR", help="where the private MPS daemons' directories go (default: a temporary one)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("MESHD_MPS_LOG_LEVEL", "warning")  # workers inherit it
+    setup_logging(component="bench")
+    bench = Bench(args.gpu, args.quick, args.mps_dir)
+    try:
+        rows = asyncio.run(run_all(bench))
+    finally:
+        bench.cleanup()
+    left = leftovers()
+    h = header(bench, argv)
+    print(table(h, rows))
+    if left:
+        print(f"ERROR: child processes left behind (killed): {left}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"header": h, "rows": [r.as_dict() for r in rows], "left_behind": left}, indent=1))
+    return 1 if left or any(r.error for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,531 @@
+"""``meshd-mps serve`` end to end: a real daemon subprocess (``--gpu sim``), driven by
+the CLI (subprocesses) and by the client module, in both isolation modes; the
+control API's errors; signals; the plain no-driver message."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from meshd_mps import standin
+from meshd_mps.client import MAX_BODY, Client, ClientError, NoDaemon, program_body
+from meshd_mps.metrics import Registry
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+READY_S = 30.0
+STOP_S = 30.0
+
+
+def env() -> dict[str, str]:
+    """The stand-in MPS daemon first on PATH, then this interpreter's bin dir; the source tree importable."""
+    e = {k: v for k, v in os.environ.items() if k not in ("MESHD_MPS_SOCKET", "CUDA_MPS_PIPE_DIRECTORY")}
+    e["PATH"] = os.pathsep.join([standin.BIN_DIR, os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    e.pop("MESHD_MPS_LOG_LEVEL", None)
+    return e
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "meshd_mps", *args], capture_output=True, text=True, env=env(),
+                          cwd=REPO, timeout=timeout)
+
+
+def poll(cond, within: float, what: str, every: float = 0.02):
+    """cond() until it returns something truthy; its value, or a failure naming ``what``."""
+    deadline = time.monotonic() + within
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {within:g}s: {what}")
+        time.sleep(every)
+
+
+class Serve:
+    """One ``meshd-mps serve --gpu sim`` subprocess, its log in a file."""
+
+    def __init__(self, dir: str, isolation: str, sock: str, *extra: str):
+        self.dir, self.isolation, self.sock = dir, isolation, sock
+        self.logpath = os.path.join(dir, f"serve-{time.monotonic_ns()}.log")
+        argv = [sys.executable, "-m", "meshd_mps", "serve", "--gpu", "sim", "--isolation", isolation,
+                "--socket", sock, "--log-format", "json", *extra]
+        with open(self.logpath, "wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+        self.client = Client(sock, timeout=60)
+
+    def log(self) -> str:
+        with open(self.logpath, errors="replace") as f:
+            return f.read()
+
+    def wait_ready(self) -> dict:
+        def up():
+            if self.proc.poll() is not None:
+                pytest.fail(f"meshd-mps serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                return Client(self.sock, timeout=5).status()
+            except ClientError:
+                return None
+
+        return poll(up, READY_S, f"meshd-mps serve answering on {self.sock}", every=0.05)
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(STOP_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"meshd-mps serve did not stop {STOP_S:g}s after {signal.Signals(sig).name}:\n{self.log()}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def tmp():
+    # Short: AF_UNIX paths stop at 108 bytes.
+    d = tempfile.mkdtemp(prefix="msv-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def serve(tmp):
+    started: list[Serve] = []
+
+    def start(isolation: str, *extra: str, sock: str | None = None) -> Serve:
+        s = Serve(tmp, isolation, sock or os.path.join(tmp, "s.sock"), *extra)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.kill()
+
+
+# ---- helpers: processes, metrics --------------------------------------------------------
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def leftovers(marks: list[str]) -> list[str]:
+    """Processes whose command line or environment mentions one of ``marks``."""
+    out = []
+    bmarks = [m.encode() for m in marks if m]
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        cmd = _read(f"/proc/{d}/cmdline")
+        envb = _read(f"/proc/{d}/environ")
+        if any(m in cmd or m in envb for m in bmarks):
+            text = cmd.replace(b"\0", b" ").decode(errors="replace")[:200]
+            out.append(f"{d}: {text}")
+    return out
+
+
+def assert_clean_exit(s: Serve, mps_dir: str | None) -> None:
+    assert not os.path.exists(s.sock), "the socket is left behind"
+    if mps_dir:
+        assert not os.path.exists(mps_dir), f"the MPS dir {mps_dir} is left behind"
+    marks = [s.sock, mps_dir or "", f"/proc/{s.proc.pid}/fd/"]
+    poll(lambda: not leftovers(marks), 10.0, f"no process of the daemon left: {leftovers(marks)}")
+
+
+_SAMPLE = re.compile(
+    r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[a-zA-Z_][a-zA-Z0-9_]*="(?:\\.|[^"\\])*"(?:,[a-zA-Z_][a-zA-Z0-9_]*="(?:\\.|[^"\\])*")*\})?'
+    r" (-?[0-9][0-9.eE+-]*|NaN|\+Inf|-Inf)$"
+)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The text format 0.0.4, checked line by line: {'name{labels}': value}."""
+    assert text.endswith("\n")
+    types: dict[str, str] = {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            assert kind in ("counter", "gauge", "histogram", "summary", "untyped"), line
+            assert name not in types, f"{name}: TYPE twice"
+            types[name] = kind
+            continue
+        assert not line.startswith("#"), f"a stray comment: {line}"
+        m = _SAMPLE.match(line)
+        assert m, f"not a sample line: {line!r}"
+        name = m[1]
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name in types or base in types, f"{name}: a sample before its TYPE"
+        out[name + (m[2] or "")] = float(m[3])
+    return out
+
+
+def ptx_of(name: str) -> str:
+    from meshd_mps.compiler import cuda_to_ptx
+
+    return cuda_to_ptx((EXAMPLES / name / f"{name}.cu").read_bytes(), name, "compute_90").decode()
+
+
+def manifest(example: str, **over) -> dict:
+    m = json.loads((EXAMPLES / example / "manifest.json").read_text())
+    m.update(over)
+    return m
+
+
+# ---- end to end ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("isolation", ["blink", "mps"])
+def test_serve_end_to_end(serve, tmp, isolation):
+    sock = os.path.join(tmp, "s.sock")
+    if isolation == "blink":  # a stale socket file (nobody listens) is replaced
+        st = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        st.bind(sock)
+        st.close()
+        assert stat.S_ISSOCK(os.lstat(sock).st_mode)
+    s = serve(isolation)
+    status = s.wait_ready()
+    c = s.client
+    assert stat.S_IMODE(os.lstat(sock).st_mode) == 0o600
+    assert status["isolation"] == isolation and status["gpu"] == "sim" and status["programs"] == 0
+    assert status["pid"] == s.proc.pid and status["caps"]["sms_total"] == 132
+    assert set(status["versions"]) >= {"meshd-mps", "python", "cuda-bindings", "nvjitlink"}
+    mps_dir = status["mps_dir"]
+    if isolation == "mps":
+        assert len(status["pool"]["idle"]) == 2 and status["pool"]["capacity"] == 2
+        assert status["server_pid"] and sorted(status["clients"]) == sorted(status["pool"]["idle"])
+        assert status["daemon_pid"] and os.path.isdir(mps_dir)
+    else:
+        assert status["context_pid"] and mps_dir is None
+    assert '"msg": "meshd-mps' in s.log() and f"serves on {sock}: isolation {isolation}, gpu sim" in s.log()
+
+    # A second daemon on the same socket is refused, the first one untouched.
+    second = cli("serve", "--gpu", "sim", "--isolation", isolation, "--socket", sock)
+    assert second.returncode == 1 and f"another meshd-mps serves on {sock}" in second.stderr
+    assert "Traceback" not in second.stderr
+
+    # Load: a program directory through the CLI (the daemon compiles its .cu), CUDA C through the client.
+    r = cli("load", str(EXAMPLES / "heartbeat"), "--socket", sock)
+    assert r.returncode == 0, r.stderr
+    assert re.match(r"heartbeat loaded on slot 0 \(pid \d+, hash [0-9a-f]{16}, ", r.stdout), r.stdout
+    ans = c.load(program_body(str(EXAMPLES / "echo")))
+    echo = ans["program"]
+    assert ans["loaded"] == "echo" and echo["state"] == "running" and echo["slot"] == 1 and echo["upgrades"] == 0
+
+    # ps: both running, heartbeats advancing.
+    r = cli("ps", "--socket", sock)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:4] == ["NAME", "SLOT", "STATE", "PID"]
+    rows = {ln.split()[0]: ln.split() for ln in lines[1:]}
+    assert set(rows) == {"heartbeat", "echo"} and all(row[2] == "running" for row in rows.values())
+    first = {p["name"]: p["heartbeat"] for p in c.programs()}
+    poll(lambda: all(p["heartbeat"] > first[p["name"]] for p in c.programs()), 10.0, "heartbeats advancing")
+    listed = {p["name"]: p for p in json.loads(cli("ps", "--json", "--socket", sock).stdout)["programs"]}
+    assert listed["heartbeat"]["worker_pid"] > 0 and listed["echo"]["uptime_s"] >= 0
+    if isolation == "mps":
+        assert listed["heartbeat"]["pid"] != listed["echo"]["pid"]  # each its own MPS client
+    else:
+        assert listed["heartbeat"]["pid"] == listed["echo"]["pid"] == status["context_pid"]
+
+    # call: the CLI prints the response; the client gets text and hex.
+    r = cli("call", "echo", "hello meshd", "--socket", sock)
+    assert r.returncode == 0 and r.stdout == "hello meshd\n", (r.stdout, r.stderr)
+    got = c.call("echo", b"\x00\xffbin", timeout=5)
+    assert got["hex"] == "00ff62696e" and got["bytes"] == 5
+    r = cli("call", "echo", "00ff10", "--hex", "--timeout", "3", "--socket", sock)
+    assert r.returncode == 0 and r.stdout == "00ff10\n", r.stderr
+
+    # upgrade: same slot, upgrades 1; the expected hash checked.
+    r = cli("upgrade", "echo", str(EXAMPLES / "echo"), "--hash", echo["hash"], "--socket", sock)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("echo upgraded on slot 1 (upgrade 1, "), r.stdout
+    up = c.program("echo")
+    assert up["slot"] == echo["slot"] and up["upgrades"] == 1 and up["state"] == "running"
+    assert c.call("echo", "after upgrade")["data"] == "after upgrade"
+
+    # status: the table and the JSON.
+    r = cli("status", "--socket", sock)
+    assert r.returncode == 0, r.stderr
+    table = dict(re.split(r"\s{2,}", ln, maxsplit=1) for ln in r.stdout.splitlines())
+    assert table["isolation"] == isolation and table["gpu"] == "sim" and table["programs"] == "2"
+    assert table["loads"] == "3" and table["socket"] == sock
+    js = json.loads(cli("status", "--json", "--socket", sock).stdout)
+    assert js["ok"] and js["programs"] == 2 and js["loads"] == 3
+
+    # metrics: the text format parses.
+    m = parse_metrics(c.metrics())
+    assert m["meshd_mps_loads_total"] == 3 and m["meshd_mps_load_seconds_count"] == 3
+    assert m['meshd_mps_programs{state="running"}'] == 2 and m["meshd_mps_faults_total"] == 0
+    assert m["meshd_mps_worker_deaths_total"] == 0 and m["meshd_mps_workers"] >= 1
+    assert m['meshd_mps_program_heartbeat{program="heartbeat"}'] > 0
+    if isolation == "blink":
+        assert m["meshd_mps_blinks_total"] >= 1 and "meshd_mps_last_blink_seconds" in m
+        assert m["meshd_mps_pool_idle"] == 0
+    else:
+        assert "meshd_mps_blinks_total" not in m and m["meshd_mps_pool_capacity"] == 2
+
+    before = {p["name"]: (p["slot"], p["hash"], p["pid"], p["upgrades"]) for p in c.programs()}
+    check_errors(s, c, isolation)
+    # Every bad request changed nothing.
+    assert {p["name"]: (p["slot"], p["hash"], p["pid"], p["upgrades"]) for p in c.programs()} == before
+    assert all(p["state"] == "running" for p in c.programs())
+    assert c.status()["loads"] == 3
+
+    # unload both.
+    for name in ("echo", "heartbeat"):
+        r = cli("unload", name, "--socket", sock)
+        assert r.returncode == 0 and r.stdout.startswith(f"{name} unloaded from slot"), r.stderr
+    assert c.programs() == []
+    assert "(no programs loaded)" in cli("ps", "--socket", sock).stdout
+
+    # A program that faults: failed, counted, its error in ps; unloaded like any other.
+    c.load(program_body(str(EXAMPLES / "fault")))
+    # blink: the launch failed; mps: a GPU fault, the other clients recovered (none here).
+    state = "faulted" if isolation == "mps" else "failed"
+    poll(lambda: c.program("fault")["state"] == state, 10.0, f"fault {state}")
+    assert "CUDA_ERROR_ILLEGAL_ADDRESS" in c.program("fault")["error"]
+    r = cli("ps", "--socket", sock)
+    assert "ERROR" in r.stdout.splitlines()[0] and "CUDA_ERROR_ILLEGAL_ADDRESS" in r.stdout
+    m = parse_metrics(c.metrics())
+    assert m["meshd_mps_faults_total"] == 1 and m[f'meshd_mps_programs{{state="{state}"}}'] == 1
+    assert m["meshd_mps_worker_deaths_total"] == 0
+    refused = c.call
+    with pytest.raises(ClientError) as ei:
+        refused("fault", "x")
+    assert ei.value.status == 409 and f"is not running ({state})" in str(ei.value)
+    c.unload("fault")
+    assert c.programs() == []
+
+    # SIGTERM: a clean stop, nothing left behind.
+    assert s.stop(signal.SIGTERM) == 0, s.log()
+    assert "SIGTERM: shutting down" in s.log() and "meshd-mps stopped" in s.log()
+    assert_clean_exit(s, mps_dir)
+
+
+def check_errors(s: Serve, c: Client, isolation: str) -> None:
+    def refused(fn, status: int, *words: str) -> str:
+        with pytest.raises(ClientError) as ei:
+            fn()
+        assert ei.value.status == status, (ei.value.status, str(ei.value))
+        for w in words:
+            assert w in str(ei.value), (w, str(ei.value))
+        return str(ei.value)
+
+    # Unknown program: 404, the CLI says so plainly.
+    refused(lambda: c.unload("nope"), 404, "'nope' is not loaded")
+    refused(lambda: c.call("nope", "x"), 404, "not loaded")
+    refused(lambda: c.upgrade("nope", program_body(str(EXAMPLES / "echo")) | {"manifest": manifest("echo", name="nope")}), 404)
+    r = cli("call", "nope", "x", "--socket", s.sock)
+    assert r.returncode == 1 and r.stderr == "meshd-mps: program 'nope' is not loaded\n"
+    # Duplicate load: 409.
+    refused(lambda: c.load(program_body(str(EXAMPLES / "heartbeat"))), 409, "already loaded")
+    r = cli("load", str(EXAMPLES / "echo"), "--socket", s.sock)
+    assert r.returncode == 1 and "already loaded" in r.stderr
+    # Bad manifest field, bad PTX, wrong hash: 400.
+    ptx = ptx_of("spin")
+    refused(lambda: c.load({"manifest": manifest("spin", colour=1), "ptx": ptx}), 400, "manifest: unknown field 'colour'")
+    refused(lambda: c.load({"manifest": manifest("spin", warps=0), "ptx": ptx}), 400, "'warps'")
+    msg = refused(lambda: c.load({"manifest": manifest("spin"), "ptx": ".version 9.0\n.target sm_90\ngarbage"}), 400)
+    assert msg.startswith("jit: "), msg
+    refused(lambda: c.load({"manifest": manifest("spin"), "cuda": "this is not C"}), 400, "nvrtc: spin")
+    refused(lambda: c.load({"manifest": manifest("spin"), "ptx": ptx, "hash": "0000000000000000"}), 400,
+            "expected 0000000000000000")
+    refused(lambda: c.load({"manifest": manifest("spin"), "ptx": ptx, "hash": "xyz"}), 400, "16 hex digits")
+    refused(lambda: c.upgrade("echo", program_body(str(EXAMPLES / "echo"), hash="0123456789abcdef")), 400, "expected 0123456789abcdef")
+    refused(lambda: c.upgrade("echo", {"manifest": manifest("echo"), "ptx": "garbage"}), 400, "jit: ")
+    refused(lambda: c.upgrade("echo", {"manifest": manifest("heartbeat"), "ptx": ptx}), 400, "the manifest names 'heartbeat'")
+    # Unknown JSON fields, bad bodies.
+    refused(lambda: c.load({"manifest": manifest("spin"), "ptx": ptx, "extra": 1}), 400, "unknown field 'extra'")
+    refused(lambda: c.request("POST", "/v1/programs/echo/call", {"data": "x", "when": 1}), 400, "unknown field 'when'")
+    refused(lambda: c.request("POST", "/v1/programs/echo/call", {"data": "x", "hex": "00"}), 400)
+    refused(lambda: c.request("POST", "/v1/programs/echo/call", {"data": "x" * 189}), 400, "at most 188")
+    refused(lambda: c.request("POST", "/v1/programs/echo/call", {"data": "x", "timeout": -1}), 400, "'timeout'")
+    refused(lambda: c.request("POST", "/v1/programs", None), 400, "empty body")
+    refused(lambda: c.load({"ptx": ptx}), 400, "'manifest' is missing")
+    refused(lambda: c.load({"manifest": manifest("spin")}), 400, "'ptx'")
+    refused(lambda: c.load({"manifest": manifest("spin"), "ptx": ptx, "nodes": 0}), 400, "'nodes'")
+    st, _h, body = c.raw("POST", "/v1/programs", b"{not json")
+    assert st == 400 and "not JSON" in json.loads(body)["error"]
+    # Program names in URLs.
+    for path in ("/v1/programs/..", "/v1/programs/a%2Fb", "/v1/programs/a..b", "/v1/programs/.hidden",
+                 "/v1/programs/%2E%2E", "/v1/programs/../status"):
+        st, _h, body = c.raw("GET", path)
+        assert st == 400, (path, st, body)
+        assert json.loads(body)["ok"] is False
+    st, _h, body = c.raw("DELETE", "/v1/programs/echo/../heartbeat")
+    assert st == 400
+    st, _h, body = c.raw("GET", "/v1/programs/a/b")
+    assert st == 404 and json.loads(body) == {"ok": False, "error": "no route GET /v1/programs/a/b"}
+    refused(lambda: c.unload("x/../echo"), 400, "program name")
+    # Routes and methods.
+    st, h, _b = c.raw("PATCH", "/v1/programs")
+    assert st == 405 and h["allow"] == "GET, POST"
+    st, _h, _b = c.raw("GET", "/v2/anything")
+    assert st == 404
+    # Oversized bodies: 413, announced (refused before any byte of it is read) and sent.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.settimeout(30)
+        raw.connect(s.sock)
+        raw.sendall(f"POST /v1/programs HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n{{".encode())
+        answer = b""
+        while chunk := raw.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    assert b'"ok": false' in answer and b"64 MiB" in answer
+    if isolation == "blink":  # once is enough: 64 MiB through the socket
+        st, _h, body = c.raw("POST", "/v1/programs", b" " * (MAX_BODY + 1))
+        assert st == 413, body
+    st, _h, body = c.raw("POST", "/v1/programs", b"x", headers={"Transfer-Encoding": "chunked"})
+    assert st == 411
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.settimeout(30)
+        raw.connect(s.sock)
+        raw.sendall(b"NONSENSE\r\n\r\n")
+        assert raw.recv(65536).startswith(b"HTTP/1.1 400 ")
+    # The daemon still serves.
+    assert c.status()["ok"]
+
+
+def test_second_signal_forces_exit(serve):
+    s = serve("mps", "--pool", "1")
+    status = s.wait_ready()
+    s.client.load(program_body(str(EXAMPLES / "heartbeat")))
+    # A request that keeps the shutdown waiting: heartbeat never answers its ring.
+    errors: list[BaseException] = []
+
+    def hang() -> None:
+        try:
+            s.client.call("heartbeat", "anyone?", timeout=60)
+        except BaseException as e:  # the forced exit cuts it
+            errors.append(e)
+
+    t = threading.Thread(target=hang)
+    t.start()
+    try:
+        poll(lambda: s.client.status()["requests_in_flight"] >= 2, 10.0, "the call in flight")
+        s.proc.send_signal(signal.SIGTERM)
+        poll(lambda: "shutdown: waiting up to" in s.log(), 10.0, "the shutdown waiting for the call")
+        s.proc.send_signal(signal.SIGINT)
+        rc = s.proc.wait(STOP_S)
+    finally:
+        t.join(70)
+    log = s.log()
+    assert rc == 128 + signal.SIGINT, log
+    assert "SIGINT during shutdown: forcing the exit" in log and "Traceback" not in log
+    assert errors and isinstance(errors[0], ClientError)
+    assert_clean_exit(s, status["mps_dir"])
+
+
+def test_sigint_during_idle_is_clean(serve):
+    s = serve("blink")
+    s.wait_ready()
+    assert s.stop(signal.SIGINT) == 0, s.log()
+    assert_clean_exit(s, None)
+
+
+# ---- without a daemon, without a GPU ------------------------------------------------------
+
+
+def test_no_driver_is_plain(tmp):
+    from meshd_mps.device import query_device
+    from meshd_mps.errors import NoDriver
+
+    try:
+        query_device()
+    except NoDriver:
+        pass
+    except Exception:
+        pytest.skip("a driver is here (the device query failed otherwise)")
+    else:
+        pytest.skip("this machine has an NVIDIA driver")
+    sock = os.path.join(tmp, "s.sock")
+    r = cli("serve", "--gpu", "cuda", "--socket", sock)
+    assert r.returncode == 1
+    assert "meshd-mps: no NVIDIA driver on this machine; to try meshd-mps without a GPU: meshd-mps serve --gpu sim" in r.stderr
+    assert "Traceback" not in r.stderr and not os.path.exists(sock)
+
+
+def test_client_without_daemon(tmp):
+    sock = os.path.join(tmp, "none.sock")
+    for args in (["ps"], ["status"], ["unload", "x"], ["call", "x", "y"], ["load", str(EXAMPLES / "echo")]):
+        r = cli(*args, "--socket", sock)
+        assert r.returncode == 1
+        assert r.stderr == f"meshd-mps: no daemon on {sock} (start one with: meshd-mps serve)\n", r.stderr
+    with pytest.raises(NoDaemon):
+        Client(sock).status()
+    e = env() | {"MESHD_MPS_SOCKET": sock}
+    r = subprocess.run([sys.executable, "-m", "meshd_mps", "ps"], capture_output=True, text=True, env=e, cwd=REPO)
+    assert f"no daemon on {sock}" in r.stderr
+    r = cli("load", "--ptx", "x.ptx", "--socket", sock)
+    assert r.returncode == 1 and "--manifest" in r.stderr
+
+
+def test_help_says_what_each_does():
+    r = cli("--help")
+    assert r.returncode == 0
+    for cmd in ("serve", "worker", "load", "upgrade", "unload", "ps", "status", "call"):
+        assert re.search(rf"^\s+{cmd}\s+\S", r.stdout, re.M), cmd
+    assert "examples:" in r.stdout
+    for cmd in ("serve", "load", "upgrade", "unload", "ps", "status", "call"):
+        h = cli(cmd, "--help")
+        assert h.returncode == 0 and "example:" in h.stdout and f"meshd-mps {cmd}" in h.stdout, cmd
+    assert "--gpu {cuda,sim}" in cli("serve", "--help").stdout
+
+
+def test_worker_fast_path_and_light_client():
+    code = ("import sys; from meshd_mps import cli; cli.parser(); "
+            "heavy = [m for m in ('meshd_mps.server', 'meshd_mps.supervisor', 'meshd_mps.backend', 'anyio') if m in sys.modules]; "
+            "assert not heavy, heavy")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    r = cli("worker", "--help")
+    assert r.returncode == 0 and "--mailbox" in r.stdout
+
+
+def test_metrics_text_format():
+    r = Registry()
+    r.counter("x_total", "a\\b\nc", lambda: 3)
+    r.gauge("g", "labels", lambda: [({"a": 'q"\\\n'}, 1.5), ({"a": "b"}, float("nan"))])
+    r.gauge("none", "no sample", lambda: None)
+    h = r.histogram("h_seconds", "h", buckets=(0.1, 1))
+    h.observe(0.05)
+    h.observe(0.5)
+    r.gauge("broken", "fails", lambda: 1 / 0)
+    text = r.render()
+    assert "# HELP x_total a\\\\b\\nc\n# TYPE x_total counter\nx_total 3\n" in text
+    assert 'g{a="q\\"\\\\\\n"} 1.5\n' in text and 'g{a="b"} NaN\n' in text
+    assert 'h_seconds_bucket{le="0.1"} 1\nh_seconds_bucket{le="1"} 2\nh_seconds_bucket{le="+Inf"} 2\n' in text
+    assert "h_seconds_count 2\n" in text and "# broken: collector failed: ZeroDivisionError" in text
+    with pytest.raises(ValueError):
+        r.counter("bad", "not _total", lambda: 0)
+    body = text.replace("# broken: collector failed: ZeroDivisionError: division by zero\n", "")
+    assert parse_metrics(body)["x_total"] == 3
