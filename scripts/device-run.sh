@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One batched run on the GPU machine: the GPU test suite, `serve` end to end through the
+# CLI in both modes, and the benchmark.  Outputs land in $OUT (the device tool) or ./out.
+set -u
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; which nvidia-cuda-mps-control; } > "$OUT/env.txt" 2>&1
+timeout 420 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider > "$OUT/gpu-tests.txt" 2>&1
+echo "pytest rc=$?" >> "$OUT/gpu-tests.txt"
+for iso in mps blink; do
+  S=/tmp/msv-$iso.sock; L="$OUT/serve-$iso.txt"
+  python3 -m meshd_mps serve --isolation $iso --pool 2 --socket $S --log-format console 2>"$OUT/serve-$iso-log.txt" &
+  P=$!
+  for i in $(seq 100); do python3 -m meshd_mps status --socket $S >/dev/null 2>&1 && break; sleep 0.2; done
+  { set -x
+    python3 -m meshd_mps load examples/heartbeat --socket $S
+    python3 -m meshd_mps load examples/echo --socket $S
+    python3 -m meshd_mps ps --socket $S
+    python3 -m meshd_mps call echo hello-gpu --socket $S
+    python3 -m meshd_mps upgrade echo examples/echo --socket $S
+    python3 -m meshd_mps call echo again --socket $S
+    python3 -m meshd_mps ps --socket $S
+    python3 -m meshd_mps status --socket $S
+    python3 -m meshd_mps unload echo --socket $S
+    python3 -m meshd_mps unload heartbeat --socket $S
+    kill -TERM $P; wait $P; echo "serve rc=$?"
+    ls -la $S; pgrep -af "nvidia-cuda-mps|meshd_mps worker" || echo "nothing left"
+    set +x; } > "$L" 2>&1
+done
+timeout 300 python3 -m meshd_mps bench --json "$OUT/bench.json" > "$OUT/bench.txt" 2>"$OUT/bench-log.txt"
+echo "bench rc=$?" >> "$OUT/bench.txt"
+pgrep -af "nvidia-cuda-mps|meshd_mps" > "$OUT/left.txt" || echo "nothing left" > "$OUT/left.txt"
+tail -5 "$OUT/gpu-tests.txt"; cat "$OUT/bench.txt"
