@@ -23,6 +23,7 @@ from .daemon import PIPE_ENV, ControlDaemon
 from .device import Caps, DeviceInfo, caps_of, check_sms, query_device, simulated_device
 from .errors import ConfigError, MeshError
 from .launch import Launch
+from .log import setup_logging
 from .mailbox import Mailbox
 from .mps import MAX_CLIENTS, Mps, Worker
 from .mps import launch as mps_launch
@@ -62,13 +63,14 @@ class Kernel:
     worker: Worker | None = None
     module: Module | None = None
     launch: Launch | None = None
+    context_pid: int = 0  # blink mode: the one context's worker
 
     @property
     def pid(self) -> int:
         """The process the kernel runs in."""
         if self.worker is not None:
             return self.worker.proc.pid
-        return 0
+        return self.context_pid
 
     def global_u32(self, name: str) -> int:
         if name == abi.RT_ABI_SYMBOL:
@@ -108,6 +110,8 @@ class Backend:
                    gpu: str = "cuda", cache_dir: str | None = None, deadlines: Deadlines = Deadlines(),
                    max_clients: int = MAX_CLIENTS) -> Backend:
         """Start the backend: in MPS mode the private daemon and the pool first."""
+        if not structlog.is_configured():
+            setup_logging()  # structlog's default is stdout: a host's output is not ours to fill
         b = cls(isolation, sms, mps_dir, pool, gpu, cache_dir, deadlines, max_clients)
         try:
             await b._open()
@@ -195,7 +199,8 @@ class Backend:
             assert self.blink is not None
             mod = await self.blink.load(m.name, p.cubin, m.threads, m.smem, m.scratch)
             i = mod.info
-            k = Kernel(m.name, m, i.regs, i.local, i.per_sm, i.scratch, i.rt_abi, module=mod)
+            k = Kernel(m.name, m, i.regs, i.local, i.per_sm, i.scratch, i.rt_abi, module=mod,
+                       context_pid=self.blink.proc.pid if self.blink.proc else 0)
         if k.rt_abi != abi.RT_ABI:
             await self.unload(k)
             raise MeshError(f"{m.name}: {abi.RT_ABI_SYMBOL} is {k.rt_abi}, this meshd-mps runs program ABI {abi.RT_ABI}")

@@ -362,7 +362,7 @@ class Programs:
             "slot": p.slot,
             "state": state,
             "error": error,
-            "pid": p.kernel.pid or (self.b.blink.proc.pid if self.b.blink and self.b.blink.proc else 0),
+            "pid": p.kernel.pid,
             "heartbeat": mb.heartbeat(p.slot),
             "uptime_s": round(time.monotonic() - p.started, 3),
             "hash": f"{p.hash:016x}",

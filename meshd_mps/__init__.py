@@ -1,0 +1,30 @@
+"""meshd-mps: resident CUDA kernels, one NVIDIA MPS client process each.
+
+``await Backend.open(...)`` is the embedding API (docs/api.md); ``Programs``
+is the layer of named programs on mailbox slots that ``meshd-mps serve`` uses.
+Imports are lazy so that ``meshd-mps worker`` starts without the supervisor.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["Backend", "Programs", "Launch", "Deadlines", "MeshError", "__version__"]
+
+if TYPE_CHECKING:
+    from .backend import Backend
+    from .errors import MeshError
+    from .launch import Launch
+    from .proc import Deadlines
+    from .programs import Programs
+
+_WHERE = {"Backend": "backend", "Programs": "programs", "Launch": "launch", "Deadlines": "proc", "MeshError": "errors"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    raise AttributeError(f"module 'meshd_mps' has no attribute {name!r}")
