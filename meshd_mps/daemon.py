@@ -44,7 +44,8 @@ def become_subreaper() -> None:
 
 
 def _children_where(match) -> set[int]:  # type: ignore[no-untyped-def]
-    """Our direct children (zombies too) whose command line satisfies ``match`` (from /proc)."""
+    """Our direct children (zombies too) for which ``match(argv, comm)`` holds (from /proc).
+    A zombie has no command line left, only its name."""
     me = os.getpid()
     out = set()
     for d in os.listdir("/proc"):
@@ -58,7 +59,8 @@ def _children_where(match) -> set[int]:  # type: ignore[no-untyped-def]
         except OSError:
             continue
         ppid = int(s[s.rindex(")") + 2 :].split()[1])
-        if ppid == me and match(argv):
+        comm = s[s.index("(") + 1 : s.rindex(")")]
+        if ppid == me and match(argv, comm):
             out.add(int(d))
     return out
 
@@ -66,12 +68,12 @@ def _children_where(match) -> set[int]:  # type: ignore[no-untyped-def]
 def _children_running(program: str) -> set[int]:
     """Children running ``program``: by command line, not name (a script's process is
     named after its interpreter; the stand-in's is "python3")."""
-    return _children_where(lambda argv: any(os.path.basename(a) == program for a in argv[:2]))
+    return _children_where(lambda argv, comm: any(os.path.basename(a) == program for a in argv[:2]))
 
 
 def _mps_orphans() -> set[int]:
     """MPS processes re-parented to us: a server whose daemon died becomes our child."""
-    return _children_where(lambda argv: any("nvidia-cuda-mps" in a for a in argv))
+    return _children_where(lambda argv, comm: comm.startswith("nvidia-cuda-mps") or any("nvidia-cuda-mps" in a for a in argv))
 
 
 def _reap_now(pid: int) -> bool:
@@ -170,8 +172,12 @@ class ControlDaemon:
                     await anyio.sleep(0.01)  # the daemon is coming up: poll its socket
         except TimeoutError:
             raise MpsError(f"mps: the control daemon did not answer within {START_S:g}s: {out.strip()}") from None
-        pids = _children_running(CONTROL) - before
+        with anyio.move_on_after(2.0):  # the daemonized process is re-parented to us soon after -d
+            while not (pids := _children_running(CONTROL) - before):
+                await anyio.sleep(0.005)
         self.pid = min(pids) if pids else None
+        if self.pid is None:
+            log.warning("mps: the control daemon's pid was not found among our children; it is reaped at quit by name")
         log.info(
             f"mps: control daemon {self.pid} ready in {(time.monotonic() - t0) * 1e3:.0f} ms",
             pipe=self.pipe_dir,

@@ -163,18 +163,23 @@ class Mps:
     async def preload(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int) -> Worker:
         """The image's module loaded in a pooled worker if one is fit, else in a fresh one."""
         t0 = time.monotonic()
-        p = self.pool.take()
-        fresh = p is None
-        if p is None:
-            p = await self.spawn(name)
-        p.program = name
         req = Load(0, threads, smem, scratch, name, cubin)
-        try:
-            payload = await p.ask(Op.LOAD, req.encode(), Op.LOADED, self.sup.deadlines.load)
-            info = Loaded.decode_ok(payload)
-        except (WorkerError, frames.FrameError) as e:
-            self.sup.retire(p)
-            raise WorkerError(f"load: {e}") from None
+        while True:
+            p = self.pool.take()
+            fresh = p is None
+            if p is None:
+                p = await self.spawn(name)
+            p.program = name
+            try:
+                payload = await p.ask(Op.LOAD, req.encode(), Op.LOADED, self.sup.deadlines.load)
+                info = Loaded.decode_ok(payload)
+                break
+            except (WorkerError, frames.FrameError) as e:
+                self.sup.retire(p)
+                if fresh or not (p.dead or p.unfit or p.process.returncode is not None or "stdin closed" in str(e)):
+                    raise WorkerError(f"load: {e}") from None
+                # A pooled worker that died while idle (not yet seen dead): try the next one.
+                log.info(f"mps: pooled worker {p.pid} was gone ({e}); taking another", pid=p.pid)
         w = Worker(p, name, info, fresh)
         try:
             if self.sms and self.sms != info.sms:

@@ -30,7 +30,7 @@ log = structlog.get_logger("meshd_mps")
 HALT_S = 5.0
 CALL_S = 5.0
 #: How long after a program fails the server log is watched for a fatal-fault line.
-FAULT_WINDOW_S = 1.0
+FAULT_WINDOW_S = 2.0
 #: How long recovery waits for the torn-down clients to exit and the server to take new ones.
 RECOVER_S = 30.0
 FATAL = re.compile(r"Client \{PID: (\d+)\} encountered a fatal GPU error")
@@ -59,6 +59,7 @@ class Program:
     restarts: int = 0
     faulted: str = ""  # the fault this program caused; it is not relaunched
     lost_to: str = ""  # the program whose fault took this one down
+    failed_at: float = 0.0  # monotonic time its launch was seen failing
 
     def state(self) -> tuple[str, str]:
         """(running | exited | failed | faulted, the error text)."""
@@ -270,6 +271,8 @@ class Programs:
             failed = not d.ok
         except Exception:
             failed = True
+        if failed:
+            p.failed_at = time.monotonic()
         if failed and not self._closing and self.by_name.get(p.name) is p and not (p.faulted or p.lost_to):
             await self._on_failure(p)
 
@@ -280,14 +283,25 @@ class Programs:
             t0 = time.perf_counter()
             error = p.state()[1]
             pids: list[int] = []
+            others: list[Program] = []
             if self.b.isolated:
+                # GPU-wide if the server logs a fatal fault, or other programs fail with this one.
                 with anyio.move_on_after(FAULT_WINDOW_S):
                     while not (pids := self._fatal_pids()):
                         await anyio.sleep(0.02)  # the server writes its log line within milliseconds
-            if not pids:
+                others = [q for q in self.by_name.values()
+                          if q is not p and q.failed_at and not (q.faulted or q.lost_to)
+                          and abs(q.failed_at - p.failed_at) < FAULT_WINDOW_S]
+            if not pids and not others:
                 self.faults.append(FaultReport(time.time(), error, p.name, p.kernel.pid, False))
                 log.error(f"program {p.name} failed: {error}", program=p.name, pid=p.kernel.pid)
                 return
+            if not pids:  # no log line (yet): the first to fail is taken for the culprit
+                first = min([p, *others], key=lambda q: q.failed_at)
+                pids = [first.kernel.pid]
+                error = first.state()[1]
+                log.info("mps: no fault line in the server log; the first program to fail is taken for the culprit",
+                         program=first.name)
             await self._recover(p, pids, error, t0)
 
     async def _recover(self, first: Program, pids: list[int], error: str, t0: float) -> None:

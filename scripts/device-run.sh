@@ -13,7 +13,7 @@ timeout 420 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider > "$OUT/gpu-t
 echo "pytest rc=$?" >> "$OUT/gpu-tests.txt"
 for iso in mps blink; do
   S=/tmp/msv-$iso.sock; L="$OUT/serve-$iso.txt"
-  python3 -m meshd_mps serve --isolation $iso --pool 2 --socket $S --log-format console 2>"$OUT/serve-$iso-log.txt" &
+  python3 -m meshd_mps serve --isolation $iso --pool 2 --socket $S --log-format console 2>/tmp/serve-$iso-log.txt &
   P=$!
   for i in $(seq 100); do python3 -m meshd_mps status --socket $S >/dev/null 2>&1 && break; sleep 0.2; done
   { set -x
@@ -30,6 +30,7 @@ for iso in mps blink; do
     kill -TERM $P; wait $P; echo "serve rc=$?"
     ls -la $S; pgrep -af "nvidia-cuda-mps|meshd_mps worker" || echo "nothing left"
     set +x; } > "$L" 2>&1
+  { echo "== the daemon's log"; tail -n 40 /tmp/serve-$iso-log.txt; } >> "$L"
 done
 timeout 300 python3 -m meshd_mps bench --json "$OUT/bench.json" > "$OUT/bench.txt" 2>"$OUT/bench-log.txt"
 echo "bench rc=$?" >> "$OUT/bench.txt"

@@ -1,0 +1,67 @@
+"""A bounded soak: thousands of load / launch / DONE / unload cycles across 16
+workers with random SIGKILLs, ending with exact counts (issue 7)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+
+import pytest
+
+from meshd_mps import mps as mpsmod
+from meshd_mps.errors import WorkerError
+
+from .conftest import sim
+from .procs import alive
+
+CYCLES = int(os.environ.get("MESHD_MPS_SOAK_CYCLES", "2000"))
+LANES = 16
+KILL_P = 0.01
+
+pytestmark = pytest.mark.timeout(240)
+
+
+async def test_soak_with_random_kills(rig):
+    rnd = random.Random(20261202)
+    counts = {"cycles": 0, "faults injected": 0, "faults survived": 0, "programs lost": 0}
+    seen: set[int] = set()
+    r = rig(pool_cap=LANES)
+    async with r as m:
+        await m.prewarm(LANES)
+
+        async def lane(n: int) -> None:
+            for _ in range(n):
+                w = await m.preload(f"soak{rnd.randrange(1000)}", sim(kernel="sleep", ms=rnd.choice((0, 0, 1, 5))), 32, 0, 0)
+                seen.add(w.proc.pid)
+                kill = rnd.random() < KILL_P
+                try:
+                    done = await mpsmod.launch(w, rnd.randrange(256), 1)
+                    if kill:
+                        counts["faults injected"] += 1
+                        os.kill(w.proc.pid, 9)
+                    d = await asyncio.wait_for(done, 10)
+                    if not d.ok:
+                        counts["programs lost"] += 1
+                except WorkerError:
+                    if kill:
+                        counts["faults survived"] += 1  # reported as an error, nothing else touched
+                    else:
+                        counts["programs lost"] += 1
+                else:
+                    if kill:
+                        counts["faults survived"] += 1  # it finished before the signal landed
+                await m.drop(w)
+                counts["cycles"] += 1
+
+        per, extra = divmod(CYCLES, LANES)
+        await asyncio.gather(*(lane(per + (i < extra)) for i in range(LANES)))
+        assert len(m.pool) <= LANES
+    left = [p for p in seen if alive(p)]
+    counts["processes left"] = len(left)
+    print("soak: " + ", ".join(f"{k} {v}" for k, v in counts.items()), file=sys.stderr)
+    assert counts["cycles"] == CYCLES
+    assert counts["faults survived"] == counts["faults injected"] > 0
+    assert counts["programs lost"] == 0
+    assert left == []
