@@ -33,7 +33,7 @@ CALL_S = 5.0
 FAULT_WINDOW_S = 2.0
 #: How long recovery waits for the torn-down clients to exit and the server to take new ones.
 RECOVER_S = 30.0
-FATAL = re.compile(r"Client \{PID: (\d+)\} encountered a fatal GPU error")
+FATAL = re.compile(r"Client \{PID: (\d+)[^}]*\} encountered a fatal GPU error")  # "{PID: 427, Context ID: 0}" too
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 
 
