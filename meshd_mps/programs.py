@@ -34,6 +34,7 @@ FAULT_WINDOW_S = 2.0
 #: How long recovery waits for the torn-down clients to exit and the server to take new ones.
 RECOVER_S = 30.0
 FATAL = re.compile(r"Client \{PID: (\d+)[^}]*\} encountered a fatal GPU error")  # "{PID: 427, Context ID: 0}" too
+TRIGGER = re.compile(r"error trigg?e?r?ing process (\d+)")  # the culprit, named once the teardown starts
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -262,7 +263,8 @@ class Programs:
             return []
         end = text.rfind(b"\n") + 1
         self._log_at += end
-        return [int(m) for m in FATAL.findall(text[:end].decode(errors="replace"))]
+        lines = text[:end].decode(errors="replace")
+        return [int(m) for m in TRIGGER.findall(lines)] or [int(m) for m in FATAL.findall(lines)]
 
     async def _watch(self, p: Program) -> None:
         """Await a program's end; a failure in MPS mode may be a fault that took every client."""
@@ -296,23 +298,36 @@ class Programs:
                 self.faults.append(FaultReport(time.time(), error, p.name, p.kernel.pid, False))
                 log.error(f"program {p.name} failed: {error}", program=p.name, pid=p.kernel.pid)
                 return
-            if not pids:  # no log line (yet): the first to fail is taken for the culprit
-                first = min([p, *others], key=lambda q: q.failed_at)
-                pids = [first.kernel.pid]
-                error = first.state()[1]
-                log.info("mps: no fault line in the server log; the first program to fail is taken for the culprit",
-                         program=first.name)
             await self._recover(p, pids, error, t0)
 
     async def _recover(self, first: Program, pids: list[int], error: str, t0: float) -> None:
-        """Every MPS client was torn down: retire them all, wait until the server takes
-        clients again, refill the pool, relaunch the lost programs (not the culprit)."""
+        """Every MPS client was torn down: retire them all, name the culprit, wait until the
+        server takes clients again, refill the pool, relaunch the lost programs (not the culprit)."""
         mps = self.b.mps
         assert mps is not None
-        culprit = next((q for q in self.by_name.values() if q.kernel.pid in pids), first)
-        culprit.faulted = error or "fatal GPU error"
         # Every client of the server goes down with it: the ones still running fail within ms.
-        lost = [q for q in self.by_name.values() if q is not culprit and q.state()[0] in ("running", "failed")]
+        hit = [q for q in self.by_name.values() if q.state()[0] in ("running", "failed")]
+        for q in hit:
+            q.lost_to = "?"  # their watchers leave them to this recovery
+        torn = [q.kernel.worker.proc for q in self.by_name.values() if q.kernel.worker is not None]
+        torn += mps.pool.drain()
+        for w in torn:
+            self.b.sup.retire(w)
+        with anyio.move_on_after(RECOVER_S):
+            for w in torn:
+                await w.process.wait()
+        if not pids:  # the server may name the culprit only once its clients are gone
+            with anyio.move_on_after(FAULT_WINDOW_S):
+                while not (pids := self._fatal_pids()):
+                    await anyio.sleep(0.02)
+        culprit = next((q for q in hit if q.kernel.pid in pids), None)
+        if culprit is None:  # no word from the server: the first program seen failing
+            culprit = min(hit or [first], key=lambda q: q.failed_at or float("inf"))
+            log.info("mps: the server log names no culprit; the first program seen failing is taken for it",
+                     program=culprit.name)
+        culprit.faulted = culprit.state()[1] or error or "fatal GPU error"
+        culprit.lost_to = ""
+        lost = [q for q in hit if q is not culprit]
         for q in lost:
             q.lost_to = culprit.name
         r = FaultReport(time.time(), culprit.faulted, culprit.name, culprit.kernel.pid, True, [q.name for q in lost])
@@ -321,14 +336,8 @@ class Programs:
             f"lost with it: {', '.join(r.lost) or 'none'}",
             program=culprit.name,
         )
-        torn = [q.kernel.worker.proc for q in self.by_name.values() if q.kernel.worker is not None]
-        torn += mps.pool.drain()
-        for w in torn:
-            self.b.sup.retire(w)
         try:
             with anyio.fail_after(RECOVER_S):
-                for w in torn:
-                    await w.process.wait()
                 # The lost programs' new workers and a full pool, in one batch.
                 want = min(mps.pool.cap + (len(lost) if self.restart else 0), mps.max_clients)
                 while True:  # the server takes clients again once the torn-down ones exited

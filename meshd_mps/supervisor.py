@@ -24,6 +24,9 @@ from .proc import Deadlines, WorkerProc
 
 log = structlog.get_logger("meshd_mps")
 
+#: After the shared 500 ms deadline, how long close() still waits for the late ones.
+CLEANUP_GRACE_S = 5.0
+
 
 class Supervisor:
     def __init__(self, deadlines: Deadlines = Deadlines()) -> None:
@@ -139,12 +142,22 @@ class Supervisor:
         with anyio.move_on_after(self.deadlines.cleanup_reap, shield=True):
             for w in kids:
                 await w.process.wait()
+        late = [w for w in kids if w.process.returncode is None]
+        for w in late:
+            log.error(f"mps: worker {w.pid} not reaped {self.deadlines.cleanup_reap * 1e3:.0f} ms after SIGKILL; left behind")
+        if late:
+            # A process in the middle of a CUDA teardown exits a little later: reap it if it does
+            # within a grace period, so that an embedding host is not left with zombies.
+            with anyio.move_on_after(CLEANUP_GRACE_S, shield=True):
+                for w in late:
+                    await w.process.wait()
         for w in kids:
             if w.process.returncode is None:
-                log.error(f"mps: worker {w.pid} not reaped {self.deadlines.cleanup_reap * 1e3:.0f} ms after SIGKILL; left behind")
                 self.left_behind.append(w.pid)
             else:
                 self._children.pop(w.pid, None)
+        if late:
+            log.info(f"mps: {sum(w.process.returncode is not None for w in late)} of {len(late)} late workers reaped after all")
         self.workers.clear()
         log.debug("workers reaped", n=len(kids), ms=round((time.monotonic() - t0) * 1e3, 1))
         self._stop.set()
