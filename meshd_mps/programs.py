@@ -33,8 +33,9 @@ CALL_S = 5.0
 FAULT_WINDOW_S = 2.0
 #: How long recovery waits for the torn-down clients to exit and the server to take new ones.
 RECOVER_S = 30.0
-FATAL = re.compile(r"Client \{PID: (\d+)[^}]*\} encountered a fatal GPU error")  # "{PID: 427, Context ID: 0}" too
-TRIGGER = re.compile(r"error trigg?e?r?ing process (\d+)")  # the culprit, named once the teardown starts
+# The culprit, as the H200's server logs it: "Client {PID: 968, Context: 1} encountered a fatal
+# GPU error."  (Its "error trigging process N" lines name every client torn down, not the culprit.)
+FATAL = re.compile(r"Client \{PID: (\d+)[^}]*\} encountered a fatal GPU error")
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -264,7 +265,7 @@ class Programs:
         end = text.rfind(b"\n") + 1
         self._log_at += end
         lines = text[:end].decode(errors="replace")
-        return [int(m) for m in TRIGGER.findall(lines)] or [int(m) for m in FATAL.findall(lines)]
+        return [int(m) for m in FATAL.findall(lines)]
 
     async def _watch(self, p: Program) -> None:
         """Await a program's end; a failure in MPS mode may be a fault that took every client."""
@@ -320,12 +321,17 @@ class Programs:
             with anyio.move_on_after(FAULT_WINDOW_S):
                 while not (pids := self._fatal_pids()):
                     await anyio.sleep(0.02)
-        culprit = next((q for q in hit if q.kernel.pid in pids), None)
+        # Which one faulted is not always the one the server names first (seen on the H200:
+        # one run in two named an innocent).  A program that ran to its end (STATE = EXITED)
+        # and still failed faulted itself; a torn-down resident one was stopped while RUNNING.
+        ended = [q for q in hit if self.b.mailbox.u32(q.slot, abi.STATE) == abi.EXITED]
+        culprit = ended[0] if len(ended) == 1 else next((q for q in hit if q.kernel.pid in pids), None)
         if culprit is None:  # no word from the server: the first program seen failing
             culprit = min(hit or [first], key=lambda q: q.failed_at or float("inf"))
             log.info("mps: the server log names no culprit; the first program seen failing is taken for it",
                      program=culprit.name)
-        culprit.faulted = culprit.state()[1] or error or "fatal GPU error"
+        own = culprit.state()[1]  # its worker may be torn down before its own DONE arrives
+        culprit.faulted = next((e for e in (own, error) if "CUDA_ERROR" in e), own or error or "fatal GPU error")
         culprit.lost_to = ""
         lost = [q for q in hit if q is not culprit]
         for q in lost:

@@ -204,7 +204,9 @@ class SimGpu:
             threading.Event().wait()
         if kind == "exit":
             os._exit(4)
-        if kind == "fault":
+        if kind == "fault":  # as examples/fault: RUNNING, the illegal store, EXITED (the store is posted)
+            mb.set_u32(slot, abi.STATE, abi.RUNNING)
+            mb.set_u32(slot, abi.STATE, abi.EXITED)
             if self._client is not None:
                 self._client.sendall(b"FAULT\n")  # the server tears every client down
             return False, "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered (simulated)"
@@ -239,7 +241,8 @@ class SimGpu:
             if echo:
                 self._serve_ring(slot)
             time.sleep(0.0005)
-        mb.set_u32(slot, abi.STATE, abi.EXITED)
+        if not self._poison:  # a kernel torn down by the server never gets to say EXITED
+            mb.set_u32(slot, abi.STATE, abi.EXITED)
 
     def _serve_ring(self, slot: int) -> None:
         mb = self.mailbox

@@ -131,8 +131,10 @@ async def test_gpu_fault_is_survived():
                 await anyio.sleep(0.01)
         r = progs.faults[-1]
         print(f"fault report: {r}", file=sys.stderr)
-        with open(os.path.join(b.daemon.log_dir, "server.log")) as f:
-            print("server.log:\n" + f.read()[-3000:], file=sys.stderr)
+        for name in ("server.log", "control.log"):
+            with open(os.path.join(b.daemon.log_dir, name)) as f:
+                lines = [ln for ln in f if not any(w in ln for w in ("connected", "worker thread", "new client request", "is associated", "is ACTIVE"))]
+            print(f"{name}:\n" + "".join(lines[-40:]), file=sys.stderr)
         assert r.gpu_wide and r.faulted == "fault" and "ILLEGAL_ADDRESS" in r.error
         assert sorted(r.relaunched) == ["echo", "heartbeat"], r.not_relaunched
         n = b.mailbox.heartbeat(hb.slot)
