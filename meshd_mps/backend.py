@@ -16,7 +16,8 @@ from typing import Any, Literal
 import anyio
 import structlog
 
-from . import abi
+from . import abi, frames
+from .frames import Op
 from .blink import BlinkContext, Module
 from .compiler import Compiler, Manifest, Prepared
 from .daemon import PIPE_ENV, ControlDaemon
@@ -173,6 +174,18 @@ class Backend:
         if not self.isolated:
             return None
         return NO_SLOT if slot is None else slot
+
+    async def stack_limit(self, set_to: int | None = None) -> int | None:
+        """The shared context's stack limit in bytes per thread (set first if asked); None in
+        MPS mode, where each worker's context is its own (the seed's SIZE_MAX, set a no-op)."""
+        if self.blink is None:
+            return None
+        p = self.blink._p()
+        try:
+            payload = await p.ask(Op.LIMIT, frames.limit_body(set_to), Op.LIMIT, self.sup.deadlines.launch)
+            return frames.limit_value(payload)
+        except frames.FrameError as e:
+            raise MeshError(f"stack limit: worker {p.pid}: {e}") from None
 
     def _compiler(self) -> Compiler:
         if self.compiler is None or self._closed:

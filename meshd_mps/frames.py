@@ -26,10 +26,15 @@ class Op(enum.IntEnum):
     DONE = 6
     UNLOAD = 7
     QUIT = 8
+    LIMIT = 9  # the context's stack limit: get, or set then get
+
+
+#: LIMIT's body: set (u32 0/1), bytes (u64); its reply: ok, bytes (u64)
+LIMIT_BODY = struct.Struct("<IQ")
 
 
 #: Ops a worker sends only in answer to a request.
-REPLIES = {Op.READY, Op.LOADED, Op.LAUNCHED}
+REPLIES = {Op.READY, Op.LOADED, Op.LAUNCHED}  # and LIMIT, answered with LIMIT
 
 
 class FrameError(Exception):
@@ -185,6 +190,23 @@ def unload_body(module: int) -> bytes:
 
 def unload_module(body: bytes) -> int:
     return _exact("UNLOAD", UNLOAD_BODY, body)[0]
+
+
+def limit_body(set_to: int | None) -> bytes:
+    return LIMIT_BODY.pack(0 if set_to is None else 1, set_to or 0)
+
+
+def limit_request(body: bytes) -> int | None:
+    set_, value = _exact("LIMIT", LIMIT_BODY, body)
+    if set_ not in (0, 1):
+        raise FrameError(f"LIMIT set word {set_}, expected 0 or 1")
+    return value if set_ else None
+
+
+def limit_value(payload: bytes) -> int:
+    if len(payload) != 8:
+        raise FrameError(f"LIMIT reply payload of {len(payload)} bytes, expected a u64")
+    return struct.unpack("<Q", payload)[0]
 
 
 def ok_reply(payload: bytes = b"") -> bytes:

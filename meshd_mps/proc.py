@@ -103,7 +103,7 @@ class WorkerProc:
             if fut is not None and not fut.done():
                 fut.set_result(d)
             return
-        if op not in frames.REPLIES:
+        if op not in frames.REPLIES and op != Op.LIMIT:
             raise FrameError(f"op {op.name} is not a worker's frame")
         fut = self._pending
         if fut is None or fut.done():

@@ -153,3 +153,26 @@ async def test_no_driver_is_a_plain_error(standin_on_path):
     for iso in ("blink", "mps"):
         with pytest.raises(NoDriver, match="^no NVIDIA driver"):
             await Backend.open(isolation=iso, gpu="cuda")
+
+
+async def test_stack_limit(backend):
+    if backend.isolated:
+        assert await backend.stack_limit() is None  # each worker's own context: nothing to share
+        assert await backend.stack_limit(4096) is None
+        return
+    before = await backend.stack_limit()
+    assert before > 0
+    assert await backend.stack_limit(before * 2) == before * 2
+    assert await backend.stack_limit() == before * 2
+
+
+async def test_native_client_check(standin_on_path, monkeypatch):
+    async with await Backend.open(isolation="mps", gpu="sim", pool=1) as b:
+        assert b.mps.native_pipe_dir() == b.daemon.pipe_dir
+        with pytest.raises(MeshError, match=r"mps: worker 1 is not among server \d+'s clients"):
+            await b.mps.check_native(1)  # pid 1 is nobody's MPS client
+        assert 1 not in b.mps.native  # forgotten after the failed check
+        pooled = b.mps.pool.pids()[0]
+        b.mps.native.add(pooled)  # a native worker that is a client passes and is remembered
+        await b.mps.check_native(pooled)
+        assert pooled in b.mps.native

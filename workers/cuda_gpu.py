@@ -286,6 +286,13 @@ class CudaGpu:
         m.scratch, m.stream = 0, None
         return first
 
+    def stack_limit(self, set_to: int | None) -> int:
+        self._current()
+        limit = cu.CUlimit.CU_LIMIT_STACK_SIZE
+        if set_to is not None:
+            check(cu.cuCtxSetLimit(limit, set_to), "cuCtxSetLimit")
+        return int(check(cu.cuCtxGetLimit(limit), "cuCtxGetLimit"))
+
     def unload(self, module: int) -> None:
         with self._lock:
             m = self._modules.get(module)

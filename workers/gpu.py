@@ -26,6 +26,10 @@ class Gpu(Protocol):
 
     def unload(self, module: int) -> None: ...
 
+    def stack_limit(self, set_to: int | None) -> int:
+        """The context's per-thread stack limit (CU_LIMIT_STACK_SIZE), set first if asked."""
+        ...
+
     def misbehaviour(self, phase: str) -> str | None:
         """The simulation's scripted protocol faults; the real GPU has none."""
         ...

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import struct
 import sys
 import threading
 import time
@@ -120,8 +121,8 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None) -> int:
                 continue
             return 0
         if gpu is None:
-            if op in (Op.READY, Op.LOAD, Op.LAUNCH):
-                reply = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED}[op]
+            if op in (Op.READY, Op.LOAD, Op.LAUNCH, Op.LIMIT):
+                reply = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT}[op]
                 ch.write(reply, frames.error_reply(open_error or "no GPU"))
             continue
         try:
@@ -152,6 +153,13 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None) -> int:
                 started = getattr(gpu, "launched", None)  # the simulation starts its kernels here
                 if started is not None:
                     started()
+            elif op == Op.LIMIT:
+                set_to = frames.limit_request(body)
+                try:
+                    reply = frames.ok_reply(struct.pack("<Q", gpu.stack_limit(set_to)))
+                except GpuError as e:
+                    reply = frames.error_reply(str(e))
+                ch.write(Op.LIMIT, reply)
             elif op == Op.UNLOAD:
                 module = frames.unload_module(body)
                 try:

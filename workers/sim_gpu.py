@@ -82,6 +82,7 @@ class SimGpu:
         self._client: socket.socket | None = None
         self._modules: dict[int, _Module] = {}
         self._pending: list[threading.Thread] = []
+        self._stack = 1024  # the driver's default stack limit, bytes per thread
         self._quit = "ignore" if self.startup == "ignore-quit" else None
         self._poison: str | None = None  # a sticky error: every later call fails with it
         self._connect()
@@ -255,6 +256,12 @@ class SimGpu:
             resp_at = slot * abi.SLOT_BYTES + abi.RESP_BASE + i * abi.ENTRY_BYTES
             mb.mm[resp_at : resp_at + abi.ENTRY_BYTES] = mb.mm[req_at : req_at + abi.ENTRY_BYTES]
             mb.set_u32(slot, abi.RESP_HEAD, (resp + 1) & 0xFFFFFFFF)
+
+    def stack_limit(self, set_to: int | None) -> int:
+        self._check("cuCtxGetLimit")
+        if set_to is not None:
+            self._stack = set_to
+        return self._stack
 
     def unload(self, module: int) -> None:
         m = self._modules.pop(module, None)

@@ -160,6 +160,8 @@ async def test_blink_mode_real():
         await progs.load(*example("echo"))
         assert b.blink.blinks == 1
         print(f"blink: {b.blink.last_blink_ms:.2f} ms", file=sys.stderr)
+        limit = await b.stack_limit()
+        assert limit > 0 and await b.stack_limit(limit * 2) == limit * 2  # cuCtxSet/GetLimit in the context
         n = b.mailbox.heartbeat(hb.slot)
         await beats(b, hb.slot, n + 100)  # relaunched
         assert await progs.call("echo", b"blink") == b"blink"
