@@ -180,12 +180,20 @@ class Backend:
         MPS mode, where each worker's context is its own (the seed's SIZE_MAX, set a no-op)."""
         if self.blink is None:
             return None
-        p = self.blink._p()
-        try:
-            payload = await p.ask(Op.LIMIT, frames.limit_body(set_to), Op.LIMIT, self.sup.deadlines.launch)
-            return frames.limit_value(payload)
-        except frames.FrameError as e:
-            raise MeshError(f"stack limit: worker {p.pid}: {e}") from None
+        blink = self.blink
+        p = blink._p()
+
+        async def ask() -> int:
+            try:
+                payload = await p.ask(Op.LIMIT, frames.limit_body(set_to), Op.LIMIT, self.sup.deadlines.load)
+                return frames.limit_value(payload)
+            except frames.FrameError as e:
+                raise MeshError(f"stack limit: worker {p.pid}: {e}") from None
+
+        if set_to is None:
+            return await ask()
+        # Setting it waits for every running kernel, as a module load does: a blink.
+        return await blink._blink(f"stack limit {set_to}", ask)
 
     def _compiler(self) -> Compiler:
         if self.compiler is None or self._closed:
