@@ -235,3 +235,39 @@ async def test_daemon_killed_underneath(rig):
                 await preload(m, "after")  # a fresh worker cannot be verified: refused, no hang
         await m.drop(w)
     # the server it left behind was re-parented to us and reaped at close (no_child_left checks)
+
+
+async def test_spawn_failing_is_a_clear_error_and_leaks_nothing(rig, monkeypatch):
+    fds = len(os.listdir("/proc/self/fd"))
+    async with rig(pool_cap=0) as m:
+        monkeypatch.setattr(mpsmod, "worker_argv", lambda *a: ["/nonexistent/meshd-mps-worker"])
+        with pytest.raises(WorkerError, match=r"^load: mps worker: /nonexistent/meshd-mps-worker: No such file or directory$"):
+            await preload(m, "nobin")
+        monkeypatch.undo()
+        w = await preload(m, "after")  # the next load works
+        await m.drop(w)
+    assert len(os.listdir("/proc/self/fd")) <= fds  # no pipe left open
+
+
+async def test_no_mps_binary_on_path(monkeypatch, tmp_path):
+    from meshd_mps.daemon import ControlDaemon
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    d = ControlDaemon(str(tmp_path / "mps"), temporary=True)
+    with pytest.raises(MpsError, match="nvidia-cuda-mps-control not found on PATH"):
+        await d.start()
+
+
+async def test_mps_dir_removed_underneath(rig):
+    import shutil
+
+    r = rig(pool_cap=1)
+    async with r as m:
+        await m.prewarm(1)
+        shutil.rmtree(r.daemon.dir)  # the daemon's sockets are gone with it
+        a = await preload(m, "a")  # a pooled worker was verified when it started
+        with anyio.fail_after(30):
+            with pytest.raises(MpsError, match="Cannot find MPS control daemon process"):
+                await preload(m, "b")  # a fresh one cannot be verified any more: refused, no hang
+        assert a.proc.idle()
+    assert not os.path.exists(r.daemon.dir)
