@@ -21,6 +21,7 @@ import anyio
 import structlog
 
 from .errors import MpsError
+from .procfs import processes
 
 log = structlog.get_logger("meshd_mps")
 
@@ -44,25 +45,9 @@ def become_subreaper() -> None:
 
 
 def _children_where(match) -> set[int]:  # type: ignore[no-untyped-def]
-    """Our direct children (zombies too) for which ``match(argv, comm)`` holds (from /proc).
-    A zombie has no command line left, only its name."""
+    """Our direct children (zombies too) for which ``match(argv, comm)`` holds."""
     me = os.getpid()
-    out = set()
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                s = f.read().decode(errors="replace")
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
-        except OSError:
-            continue
-        ppid = int(s[s.rindex(")") + 2 :].split()[1])
-        comm = s[s.index("(") + 1 : s.rindex(")")]
-        if ppid == me and match(argv, comm):
-            out.add(int(d))
-    return out
+    return {p.pid for p in processes() if p.ppid == me and match(p.argv, p.comm)}
 
 
 def _children_running(program: str) -> set[int]:

@@ -54,6 +54,7 @@ from .log import setup_logging
 from .mailbox import MailboxError
 from .metrics import CONTENT_TYPE as METRICS_TYPE, Histogram, Registry
 from .programs import CALL_S, NAME, Program, ProgramError, Programs
+from .procfs import processes
 
 log = structlog.get_logger("meshd_mps")
 
@@ -913,17 +914,7 @@ def _serves(path: str) -> bool:
 
 
 def _ppids() -> dict[int, int]:
-    out = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                s = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        out[int(d)] = int(s[s.rindex(")") + 2 :].split()[1])
-    return out
+    return {p.pid: p.ppid for p in processes()}
 
 
 def _descendants(root: int) -> set[int]:
