@@ -196,14 +196,17 @@ class Programs:
             old = self.get(name)
             t0 = time.perf_counter()
             img = await self.b.prepare(m, ptx, expect)  # MPS: loaded in a worker while the old one runs
+            stopped = False
             try:
                 await self._halt(old)
+                stopped = True
                 await self.b.unload(old.kernel)
                 k, run = await self._start(img, old.slot, old.nodes)
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await self.b.drop(img)
-                    self.by_name.pop(name, None)
+                    if stopped:
+                        await self._restore(old)
                 raise
             p = Program(name, old.slot, k, run, img.prepared.hash, old.nodes, upgrades=old.upgrades + 1,
                         compile_ms=img.prepared.compile_ms, cached=img.prepared.cached, manifest=m, ptx=ptx)
@@ -211,6 +214,15 @@ class Programs:
             self._count(t0)
             log.info(f"program {name} upgraded on slot {p.slot}", program=name, pid=k.pid)
             return p
+
+    async def _restore(self, old: Program) -> None:
+        """A failed upgrade loses nothing: the old version is started again on its slot."""
+        try:
+            await self._relaunch(old)
+            log.info(f"program {old.name}: upgrade failed; the old version runs again", program=old.name)
+        except BaseException as e:  # noqa: BLE001 - reported, and the upgrade's own error is raised
+            self.by_name.pop(old.name, None)
+            log.error(f"program {old.name}: upgrade failed and the old version did not restart: {e}", program=old.name)
 
     async def unload(self, name: str) -> None:
         async with self._lock:

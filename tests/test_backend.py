@@ -176,3 +176,24 @@ async def test_native_client_check(standin_on_path, monkeypatch):
         b.mps.native.add(pooled)  # a native worker that is a client passes and is remembered
         await b.mps.check_native(pooled)
         assert pooled in b.mps.native
+
+
+async def test_failed_upgrade_restores_the_old_version(backend, monkeypatch):
+    progs = Programs(backend)
+    echo = await progs.load(*example("echo"))
+    real = backend.launch
+    calls = []
+
+    async def failing_once(k, slot, nodes=1):
+        calls.append(k.name)
+        if len(calls) == 1:
+            raise MeshError("injected: the new image's launch failed")
+        return await real(k, slot, nodes)
+
+    monkeypatch.setattr(backend, "launch", failing_once)
+    with pytest.raises(MeshError, match="injected"):
+        await progs.upgrade("echo", *example("echo"))
+    again = progs.get("echo")  # nothing lost: the old version runs again, on its slot
+    assert again.slot == echo.slot and again.state()[0] == "running"
+    assert await progs.call("echo", b"still here") == b"still here"
+    await progs.close()
