@@ -545,7 +545,7 @@ async def cpu_percent(window: float) -> float:
 async def sec_idle(bench: Bench) -> list[Row]:
     window, nw = bench.n(5, 2), bench.n(32, 8)
     base = await cpu_percent(window)
-    async with await bench.backend("mps", pool=nw) as b:
+    async with await bench.backend("mps", pool=nw):
         await anyio.sleep(0.5)  # the prewarm's tail settles
         v = await cpu_percent(window)
     return [Row("g", f"idle: supervisor CPU, {nw} pooled workers", "%", v, base, "no backend", "< 1 %", v < 1,

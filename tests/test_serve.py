@@ -23,6 +23,7 @@ import pytest
 from meshd_mps import standin
 from meshd_mps.client import MAX_BODY, Client, ClientError, NoDaemon, program_body
 from meshd_mps.metrics import Registry
+from . import waits
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,14 +49,7 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 def poll(cond, within: float, what: str, every: float = 0.02):
     """cond() until it returns something truthy; its value, or a failure naming ``what``."""
-    deadline = time.monotonic() + within
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {within:g}s: {what}")
-        time.sleep(every)
+    return waits.poll(cond, within, what, every)
 
 
 class Serve:

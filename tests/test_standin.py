@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from meshd_mps.standin import BIN_DIR, CLIENT_SOCKET, StandinRefused, connect_client
+from . import waits
 
 BIN = "nvidia-cuda-mps-control"
 DEADLINE = 10.0
@@ -35,14 +36,7 @@ def subreaper() -> None:
 
 
 def wait_for(cond, what: str, timeout: float = DEADLINE):
-    end = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > end:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)  # polling interval, not synchronisation
+    return waits.poll(cond, timeout, what)
 
 
 def gone(pid: int) -> bool:

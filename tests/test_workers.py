@@ -15,7 +15,7 @@ from meshd_mps import mps as mpsmod
 from meshd_mps.errors import LimitError, MpsError, WorkerError
 from meshd_mps.proc import Deadlines
 
-from .conftest import TEST_DEADLINES, sim
+from .conftest import sim
 from .procs import alive
 
 pytestmark = pytest.mark.timeout(60)

@@ -29,6 +29,8 @@ from meshd_mps.errors import NoDriver
 from meshd_mps.frames import Done, Launch, Load, Loaded, Op
 from meshd_mps.mailbox import Mailbox
 
+from .. import waits
+
 pytestmark = pytest.mark.gpu
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -216,14 +218,7 @@ class Worker:
 
 
 def wait_for(what: str, cond, timeout: float = 10.0, every: float = 0.001):
-    end = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(every)
+    return waits.poll(cond, timeout, what, every)
 
 
 def cpu_seconds(pid: int) -> float:
