@@ -85,6 +85,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-dir", metavar="DIR", help="keep compiled cubins here across restarts")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="default info ($MESHD_MPS_LOG_LEVEL)")
     s.add_argument("--log-format", choices=("json", "console"), help="default: JSON lines unless stderr is a terminal")
+    s.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                   help="the event loop: auto takes uvloop where it is installed (default auto)")
 
     _sub(sub, "worker")
     _sub(sub, "bench")
@@ -118,6 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:
         # The worker parses its own options; it must start fast and import no supervisor code.
+        # structlog.dev imports rich and better_exceptions where they are installed, for console
+        # tracebacks the worker never prints (it writes JSON lines): on the H200 host that was
+        # 85 of the 134 ms a worker spent importing (docs/benchmarks.md, row d).
+        for name in ("rich", "better_exceptions"):
+            sys.modules.setdefault(name, None)  # type: ignore[assignment]
+        from workers import warm
+
+        warm.start(argv[1:])  # the CUDA context is created while the worker imports the rest
         from workers.main import main as worker_main
 
         return worker_main(argv[1:])
@@ -134,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return server.main(server.Config(isolation=args.isolation, sms=args.sms, mps_dir=args.mps_dir, pool=args.pool,
                                          gpu=args.gpu, socket=args.socket, cache_dir=args.cache_dir,
-                                         log_level=args.log_level, log_format=args.log_format))
+                                         log_level=args.log_level, log_format=args.log_format, loop=args.loop))
     return _client(args)
 
 

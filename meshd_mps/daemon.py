@@ -9,7 +9,6 @@ code drives the real binary and the stand-in that tests put first on PATH.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import os
 import shutil
@@ -20,6 +19,7 @@ import time
 import anyio
 import structlog
 
+from . import child
 from .errors import MpsError
 from .procfs import processes
 
@@ -100,27 +100,28 @@ class ControlDaemon:
     async def _run(self, args: list[str], stdin: str | None, within: float) -> tuple[int, str]:
         assert self.binary is not None
         env = {**os.environ, **self.env}
-        proc = await asyncio.create_subprocess_exec(
-            self.binary,
-            *args,
-            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-        )
+        proc = await child.spawn([self.binary, *args], env, stdin=stdin is not None, merge_stderr=True)
+        assert proc.stdout is not None
+        out = b""
         try:
             with anyio.fail_after(within):
-                out, _ = await proc.communicate(stdin.encode() if stdin is not None else None)
-        except TimeoutError:
-            proc.kill()
-            with anyio.move_on_after(2, shield=True):
+                if proc.stdin is not None:
+                    proc.stdin.write((stdin or "").encode())
+                    await proc.stdin.drain()
+                    proc.stdin.close()
+                out = await proc.stdout.read()
                 await proc.wait()
+        except TimeoutError:
             raise MpsError(f"mps: {CONTROL} {' '.join(args) or repr(stdin)}: no answer in {within:g}s") from None
+        except (BrokenPipeError, ConnectionResetError):  # it exited without reading its command
+            with anyio.move_on_after(within):
+                out = await proc.stdout.read()
         finally:
             if proc.returncode is None:
                 proc.kill()
                 with anyio.move_on_after(2, shield=True):
                     await proc.wait()
+            proc.close()
         assert proc.returncode is not None
         return proc.returncode, out.decode(errors="replace")
 

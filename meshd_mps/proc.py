@@ -14,10 +14,10 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import anyio
 import structlog
 
 from . import frames
+from .child import Child
 from .errors import WorkerError
 from .frames import Done, FrameError, Op
 
@@ -42,8 +42,17 @@ def _secs(s: float) -> str:
     return f"{s:g}s"
 
 
+class _NoReply(Exception):
+    """The ask's deadline passed before its reply came."""
+
+
+def _expire(fut: asyncio.Future[tuple[Op, bytes]]) -> None:
+    if not fut.done():
+        fut.set_exception(_NoReply())
+
+
 class WorkerProc:
-    def __init__(self, process: asyncio.subprocess.Process, on_unfit: Callable[[WorkerProc], None], deadlines: Deadlines):
+    def __init__(self, process: Child, on_unfit: Callable[[WorkerProc], None], deadlines: Deadlines):
         assert process.stdin is not None and process.stdout is not None
         self.process = process
         self.pid = process.pid
@@ -151,18 +160,22 @@ class WorkerProc:
                 raise WorkerError(self.unfit)
             if self.dead:
                 raise WorkerError(f"worker {self.pid} exited")
-            fut: asyncio.Future[tuple[Op, bytes]] = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[tuple[Op, bytes]] = loop.create_future()
             self._pending = fut
+            # The deadline is a timer on the reply's own future, not an anyio scope: this is
+            # the hot path, and a CancelScope costs each ask ~5-10 us (docs/benchmarks.md, b).
+            timer = loop.call_later(within, _expire, fut)
             try:
                 await self.send(op, body)
                 try:
-                    with anyio.fail_after(within):
-                        got, reply = await fut
-                except TimeoutError:
+                    got, reply = await fut
+                except _NoReply:
                     why = f"worker {self.pid}: no reply in {_secs(within)}"
                     self.mark_unfit(why)  # a late reply would be taken for the next one's
                     raise WorkerError(why) from None
             finally:
+                timer.cancel()
                 self._pending = None
             if got != want:
                 why = f"worker {self.pid}: reply {got.name}, expected {want.name}"

@@ -44,7 +44,7 @@ from typing import Any
 import anyio.to_thread
 import structlog
 
-from . import abi
+from . import abi, eventloop
 from .backend import Backend
 from .client import MAX_BODY, default_socket
 from .compiler import INCLUDE_DIR, Manifest, cuda_to_ptx, nvjitlink_version
@@ -89,6 +89,7 @@ class Config:
     cache_dir: str | None = None
     log_level: str | None = None
     log_format: str | None = None  # json | console | None (JSON unless stderr is a TTY)
+    loop: str = "auto"  # auto (uvloop if installed) | uvloop | asyncio
 
 
 class StartError(MeshError):
@@ -99,7 +100,7 @@ def main(cfg: Config) -> int:
     """Run the daemon until a signal stops it; the exit status."""
     setup_logging("meshd", cfg.log_level, json=None if cfg.log_format is None else cfg.log_format == "json")
     try:
-        return asyncio.run(Daemon(cfg).run())
+        return eventloop.run(Daemon(cfg).run, cfg.loop)
     except NoDriver as e:
         print(f"meshd-mps: {e}", file=sys.stderr)
         print(f"meshd-mps: {NO_DRIVER_HINT}", file=sys.stderr)

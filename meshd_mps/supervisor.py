@@ -18,6 +18,7 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup
 
+from . import child
 from .errors import WorkerError
 from .frames import Op
 from .proc import Deadlines, WorkerProc
@@ -62,14 +63,7 @@ class Supervisor:
         """A new worker process with its reader task; stderr passes through to ours."""
         tg = self._group()
         try:
-            process = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=None,
-                env=dict(env),
-                close_fds=True,
-            )
+            process = await child.spawn(argv, env)
         except OSError as e:
             raise WorkerError(f"mps worker: {argv[0]}: {e.strerror or e}") from None
         w = WorkerProc(process, self._unfit, self.deadlines)

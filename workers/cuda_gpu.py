@@ -9,8 +9,10 @@ sleeps instead of spinning a CPU.
 The mailbox (the memfd every worker maps) is registered as host-mapped memory
 (DEVICEMAP | PORTABLE); programs get its device address as their first
 parameter.  Each module has its own non-blocking stream; each launch records a
-blocking-sync event after the kernel and a waiter thread sleeps in
-cuEventSynchronize on it, then reports DONE exactly once.  cuda.bindings
+blocking-sync event after the kernel, and the module's waiter thread (one per
+module, started at load: a thread started per launch cost each LAUNCH ~50 us
+on the H200 host) sleeps in cuEventSynchronize on each in launch order, the
+order its stream runs them, then reports DONE exactly once.  cuda.bindings
 releases the GIL in every driver call, so waiters do not hold up the frame loop.
 
 Every driver error raises GpuError naming the call and the error, e.g.
@@ -20,6 +22,7 @@ Every driver error raises GpuError naming the call and the error, e.g.
 from __future__ import annotations
 
 import ctypes
+import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +35,7 @@ from meshd_mps.frames import Done, Load, Loaded
 from meshd_mps.mailbox import Mailbox
 
 from .gpu import DoneCallback, GpuError
+from .warm import Warm
 
 try:
     from cuda.bindings import driver as cu
@@ -91,17 +95,20 @@ class _Module:
     scratch: int = 0  # device pointer, 0 if none
     scratch_bytes: int = 0
     running: set[int] = field(default_factory=set)  # gens launched, not yet DONE
+    waits: queue.SimpleQueue[tuple[int, Any, DoneCallback] | None] = field(default_factory=queue.SimpleQueue)
+    waiter: threading.Thread | None = None
+    events: list[Any] = field(default_factory=list)  # idle events, for the next launches
 
 
 class CudaGpu:
     """workers.gpu.Gpu on the real device (device 0)."""
 
-    def __init__(self, mailbox: Mailbox, sms: int):
+    def __init__(self, mailbox: Mailbox, sms: int, warm: Warm | None = None):
         self.mailbox = mailbox
+        self._warm = warm
         self.requested_sms = sms
         self.sms = 0
         self.dev = 0  # the mailbox's device address
-        self._waiters: list[threading.Thread] = []
         self._ctx: Any = None
         self._green: Any = None
         self._primary: Any = None  # the CUdevice whose primary context we retained
@@ -109,10 +116,13 @@ class CudaGpu:
         self._host = 0
         self._registered = False
         self._lock = threading.Lock()
+        self._tls = threading.local()
+        self._params: dict[int, tuple[Any, ...]] = {}  # slot -> (its kernel parameters, kept alive, their address)
         self._modules: dict[int, _Module] = {}
         self._closed = False
         if cu is None:
             raise GpuError(f"cuda-python is not installed: {_IMPORT_ERROR}")
+        self._event_flags = int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC) | int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         try:
             self._open(sms)
         except GpuError:
@@ -148,11 +158,15 @@ class CudaGpu:
                 # Waiters use blocking-sync events, which sleep whatever the context's flags.
                 log.warning("green context keeps its scheduling flags", error=_fmt(_code(r)))
         else:
-            r = cu.cuDevicePrimaryCtxSetFlags(dev, blocking)
-            if _code(r):
-                log.warning("primary context keeps its scheduling flags", error=_fmt(_code(r)))
-            self._ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-            self._primary = dev
+            warm, self._warm = self._warm, None
+            if warm is not None and warm.ctx is not None:  # retained by warm.py's thread: ours now
+                self._ctx, self._primary, flags_error = warm.ctx, warm.dev, warm.flags_error
+            else:
+                flags_error = _code(cu.cuDevicePrimaryCtxSetFlags(dev, blocking))
+                self._ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+                self._primary = dev
+            if flags_error:
+                log.warning("primary context keeps its scheduling flags", error=_fmt(flags_error))
             check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
             self.sms = total
         mm = self.mailbox.mm
@@ -204,10 +218,13 @@ class CudaGpu:
             log.info("green context rounded by the driver", asked=sms, sms=self.sms)
 
     def _current(self) -> None:
-        """Contexts do not follow threads: make ours current in the calling one."""
+        """Contexts do not follow threads: make ours current in the calling one (once per thread:
+        only this class sets contexts, and always this one)."""
         if self._ctx is None:
             raise GpuError("the GPU is closed")
-        check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        if getattr(self._tls, "ctx", None) is not self._ctx:
+            check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+            self._tls.ctx = self._ctx
 
     # ---- modules ------------------------------------------------------------------------
     def load(self, req: Load) -> Loaded:
@@ -252,6 +269,8 @@ class CudaGpu:
                 check(cu.cuMemcpyDtoH(ctypes.addressof(v32), at, 4), f"cuMemcpyDtoH({abi.RT_ABI_SYMBOL})")
                 rt_abi = int(v32.value)
             m.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+            m.waiter = threading.Thread(target=self._waits, args=(m,), name=f"done-{req.module}", daemon=True)
+            m.waiter.start()
         except BaseException:
             self._release(m)
             raise
@@ -272,7 +291,12 @@ class CudaGpu:
     def _release(self, m: _Module) -> str | None:
         """Free what a module holds; the first failure's text (the rest are still tried)."""
         first = None
-        steps = []
+        if m.waiter is not None:  # idle (nothing running): it takes the None and ends
+            m.waits.put(None)
+            m.waiter.join(5)
+            m.waiter = None
+        steps = [("cuEventDestroy", lambda ev=ev: cu.cuEventDestroy(ev)) for ev in m.events]
+        m.events = []
         if m.scratch:
             steps.append(("cuMemFree(scratch)", lambda: cu.cuMemFree(m.scratch)))
         if m.stream is not None:
@@ -318,16 +342,16 @@ class CudaGpu:
         if nodes < 1:
             raise GpuError(f"{m.name}: a launch of {nodes} blocks")
         self._current()
-        flags = int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC) | int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        ev = check(cu.cuEventCreate(flags), "cuEventCreate")
-        a = ctypes.c_uint64(self.dev)
-        b = ctypes.c_uint32(slot)
-        params = (ctypes.c_void_p * 2)(ctypes.addressof(a), ctypes.addressof(b))
         try:
-            check(
-                cu.cuLaunchKernel(m.fn, nodes, 1, 1, m.threads, 1, 1, m.smem, m.stream, ctypes.addressof(params), 0),
-                "cuLaunchKernel",
-            )
+            ev = m.events.pop()  # recycled by the waiter: events are cheap to keep, not to create
+        except IndexError:
+            ev = check(cu.cuEventCreate(self._event_flags), "cuEventCreate")
+        if (p := self._params.get(slot)) is None:  # (mailbox_dev, slot): the same for every launch on a slot
+            a, b = ctypes.c_uint64(self.dev), ctypes.c_uint32(slot)
+            params = (ctypes.c_void_p * 2)(ctypes.addressof(a), ctypes.addressof(b))
+            p = self._params[slot] = (a, b, params, ctypes.addressof(params))
+        try:
+            check(cu.cuLaunchKernel(m.fn, nodes, 1, 1, m.threads, 1, 1, m.smem, m.stream, p[3], 0), "cuLaunchKernel")
         except GpuError:
             cu.cuEventDestroy(ev)
             raise
@@ -338,37 +362,31 @@ class CudaGpu:
             ev = None
         with self._lock:
             m.running.add(gen)
-        t = threading.Thread(target=self._wait, args=(m, gen, ev, on_done), name=f"done-{module}-{gen}", daemon=True)
-        self._waiters.append(t)  # started once LAUNCHED is written: Thread.start() costs the reply ~100 us
+        m.waits.put((gen, ev, on_done))
 
-    def launched(self) -> None:
-        """Called by the worker loop after LAUNCHED is written: start the completion waiters."""
-        waiters, self._waiters = self._waiters, []
-        for t in waiters:
-            t.start()
-
-    def _wait(self, m: _Module, gen: int, ev: Any, on_done: DoneCallback) -> None:
-        ok, message = True, ""
-        try:
-            r = cu.cuCtxSetCurrent(self._ctx)
-            if _code(r) == 0:
-                r = cu.cuEventSynchronize(ev) if ev is not None else cu.cuStreamSynchronize(m.stream)
-            if _code(r):
-                ok, message = False, _done_text(_code(r))
-        except BaseException as e:  # never lose the DONE
-            ok, message = False, f"waiting for the kernel: {type(e).__name__}: {e}"
-        finally:
-            if ev is not None:
-                try:
-                    cu.cuEventDestroy(ev)
-                except Exception:
-                    pass
-            with self._lock:
-                m.running.discard(gen)
+    def _waits(self, m: _Module) -> None:
+        """The module's waiter thread: each launch's end, in launch order, as a DONE."""
+        current = cu.cuCtxSetCurrent(self._ctx)
+        while (item := m.waits.get()) is not None:
+            gen, ev, on_done = item
+            ok, message = True, ""
             try:
-                on_done(Done(m.id, gen, ok, message))
-            except Exception as e:
-                log.error("DONE not delivered", module=m.id, gen=gen, error=str(e))
+                r = current
+                if _code(r) == 0:
+                    r = cu.cuEventSynchronize(ev) if ev is not None else cu.cuStreamSynchronize(m.stream)
+                if _code(r):
+                    ok, message = False, _done_text(_code(r))
+            except BaseException as e:  # never lose the DONE
+                ok, message = False, f"waiting for the kernel: {type(e).__name__}: {e}"
+            finally:
+                if ev is not None:
+                    m.events.append(ev)
+                with self._lock:
+                    m.running.discard(gen)
+                try:
+                    on_done(Done(m.id, gen, ok, message))
+                except Exception as e:
+                    log.error("DONE not delivered", module=m.id, gen=gen, error=str(e))
 
     def misbehaviour(self, phase: str) -> str | None:
         return None

@@ -35,28 +35,30 @@ class Channel:
     def __init__(self, rfd: int = 0, wfd: int = 1):
         self.rfd, self.wfd = rfd, wfd
         self._wlock = threading.Lock()
+        self._buf = bytearray()  # read ahead: a frame usually arrives in one read
 
-    def _read_exactly(self, n: int) -> bytes | None:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = os.read(self.rfd, n - len(buf))
+    def _fill(self, n: int) -> bool:
+        """At least n bytes buffered; False at EOF."""
+        while len(self._buf) < n:
+            chunk = os.read(self.rfd, max(65536, n - len(self._buf)))
             if not chunk:
-                if buf:
-                    raise FrameError(f"stdin closed inside a frame ({len(buf)} of {n} bytes)")
-                return None
-            buf += chunk
-        return bytes(buf)
+                return False
+            self._buf += chunk
+        return True
 
     def read(self) -> tuple[Op, bytes] | None:
-        head = self._read_exactly(frames.HEADER.size)
-        if head is None:
+        if not self._fill(frames.HEADER.size):
+            if self._buf:
+                raise FrameError(f"stdin closed inside a frame header ({len(self._buf)} bytes)")
             return None
-        (n,) = frames.HEADER.unpack(head)
+        (n,) = frames.HEADER.unpack_from(self._buf)
         frames.check_length(n)
-        rest = self._read_exactly(n)
-        if rest is None:
-            raise FrameError(f"stdin closed after a frame header (length {n})")
-        return frames.check_op(rest[0]), rest[1:]
+        end = frames.HEADER.size + n
+        if not self._fill(end):
+            raise FrameError(f"stdin closed inside a frame ({len(self._buf) - frames.HEADER.size} of {n} bytes)")
+        frame = bytes(self._buf[frames.HEADER.size : end])
+        del self._buf[:end]
+        return frames.check_op(frame[0]), frame[1:]
 
     def write_raw(self, data: bytes) -> None:
         with self._wlock:
@@ -193,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from .cuda_gpu import CudaGpu
 
-            gpu = CudaGpu(mailbox, args.sms)
+            from . import warm
+
+            gpu = CudaGpu(mailbox, args.sms, warm.take())
     except Exception as e:  # any failure to come up is reported on the first request
         open_error = f"worker {os.getpid()}: {e}"
         log.error("GPU not opened", error=str(e))

@@ -1,0 +1,123 @@
+"""A worker's process: its pipes are asyncio streams connected straight to the loop.
+
+``asyncio.create_subprocess_exec`` hands each chunk a child writes to its
+protocol one loop iteration late (the subprocess transport forwards pipe data
+with ``call_soon``), and every reply then costs one more trip round the loop
+before the reader task even sees it.  On the ask path, where the loop is most
+of the cost (docs/benchmarks.md, row b), that hop matters.  So a worker is
+started with ``subprocess.Popen`` (what asyncio itself calls, in the loop
+thread), its stdout and stdin become a ``StreamReader`` and ``StreamWriter``
+through ``connect_read_pipe`` / ``connect_write_pipe``, and its exit is seen
+through a pidfd the loop watches, then reaped by pid.  Never ``waitpid(-1)``:
+that would take the control daemon's orphans from daemon.py's reaper.
+
+The object answers to what callers used of ``asyncio.subprocess.Process``:
+``pid``, ``returncode``, ``stdin``, ``stdout``, ``wait()``, ``kill()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+
+#: How often a child's exit is polled where the kernel has no pidfd_open (before Linux 5.3).
+POLL_S = 0.05
+
+
+class Child:
+    def __init__(self, popen: subprocess.Popen[bytes], loop: asyncio.AbstractEventLoop):
+        self._popen = popen
+        self._loop = loop
+        self.pid = popen.pid
+        self.returncode: int | None = None
+        self.stdin: asyncio.StreamWriter | None = None
+        self.stdout: asyncio.StreamReader | None = None
+        self._read_transport: asyncio.ReadTransport | None = None
+        self._exited = asyncio.Event()
+        self._pidfd = -1
+        self._poll: asyncio.TimerHandle | None = None
+
+    async def _connect(self) -> None:
+        loop = self._loop
+        assert self._popen.stdout is not None
+        reader = self.stdout = asyncio.StreamReader(limit=2**20, loop=loop)
+        rt, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop), self._popen.stdout)
+        self._read_transport = rt
+        if self._popen.stdin is not None:
+            wt, wp = await loop.connect_write_pipe(lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader(), loop=loop),
+                                                   self._popen.stdin)
+            self.stdin = asyncio.StreamWriter(wt, wp, None, loop)
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            self._poll = loop.call_later(POLL_S, self._polled)
+        else:
+            loop.add_reader(self._pidfd, self._reap)
+
+    def _reap(self) -> bool:
+        """Reap it if it has exited; True once it has."""
+        if self.returncode is not None:
+            return True
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped by someone else: the status is lost
+            pid, status = self.pid, -1
+        if pid == 0:
+            return False
+        self.returncode = os.waitstatus_to_exitcode(status) if status != -1 else 255
+        self._popen.returncode = self.returncode  # else Popen.__del__ warns and reaps it again
+        if self._pidfd >= 0:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+        self._exited.set()
+        return True
+
+    def _polled(self) -> None:
+        self._poll = None if self._reap() else self._loop.call_later(POLL_S, self._polled)
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        self.close()
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def close(self) -> None:
+        """Close the pipes' transports (idempotent); the process is not touched."""
+        if self.stdin is not None and not self.stdin.is_closing():
+            self.stdin.close()
+        if self._read_transport is not None and not self._read_transport.is_closing():
+            self._read_transport.close()
+        if self._poll is not None and self.returncode is not None:
+            self._poll.cancel()
+            self._poll = None
+
+
+async def spawn(argv: Sequence[str], env: Mapping[str, str], *, stdin: bool = True, merge_stderr: bool = False) -> Child:
+    """Start ``argv`` with a pipe on its stdout, and on its stdin (else /dev/null); its stderr is
+    ours, or with ``merge_stderr`` its stdout's pipe.  OSError if it cannot start."""
+    loop = asyncio.get_running_loop()
+    popen = subprocess.Popen(list(argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT if merge_stderr else None, env=dict(env), close_fds=True, bufsize=0)
+    child = Child(popen, loop)
+    try:
+        await child._connect()
+    except BaseException:
+        popen.kill()
+        popen.wait()
+        child.close()
+        raise
+    return child
