@@ -193,6 +193,26 @@ async def worker(n: int, gpu: str) -> list[float]:
     return out
 
 
+async def mps_worker(n: int, gpu: str, pool: int = 1, settle: float = 0.0) -> list[float]:
+    """The bench's row (b), 1 worker: WorkerProc.ask to a pooled MPS worker of a private daemon,
+    with ``pool`` workers started (the others idle) and ``settle`` seconds waited before the asks."""
+    from meshd_mps.bench import Bench, launch_sync, returning_worker
+
+    bench = Bench(gpu, quick=False, mps_dir=None)
+    try:
+        async with await bench.backend("mps", pool=pool) as b:
+            w = await returning_worker(bench, b, 99)
+            await asyncio.sleep(settle)
+            out = []
+            for i in range(n + 100):
+                dt = await launch_sync(w, 99, ask_only=True)
+                if i >= 100:
+                    out.append(dt)
+            return out
+    finally:
+        bench.cleanup()
+
+
 def gpu_launch(n: int) -> list[float]:
     import threading
 
@@ -223,6 +243,20 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=3000)
     ap.add_argument("--only", help="run just this variant (e.g. worker, for a profiler)")
     a = ap.parse_args()
+    if a.only == "mps":  # the two loops in turn, twice: is the difference the loop or the moment?
+        import uvloop
+
+        rows = []
+        for k in range(2):
+            rows.append((f"mps-asyncio {k}", asyncio.run(mps_worker(a.n, a.gpu))))
+            rows.append((f"mps-uvloop {k}", uvloop.run(mps_worker(a.n, a.gpu))))
+        # the bench's row starts 33 workers: do idle MPS clients, or their start, slow an ask?
+        for pool, settle in ((33, 0.0), (33, 3.0), (8, 0.0)):
+            for name, run in (("asyncio", asyncio.run), ("uvloop", uvloop.run)):
+                rows.append((f"mps-{name} pool {pool} settle {settle:g}s", run(mps_worker(a.n, a.gpu, pool, settle))))
+        for name, xs in rows:
+            print("%-36s p50 %6.1f us  p99 %6.1f us" % (name, *pct(xs)))
+        return
     if a.only == "worker":
         xs = asyncio.run(worker(a.n, a.gpu))
         print("worker p50 %.1f us p99 %.1f us" % pct(xs))

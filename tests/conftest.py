@@ -1,10 +1,13 @@
 """Shared fixtures: the stand-in MPS daemon on PATH, a rig of daemon + supervisor
-+ simulated workers, and the check that no test leaves a child process behind."""
++ simulated workers, the check that no test leaves a child process behind, and
+(``no_leaks``, used by every fault test) that none leaves an fd or a temporary file."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -17,10 +20,20 @@ from meshd_mps.mps import Mps
 from meshd_mps.proc import Deadlines
 from meshd_mps.supervisor import Supervisor
 
-from .procs import children, describe, wait_gone
+from .procs import Resources, children, describe, wait_gone
 
 # The control daemon is re-parented to us; tests reap it as meshd does.
 become_subreaper()
+
+# This session's own temporary directory (for us and, through TMPDIR, every process we start):
+# the leak checks count the meshd* entries in it, and a second test run on the same machine
+# (its own directory) can neither add to them nor be blamed for them.  Searchable by others
+# (0711, not listable) so that the other-uid test's connection is refused by the socket's own
+# mode and not by a directory on the way.  Short: AF_UNIX paths stop at 108 bytes.
+SESSION_TMP = tempfile.mkdtemp(prefix="meshd-tests.")
+os.chmod(SESSION_TMP, 0o711)
+os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMP
+atexit.register(shutil.rmtree, SESSION_TMP, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +43,17 @@ def no_child_left():
     yield
     left = wait_gone(children() - before, within=5.0)
     assert not left, f"child processes left behind: {describe(left)}"
+
+
+@pytest.fixture
+def no_leaks():
+    """Around a fault test: the same open fds (/proc/self/fd) and the same meshd* temporary
+    entries after it as before.  Counted within the test: its backend and rig are closed when its
+    body returns, and the event loop (set up after this, torn down before) is closed too."""
+    before = Resources.now()
+    yield
+    leaked = Resources.now().leaks_since(before)
+    assert not leaked, f"the test leaked: {leaked}"
 
 
 @pytest.fixture

@@ -1,9 +1,15 @@
-"""Process bookkeeping for tests, read from /proc (no psutil)."""
+"""Process, fd and temporary-file bookkeeping for tests, read from /proc (no psutil)."""
 
 from __future__ import annotations
 
+import gc
 import os
+import resource
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 
 def _stat(pid: int) -> tuple[str, str, int] | None:
@@ -53,3 +59,68 @@ def wait_gone(pids, within: float) -> set[int]:
         if left:
             time.sleep(0.01)
     return left
+
+
+# ---- fds and temporary files: what a test must give back -----------------------------------
+
+#: Names of the temporary entries meshd-mps and the tests make (MPS dirs, the stand-in's default pipe dir).
+TEMP_PREFIXES = ("meshd", "nvidia-mps")
+
+
+def open_fds() -> dict[int, str]:
+    """This process's open fds and what each one is (``readlink /proc/self/fd/N``)."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass  # the listing's own fd, closed by now
+    return out
+
+
+def temp_entries() -> set[str]:
+    """The entries of ``tempfile.gettempdir()`` named like meshd-mps's (``meshd*``, ``nvidia-mps*``)."""
+    d = tempfile.gettempdir()
+    return {os.path.join(d, n) for n in os.listdir(d) if n.startswith(TEMP_PREFIXES)}
+
+
+@dataclass(frozen=True)
+class Resources:
+    fds: dict[int, str]
+    temps: frozenset[str]
+
+    @classmethod
+    def now(cls) -> Resources:
+        gc.collect()  # what only the collector would close counts as closed (it warns, and warnings are errors)
+        return cls(open_fds(), frozenset(temp_entries()))
+
+    def leaks_since(self, before: Resources) -> str:
+        """What this snapshot holds that ``before`` did not (and what it lost), in words; "" if equal."""
+        parts = []
+        new = {fd: t for fd, t in self.fds.items() if before.fds.get(fd) != t}
+        gone = {fd: t for fd, t in before.fds.items() if self.fds.get(fd) != t}
+        if new:
+            parts.append(f"{len(new)} fd(s) left open: " + ", ".join(f"{fd} -> {t}" for fd, t in sorted(new.items())))
+        if gone:
+            parts.append(f"{len(gone)} fd(s) of before closed or replaced: " + ", ".join(f"{fd} -> {t}" for fd, t in sorted(gone.items())))
+        if self.temps - before.temps:
+            parts.append("temporary entries left: " + ", ".join(sorted(self.temps - before.temps)))
+        if before.temps - self.temps:
+            parts.append("temporary entries of before removed: " + ", ".join(sorted(before.temps - self.temps)))
+        return "; ".join(parts)
+
+
+@contextmanager
+def fd_limit(more: int) -> Iterator[int]:
+    """Inside: this process can open at most ``more`` new fds (the soft RLIMIT_NOFILE lowered to
+    the lowest free fd + ``more``; fds already open above it stay usable).  Restored on the way out,
+    whatever happens; yields the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    probe = os.dup(0)
+    os.close(probe)  # the lowest free fd: every fd below it is taken
+    limit = probe + more
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        yield limit
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

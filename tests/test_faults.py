@@ -12,7 +12,7 @@ from meshd_mps.programs import Programs
 from .conftest import TEST_DEADLINES
 from .test_backend import beats, example
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_leaks")]
 
 
 async def wait_for(cond, within=20.0):

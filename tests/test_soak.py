@@ -20,7 +20,7 @@ CYCLES = int(os.environ.get("MESHD_MPS_SOAK_CYCLES", "2000"))
 LANES = 16
 KILL_P = 0.01
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("no_leaks")]
 
 
 async def test_soak_with_random_kills(rig):

@@ -18,7 +18,7 @@ from meshd_mps.proc import Deadlines
 from .conftest import sim
 from .procs import alive
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaks")]
 
 
 async def preload(m, name="prog", **script):

@@ -5,6 +5,20 @@ frames come from the GPU's completion threads, so every write holds a lock.
 The worker exits at stdin EOF (which the supervisor's death also gives) or at
 QUIT; a frame it cannot parse makes it exit with status 2, which the
 supervisor sees as a death.
+
+TEST HOOK, fault injection: ``MESHD_MPS_WORKER_INJECT="phase:how[,phase:how]"``
+in a worker's environment makes that worker misbehave in the reply to every
+request of that phase, with the real GPU (``--gpu cuda``) as with the
+simulation; the simulation's own scripted faults (``sim_gpu.misbehaviour``) are
+the same, and where both name a phase the variable wins.  Phases: ``ready``,
+``load``, ``launch`` (the work of the request is done first: the module is
+loaded, the kernel launched).  Hows: ``hang`` (never reply), ``exit`` (exit 3),
+``garbage`` (a frame length over the limit), ``wrong-op`` (a reply of another
+op), ``short`` (a reply too short for its ok word), ``close-stdout`` (close
+stdout, stay alive), ``unsolicited`` (the true reply, then a READY nobody asked
+for).  A value that does not parse makes the worker exit at start with status 2
+and an error on stderr.  Only tests set it (tests/test_workers.py,
+tests/gpu/test_faults_real.py); meshd-mps itself never does.
 """
 
 from __future__ import annotations
@@ -27,6 +41,27 @@ from .gpu import Gpu, GpuError
 log = structlog.get_logger("meshd_mps.worker")
 
 EXIT_PROTOCOL = 2
+
+#: The fault-injection test hook (see the module's docstring).
+INJECT_ENV = "MESHD_MPS_WORKER_INJECT"
+INJECT_PHASES = ("ready", "load", "launch")
+INJECT_HOWS = ("hang", "exit", "garbage", "wrong-op", "short", "close-stdout", "unsolicited")
+
+
+def parse_inject(value: str | None) -> dict[str, str]:
+    """``MESHD_MPS_WORKER_INJECT``'s value as {phase: how}; ValueError naming what is wrong."""
+    out: dict[str, str] = {}
+    for item in (value or "").split(","):
+        if not item.strip():
+            continue
+        phase, sep, how = item.strip().partition(":")
+        if not sep or phase not in INJECT_PHASES or how not in INJECT_HOWS:
+            raise ValueError(
+                f"{INJECT_ENV}={value!r}: {item.strip()!r} is not phase:how with a phase of"
+                f" {'/'.join(INJECT_PHASES)} and a how of {'/'.join(INJECT_HOWS)}"
+            )
+        out[phase] = how
+    return out
 
 
 class Channel:
@@ -71,11 +106,12 @@ class Channel:
         self.write_raw(frames.encode(op, body))
 
 
-def _misbehave(ch: Channel, how: str | None, op: Op, reply: bytes) -> bool:
-    """Carry out a scripted fault of the simulation; True if the reply is replaced."""
+def _misbehave(ch: Channel, how: str | None, op: Op, reply: bytes, injected: bool = False) -> bool:
+    """Carry out a scripted fault (the simulation's, or injected through ``MESHD_MPS_WORKER_INJECT``);
+    True if the reply is replaced."""
     if how is None:
         return False
-    log.warning("simulated misbehaviour", how=how, op=op.name)
+    log.warning("injected misbehaviour" if injected else "simulated misbehaviour", how=how, op=op.name)
     if how == "hang":
         threading.Event().wait()
     if how == "exit":
@@ -97,8 +133,17 @@ def _misbehave(ch: Channel, how: str | None, op: Op, reply: bytes) -> bool:
     return True
 
 
-def serve(ch: Channel, gpu: Gpu | None, open_error: str | None) -> int:
-    """Answer requests until EOF or QUIT; returns the exit status."""
+def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str, str] | None = None) -> int:
+    """Answer requests until EOF or QUIT; returns the exit status.  ``inject``: the test hook's
+    faults by phase (``parse_inject``), before the GPU's own ``misbehaviour``."""
+    inject = inject or {}
+
+    def misbehave(phase: str, op: Op, reply: bytes) -> bool:
+        assert gpu is not None
+        how = inject.get(phase)
+        if how is not None:
+            return _misbehave(ch, how, op, reply, injected=True)
+        return _misbehave(ch, gpu.misbehaviour(phase), op, reply)
 
     def on_done(d: Done) -> None:
         try:
@@ -129,7 +174,7 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None) -> int:
         try:
             if op == Op.READY:
                 reply = frames.ready_reply(os.getpid())
-                if not _misbehave(ch, gpu.misbehaviour("ready"), Op.READY, reply):
+                if not misbehave("ready", Op.READY, reply):
                     ch.write(Op.READY, reply)
             elif op == Op.LOAD:
                 req = Load.decode(body)
@@ -140,7 +185,7 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None) -> int:
                     reply = info.encode()
                 except GpuError as e:
                     reply = frames.error_reply(str(e))
-                if not _misbehave(ch, gpu.misbehaviour("load"), Op.LOADED, reply):
+                if not misbehave("load", Op.LOADED, reply):
                     ch.write(Op.LOADED, reply)
             elif op == Op.LAUNCH:
                 req = Launch.decode(body)
@@ -149,7 +194,7 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None) -> int:
                     reply = frames.ok_reply()
                 except GpuError as e:
                     reply = frames.error_reply(str(e))
-                if not _misbehave(ch, gpu.misbehaviour("launch"), Op.LAUNCHED, reply):
+                if not misbehave("launch", Op.LAUNCHED, reply):
                     ch.write(Op.LAUNCHED, reply)
                 started = getattr(gpu, "launched", None)  # the simulation starts its kernels here
                 if started is not None:
@@ -183,6 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     setup_logging(component="worker")
     structlog.contextvars.bind_contextvars(pid=os.getpid())
+    try:
+        inject = parse_inject(os.environ.get(INJECT_ENV))
+    except ValueError as e:
+        log.error("bad fault-injection test hook; exiting", error=str(e))
+        return EXIT_PROTOCOL
+    if inject:
+        log.warning("fault injection (a test hook) is on", inject=inject)
     ch = Channel()
     gpu: Gpu | None = None
     open_error = None
@@ -202,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         open_error = f"worker {os.getpid()}: {e}"
         log.error("GPU not opened", error=str(e))
     try:
-        return serve(ch, gpu, open_error)
+        return serve(ch, gpu, open_error, inject)
     except BrokenPipeError:
         return 0
     finally:

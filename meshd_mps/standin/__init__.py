@@ -42,7 +42,7 @@ def _readline(sock: socket.socket) -> bytes:
     return line
 
 
-def connect_client(pipe_dir: str, pid: int, timeout: float = 5.0) -> socket.socket | None:
+def connect_client(pipe_dir: str, pid: int, timeout: float = 5.0, device: int = 0) -> socket.socket | None:
     """Become an MPS client of the stand-in daemon of ``pipe_dir`` ("context creation").
 
     Returns the connected socket (keep it open for the client's whole life), or
@@ -61,7 +61,7 @@ def connect_client(pipe_dir: str, pid: int, timeout: float = 5.0) -> socket.sock
                 sock.close()
                 return None
             raise
-        sock.sendall(b"HELLO %d\n" % pid)
+        sock.sendall(b"HELLO %d %d\n" % (pid, device))
         line = _readline(sock).decode("utf-8", "replace").rstrip("\n")
     except BaseException:
         sock.close()

@@ -40,17 +40,19 @@ def real_gpu_and_mps():
         pytest.skip("nvidia-cuda-mps-control on PATH is meshd-mps's stand-in, not NVIDIA's")
 
 
-def mps_processes(tag: str = "") -> list[str]:
+def mps_processes() -> list[str]:
+    """MPS control daemons and servers on the machine (by the program run, argv[0]: a shell
+    whose command line merely mentions them is not one)."""
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                    argv = f.read().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            if "nvidia-cuda-mps" in cmd or (tag and tag in cmd):
-                out.append(f"{d}: {cmd}")
+            if os.path.basename(argv[0]).startswith("nvidia-cuda-mps"):
+                out.append(f"{d}: {' '.join(argv)}")
     return out
 
 
