@@ -3,13 +3,21 @@
 Its surface mirrors the seed's backend ops: caps, isolated / resident /
 isolation, the mailbox, prepare (compile and, in MPS mode, preload), load,
 launch with an awaitable completion, query, unload, module scope, close.
+
+Several GPUs (``devices``, default every visible one): in MPS mode one control
+daemon for the host and a pool per GPU; in blink mode one context per GPU.
+Every image and kernel carries its ``device``; ``prepare`` puts an image on
+the GPU named, else on the least loaded one.  ``info``, ``caps`` and
+``compiler`` are the first GPU's (what a one-GPU caller has always used);
+``infos``, ``device_caps`` and ``compilers`` hold every GPU's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,7 +29,8 @@ from .frames import Op
 from .blink import BlinkContext, Module
 from .compiler import Compiler, Manifest, Prepared
 from .daemon import PIPE_ENV, ControlDaemon
-from .device import Caps, DeviceInfo, caps_of, check_sms, query_device, simulated_device
+from .device import (Caps, DeviceInfo, caps_of, check_sms, check_unique, choose_devices, device_count, ordinals_text,
+                     query_device, simulated_count, simulated_device)
 from .errors import ConfigError, MeshError
 from .launch import Launch
 from .log import setup_logging
@@ -44,6 +53,7 @@ class Image:
 
     prepared: Prepared
     worker: Worker | None = None
+    device: int | None = None  # the GPU it is for (None: the backend's first)
 
     @property
     def name(self) -> str:
@@ -65,6 +75,7 @@ class Kernel:
     module: Module | None = None
     launch: Launch | None = None
     context_pid: int = 0  # blink mode: the one context's worker
+    device: int = 0  # the GPU it runs on
 
     @property
     def pid(self) -> int:
@@ -81,13 +92,14 @@ class Kernel:
 
 class Backend:
     def __init__(self, isolation: Isolation, sms: int, mps_dir: str | None, pool: int, gpu: str,
-                 cache_dir: str | None, deadlines: Deadlines, max_clients: int):
+                 cache_dir: str | None, deadlines: Deadlines, max_clients: int, devices: Sequence[int] | None = None):
         if isolation not in ("blink", "mps"):
             raise ConfigError(f"--isolation {isolation}: expected blink or mps")
         if gpu not in ("cuda", "sim"):
             raise ConfigError(f"--gpu {gpu}: expected cuda or sim")
         if sms < 0 or pool < 0:
             raise ConfigError("--sms and --pool must not be negative")
+        self._asked = None if devices is None else check_unique(devices)  # that they exist: at open
         self.isolation: Isolation = isolation
         self.sms = sms
         self.gpu = gpu
@@ -98,22 +110,24 @@ class Backend:
         self.sup = Supervisor(deadlines)
         self.mailbox = Mailbox.create()
         self.mps: Mps | None = None
-        self.blink: BlinkContext | None = None
+        self.blinks: dict[int, BlinkContext] = {}  # blink mode: the context of each GPU
         self.daemon: ControlDaemon | None = None
-        self.info: DeviceInfo | None = None
-        self.caps: Caps | None = None
-        self.compiler: Compiler | None = None
+        self.devices: tuple[int, ...] = ()  # the GPUs driven, ascending (known once open)
+        self.infos: dict[int, DeviceInfo] = {}
+        self.device_caps: dict[int, Caps] = {}
+        self.compilers: dict[int, Compiler] = {}
         self._saved_pipe_env: str | None = None
         self._closed = False
 
     @classmethod
     async def open(cls, *, isolation: Isolation = "blink", sms: int = 0, mps_dir: str | None = None, pool: int = 0,
                    gpu: str = "cuda", cache_dir: str | None = None, deadlines: Deadlines = Deadlines(),
-                   max_clients: int = MAX_CLIENTS) -> Backend:
-        """Start the backend: in MPS mode the private daemon and the pool first."""
+                   max_clients: int = MAX_CLIENTS, devices: Sequence[int] | None = None) -> Backend:
+        """Start the backend: in MPS mode the private daemon and the pools first.  ``devices``: the
+        GPUs to drive (CUDA ordinals; None: every visible one); ``pool`` idle workers per GPU."""
         if not structlog.is_configured():
             setup_logging()  # structlog's default is stdout: a host's output is not ours to fill
-        b = cls(isolation, sms, mps_dir, pool, gpu, cache_dir, deadlines, max_clients)
+        b = cls(isolation, sms, mps_dir, pool, gpu, cache_dir, deadlines, max_clients, devices)
         try:
             await b._open()
         except BaseException:
@@ -128,10 +142,26 @@ class Backend:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _device(self) -> DeviceInfo:
+    async def _devices(self) -> None:
+        """Which GPUs (checked against those visible), their figures, caps and compilers."""
         if self.gpu == "sim":
-            return simulated_device()
-        return await anyio.to_thread.run_sync(query_device)
+            visible = simulated_count()
+        else:
+            visible = await anyio.to_thread.run_sync(device_count)
+        self.devices = choose_devices(self._asked, visible)
+        several = len(self.devices) > 1
+        for d in self.devices:
+            info = simulated_device(d) if self.gpu == "sim" else await anyio.to_thread.run_sync(query_device, d)
+            check_sms(info, self.sms, f"GPU {d}" if several else "the device")
+            self.infos[d] = info
+            self.device_caps[d] = caps_of(info, self.sms)
+            # GPUs of the same kind share one compiler, so one cubin cache: a JIT once per kind.
+            same = next((c for c in self.compilers.values() if dataclasses.replace(c.info, ordinal=0)
+                         == dataclasses.replace(info, ordinal=0)), None)
+            self.compilers[d] = same or Compiler(info, self._cache_dir)
+        log.info(f"GPUs {ordinals_text(self.devices)} of {visible} visible: "
+                 + ", ".join(f"{d}: {self.infos[d].name} ({self.infos[d].arch}, {self.infos[d].sms_total} SMs)"
+                             for d in self.devices))
 
     async def _open(self) -> None:
         await self.sup.start()
@@ -143,18 +173,73 @@ class Backend:
             # meshd-mps's own cuInit (device attributes, no context) must join no daemon.
             self._saved_pipe_env = os.environ.get(PIPE_ENV)
             os.environ[PIPE_ENV] = os.path.join(self.daemon.dir, "none")
-            self.info = await self._device()
-            check_sms(self.info, self.sms)
-            self.mps = Mps(self.daemon, self.sup, self.mailbox.path, self.sms, self.gpu, self._pool_n, self._max_clients)
+            await self._devices()
+            self.mps = Mps(self.daemon, self.sup, self.mailbox.path, self.sms, self.gpu, self._pool_n, self._max_clients,
+                           self.devices)
             log.info(f"mps: mailbox {abi.MAILBOX_BYTES} bytes in a memfd ({self.mailbox.path}); workers run --gpu {self.gpu}")
-            await self.mps.prewarm(self._pool_n)
+            mps = self.mps
+            try:  # every GPU's pool at once: contexts on different GPUs do not wait for each other
+                async with anyio.create_task_group() as tg:
+                    for g in self.devices:
+                        tg.start_soon(mps.prewarm, self._pool_n, g)
+            except ExceptionGroup as e:
+                raise e.exceptions[0] from None
         else:
-            self.info = await self._device()
-            check_sms(self.info, self.sms)
-            self.blink = BlinkContext(self.sup, self.mailbox, self.sms, self.gpu)
-            await self.blink.open()
-        self.caps = caps_of(self.info, self.sms)
-        self.compiler = Compiler(self.info, self._cache_dir)
+            await self._devices()
+            for g in self.devices:
+                self.blinks[g] = BlinkContext(self.sup, self.mailbox, self.sms, self.gpu, device=g)
+                await self.blinks[g].open()
+
+    # ---- the first GPU's, for one-GPU callers ----------------------------------------------
+    @property
+    def info(self) -> DeviceInfo | None:
+        return self.infos.get(self.devices[0]) if self.devices else None
+
+    @property
+    def caps(self) -> Caps | None:
+        return self.device_caps.get(self.devices[0]) if self.devices else None
+
+    @property
+    def compiler(self) -> Compiler | None:
+        return self.compilers.get(self.devices[0]) if self.devices else None
+
+    @compiler.setter
+    def compiler(self, c: Compiler) -> None:
+        """Replaces the first GPU's compiler, and every GPU's that shared it (the bench's cold cache)."""
+        old = self.compiler
+        for d in self.devices:
+            if self.compilers[d] is old:
+                self.compilers[d] = c
+
+    @property
+    def blink(self) -> BlinkContext | None:
+        """Blink mode: the first GPU's context."""
+        return self.blinks.get(self.devices[0]) if self.devices else None
+
+    # ---- placement ------------------------------------------------------------------------
+    def device_or_first(self, device: int | None) -> int:
+        """``device`` checked to be one of ours; None: the first."""
+        if device is None:
+            if not self.devices:
+                raise MeshError("backend not open")
+            return self.devices[0]
+        if isinstance(device, bool) or not isinstance(device, int) or device not in self.devices:
+            raise ConfigError(f"GPU {device!r} is not one this backend drives (--devices {ordinals_text(self.devices)})")
+        return device
+
+    def load_of(self, device: int) -> int:
+        """Images on ``device``: MPS, its workers that are not idle in the pool; blink, its context's modules."""
+        if self.mps is not None:
+            return len(self.mps.workers_on(device)) - len(self.mps.pools[device])
+        ctx = self.blinks.get(device)
+        return len(ctx.modules) if ctx is not None else 0
+
+    def least_loaded(self, load: Mapping[int, int] | None = None) -> int:
+        """The GPU with the least ``load`` (default: ``load_of``); ties go to the lowest ordinal."""
+        if not self.devices:
+            raise MeshError("backend not open")
+        count = (lambda d: load.get(d, 0)) if load is not None else self.load_of
+        return min(self.devices, key=lambda d: (count(d), d))
 
     # ---- the seed's backend ops ------------------------------------------------------------
     @property
@@ -165,9 +250,12 @@ class Backend:
     def resident(self) -> bool:
         return True
 
-    def mailbox_dev(self) -> int:
-        """The mailbox's device address in the shared context; 0 in MPS mode (each worker has its own)."""
-        return 0 if self.isolated or self.blink is None else self.blink.dev
+    def mailbox_dev(self, device: int | None = None) -> int:
+        """The mailbox's device address in GPU ``device``'s shared context (default: the first);
+        0 in MPS mode (each worker has its own)."""
+        if self.isolated or not self.blinks:
+            return 0
+        return self.blinks[self.device_or_first(device)].dev
 
     def module_scope(self, slot: int | None) -> int | None:
         """MPS mode: modules are scoped per slot (``NO_SLOT`` without one); blink: None (one scope)."""
@@ -175,12 +263,13 @@ class Backend:
             return None
         return NO_SLOT if slot is None else slot
 
-    async def stack_limit(self, set_to: int | None = None) -> int | None:
-        """The shared context's stack limit in bytes per thread (set first if asked); None in
-        MPS mode, where each worker's context is its own (the seed's SIZE_MAX, set a no-op)."""
-        if self.blink is None:
+    async def stack_limit(self, set_to: int | None = None, device: int | None = None) -> int | None:
+        """GPU ``device``'s shared context's stack limit in bytes per thread (set first if asked;
+        default: the first GPU); None in MPS mode, where each worker's context is its own (the
+        seed's SIZE_MAX, set a no-op)."""
+        if not self.blinks:
             return None
-        blink = self.blink
+        blink = self.blinks[self.device_or_first(device)]
         p = blink._p()
 
         async def ask() -> int:
@@ -195,18 +284,24 @@ class Backend:
         # Setting it waits for every running kernel, as a module load does: a blink.
         return await blink._blink(f"stack limit {set_to}", ask)
 
-    def _compiler(self) -> Compiler:
-        if self.compiler is None or self._closed:
+    def _compiler(self, device: int) -> Compiler:
+        c = self.compilers.get(device)
+        if c is None or self._closed:
             raise MeshError("backend closed")
-        return self.compiler
+        return c
 
-    async def prepare(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, expect: int | None = None) -> Image:
-        """Checks, PTX -> cubin (cached), and in MPS mode the preload into a worker."""
-        p = await self._compiler().prepare(manifest, ptx, expect)
-        img = Image(p)
+    async def prepare(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, expect: int | None = None,
+                      device: int | None = None) -> Image:
+        """Checks, PTX -> cubin (cached), and in MPS mode the preload into a worker; on GPU
+        ``device``, else on the least loaded one (``least_loaded``)."""
+        if self._closed or not self.devices:
+            raise MeshError("backend closed")
+        d = self.least_loaded() if device is None else self.device_or_first(device)
+        p = await self._compiler(d).prepare(manifest, ptx, expect)
+        img = Image(p, device=d)
         if self.mps is not None:
             m = p.manifest
-            img.worker = await self.mps.preload(m.name, p.cubin, m.threads, m.smem, m.scratch)
+            img.worker = await self.mps.preload(m.name, p.cubin, m.threads, m.smem, m.scratch, d)
         return img
 
     async def load(self, img: Image) -> Kernel:
@@ -215,17 +310,19 @@ class Backend:
             if img.worker is None:
                 raise MeshError("internal: an image prepared for the other isolation mode")
             w, img.worker = img.worker, None
-            k = Kernel(m.name, m, w.info.regs, w.info.local, w.info.per_sm, w.info.scratch, w.info.rt_abi, worker=w)
+            k = Kernel(m.name, m, w.info.regs, w.info.local, w.info.per_sm, w.info.scratch, w.info.rt_abi, worker=w,
+                       device=w.device)
         else:
-            assert self.blink is not None
-            mod = await self.blink.load(m.name, p.cubin, m.threads, m.smem, m.scratch)
+            d = self.device_or_first(img.device)
+            ctx = self.blinks[d]
+            mod = await ctx.load(m.name, p.cubin, m.threads, m.smem, m.scratch)
             i = mod.info
             k = Kernel(m.name, m, i.regs, i.local, i.per_sm, i.scratch, i.rt_abi, module=mod,
-                       context_pid=self.blink.proc.pid if self.blink.proc else 0)
+                       context_pid=ctx.proc.pid if ctx.proc else 0, device=d)
         if k.rt_abi != abi.RT_ABI:
             await self.unload(k)
             raise MeshError(f"{m.name}: {abi.RT_ABI_SYMBOL} is {k.rt_abi}, this meshd-mps runs program ABI {abi.RT_ABI}")
-        if self.sms and self.blink is not None and self.blink.sms and k.module and k.module.info.sms != self.sms:
+        if self.sms and self.blinks and k.module and k.module.info.sms != self.sms:
             await self.unload(k)
             raise MeshError(f"load: the context's green context has {k.module.info.sms} SMs, not {self.sms}")
         return k
@@ -238,8 +335,8 @@ class Backend:
         if k.worker is not None:
             k.launch = Launch(k.name, slot, nodes, await mps_launch(k.worker, slot, nodes))
         else:
-            assert self.blink is not None and k.module is not None
-            k.launch = await self.blink.launch(k.module, slot, nodes)
+            assert k.module is not None
+            k.launch = await self.blinks[k.device].launch(k.module, slot, nodes)
         return k.launch
 
     def query(self, k: Kernel) -> bool:
@@ -248,17 +345,17 @@ class Backend:
             from .mps import query
 
             return query(k.worker)
-        assert self.blink is not None and k.module is not None
-        return self.blink.query(k.module)
+        assert k.module is not None
+        return self.blinks[k.device].query(k.module)
 
     async def unload(self, k: Kernel) -> None:
         """MPS: the worker back to the pool (UNLOAD) or retired; blink: the module unloaded (a blink)."""
         if k.worker is not None and self.mps is not None:
             w, k.worker = k.worker, None
             await self.mps.drop(w)
-        elif k.module is not None and self.blink is not None:
+        elif k.module is not None and self.blinks:
             mod, k.module = k.module, None
-            await self.blink.unload(mod)
+            await self.blinks[k.device].unload(mod)
 
     async def drop(self, img: Image) -> None:
         """An image prepared but never loaded: its worker goes back."""
@@ -267,20 +364,44 @@ class Backend:
             await self.mps.drop(w)
 
     # ---- state ----------------------------------------------------------------------------
+    def device_status(self, d: int) -> dict[str, Any]:
+        """One GPU's part of ``status()``: its caps, workers, pool (MPS) or context and blinks (blink)."""
+        caps = self.device_caps.get(d)
+        s: dict[str, Any] = {"device": d, "name": caps.name if caps else None,
+                             "caps": caps.__dict__ if caps else None, "images": self.load_of(d)}
+        if self.mps is not None:
+            pool = self.mps.pools[d]
+            s.update(workers=self.mps.workers_on(d), pool=pool.pids(), pool_cap=pool.cap)
+        ctx = self.blinks.get(d)
+        if ctx is not None:
+            pid = ctx.proc.pid if ctx.proc else None
+            s.update(workers=[pid] if pid else [], blinks=ctx.blinks, last_blink_ms=ctx.last_blink_ms, context_pid=pid)
+        return s
+
+    def last_blink_ms(self) -> float | None:
+        """Blink mode: the length of the latest blink on any GPU (None before the first)."""
+        done = [c for c in self.blinks.values() if c.last_blink_ms is not None]
+        return max(done, key=lambda c: c.last_blink_at).last_blink_ms if done else None
+
     def status(self) -> dict[str, Any]:
+        """The first GPU's caps and context at the top (as on a one-GPU host), every GPU's under ``devices``;
+        ``pool`` and ``pool_cap`` count every GPU's."""
         s: dict[str, Any] = {
             "isolation": self.isolation,
             "gpu": self.gpu,
             "caps": self.caps.__dict__ if self.caps else None,
             "workers": self.sup.live(),
             "retired": self.sup.retired,
+            "devices": [self.device_status(d) for d in self.devices],
         }
         if self.mps is not None:
-            s.update(pool=self.mps.pool.pids(), pool_cap=self.mps.pool.cap, server=self.mps.server,
+            s.update(pool=sorted(p for pool in self.mps.pools.values() for p in pool.pids()),
+                     pool_cap=sum(pool.cap for pool in self.mps.pools.values()), server=self.mps.server,
                      mps_dir=self.mps.daemon.dir, daemon_pid=self.mps.daemon.pid)
-        if self.blink is not None:
-            s.update(blinks=self.blink.blinks, last_blink_ms=self.blink.last_blink_ms,
-                     context_pid=self.blink.proc.pid if self.blink.proc else None)
+        blink = self.blink
+        if blink is not None:
+            s.update(blinks=sum(c.blinks for c in self.blinks.values()), last_blink_ms=self.last_blink_ms(),
+                     context_pid=blink.proc.pid if blink.proc else None)
         return s
 
     async def close(self) -> None:

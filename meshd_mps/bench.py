@@ -151,7 +151,8 @@ class Bench:
         if isolation == "mps":
             d = os.path.join(self.base, str(len(self.dirs)))
             self.dirs.append(d)
-        b = await Backend.open(isolation=isolation, pool=pool, gpu=self.gpu, mps_dir=d)  # type: ignore[arg-type]
+        # GPU 0 only: on a several-GPU host every figure stays one GPU's
+        b = await Backend.open(isolation=isolation, pool=pool, gpu=self.gpu, mps_dir=d, devices=[0])  # type: ignore[arg-type]
         if not self.device and b.caps is not None:
             c = b.caps
             self.device = f"{c.name} (sm_{c.cc_major}{c.cc_minor}, {c.sms_total} SMs, {c.blocks_per_sm} blocks/SM)"
@@ -387,9 +388,12 @@ async def sec_ask(bench: Bench) -> list[Row]:
         w.close_stdin()
         await reader
         await w.process.wait()
-    async with await bench.backend("mps", pool=nw + 1) as b:
+    async with await bench.backend("mps", pool=1) as b:  # one worker: the MPS server has one client
         asked = await returning_worker(bench, b, 99)
         one = await timed(n1, lambda: launch_sync(asked, 99, ask_only=True))
+    async with await bench.backend("mps", pool=nw + 1) as b:
+        asked = await returning_worker(bench, b, 99)
+        among_idle = await timed(n1, lambda: launch_sync(asked, 99, ask_only=True))
         ws = [await returning_worker(bench, b, 100 + i) for i in range(nw)]
         dones = []
         for i, w in enumerate(ws):  # each runs heartbeat, busy until halted
@@ -427,6 +431,8 @@ async def sec_ask(bench: Bench) -> list[Row]:
         Row("b", "ask p99, 1 worker", "us", p99, rp99, "raw pipe p99", note=f"{n1} asks"),
         Row("b", "ask p50, a child that answers at once", "us", b50, rp50, "raw pipe p50",
             note="the supervisor's own share: WorkerProc.ask to a child that answers every frame with LAUNCHED at once"),
+        Row("b", f"ask p50, 1 worker of {nw + 1}, the others idle", "us", pct(among_idle, 0.5) * 1e6, rp50, "raw pipe p50",
+            note=f"the same asks, {nw} idle pooled workers (MPS clients) beside it"),
         Row("b", f"ask p50, {nw} workers busy", "us", q50, rp50, "raw pipe p50", note=busy_note),
         Row("b", f"ask p99, {nw} workers busy", "us", q99, rp99, "raw pipe p99", "< 1000 us", q99 < 1000, note=busy_note),
         Row("b", f"ask p50, {nw} workers asking at once", "us", m50, rp50, "raw pipe p50",

@@ -5,6 +5,10 @@ CUDA).  In one context a module load or unload waits for every running
 kernel, so each one is a *blink*: every resident program is halted through
 its mailbox slot, the module work is done, and the halted programs are
 relaunched on the same slots.  The blink's length is measured and logged.
+
+Several GPUs: one context (one worker, ``--device N``) per GPU, each with its
+own modules and its own lock, so a blink on one GPU halts only that GPU's
+programs.
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ class Module:
 
 
 class BlinkContext:
-    def __init__(self, sup: Supervisor, mailbox: Mailbox, sms: int, gpu: str, halt_s: float = HALT_S):
+    def __init__(self, sup: Supervisor, mailbox: Mailbox, sms: int, gpu: str, halt_s: float = HALT_S, device: int = 0):
         self.sup = sup
+        self.device = device
         self.mailbox = mailbox
         self.sms = sms
         self.gpu = gpu
@@ -56,12 +61,14 @@ class BlinkContext:
         self._lock = anyio.Lock()  # one blink at a time
         self.dev = 0
         self.last_blink_ms: float | None = None
+        self.last_blink_at = 0.0  # its monotonic end, to find the latest across GPUs
         self.blinks = 0
 
     async def open(self) -> None:
         from .mps import worker_argv
 
-        self.proc = await self.sup.spawn(worker_argv(self.mailbox.path, self.sms, self.gpu), dict(os.environ), "blink context")
+        self.proc = await self.sup.spawn(worker_argv(self.mailbox.path, self.sms, self.gpu, self.device), dict(os.environ),
+                                         f"blink context (GPU {self.device})")
         await self.proc.ask(Op.READY, b"", Op.READY, self.sup.deadlines.ready)
 
     def _p(self) -> WorkerProc:
@@ -112,7 +119,8 @@ class BlinkContext:
                 if halted:
                     self.blinks += 1
                     self.last_blink_ms = ms
-                    log.info(f"blink: {what}: {len(halted)} programs halted for {ms:.2f} ms")
+                    self.last_blink_at = time.monotonic()
+                    log.info(f"blink: {what}: {len(halted)} programs on GPU {self.device} halted for {ms:.2f} ms")
 
     # ---- modules ----------------------------------------------------------------------------
     async def load(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int) -> Module:

@@ -26,17 +26,19 @@ the socket: --socket, else $MESHD_MPS_SOCKET, else $XDG_RUNTIME_DIR/meshd-mps.so
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("run the daemon: programs, workers and the control API on a Unix socket",
-              "meshd-mps serve --isolation mps --pool 4\n  meshd-mps serve --gpu sim   # no GPU: the explicit CPU simulation"),
+              "meshd-mps serve --isolation mps --pool 4\n  meshd-mps serve --isolation mps --devices 0,1"
+              "\n  meshd-mps serve --gpu sim   # no GPU: the explicit CPU simulation"),
     "worker": ("one MPS client process (started by the daemon, not by hand)", "(started by meshd-mps serve)"),
     "bench": ("measure stalls, round trips, pool and load costs on this GPU (meshd-mps bench --help)",
               "meshd-mps bench\n  meshd-mps bench --gpu sim --quick"),
     "load": ("load a program: compile, start it on a free mailbox slot",
-             "meshd-mps load examples/heartbeat\n  meshd-mps load --manifest m.json --ptx prog.ptx --hash 0123456789abcdef"),
+             "meshd-mps load examples/heartbeat\n  meshd-mps load examples/echo --device 1"
+             "\n  meshd-mps load --manifest m.json --ptx prog.ptx --hash 0123456789abcdef"),
     "upgrade": ("replace a loaded program's image; it keeps its slot",
                 "meshd-mps upgrade echo examples/echo\n  meshd-mps upgrade echo --manifest m.json --cuda echo.cu"),
     "unload": ("halt a program and unload it", "meshd-mps unload echo"),
-    "ps": ("list the loaded programs: slot, state, worker, heartbeat, uptime", "meshd-mps ps\n  meshd-mps ps --json"),
-    "status": ("the daemon's state: device, isolation, pool, MPS server and clients, versions",
+    "ps": ("list the loaded programs: slot, state, worker, GPU, heartbeat, uptime", "meshd-mps ps\n  meshd-mps ps --json"),
+    "status": ("the daemon's state: GPUs, isolation, pools, MPS server and clients, versions",
                "meshd-mps status\n  meshd-mps status --json"),
     "call": ("send DATA to a program's request ring and print its response",
              "meshd-mps call echo hello\n  meshd-mps call echo --hex 00ff10 --timeout 2"),
@@ -64,6 +66,8 @@ def _image_opts(p: argparse.ArgumentParser, nodes: bool) -> None:
     p.add_argument("--hash", metavar="H", help="the image hash expected (16 hex digits); another image is refused")
     if nodes:
         p.add_argument("--nodes", type=int, metavar="N", help="blocks to launch (default 1)")
+        p.add_argument("--device", type=int, metavar="N",
+                       help="the GPU to run it on, a CUDA ordinal (default: the one with the fewest programs)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -77,7 +81,9 @@ def parser() -> argparse.ArgumentParser:
                         " (default blink)")
     s.add_argument("--sms", type=int, default=0, metavar="N", help="SMs per program, a green context (default 0: the whole device)")
     s.add_argument("--mps-dir", metavar="DIR", help="the private MPS daemon's directory (default: a temporary one, removed at exit)")
-    s.add_argument("--pool", type=int, metavar="N", help="idle workers kept ready (default 2 in mps mode)")
+    s.add_argument("--pool", type=int, metavar="N", help="idle workers kept ready on each GPU (default 2 in mps mode)")
+    s.add_argument("--devices", metavar="LIST", default="all",
+                   help="the GPUs to drive: CUDA ordinals such as 0,1, or all (default all visible)")
     s.add_argument("--gpu", choices=("cuda", "sim"), default="cuda",
                    help="cuda: the GPU; sim: the explicit CPU simulation, for trying meshd-mps without one (default cuda)")
     s.add_argument("--socket", metavar="PATH", help="the control socket (default: $MESHD_MPS_SOCKET, "
@@ -139,12 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "serve":
         from . import server
 
+        from .device import parse_devices
+        from .errors import ConfigError
+
         if args.pool is not None and args.pool < 0:
             print("meshd-mps: --pool must not be negative", file=sys.stderr)
             return 2
+        try:
+            devices = parse_devices(args.devices)
+        except ConfigError as e:
+            print(f"meshd-mps: {e}", file=sys.stderr)
+            return 2
         return server.main(server.Config(isolation=args.isolation, sms=args.sms, mps_dir=args.mps_dir, pool=args.pool,
                                          gpu=args.gpu, socket=args.socket, cache_dir=args.cache_dir,
-                                         log_level=args.log_level, log_format=args.log_format, loop=args.loop))
+                                         log_level=args.log_level, log_format=args.log_format, loop=args.loop,
+                                         devices=devices))
     return _client(args)
 
 
@@ -157,14 +172,15 @@ def _client(args: argparse.Namespace) -> int:
     c = Client(args.socket)
     try:
         if args.cmd in ("load", "upgrade"):
-            body = program_body(args.dir, args.manifest, args.ptx, args.cuda, args.hash, getattr(args, "nodes", None))
+            body = program_body(args.dir, args.manifest, args.ptx, args.cuda, args.hash, getattr(args, "nodes", None),
+                                getattr(args, "device", None))
             ans = c.load(body) if args.cmd == "load" else c.upgrade(args.name, body)
             if args.json:
                 return _json(ans)
             p = ans["program"]
             how = "from the cache" if p.get("cached") else f"compiled in {p.get('compile_ms', 0):.1f} ms"
             if args.cmd == "load":
-                print(f"{p['name']} loaded on slot {p['slot']} (pid {p['pid']}, hash {p['hash']}, {how})")
+                print(f"{p['name']} loaded on slot {p['slot']} (pid {p['pid']}, hash {p['hash']}, GPU {p.get('device', 0)}, {how})")
             else:
                 print(f"{p['name']} upgraded on slot {p['slot']} (upgrade {p['upgrades']}, pid {p['pid']}, hash {p['hash']}, {how})")
         elif args.cmd == "unload":
@@ -232,14 +248,14 @@ def table(rows: list[list[str]]) -> str:
 
 
 def ps_table(programs: list[dict[str, Any]]) -> str:
-    head = ["NAME", "SLOT", "STATE", "PID", "HEARTBEAT", "UPTIME", "UPGRADES", "HASH"]
+    head = ["NAME", "SLOT", "STATE", "PID", "GPU", "HEARTBEAT", "UPTIME", "UPGRADES", "HASH"]
     errors = any(p.get("error") for p in programs)
     if errors:
         head.append("ERROR")
     rows = [head]
     for p in programs:
-        r = [p["name"], str(p["slot"]), p["state"], str(p["pid"]), str(p["heartbeat"]), duration(p["uptime_s"]),
-             str(p["upgrades"]), p["hash"]]
+        r = [p["name"], str(p["slot"]), p["state"], str(p["pid"]), str(p.get("device", "-")), str(p["heartbeat"]),
+             duration(p["uptime_s"]), str(p["upgrades"]), p["hash"]]
         if errors:
             r.append(p.get("error") or "")
         rows.append(r)
@@ -250,14 +266,26 @@ def ps_table(programs: list[dict[str, Any]]) -> str:
 def status_table(s: dict[str, Any]) -> str:
     caps = s.get("caps") or {}
     pool = s.get("pool") or {}
+    devices = s.get("devices") or []
     rows = [
         ["socket", s.get("socket", "")],
         ["pid", str(s.get("pid", ""))],
         ["isolation", s.get("isolation", "")],
         ["gpu", s.get("gpu", "")],
-        ["device", f"{s.get('device')} ({caps.get('arch', '?')}, {caps.get('sms_total', '?')} SMs)"],
-        ["sms", f"{caps.get('sms', '?')} per program" + (" (green context)" if caps.get("green") else "")],
     ]
+    if len(devices) <= 1:
+        rows.append(["device", f"{s.get('device')} ({caps.get('arch', '?')}, {caps.get('sms_total', '?')} SMs)"])
+    rows.append(["sms", f"{caps.get('sms', '?')} per program" + (" (green context)" if caps.get("green") else "")])
+    if len(devices) > 1:  # a row per GPU: what it is, its programs, its pool (MPS) or blinks (blink)
+        for d in devices:
+            c = d.get("caps") or {}
+            what = [f"{d.get('name')} ({c.get('arch', '?')}, {c.get('sms_total', '?')} SMs)",
+                    f"{d.get('programs', 0)} program{'' if d.get('programs', 0) == 1 else 's'}"]
+            if "pool" in d:
+                what.append(f"pool {len(d['pool'])} idle of {d.get('pool_cap', 0)} {_pids(d['pool'])}")
+            if "blinks" in d:
+                what.append(f"context {d.get('context_pid')}, {d.get('blinks', 0)} blinks")
+            rows.append([f"gpu {d.get('device')}", ", ".join(what)])
     if s.get("isolation") == "mps":
         clients = s.get("clients")
         rows += [

@@ -127,7 +127,7 @@ class Client:
         return self.request("GET", f"/v1/programs/{quote(name)}")["program"]
 
     def load(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``body``: {"manifest": {...}, "ptx": text | "cuda": text, "hash"?: 16 hex, "nodes"?: N}."""
+        """``body``: {"manifest": {...}, "ptx": text | "cuda": text, "hash"?: 16 hex, "nodes"?: N, "device"?: GPU}."""
         return self.request("POST", "/v1/programs", body)
 
     def upgrade(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -155,9 +155,10 @@ class Client:
 
 
 def program_body(dir: str | None = None, manifest: str | None = None, ptx: str | None = None, cuda: str | None = None,
-                 hash: str | None = None, nodes: int | None = None) -> dict[str, Any]:
+                 hash: str | None = None, nodes: int | None = None, device: int | None = None) -> dict[str, Any]:
     """A load/upgrade body from files: a program directory (manifest.json and one ``*.ptx``
-    or ``*.cu``) or ``manifest`` with ``ptx`` or ``cuda``.  ClientError says what is wrong."""
+    or ``*.cu``) or ``manifest`` with ``ptx`` or ``cuda``; ``device``: the GPU (a CUDA ordinal).
+    ClientError says what is wrong."""
     if dir is not None:
         d = Path(dir)
         if not d.is_dir():
@@ -201,4 +202,6 @@ def program_body(dir: str | None = None, manifest: str | None = None, ptx: str |
         body["hash"] = hash
     if nodes is not None:
         body["nodes"] = nodes
+    if device is not None:
+        body["device"] = device
     return body

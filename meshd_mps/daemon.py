@@ -100,7 +100,10 @@ class ControlDaemon:
     async def _run(self, args: list[str], stdin: str | None, within: float) -> tuple[int, str]:
         assert self.binary is not None
         env = {**os.environ, **self.env}
-        proc = await child.spawn([self.binary, *args], env, stdin=stdin is not None, merge_stderr=True)
+        try:
+            proc = await child.spawn([self.binary, *args], env, stdin=stdin is not None, merge_stderr=True)
+        except OSError as e:  # out of fds or processes: the command's own error, not a bare OSError
+            raise MpsError(f"mps: {' '.join(args) or (stdin or '').strip()}: cannot start {self.binary}: {e.strerror or e}") from None
         assert proc.stdout is not None
         out = b""
         try:

@@ -7,6 +7,13 @@ daemon first, as the seed does, so that even cuInit joins no server.
 
 ``simulated_device`` is the explicit CPU simulation (``--gpu sim``): an H200's
 figures, so that limits and register caps are computed as on the real thing.
+The simulation has ``$MESHD_MPS_SIM_GPUS`` such devices (default 1), so that
+several GPUs can be tested on a machine with none.
+
+``device_count`` (cuDeviceGetCount) and ``parse_devices`` / ``choose_devices``
+(``--devices``) say which GPUs a backend drives; ordinals are CUDA's, as the
+daemon's environment (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``) numbers
+them, and its workers and MPS control daemon inherit that environment.
 
 cuda.bindings is imported lazily: this module (and the simulation) works on a
 machine without cuda-python.
@@ -14,9 +21,14 @@ machine without cuda-python.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import ConfigError, DeviceError, NoDriver
+
+#: How many GPUs the CPU simulation has (``--gpu sim``); the workers inherit it.
+SIM_GPUS_ENV = "MESHD_MPS_SIM_GPUS"
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,7 @@ class DeviceInfo:
     max_threads: int  # per block
     max_shared: int  # bytes of shared memory per block, opt-in
     regs_per_block: int
+    ordinal: int = 0  # which GPU: CUDA's device ordinal
 
     @property
     def arch(self) -> str:
@@ -59,8 +72,18 @@ class Caps:
     arch: str
 
 
-def simulated_device() -> DeviceInfo:
-    """The CPU simulation's device: an NVIDIA H200's figures (probe/RESULTS.md)."""
+def simulated_count() -> int:
+    """The simulation's GPU count: ``$MESHD_MPS_SIM_GPUS``, default 1; ConfigError if it is not a count."""
+    raw = os.environ.get(SIM_GPUS_ENV, "").strip()
+    if not raw:
+        return 1
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"{SIM_GPUS_ENV}={raw}: a count of simulated GPUs (1 or more) expected")
+    return int(raw)
+
+
+def simulated_device(ordinal: int = 0) -> DeviceInfo:
+    """The CPU simulation's device ``ordinal``: an NVIDIA H200's figures (probe/RESULTS.md)."""
     return DeviceInfo(
         name="simulated NVIDIA H200 (meshd-mps --gpu sim)",
         cc_major=9,
@@ -71,6 +94,7 @@ def simulated_device() -> DeviceInfo:
         max_threads=1024,
         max_shared=232448,
         regs_per_block=65536,
+        ordinal=ordinal,
     )
 
 
@@ -118,23 +142,48 @@ def describe_error(err: object) -> str:
     return f"{name} ({text})" if text else name
 
 
+def _driver():  # type: ignore[no-untyped-def]
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as e:
+        raise DeviceError(f"cuda-python is not installed: {e}") from None
+    return cu
+
+
+def _ck(call: str, r):  # type: ignore[no-untyped-def]
+    """A driver call's (err, *values): the value(s), or DeviceError naming the call and the error."""
+    err, *vals = r if isinstance(r, tuple) else (r,)
+    if int(err) != 0:
+        raise DeviceError(f"{call}: {describe_error(err)}")
+    return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+def device_count() -> int:
+    """GPUs the driver shows this process (cuInit, cuDeviceGetCount), without a context.
+
+    NoDriver where the driver library is not found, DeviceError for a failing call
+    (``cuInit: CUDA_ERROR_NO_DEVICE (...)`` on a machine whose GPUs are all hidden).
+    """
+    cu = _driver()
+    try:
+        _ck("cuInit", cu.cuInit(0))
+        return int(_ck("cuDeviceGetCount", cu.cuDeviceGetCount()))
+    except DeviceError:
+        raise
+    except Exception as e:
+        if is_no_driver(e):
+            raise NoDriver(f"no NVIDIA driver: {e}") from None
+        raise DeviceError(f"cuDeviceGetCount: {type(e).__name__}: {e}") from None
+
+
 def query_device(ordinal: int = 0) -> DeviceInfo:
     """Device ``ordinal``'s figures, without creating a context.
 
     Raises NoDriver("no NVIDIA driver: ...") where the driver library is not
     found, DeviceError for a driver call that fails (naming the call and error).
     """
-    try:
-        from cuda.bindings import driver as cu
-    except ImportError as e:
-        raise DeviceError(f"cuda-python is not installed: {e}") from None
-
-    def ck(call: str, r):  # (err, *values) -> the value
-        err, *vals = r if isinstance(r, tuple) else (r,)
-        if int(err) != 0:
-            raise DeviceError(f"{call}: {describe_error(err)}")
-        return vals[0] if len(vals) == 1 else tuple(vals)
-
+    cu = _driver()
+    ck = _ck
     try:
         ck("cuInit", cu.cuInit(0))
         dev = ck("cuDeviceGet", cu.cuDeviceGet(ordinal))
@@ -155,6 +204,7 @@ def query_device(ordinal: int = 0) -> DeviceInfo:
             max_threads=attr("MAX_THREADS_PER_BLOCK"),
             max_shared=attr("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
             regs_per_block=attr("MAX_REGISTERS_PER_BLOCK"),
+            ordinal=ordinal,
         )
     except DeviceError:
         raise
@@ -164,12 +214,63 @@ def query_device(ordinal: int = 0) -> DeviceInfo:
         raise DeviceError(f"device {ordinal}: {type(e).__name__}: {e}") from None
 
 
-def check_sms(info: DeviceInfo, sms: int) -> None:
-    """Refuse an ``--sms`` the device cannot give (0 means the whole device)."""
+def check_sms(info: DeviceInfo, sms: int, what: str = "the device") -> None:
+    """Refuse an ``--sms`` the device cannot give (0 means the whole device); ``what`` names
+    the device in the error (``GPU 1`` where there are several)."""
     if sms < 0:
         raise ConfigError(f"--sms {sms}: must be 0 (the whole device) or a count of SMs")
     if sms > info.sms_total:
-        raise ConfigError(f"--sms {sms}: the device has {info.sms_total}")
+        raise ConfigError(f"--sms {sms}: {what} has {info.sms_total}")
+
+
+def ordinals_text(devices: Iterable[int]) -> str:
+    """``0,1,3``: the form ``--devices`` takes."""
+    return ",".join(str(d) for d in devices)
+
+
+def parse_devices(text: str) -> tuple[int, ...] | None:
+    """``--devices``: ``all`` (None: every visible GPU) or ordinals ``0,1``; ConfigError naming the
+    fault.  Whether the GPUs exist is checked when the backend opens (``choose_devices``)."""
+    t = text.strip()
+    if t == "all":
+        return None
+    items = [i.strip() for i in t.split(",")]
+    if not t or any(not i for i in items):
+        raise ConfigError(f"--devices {text!r}: GPU ordinals separated by commas (0,1) or all")
+    bad = [i for i in items if not i.isdigit()]
+    if bad:
+        raise ConfigError(f"--devices {text}: {bad[0]!r} is not a GPU ordinal (0, 1, ...)")
+    return check_unique([int(i) for i in items])
+
+
+def check_unique(devices: Iterable[int]) -> tuple[int, ...]:
+    """The ordinals as given, ConfigError for a negative one or one named twice."""
+    out: list[int] = []
+    for d in devices:
+        if isinstance(d, bool) or not isinstance(d, int):
+            raise ConfigError(f"--devices: {d!r} is not a GPU ordinal (0, 1, ...)")
+        if d < 0:
+            raise ConfigError(f"--devices {d}: a GPU ordinal is 0 or more")
+        if d in out:
+            raise ConfigError(f"--devices {ordinals_text([*out, d])}: GPU {d} is named twice")
+        out.append(d)
+    if not out:
+        raise ConfigError("--devices: no GPU named (give ordinals such as 0,1, or leave it out for all)")
+    return tuple(out)
+
+
+def choose_devices(asked: Iterable[int] | None, visible: int) -> tuple[int, ...]:
+    """The GPUs to drive, ascending: ``asked`` (None: all ``visible``), each one checked to exist."""
+    if visible < 1:
+        raise ConfigError("no GPU visible to this process (check CUDA_VISIBLE_DEVICES)")
+    if asked is None:
+        return tuple(range(visible))
+    devices = check_unique(asked)
+    for d in devices:
+        if d >= visible:
+            seen = "0" if visible == 1 else f"0-{visible - 1}"
+            raise ConfigError(f"--devices {d}: only {visible} GPU{'s' if visible > 1 else ''} visible ({seen})")
+    return tuple(sorted(devices))
 
 
 def caps_of(info: DeviceInfo, sms: int) -> Caps:

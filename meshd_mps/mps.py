@@ -4,6 +4,10 @@ There is no fallback: no daemon, a worker that is not a client of *our*
 server (the driver silently runs such a process as a plain context), or a
 failed load refuses.  The seed's ``Mps``, ``mps_check_clients``,
 ``mps_spawn``, ``mps_preload`` and ``mps_prewarm``.
+
+Several GPUs: one control daemon (and one server) for the host, a pool and
+a client count per GPU; each worker is started with ``--device N`` and stays
+on that GPU for its life.  MPS counts its client limit per device.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import structlog
 
 from . import frames
 from .daemon import ControlDaemon
-from .errors import LimitError, MpsError, WorkerError
+from .errors import ConfigError, LimitError, MpsError, WorkerError
 from .frames import Done, Launch, Load, Loaded, Op
 from .pool import Pool
 from .proc import WorkerProc
@@ -36,9 +40,9 @@ def pids_debug(pids: Sequence[int]) -> str:
     return "[" + ", ".join(str(p) for p in pids) + "]"
 
 
-def worker_argv(mailbox: str, sms: int, gpu: str) -> list[str]:
-    """``meshd-mps worker`` for this interpreter (no PATH lookup, the same venv)."""
-    argv = [sys.executable, "-m", "meshd_mps", "worker", "--mailbox", mailbox, "--gpu", gpu]
+def worker_argv(mailbox: str, sms: int, gpu: str, device: int = 0) -> list[str]:
+    """``meshd-mps worker`` for this interpreter (no PATH lookup, the same venv), on GPU ``device``."""
+    argv = [sys.executable, "-m", "meshd_mps", "worker", "--mailbox", mailbox, "--gpu", gpu, "--device", str(device)]
     if sms:
         argv += ["--sms", str(sms)]
     return argv
@@ -53,22 +57,53 @@ class Worker:
     info: Loaded
     fresh: bool
     module: int = 0
+    device: int = 0  # the GPU its context is on
 
 
 class Mps:
+    """``devices``: the GPUs driven (CUDA ordinals); ``pool_cap`` idle workers are kept for each."""
+
     def __init__(self, daemon: ControlDaemon, sup: Supervisor, mailbox: str, sms: int, gpu: str, pool_cap: int,
-                 max_clients: int = MAX_CLIENTS):
+                 max_clients: int = MAX_CLIENTS, devices: Sequence[int] = (0,)):
+        if not devices:
+            raise MpsError("mps: no GPU to drive")
         self.daemon = daemon
         self.sup = sup
         self.mailbox = mailbox
         self.sms = sms
         self.gpu = gpu
-        self.pool = Pool(pool_cap, sup.retire)
+        self.devices = tuple(devices)
+        self.pools = {d: Pool(pool_cap, sup.retire) for d in self.devices}
+        self._device_of: dict[int, int] = {}  # worker pid -> its GPU (pruned to the live ones at each spawn)
         self.server: str | None = None  # the server's pid once a worker was seen in its client list
         self.native: set[int] = set()
         self.max_clients = max_clients
         #: The environment a worker gets on top of ours (tests point it elsewhere).
         self.worker_env: dict[str, str] = dict(daemon.env)
+
+    @property
+    def pool(self) -> Pool:
+        """The first GPU's pool (the only one on a one-GPU host)."""
+        return self.pools[self.devices[0]]
+
+    def idle(self) -> int:
+        """Idle pooled workers on every GPU."""
+        return sum(len(p) for p in self.pools.values())
+
+    def device_of(self, pid: int) -> int | None:
+        """The GPU of our worker ``pid`` (None: not one of ours)."""
+        return self._device_of.get(pid)
+
+    def workers_on(self, device: int) -> list[int]:
+        """Our live workers on ``device``, pooled ones included."""
+        return sorted(p for p in self.sup.workers if self._device_of.get(p) == device)
+
+    def _device(self, device: int | None) -> int:
+        if device is None:
+            return self.devices[0]
+        if device not in self.devices:
+            raise ConfigError(f"mps: GPU {device} is not one of this backend's (--devices {','.join(map(str, self.devices))})")
+        return device
 
     # ---- clients --------------------------------------------------------------------------
     async def server_pid(self) -> str | None:
@@ -112,30 +147,42 @@ class Mps:
             raise
 
     # ---- workers --------------------------------------------------------------------------
-    def _count_clients(self) -> int:
-        return len(self.sup.workers) + len(self.native)
+    def _count_clients(self, device: int) -> int:
+        """MPS clients on ``device``: our workers there, and every native client (its GPU is not
+        known to us, so it is counted against each)."""
+        return len(self.workers_on(device)) + len(self.native)
 
-    async def spawn(self, program: str | None = None) -> WorkerProc:
-        if self._count_clients() >= self.max_clients:
+    async def spawn(self, program: str | None = None, device: int | None = None) -> WorkerProc:
+        """A fresh worker on GPU ``device`` (default: the first), within that GPU's client limit."""
+        d = self._device(device)
+        n = self._count_clients(d)
+        if n >= self.max_clients:
+            gpu = "" if len(self.devices) == 1 else f" per GPU, and GPU {d} has them all"
             raise LimitError(
-                f"mps: {self._count_clients()} clients already: the MPS server takes at most {self.max_clients}"
-                f" (CUDA 13.0); refusing another worker{' for ' + program if program else ''}"
+                f"mps: {n} clients already: the MPS server takes at most {self.max_clients}"
+                f" (CUDA 13.0){gpu}; refusing another worker{' for ' + program if program else ''}"
             )
         env = {**os.environ, **self.worker_env}
+        live = self.sup.workers
+        self._device_of = {p: g for p, g in self._device_of.items() if p in live}
         try:
-            return await self.sup.spawn(worker_argv(self.mailbox, self.sms, self.gpu), env, program)
+            w = await self.sup.spawn(worker_argv(self.mailbox, self.sms, self.gpu, d), env, program)
         except WorkerError as e:
             raise WorkerError(f"load: {e}") from None
+        self._device_of[w.pid] = d
+        return w
 
-    async def prewarm(self, n: int) -> None:
-        """Spawn n, READY all, verify them as our clients, then pool them; all or none."""
+    async def prewarm(self, n: int, device: int | None = None) -> None:
+        """Spawn n on GPU ``device`` (default: the first), READY all, verify them as our clients,
+        then pool them; all or none."""
         if n == 0:
             return
+        d = self._device(device)
         t0 = time.monotonic()
         procs: list[WorkerProc] = []
         try:
             for _ in range(n):
-                procs.append(await self.spawn())
+                procs.append(await self.spawn(device=d))
             async with anyio.create_task_group() as tg:
                 for p in procs:
                     tg.start_soon(self._ready, p)
@@ -147,8 +194,9 @@ class Mps:
                 raise e.exceptions[0] from None
             raise
         for p in procs:
-            self.pool.add(p)
-        log.info(f"mps: pool of {n} idle workers {pids_debug([p.pid for p in procs])} ready in {(time.monotonic() - t0) * 1e3:.0f} ms")
+            self.pools[d].add(p)
+        log.info(f"mps: pool of {n} idle workers {pids_debug([p.pid for p in procs])} on GPU {d}"
+                 f" ready in {(time.monotonic() - t0) * 1e3:.0f} ms")
 
     async def _ready(self, p: WorkerProc) -> None:
         try:
@@ -160,15 +208,18 @@ class Mps:
             p.mark_unfit(f"worker {p.pid}: READY says pid {pid}")
             raise WorkerError(f"mps: pool: worker {p.pid}: READY says pid {pid}")
 
-    async def preload(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int) -> Worker:
-        """The image's module loaded in a pooled worker if one is fit, else in a fresh one."""
+    async def preload(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int,
+                      device: int | None = None) -> Worker:
+        """The image's module loaded in a pooled worker of GPU ``device`` (default: the first) if
+        one is fit, else in a fresh one there."""
+        d = self._device(device)
         t0 = time.monotonic()
         req = Load(0, threads, smem, scratch, name, cubin)
         while True:
-            p = self.pool.take()
+            p = self.pools[d].take()
             fresh = p is None
             if p is None:
-                p = await self.spawn(name)
+                p = await self.spawn(name, d)
             p.program = name
             try:
                 payload = await p.ask(Op.LOAD, req.encode(), Op.LOADED, self.sup.deadlines.load)
@@ -176,21 +227,25 @@ class Mps:
                 break
             except (WorkerError, frames.FrameError) as e:
                 self.sup.retire(p)
-                if fresh or not (p.dead or p.unfit or p.process.returncode is not None or "stdin closed" in str(e)):
+                if fresh or not (p.dead or p.process.returncode is not None or "stdin closed" in str(e)):
                     raise WorkerError(f"load: {e}") from None
-                # A pooled worker that died while idle (not yet seen dead): try the next one.
+                # A pooled worker that died while idle (not yet seen dead): try the next one.  One
+                # that is alive but misbehaved (no reply, garbage) is not retried: a hang would
+                # cost the caller a second load deadline.
                 log.info(f"mps: pooled worker {p.pid} was gone ({e}); taking another", pid=p.pid)
-        w = Worker(p, name, info, fresh)
+        w = Worker(p, name, info, fresh, device=d)
         try:
             if self.sms and self.sms != info.sms:
                 raise MpsError(f"load: the worker's green context has {info.sms} SMs, not {self.sms}")
             if fresh:
                 await self.check_clients([p.pid])
         except BaseException:
-            await self.drop(w)
+            # Not verified as our client, or not the context asked for: retired, never pooled, so
+            # that no later load takes it unchecked.
+            self.sup.retire(p)
             raise
         log.info(
-            f"mps: worker {p.pid} ({'new' if fresh else 'pooled'}) for {name}: module loaded, mailbox at device"
+            f"mps: worker {p.pid} ({'new' if fresh else 'pooled'}) on GPU {d} for {name}: module loaded, mailbox at device"
             f" 0x{info.dev:x}, {info.sms} SMs, in {(time.monotonic() - t0) * 1e3:.1f} ms",
             pid=p.pid,
             program=name,
@@ -198,11 +253,11 @@ class Mps:
         return w
 
     async def drop(self, w: Worker) -> bool:
-        """Back to the pool with UNLOAD, unless unfit or the pool is full (then retired)."""
-        return await self.pool.give_back(w.proc, w.module)
+        """Back to its GPU's pool with UNLOAD, unless unfit or the pool is full (then retired)."""
+        return await self.pools[w.device].give_back(w.proc, w.module)
 
     async def close(self) -> None:
-        await self.sup.close(self.pool.drain())
+        await self.sup.close([w for pool in self.pools.values() for w in pool.drain()])
         await self.daemon.quit()
 
 

@@ -4,6 +4,12 @@ The layer ``meshd-mps serve`` exposes.  An upgrade prepares the new image
 first (in MPS mode that includes the preload into a pooled worker, while the
 old version keeps running), then halts the old one through its slot and
 starts the new one on the same slot.
+
+Several GPUs: a program goes to the GPU named, else to the one with the
+fewest programs (ties to the lowest ordinal), and stays there through
+upgrades and fault relaunches.  MPS contains a fatal fault to the clients of
+the faulting GPU, so a fault's recovery is scoped to that GPU: only its
+workers and pool are retired and only its programs relaunched.
 """
 
 from __future__ import annotations
@@ -63,6 +69,11 @@ class Program:
     lost_to: str = ""  # the program whose fault took this one down
     failed_at: float = 0.0  # monotonic time its launch was seen failing
 
+    @property
+    def device(self) -> int:
+        """The GPU it runs on."""
+        return self.kernel.device
+
     def state(self) -> tuple[str, str]:
         """(running | exited | failed | faulted, the error text)."""
         if self.faulted:
@@ -81,7 +92,8 @@ class Program:
 
 @dataclass
 class FaultReport:
-    """What a GPU fault cost: who caused it, who was lost with it, who came back."""
+    """What a GPU fault cost: who caused it, who was lost with it, who came back.  ``gpu_wide``:
+    every MPS client of GPU ``device`` was torn down (a fault, not one program's own failure)."""
 
     at: float
     error: str
@@ -92,6 +104,7 @@ class FaultReport:
     relaunched: list[str] = field(default_factory=list)
     not_relaunched: dict[str, str] = field(default_factory=dict)
     ms: float = 0.0
+    device: int = 0
 
 
 class Programs:
@@ -108,6 +121,7 @@ class Programs:
         self.faults: list[FaultReport] = []
         self._closing = False
         self._log_at = self._server_log_size()
+        self._fatal: set[int] = set()  # pids the server logged as faulting, not yet taken by a recovery
 
     def _free_slot(self) -> int:
         used = {p.slot for p in self.by_name.values()}
@@ -136,8 +150,24 @@ class Programs:
                 await self.b.unload(k)
             raise
 
+    def place(self, device: int | None = None) -> int:
+        """The GPU for a new program: ``device`` if it is one of ours, else the one with the
+        fewest programs (ties to the lowest ordinal)."""
+        if device is not None:
+            if isinstance(device, bool) or not isinstance(device, int) or device not in self.b.devices:
+                raise ProgramError(f"GPU {device!r} is not served here (--devices {','.join(map(str, self.b.devices))})")
+            return device
+        count = {d: 0 for d in self.b.devices}
+        for p in self.by_name.values():
+            count[p.device] = count.get(p.device, 0) + 1
+        return self.b.least_loaded(count)
+
+    def on_device(self, device: int) -> list[Program]:
+        return [p for p in self.by_name.values() if p.device == device]
+
     async def load(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, expect: int | None = None,
-                   nodes: int = 1) -> Program:
+                   nodes: int = 1, device: int | None = None) -> Program:
+        """Compile, preload and launch on a free slot, on GPU ``device`` (None: ``place``'s choice)."""
         m = self._manifest(manifest)
         if nodes < 1:
             raise ProgramError(f"{m.name}: nodes must be at least 1")
@@ -145,8 +175,9 @@ class Programs:
             if m.name in self.by_name:
                 raise ProgramError(f"program {m.name!r} is already loaded (upgrade it instead)")
             slot = self._free_slot()
+            gpu = self.place(device)
             t0 = time.perf_counter()
-            img = await self.b.prepare(m, ptx, expect)
+            img = await self.b.prepare(m, ptx, expect, device=gpu)
             try:
                 k, run = await self._start(img, slot, nodes)
             except BaseException:
@@ -157,7 +188,8 @@ class Programs:
                         cached=img.prepared.cached, manifest=m, ptx=ptx)
             self._install(p)
             self._count(t0)
-            log.info(f"program {m.name} loaded on slot {slot}", program=m.name, pid=k.pid, slot=slot)
+            log.info(f"program {m.name} loaded on slot {slot}, GPU {k.device}", program=m.name, pid=k.pid, slot=slot,
+                     device=k.device)
             return p
 
     def _install(self, p: Program) -> None:
@@ -195,7 +227,8 @@ class Programs:
         async with self._lock:
             old = self.get(name)
             t0 = time.perf_counter()
-            img = await self.b.prepare(m, ptx, expect)  # MPS: loaded in a worker while the old one runs
+            # MPS: loaded in a worker of the program's GPU while the old one runs.
+            img = await self.b.prepare(m, ptx, expect, device=old.device)
             stopped = False
             try:
                 await self._halt(old)
@@ -263,21 +296,36 @@ class Programs:
         except OSError:
             return 0
 
-    def _fatal_pids(self) -> list[int]:
-        """Pids the MPS server logged as having hit a fatal GPU error since the last look."""
+    def _read_fatal(self) -> None:
+        """The pids the MPS server logged as having hit a fatal GPU error since the last look, kept
+        until the recovery of their GPU takes them (one server log serves every GPU)."""
         path = self._server_log()
         if path is None:
-            return []
+            return
         try:
             with open(path, "rb") as f:
                 f.seek(self._log_at)
                 text = f.read()
         except OSError:
-            return []
+            return
         end = text.rfind(b"\n") + 1
         self._log_at += end
-        lines = text[:end].decode(errors="replace")
-        return [int(m) for m in FATAL.findall(lines)]
+        self._fatal.update(int(m) for m in FATAL.findall(text[:end].decode(errors="replace")))
+
+    def _device_of_pid(self, pid: int) -> int | None:
+        for q in self.by_name.values():
+            if q.kernel.pid == pid:
+                return q.device
+        mps = self.b.mps
+        return None if mps is None else mps.device_of(pid)
+
+    def _fatal_pids(self, device: int) -> list[int]:
+        """The logged culprits on GPU ``device`` (taken: a later look does not see them again).  A pid
+        that is none of ours (already gone from every list) counts for every GPU."""
+        self._read_fatal()
+        mine = sorted(p for p in self._fatal if self._device_of_pid(p) in (device, None))
+        self._fatal.difference_update(mine)
+        return mine
 
     async def _watch(self, p: Program) -> None:
         """Await a program's end; a failure in MPS mode may be a fault that took every client."""
@@ -300,30 +348,34 @@ class Programs:
             pids: list[int] = []
             others: list[Program] = []
             if self.b.isolated:
-                # GPU-wide if the server logs a fatal fault, or other programs fail with this one.
+                # A fault of its GPU if the server logs a fatal fault there, or other programs of
+                # that GPU fail with this one (MPS tears down the clients of the faulting GPU only).
                 with anyio.move_on_after(FAULT_WINDOW_S):
-                    while not (pids := self._fatal_pids()):
+                    while not (pids := self._fatal_pids(p.device)):
                         await anyio.sleep(0.02)  # the server writes its log line within milliseconds
-                others = [q for q in self.by_name.values()
+                others = [q for q in self.on_device(p.device)
                           if q is not p and q.failed_at and not (q.faulted or q.lost_to)
                           and abs(q.failed_at - p.failed_at) < FAULT_WINDOW_S]
             if not pids and not others:
-                self.faults.append(FaultReport(time.time(), error, p.name, p.kernel.pid, False))
-                log.error(f"program {p.name} failed: {error}", program=p.name, pid=p.kernel.pid)
+                self.faults.append(FaultReport(time.time(), error, p.name, p.kernel.pid, False, device=p.device))
+                log.error(f"program {p.name} failed: {error}", program=p.name, pid=p.kernel.pid, device=p.device)
                 return
             await self._recover(p, pids, error, t0)
 
     async def _recover(self, first: Program, pids: list[int], error: str, t0: float) -> None:
-        """Every MPS client was torn down: retire them all, name the culprit, wait until the
-        server takes clients again, refill the pool, relaunch the lost programs (not the culprit)."""
+        """Every MPS client of ``first``'s GPU was torn down: retire them all (that GPU's pool's
+        too), name the culprit, wait until the server takes clients there again, refill that
+        pool, relaunch the lost programs (not the culprit).  Other GPUs are not touched."""
         mps = self.b.mps
         assert mps is not None
-        # Every client of the server goes down with it: the ones still running fail within ms.
-        hit = [q for q in self.by_name.values() if q.state()[0] in ("running", "failed")]
+        gpu = first.device
+        # Every client of that GPU goes down with it: the ones still running fail within ms.
+        hit = [q for q in self.on_device(gpu) if q.state()[0] in ("running", "failed")]
         for q in hit:
             q.lost_to = "?"  # their watchers leave them to this recovery
-        torn = [q.kernel.worker.proc for q in self.by_name.values() if q.kernel.worker is not None]
-        torn += mps.pool.drain()
+        torn = [q.kernel.worker.proc for q in self.on_device(gpu) if q.kernel.worker is not None]
+        torn += mps.pools[gpu].drain()
+        log.info(f"mps: GPU {gpu}: retiring its {len(torn)} workers after a fault", device=gpu)
         for w in torn:
             self.b.sup.retire(w)
         with anyio.move_on_after(RECOVER_S):
@@ -331,7 +383,7 @@ class Programs:
                 await w.process.wait()
         if not pids:  # the server may name the culprit only once its clients are gone
             with anyio.move_on_after(FAULT_WINDOW_S):
-                while not (pids := self._fatal_pids()):
+                while not (pids := self._fatal_pids(gpu)):
                     await anyio.sleep(0.02)
         # Which one faulted is not always the one the server names first (seen on the H200:
         # one run in two named an innocent).  A program that ran to its end (STATE = EXITED)
@@ -348,25 +400,26 @@ class Programs:
         lost = [q for q in hit if q is not culprit]
         for q in lost:
             q.lost_to = culprit.name
-        r = FaultReport(time.time(), culprit.faulted, culprit.name, culprit.kernel.pid, True, [q.name for q in lost])
+        r = FaultReport(time.time(), culprit.faulted, culprit.name, culprit.kernel.pid, True, [q.name for q in lost],
+                        device=gpu)
         log.error(
-            f"mps: GPU fault in program {culprit.name} (worker {culprit.kernel.pid}): {culprit.faulted}; "
+            f"mps: GPU fault on GPU {gpu} in program {culprit.name} (worker {culprit.kernel.pid}): {culprit.faulted}; "
             f"lost with it: {', '.join(r.lost) or 'none'}",
-            program=culprit.name,
+            program=culprit.name, device=gpu,
         )
         try:
             with anyio.fail_after(RECOVER_S):
                 # The lost programs' new workers and a full pool, in one batch.
-                want = min(mps.pool.cap + (len(lost) if self.restart else 0), mps.max_clients)
-                while True:  # the server takes clients again once the torn-down ones exited
+                want = min(mps.pools[gpu].cap + (len(lost) if self.restart else 0), mps.max_clients)
+                while True:  # the server takes clients there again once the torn-down ones exited
                     try:
-                        await mps.prewarm(want)
+                        await mps.prewarm(want, gpu)
                         break
                     except MeshError as e:
-                        log.info(f"mps: after the fault, the pool does not come up yet: {e}")
+                        log.info(f"mps: after the fault, GPU {gpu}'s pool does not come up yet: {e}")
                         await anyio.sleep(0.2)
         except TimeoutError:
-            log.error(f"mps: the server took no new clients within {RECOVER_S:g}s of the fault")
+            log.error(f"mps: the server took no new clients on GPU {gpu} within {RECOVER_S:g}s of the fault")
         for q in lost:
             if not self.restart:
                 r.not_relaunched[q.name] = "restart policy off"
@@ -379,11 +432,12 @@ class Programs:
                 log.error(f"program {q.name}: not relaunched after the fault: {e}", program=q.name)
         r.ms = (time.perf_counter() - t0) * 1e3
         self.faults.append(r)
-        log.info(f"mps: fault recovery done in {r.ms:.0f} ms: relaunched {r.relaunched}, not {list(r.not_relaunched)}")
+        log.info(f"mps: GPU {gpu}: fault recovery done in {r.ms:.0f} ms: relaunched {r.relaunched},"
+                 f" not {list(r.not_relaunched)}", device=gpu)
 
     async def _relaunch(self, q: Program) -> None:
         assert q.manifest is not None
-        img = await self.b.prepare(q.manifest, q.ptx)
+        img = await self.b.prepare(q.manifest, q.ptx, device=q.device)
         try:
             k, run = await self._start(img, q.slot, q.nodes)
         except BaseException:
@@ -404,6 +458,7 @@ class Programs:
             "state": state,
             "error": error,
             "pid": p.kernel.pid,
+            "device": p.device,
             "heartbeat": mb.heartbeat(p.slot),
             "uptime_s": round(time.monotonic() - p.started, 3),
             "hash": f"{p.hash:016x}",

@@ -71,7 +71,7 @@ MAX_HEADERS = 100
 MAX_CALL_S = 300.0
 SUN_PATH_MAX = 107  # AF_UNIX: 108 bytes with the NUL
 
-LOAD_FIELDS = ("manifest", "ptx", "cuda", "hash", "nodes")
+LOAD_FIELDS = ("manifest", "ptx", "cuda", "hash", "nodes", "device")
 CALL_FIELDS = ("data", "hex", "timeout")
 
 
@@ -90,6 +90,7 @@ class Config:
     log_level: str | None = None
     log_format: str | None = None  # json | console | None (JSON unless stderr is a TTY)
     loop: str = "auto"  # auto (uvloop if installed) | uvloop | asyncio
+    devices: tuple[int, ...] | None = None  # the GPUs to drive (None: every visible one)
 
 
 class StartError(MeshError):
@@ -308,6 +309,7 @@ class Image:
     text: str
     expect: int | None
     nodes: int | None
+    device: int | None = None
 
 
 def parse_image(obj: dict[str, Any]) -> Image:
@@ -338,7 +340,10 @@ def parse_image(obj: dict[str, Any]) -> Image:
     nodes = _int_field(obj, "nodes")
     if nodes is not None and nodes < 1:
         raise HttpError(400, f"field 'nodes' {nodes}: at least 1")
-    return Image(m, kind, text, expect, nodes)
+    device = _int_field(obj, "device")
+    if device is not None and device < 0:
+        raise HttpError(400, f"field 'device' {device}: a GPU ordinal is 0 or more")
+    return Image(m, kind, text, expect, nodes, device)
 
 
 # ---- the daemon ---------------------------------------------------------------------------
@@ -400,10 +405,14 @@ class Daemon:
             await server.start_serving()
             b = self.backend
             assert b is not None and b.caps is not None
+            if len(b.devices) == 1:
+                where = f"device {b.caps.name}"
+            else:
+                where = "devices " + ", ".join(f"{d}: {b.device_caps[d].name}" for d in b.devices)
             log.info(
                 f"meshd-mps {self.versions.get('meshd-mps')} serves on {self.socket_path}: isolation {b.isolation},"
-                f" gpu {b.gpu}, device {b.caps.name}",
-                socket=self.socket_path, isolation=b.isolation, gpu=b.gpu, device=b.caps.name,
+                f" gpu {b.gpu}, {where}",
+                socket=self.socket_path, isolation=b.isolation, gpu=b.gpu, device=b.caps.name, devices=list(b.devices),
             )
             monitor = asyncio.create_task(self._monitor(), name="monitor")
             await self._stop.wait()
@@ -430,7 +439,7 @@ class Daemon:
         pool = c.pool if c.pool is not None else (2 if c.isolation == "mps" else 0)
         self.versions = await anyio.to_thread.run_sync(versions)
         b = await Backend.open(isolation=c.isolation, sms=c.sms, mps_dir=c.mps_dir, pool=pool,  # type: ignore[arg-type]
-                               gpu=c.gpu, cache_dir=c.cache_dir)
+                               gpu=c.gpu, cache_dir=c.cache_dir, devices=c.devices)
         self.backend = b
         self.programs = Programs(b)
         self._register_metrics()
@@ -690,6 +699,7 @@ class Daemon:
             "daemon_pid": s.get("daemon_pid"),
             "mps_dir": s.get("mps_dir"),
             "programs": len(ps.by_name),
+            "devices": [{**d, "programs": len(ps.on_device(d["device"]))} for d in s["devices"]],
             "loads": ps.loads,
             "requests_in_flight": len(self._busy),  # this one included
             "faults": [_fault(f) for f in getattr(ps, "faults", [])[-10:]],
@@ -722,7 +732,9 @@ class Daemon:
         include = [str(EXAMPLES_INCLUDE)] if EXAMPLES_INCLUDE.is_dir() and EXAMPLES_INCLUDE != INCLUDE_DIR else []
         b = self._b()
         assert b.info is not None
-        compile = functools.partial(cuda_to_ptx, img.text.encode(), img.manifest.name, b.info.compute, include)
+        # The oldest architecture served: its PTX JITs on every GPU here, whichever one takes it.
+        oldest = min(b.infos.values(), key=lambda i: (i.cc_major, i.cc_minor))
+        compile = functools.partial(cuda_to_ptx, img.text.encode(), img.manifest.name, oldest.compute, include)
         return await anyio.to_thread.run_sync(compile)
 
     def _loaded(self, p: Program, status: int, what: str) -> Response:
@@ -737,8 +749,11 @@ class Daemon:
         name = img.manifest.name
         if name in ps.by_name:
             raise HttpError(409, f"program {name!r} is already loaded (upgrade it with PUT /v1/programs/{name})")
+        if img.device is not None and img.device not in self._b().devices:
+            raise HttpError(400, f"field 'device' {img.device}: this daemon serves GPU"
+                                 f" {', '.join(map(str, self._b().devices))} (--devices)")
         ptx = await self._ptx(img)
-        p = await ps.load(img.manifest, ptx, img.expect, img.nodes or 1)
+        p = await ps.load(img.manifest, ptx, img.expect, img.nodes or 1, img.device)
         return self._loaded(p, 201, "loaded")
 
     async def put_program(self, req: Request, name: str) -> Response:
@@ -749,6 +764,9 @@ class Daemon:
         old = ps.get(name)  # 404
         if img.nodes is not None and img.nodes != old.nodes:
             raise HttpError(400, f"field 'nodes' {img.nodes}: an upgrade keeps the program's {old.nodes} (unload and load to change it)")
+        if img.device is not None and img.device != old.device:
+            raise HttpError(400, f"field 'device' {img.device}: an upgrade keeps the program on its GPU {old.device}"
+                                 " (unload and load to move it)")
         ptx = await self._ptx(img)
         p = await ps.upgrade(name, img.manifest, ptx, img.expect)
         return self._loaded(p, 200, "upgraded")
@@ -851,14 +869,26 @@ class Daemon:
         r.gauge("meshd_mps_workers", "Live worker processes (MPS clients, or the blink context).", lambda: len(b.sup.live()))
         r.counter("meshd_mps_workers_retired_total", "Worker processes retired and reaped (pool overflow, unfit, dead).",
                   lambda: b.sup.retired)
-        r.gauge("meshd_mps_pool_idle", "Idle pooled workers (MPS mode).", lambda: len(b.mps.pool) if b.mps else 0)
-        r.gauge("meshd_mps_pool_capacity", "The pool's capacity (--pool).", lambda: b.mps.pool.cap if b.mps else 0)
-        if b.blink is not None:
-            blink = b.blink
+        r.gauge("meshd_mps_pool_idle", "Idle pooled workers, every GPU's (MPS mode).", lambda: b.mps.idle() if b.mps else 0)
+        r.gauge("meshd_mps_pool_capacity", "The pools' capacity: --pool per GPU.",
+                lambda: sum(p.cap for p in b.mps.pools.values()) if b.mps else 0)
+        r.gauge("meshd_mps_device_info", "Each GPU served, by CUDA ordinal and name (always 1).",
+                lambda: [({"device": str(d), "name": b.device_caps[d].name}, 1) for d in b.devices])
+        r.gauge("meshd_mps_device_programs", "Loaded programs on each GPU.",
+                lambda: [({"device": str(d)}, len(ps.on_device(d))) for d in b.devices])
+        r.gauge("meshd_mps_device_pool_idle", "Idle pooled workers on each GPU (MPS mode).",
+                lambda: [({"device": str(d)}, len(b.mps.pools[d]) if b.mps else 0) for d in b.devices])
+        if b.blinks:
             r.counter("meshd_mps_blinks_total", "Blinks: module changes that halted and relaunched running programs.",
-                      lambda: blink.blinks)
-            r.gauge("meshd_mps_last_blink_seconds", "Length of the last blink (absent before the first).",
-                    lambda: None if blink.last_blink_ms is None else blink.last_blink_ms / 1e3)
+                      lambda: sum(c.blinks for c in b.blinks.values()))
+            r.counter("meshd_mps_device_blinks_total", "Blinks on each GPU (each GPU's context blinks alone).",
+                      lambda: [({"device": str(d)}, c.blinks) for d, c in sorted(b.blinks.items())])
+
+            def last_blink() -> float | None:
+                ms = b.last_blink_ms()
+                return None if ms is None else ms / 1e3
+
+            r.gauge("meshd_mps_last_blink_seconds", "Length of the last blink on any GPU (absent before the first).", last_blink)
         r.gauge("meshd_mps_program_heartbeat", "Each program's heartbeat counter (its mailbox slot's HEARTBEAT word).",
                 lambda: [({"program": p.name}, b.mailbox.heartbeat(p.slot)) for p in ps.by_name.values()])
         r.gauge("meshd_mps_sms", "SMs a program may use (--sms, else the device's).", lambda: caps.sms)
@@ -879,7 +909,7 @@ def _program_status(msg: str) -> int:
         return 404
     if "no response in" in msg:
         return 504
-    if "nodes must" in msg or "the manifest names" in msg:
+    if "nodes must" in msg or "the manifest names" in msg or "is not served here" in msg:
         return 400
     return 409  # already loaded, no free slot, not running, did not halt
 

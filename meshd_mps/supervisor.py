@@ -70,9 +70,17 @@ class Supervisor:
         w.program = program
         self.workers[w.pid] = w
         self._children[w.pid] = w
-        tg.start_soon(w.read_frames, name=f"reader {w.pid}")
+        tg.start_soon(self._read, w, name=f"reader {w.pid}")
         log.debug("worker spawned", pid=w.pid)
         return w
+
+    async def _read(self, w: WorkerProc) -> None:
+        """The worker's reader; once its stdout ends (it exited, or closed it) the worker is retired
+        at once: a dead worker must not stay live (counted as an MPS client) until its program is
+        unloaded.  Its owner's later retire or give-back finds it retiring already."""
+        await w.read_frames()
+        if w.pid in self.workers and not self.closed:
+            self.retire(w)
 
     def start_soon(self, fn, *args, name: str) -> None:  # type: ignore[no-untyped-def]
         """Run a task owned by the supervisor's task group (cancelled at close)."""

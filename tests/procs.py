@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import resource
@@ -124,3 +125,29 @@ def fd_limit(more: int) -> Iterator[int]:
         yield limit
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@contextmanager
+def fds_exhausted(free: int = 0, room: int = 64) -> Iterator[None]:
+    """Inside: exactly ``free`` more fds can be opened.  The soft RLIMIT_NOFILE is lowered
+    (``fd_limit(room)``) and every fd below it but ``free`` taken by a /dev/null filler, holes
+    included, so that the point where EMFILE comes does not depend on which fds happen to be open.
+    The fillers are closed and the limit restored on the way out, whatever happens."""
+    fillers: list[int] = []
+    with fd_limit(room):
+        try:
+            while True:
+                try:
+                    fillers.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+                except OSError as e:
+                    if e.errno != errno.EMFILE:
+                        raise
+                    break
+            if len(fillers) < free:
+                raise RuntimeError(f"fds_exhausted({free}): only {len(fillers)} fds under the limit were free")
+            for _ in range(free):
+                os.close(fillers.pop())
+            yield
+        finally:
+            for fd in fillers:
+                os.close(fd)

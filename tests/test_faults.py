@@ -3,6 +3,9 @@ every client down when one faults, as the H200's does (probe/RESULTS.md)."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import anyio
 import pytest
 
@@ -52,16 +55,36 @@ async def test_fault_is_survived_and_innocents_relaunched(standin_on_path, resta
         await progs.close()
 
 
-async def test_a_failure_that_is_not_a_fault_stays_local(standin_on_path):
+@pytest.mark.parametrize("how", ["retired", "sigkilled"])
+async def test_a_failure_that_is_not_a_fault_stays_local(standin_on_path, how):
+    """A program's worker dies (retired, or SIGKILLed while its kernel runs) with no GPU fault:
+    only that program fails, with the worker's death as its error; the others never stop and are
+    not restarted; the dead worker is reaped and forgotten at once; the pool refills and serves the
+    next load; the failed program unloads."""
     async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=TEST_DEADLINES) as b:
         progs = Programs(b)
         hb = await progs.load(*example("heartbeat"))
-        spin = await progs.load(*example("spin"))
-        b.sup.retire(spin.kernel.worker.proc)  # its worker dies: no server-wide fault
+        victim = await progs.load(*example("echo"))  # resident: it runs until halted, or until its worker dies
+        pid = victim.kernel.pid
+        if how == "retired":
+            b.sup.retire(victim.kernel.worker.proc)
+        else:
+            os.kill(pid, signal.SIGKILL)
         await wait_for(lambda: progs.faults)
         r = progs.faults[-1]
-        assert not r.gpu_wide and r.faulted == "spin" and r.lost == []
+        assert not r.gpu_wide and r.faulted == "echo" and r.pid == pid and r.lost == [] and r.relaunched == []
+        assert r.error == f"worker {pid} exited while its kernel ran"
+        rows = {row["name"]: row for row in progs.list()}
+        assert rows["echo"]["state"] == "failed" and rows["echo"]["error"] == r.error
+        assert rows["heartbeat"]["state"] == "running" and rows["heartbeat"]["restarts"] == 0
         n = b.mailbox.heartbeat(hb.slot)
         await beats(b, hb.slot, n)  # the other program never stopped
-        assert progs.by_name["heartbeat"].restarts == 0
+        assert progs.by_name["heartbeat"].kernel.pid == hb.kernel.pid
+        await wait_for(lambda: pid not in b.sup.children() and pid not in b.sup.live() and not os.path.exists(f"/proc/{pid}"))
+        await b.mps.prewarm(b.mps.pool.cap - len(b.mps.pool))  # the pool refills ...
+        spin = await progs.load(*example("spin"))  # ... and serves the next load
+        assert not spin.kernel.worker.fresh
+        with anyio.fail_after(10):
+            assert (await spin.launch.wait()).ok  # spin: 100 ms, then it returns
+        await progs.unload("echo")
         await progs.close()

@@ -4,6 +4,7 @@ control API's errors; signals; the plain no-driver message."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -407,6 +409,80 @@ def check_errors(s: Serve, c: Client, isolation: str) -> None:
         assert raw.recv(65536).startswith(b"HTTP/1.1 400 ")
     # The daemon still serves.
     assert c.status()["ok"]
+
+
+NOBODY = 65534
+
+
+def connect_as(uid: int, sock: str) -> list[str]:
+    """In a forked child that drops to ``uid`` (groups too): can it see the socket, and connect to
+    it?  Its answers, e.g. ["stat ok", "connect PermissionError 13"]."""
+    r, w = os.pipe()
+    with warnings.catch_warnings():  # a child that only makes syscalls and _exits: fork is fine
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            out = []
+            try:
+                os.stat(sock)
+                out.append("stat ok")
+            except OSError as e:
+                out.append(f"stat {type(e).__name__} {e.errno}")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                c.settimeout(10)
+                try:
+                    c.connect(sock)
+                    out.append("connect ok")
+                except OSError as e:
+                    out.append(f"connect {type(e).__name__} {e.errno}")
+            os.write(w, "\n".join(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        got = f.read().decode().splitlines()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and got, (status, got)
+    return got
+
+
+def test_another_user_is_refused_by_the_socket_mode(serve, tmp):
+    """The control socket is 0600: another uid (nobody, in a forked child of ours run as root)
+    cannot connect (EACCES), while the directories on the way let it reach the socket, so it is the
+    socket's own mode that refuses; the daemon never sees the attempt and serves its owner as before."""
+    if os.geteuid() != 0:
+        reason = f"needs root to run a child as another uid ({NOBODY}); running as uid {os.geteuid()}"
+        print(f"skipping the other-user test: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+    os.chmod(tmp, 0o711)  # searchable by others (the session's temporary dir is too): only the socket refuses
+    s = serve("blink")
+    s.wait_ready()
+    c = s.client
+    c.load(program_body(str(EXAMPLES / "echo")))
+
+    def requests() -> float:
+        return sum(v for k, v in parse_metrics(c.metrics()).items() if k.startswith("meshd_mps_http_requests_total"))
+
+    def state():
+        st = c.status()
+        return ([(p["name"], p["slot"], p["pid"], p["hash"], p["state"], p["upgrades"]) for p in c.programs()],
+                st["loads"], st["programs"], st["pid"])
+
+    before, n0 = state(), requests()
+    assert connect_as(NOBODY, s.sock) == ["stat ok", f"connect PermissionError {errno.EACCES}"]
+    n1 = requests()
+    n2 = requests()
+    assert n1 - n0 == n2 - n1  # the refused connection was never a request: only our own metrics calls count
+    assert state() == before
+    assert c.call("echo", "still the owner's")["data"] == "still the owner's"
+    assert stat.S_IMODE(os.lstat(s.sock).st_mode) == 0o600
+    assert s.stop(signal.SIGTERM) == 0, s.log()
+    assert_clean_exit(s, None)
 
 
 def test_second_signal_forces_exit(serve):

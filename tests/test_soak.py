@@ -7,6 +7,7 @@ import asyncio
 import os
 import random
 import sys
+import time
 
 import pytest
 
@@ -14,7 +15,7 @@ from meshd_mps import mps as mpsmod
 from meshd_mps.errors import WorkerError
 
 from .conftest import sim
-from .procs import alive
+from .procs import Resources, alive
 
 CYCLES = int(os.environ.get("MESHD_MPS_SOAK_CYCLES", "2000"))
 LANES = 16
@@ -27,6 +28,7 @@ async def test_soak_with_random_kills(rig):
     rnd = random.Random(20261202)
     counts = {"cycles": 0, "faults injected": 0, "faults survived": 0, "programs lost": 0}
     seen: set[int] = set()
+    before, t0 = Resources.now(), time.monotonic()
     r = rig(pool_cap=LANES)
     async with r as m:
         await m.prewarm(LANES)
@@ -60,8 +62,12 @@ async def test_soak_with_random_kills(rig):
         assert len(m.pool) <= LANES
     left = [p for p in seen if alive(p)]
     counts["processes left"] = len(left)
-    print("soak: " + ", ".join(f"{k} {v}" for k, v in counts.items()), file=sys.stderr)
+    now = Resources.now()
+    counts["fds left"] = len({fd: t for fd, t in now.fds.items() if before.fds.get(fd) != t})
+    counts["temporary entries left"] = len(now.temps - before.temps)
+    print("soak: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + f", in {time.monotonic() - t0:.1f} s", file=sys.stderr)
     assert counts["cycles"] == CYCLES
     assert counts["faults survived"] == counts["faults injected"] > 0
     assert counts["programs lost"] == 0
     assert left == []
+    assert counts["fds left"] == counts["temporary entries left"] == 0, now.leaks_since(before)

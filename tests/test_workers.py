@@ -4,19 +4,24 @@ processes over real pipes, a simulated GPU, the stand-in MPS daemon."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import re
+import signal
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import anyio
 import pytest
 from structlog.testing import capture_logs
 
 from meshd_mps import mps as mpsmod
-from meshd_mps.errors import LimitError, MpsError, WorkerError
+from meshd_mps.errors import LimitError, MeshError, MpsError, WorkerError
 from meshd_mps.proc import Deadlines
 
 from .conftest import sim
-from .procs import alive
+from .procs import alive, fds_exhausted
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaks")]
 
@@ -79,13 +84,6 @@ async def test_worker_not_our_client_is_refused(rig, monkeypatch):
             await preload(m, "x") if len(m.pool) == 0 else await m.prewarm(1)
 
 
-async def test_load_deadline(rig):
-    async with rig(deadlines=Deadlines(load=1.0, retire_quit=0.5)) as m:
-        with pytest.raises(WorkerError, match=r"load: worker (\d+): no reply in 1s"):
-            await preload(m, "slow", load="hang")
-        assert m.sup.workers == {}  # retired
-
-
 async def test_ready_deadline(rig, monkeypatch):
     monkeypatch.setenv("MESHD_MPS_SIM_STARTUP", "hang")
     async with rig(deadlines=Deadlines(ready=1.0, retire_quit=0.5)) as m:
@@ -93,39 +91,13 @@ async def test_ready_deadline(rig, monkeypatch):
             await m.prewarm(1)
 
 
-async def test_launch_deadline(rig):
-    async with rig(deadlines=Deadlines(launch=1.0, retire_quit=0.5)) as m:
-        w = await preload(m, "stuck", launch="hang")
-        with pytest.raises(WorkerError, match=r"^stuck \(worker \d+: no reply in 1s\)$"):
-            await mpsmod.launch(w, 0, 1)
-        assert not w.proc.idle()
-
-
-@pytest.mark.parametrize("phase", ["startup", "load", "launch", "kernel"])
-async def test_worker_dies(rig, monkeypatch, phase):
-    if phase == "startup":
-        monkeypatch.setenv("MESHD_MPS_SIM_STARTUP", "exit")
-        async with rig() as m:
-            with pytest.raises(WorkerError, match=r"mps: pool: worker \d+ exited"):
-                await m.prewarm(1)
-        return
+async def test_worker_dies_at_startup(rig, monkeypatch):
+    """A worker that exits before its READY fails the prewarm, naming it; nothing is pooled."""
+    monkeypatch.setenv("MESHD_MPS_SIM_STARTUP", "exit")
     async with rig() as m:
-        if phase == "load":
-            with pytest.raises(WorkerError, match=r"load: worker \d+ exited"):
-                await preload(m, "p", load="exit")
-            return
-        if phase == "launch":
-            w = await preload(m, "p", launch="exit")
-            with pytest.raises(WorkerError, match=r"^p \(worker \d+ exited\)$"):
-                await mpsmod.launch(w, 0, 1)
-            return
-        w = await preload(m, "p", kernel="exit")
-        done = await mpsmod.launch(w, 0, 1)
-        with pytest.raises(WorkerError, match=r"worker \d+ exited while its kernel ran"):
-            await asyncio.wait_for(done, 10)
-        with pytest.raises(WorkerError, match=r"^p: worker \d+ exited while its kernel ran$"):
-            mpsmod.query(w)
-        assert not await m.drop(w)
+        with pytest.raises(WorkerError, match=r"^mps: pool: worker \d+ exited$"):
+            await m.prewarm(1)
+        assert len(m.pool) == 0
 
 
 async def test_stream_error_is_reported_and_worker_not_reused(rig):
@@ -137,22 +109,6 @@ async def test_stream_error_is_reported_and_worker_not_reused(rig):
             mpsmod.query(w)
         assert not await m.drop(w)
         assert w.proc.pid not in m.pool.pids()
-
-
-@pytest.mark.parametrize(
-    "how, why",
-    [
-        ("garbage", r"bad frame: frame length \d+ is over the"),
-        ("wrong-op", r"reply LAUNCHED, expected LOADED"),
-        ("short", r"bad frame: LOADED reply of 1 bytes, no ok word"),
-        ("close-stdout", r"worker \d+ exited"),
-    ],
-)
-async def test_garbage_replies_retire_the_worker(rig, how, why):
-    async with rig(deadlines=Deadlines(retire_quit=0.5)) as m:
-        with pytest.raises(WorkerError, match=why):
-            await preload(m, "liar", load=how)
-        assert m.sup.workers == {}
 
 
 async def test_unsolicited_reply_makes_worker_unfit(rig):
@@ -224,31 +180,6 @@ async def test_spawning_many_does_not_freeze_the_loop(rig):
     assert max(gaps) < 1.0, f"the loop stalled {max(gaps):.3f} s while spawning"
 
 
-async def test_daemon_killed_underneath(rig):
-    r = rig(pool_cap=0)
-    async with r as m:
-        w = await preload(m, "before")
-        assert r.daemon.pid is not None
-        os.kill(r.daemon.pid, 9)
-        with anyio.fail_after(30):
-            with pytest.raises((MpsError, WorkerError), match=r"Cannot find MPS control daemon process|MPS_RPC_FAILURE|exited"):
-                await preload(m, "after")  # a fresh worker cannot be verified: refused, no hang
-        await m.drop(w)
-    # the server it left behind was re-parented to us and reaped at close (no_child_left checks)
-
-
-async def test_spawn_failing_is_a_clear_error_and_leaks_nothing(rig, monkeypatch):
-    fds = len(os.listdir("/proc/self/fd"))
-    async with rig(pool_cap=0) as m:
-        monkeypatch.setattr(mpsmod, "worker_argv", lambda *a: ["/nonexistent/meshd-mps-worker"])
-        with pytest.raises(WorkerError, match=r"^load: mps worker: /nonexistent/meshd-mps-worker: No such file or directory$"):
-            await preload(m, "nobin")
-        monkeypatch.undo()
-        w = await preload(m, "after")  # the next load works
-        await m.drop(w)
-    assert len(os.listdir("/proc/self/fd")) <= fds  # no pipe left open
-
-
 async def test_no_mps_binary_on_path(monkeypatch, tmp_path):
     from meshd_mps.daemon import ControlDaemon
 
@@ -258,16 +189,306 @@ async def test_no_mps_binary_on_path(monkeypatch, tmp_path):
         await d.start()
 
 
-async def test_mps_dir_removed_underneath(rig):
-    import shutil
+# ---- faults, one table: what the caller sees, and that nothing else is touched -----------------
 
-    r = rig(pool_cap=1)
+BYSTANDER, VICTIM = 7, 9  # mailbox slots
+
+
+async def until(cond, what: str, within: float = 10.0, every: float = 0.01) -> None:
+    """Wait for cond() under a deadline; else a test failure naming ``what`` (a callable: asked then)."""
+    with anyio.move_on_after(within):
+        while not cond():
+            await anyio.sleep(every)
+        return
+    pytest.fail(f"not within {within:g} s: {what() if callable(what) else what}")
+
+
+async def beating(mailbox, slot: int, within: float = 10.0) -> int:
+    """The slot's heartbeat advances (its program still runs); the new count."""
+    n = mailbox.heartbeat(slot)
+    await until(lambda: mailbox.heartbeat(slot) > n, f"slot {slot}'s heartbeat past {n}", within, every=0.005)
+    return mailbox.heartbeat(slot)
+
+
+@dataclass(frozen=True)
+class Fault:
+    error: str  # what the caller sees (the whole message, a regex)
+    script: dict = field(default_factory=dict)  # the victim image's sim script
+    kill: str | None = None  # SIGKILL the victim while its "load" or "launch" is asked, or once its "kernel" runs
+    spawn: str | None = None  # the victim's spawn fails: "no-binary", or "emfile[-N]" (N fds free)
+    status: int | None = None  # the victim's exit status (-9: killed, by the test or by its retirement)
+    deadlines: dict = field(default_factory=dict)
+
+
+#: Retirement waits up to 10 s for a worker to exit at QUIT or EOF (one that does: its status is
+#: its own, never a kill that came early); one that hangs gets 1 s and is killed.
+RETIRE = {"retire_quit": 10.0, "retire_kill": 5.0}
+HANGS = {"retire_quit": 1.0, "retire_kill": 5.0}
+
+FAULTS = {
+    "sigkill-during-load": Fault(r"load: worker \d+ exited", {"load": "hang"}, kill="load", status=-9),
+    "sigkill-during-launch": Fault(r"victim \(worker \d+ exited\)", {"launch": "hang"}, kill="launch", status=-9),
+    "sigkill-while-running": Fault(r"worker \d+ exited while its kernel ran", {"kernel": "hang"}, kill="kernel", status=-9),
+    # A worker that never replies reads no QUIT and no EOF: its retirement kills it.
+    "no-reply-to-load": Fault(r"load: worker \d+: no reply in 2s", {"load": "hang"}, status=-9, deadlines={"load": 2.0, **HANGS}),
+    "no-reply-to-launch": Fault(r"victim \(worker \d+: no reply in 2s\)", {"launch": "hang"}, status=-9, deadlines=HANGS),
+    "closes-stdout-stays-alive": Fault(r"load: worker \d+ exited", {"load": "close-stdout"}, status=-9, deadlines=HANGS),
+    # A worker that broke the protocol but still reads its stdin exits at its retirement's EOF.
+    "garbage": Fault(r"load: worker \d+: bad frame: frame length \d+ is over the \d+-byte limit", {"load": "garbage"}, status=0),
+    "wrong-op": Fault(r"load: worker \d+: reply LAUNCHED, expected LOADED", {"load": "wrong-op"}, status=0),
+    "short-reply": Fault(r"load: worker \d+: bad frame: LOADED reply of 1 bytes, no ok word", {"load": "short"}, status=0),
+    "missing-binary": Fault(r"load: mps worker: /nonexistent/meshd-mps-worker: No such file or directory", spawn="no-binary"),
+    # Out of fds before the spawn's first pipe, and after it (Popen closes the pipe it made).
+    "emfile": Fault(r"load: mps worker: .+: Too many open files", spawn="emfile"),
+    "emfile-after-one-pipe": Fault(r"load: mps worker: .+: Too many open files", spawn="emfile-2"),
+}
+
+
+@contextmanager
+def spawn_fault(how: str | None, monkeypatch):
+    """Inside: a worker spawn fails as ``how`` says."""
+    with monkeypatch.context() as mp:
+        if how == "no-binary":
+            mp.setattr(mpsmod, "worker_argv", lambda *a, **kw: ["/nonexistent/meshd-mps-worker"])
+        if how and how.startswith("emfile"):
+            with fds_exhausted(int(how.partition("-")[2] or 0)):
+                yield
+        else:
+            yield
+
+
+async def kill_when_asked(m, spawned: list, phase: str) -> None:
+    """SIGKILL the victim while its LOAD (it is up: a client of the server) or LAUNCH is in flight."""
+    with anyio.fail_after(20):
+        while True:
+            w = spawned[0] if spawned else None
+            if w is not None and w._pending is not None:
+                if phase == "launch" and w.gen:
+                    break
+                if phase == "load" and not w.gen and m.server and w.pid in await m.clients(m.server):
+                    break
+            await anyio.sleep(0.005)
+    os.kill(w.pid, signal.SIGKILL)
+
+
+async def victim(m, case: Fault) -> MeshError | None:
+    """Load, launch and await the victim as a caller does; the error it met."""
+    try:
+        w = await preload(m, "victim", **case.script)
+    except MeshError as e:
+        return e
+    try:
+        done = await mpsmod.launch(w, VICTIM, 1)
+        if case.kill == "kernel":
+            os.kill(w.proc.pid, signal.SIGKILL)
+        with anyio.fail_after(10):
+            await done
+    except MeshError as e:
+        if case.kill == "kernel":  # polled, it says the same, naming the program
+            with pytest.raises(WorkerError, match=f"^victim: {re.escape(str(e))}$"):
+                mpsmod.query(w)
+        assert not await m.drop(w)  # retired, never pooled
+        return e
+    return None
+
+
+@pytest.mark.parametrize("case", list(FAULTS.values()), ids=list(FAULTS))
+async def test_a_fault_stays_with_its_worker(rig, monkeypatch, case):
+    """Each fault of a worker: the caller gets its own error; the worker is retired and reaped;
+    a program running in another worker keeps beating; the pool refills and serves the next
+    load (and the fixtures: no fd, temporary entry or process left)."""
+    r = rig(pool_cap=2, deadlines=Deadlines(**{**RETIRE, **case.deadlines}))
     async with r as m:
         await m.prewarm(1)
-        shutil.rmtree(r.daemon.dir)  # the daemon's sockets are gone with it
-        a = await preload(m, "a")  # a pooled worker was verified when it started
+        by = await preload(m, "bystander", kernel="heartbeat")  # takes the pooled worker: the victim's is fresh
+        r.mailbox.run(BYSTANDER)
+        by_done = await mpsmod.launch(by, BYSTANDER, 1)
+        await beating(r.mailbox, BYSTANDER)
+
+        spawned: list = []
+        spawn = m.sup.spawn
+
+        async def spy(*a, **kw):
+            spawned.append(await spawn(*a, **kw))
+            return spawned[-1]
+
+        monkeypatch.setattr(m.sup, "spawn", spy)
+        with spawn_fault(case.spawn, monkeypatch):
+            async with anyio.create_task_group() as tg:
+                if case.kill in ("load", "launch"):
+                    tg.start_soon(kill_when_asked, m, spawned, case.kill)
+                err = await victim(m, case)
+        assert isinstance(err, WorkerError) and re.fullmatch(case.error, str(err)), repr(err)
+
+        # The victim is retired and reaped (or never started) ...
+        assert len(spawned) == (0 if case.spawn else 1)
+        await until(lambda: m.sup.children() == [by.proc.pid],
+                    lambda: f"only the bystander {by.proc.pid} left, not {m.sup.children()}", within=30)
+        if spawned:
+            assert spawned[0].process.returncode == case.status
+        assert m.sup.live() == [by.proc.pid] and m.sup.left_behind == [] and len(m.pool) == 0
+        # ... and nothing else is touched: the bystander kept running and still runs.
+        assert not by_done.done() and by.proc.unfit is None and by.proc.err is None
+        await beating(r.mailbox, BYSTANDER)
+
+        # The pool refills, and serves the next load.
+        await m.prewarm(m.pool.cap)
+        nxt = await preload(m, "next", kernel="sleep", ms=1)
+        assert not nxt.fresh
+        with anyio.fail_after(10):
+            d = await (await mpsmod.launch(nxt, VICTIM, 1))
+        assert d.ok and await m.drop(nxt) and len(m.pool) == m.pool.cap
+
+        r.mailbox.halt(BYSTANDER)
+        with anyio.fail_after(10):
+            d = await by_done
+        assert d.ok, d.message
+        await m.drop(by)
+
+
+async def test_a_dead_worker_is_retired_at_once(rig):
+    """A worker that dies while its kernel runs is retired and reaped at once, not only when its
+    program is unloaded: meanwhile it is not a live worker, nor counted against the client limit."""
+    async with rig(max_clients=2, pool_cap=0) as m:
+        a = await preload(m, "a", kernel="exit")
+        with pytest.raises(WorkerError, match=r"^worker \d+ exited while its kernel ran$"):
+            with anyio.fail_after(10):
+                await (await mpsmod.launch(a, 0, 1))
+        await until(lambda: m.sup.live() == [] and m.sup.children() == [],
+                    lambda: f"the dead worker forgotten: live {m.sup.live()}, children {m.sup.children()}")
+        b = await preload(m, "b")
+        c = await preload(m, "c")  # the limit's two clients: b and c, not the dead a
+        assert not await m.drop(a)  # its program unloaded later: nothing left to do
+        await m.drop(b)
+        await m.drop(c)
+
+
+async def test_out_of_fds_to_verify_a_fresh_worker(rig, monkeypatch):
+    """The worker started, but the control command that verifies it cannot (EMFILE): an MpsError
+    naming the command and the cause, not a bare OSError; the worker is retired, not pooled; the
+    next load works."""
+    async with rig(pool_cap=1) as m:
+        check = m.check_clients
+
+        async def starved(want):
+            with fds_exhausted(0):
+                return await check(want)
+
+        monkeypatch.setattr(m, "check_clients", starved)
+        with pytest.raises(MpsError, match=r"^mps: get_server_list: cannot start .*/nvidia-cuda-mps-control: Too many open files$"):
+            await preload(m, "victim")
+        assert m.pool.pids() == []
+        await until(lambda: m.sup.children() == [], lambda: f"the victim reaped, not {m.sup.children()}")
+        monkeypatch.undo()
+        w = await preload(m, "after")
+        assert w.fresh and w.proc.pid in await m.clients(m.server)
+        await m.drop(w)
+
+
+async def test_out_of_fds_for_the_pidfd(rig, monkeypatch):
+    """No fd left for a worker's pidfd: the worker still works, and its exit is seen by polling."""
+    from meshd_mps import child
+
+    def emfile(pid):
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    async with rig(pool_cap=0) as m:
+        monkeypatch.setattr(child.os, "pidfd_open", emfile)
+        w = await preload(m, "polled", kernel="sleep", ms=1)
+        monkeypatch.undo()
+        assert w.proc.process._pidfd == -1 and w.proc.process._poll is not None
+        with anyio.fail_after(10):
+            assert (await (await mpsmod.launch(w, 0, 1))).ok
+        assert not await m.drop(w)
+        with anyio.fail_after(10):
+            assert await w.proc.process.wait() == 0  # QUIT obeyed, the exit seen through the poll
+        await until(lambda: m.sup.children() == [], lambda: f"the worker reaped, not {m.sup.children()}")
+
+
+async def test_a_worker_that_failed_verification_is_never_pooled(rig, monkeypatch):
+    """A fresh worker that is not our server's client is refused, and not kept for the next load."""
+    async with rig(pool_cap=2) as m:
+        await m.prewarm(1)  # the server is up
+        held = await preload(m, "held")
+        monkeypatch.setenv("MESHD_MPS_SIM_STARTUP", "no-mps")  # a plain context, as with another pipe dir
+        with pytest.raises(MpsError, match=r"^mps: worker \d+ is not among server \d+'s clients \[\d+\]; refusing$"):
+            await preload(m, "foreign")
+        monkeypatch.delenv("MESHD_MPS_SIM_STARTUP")
+        try:
+            assert m.pool.pids() == [], "a worker that failed verification was pooled"
+        finally:
+            await m.drop(held)
+
+
+async def test_daemon_killed_underneath(rig):
+    """The control daemon SIGKILLed: its server goes with it, so the running program is lost and
+    says why (MPS_RPC_FAILURE, as on the H200); a fresh worker cannot be verified any more: the load
+    and the pool's refill are refused with the control's own error, without a hang; at close the
+    server it left is reaped (no_child_left) and nothing is left (no_leaks)."""
+    r = rig(pool_cap=2)
+    async with r as m:
+        await m.prewarm(1)
+        by = await preload(m, "bystander", kernel="heartbeat")
+        r.mailbox.run(BYSTANDER)
+        by_done = await mpsmod.launch(by, BYSTANDER, 1)
+        await beating(r.mailbox, BYSTANDER)
+        os.kill(r.daemon.pid, signal.SIGKILL)
+        with anyio.fail_after(10):
+            d = await by_done
+        assert not d.ok and d.message.startswith("CUDA_ERROR_MPS_RPC_FAILURE"), d
         with anyio.fail_after(30):
-            with pytest.raises(MpsError, match="Cannot find MPS control daemon process"):
-                await preload(m, "b")  # a fresh one cannot be verified any more: refused, no hang
-        assert a.proc.idle()
+            with pytest.raises(MpsError, match=r"^mps: get_server_list: Cannot find MPS control daemon process$"):
+                await preload(m, "after")
+            with pytest.raises(MpsError, match=r"^mps: get_server_list: Cannot find MPS control daemon process$"):
+                await m.prewarm(1)
+        assert not await m.drop(by)  # its stream failed: retired
+
+
+async def test_mps_dir_removed_underneath(rig):
+    """The MPS directory removed: the daemon's sockets go with it.  Programs already running keep
+    running and pooled workers (verified when they started) still load; a fresh worker cannot be
+    verified: refused with the control's own error, without a hang; the directory is not re-made."""
+    import shutil
+
+    r = rig(pool_cap=2)
+    async with r as m:
+        await m.prewarm(2)
+        by = await preload(m, "bystander", kernel="heartbeat")
+        r.mailbox.run(BYSTANDER)
+        by_done = await mpsmod.launch(by, BYSTANDER, 1)
+        await beating(r.mailbox, BYSTANDER)
+        shutil.rmtree(r.daemon.dir)
+        a = await preload(m, "a")
+        assert not a.fresh
+        with anyio.fail_after(30):
+            with pytest.raises(MpsError, match=r"^mps: get_server_list: Cannot find MPS control daemon process$"):
+                await preload(m, "b")
+            with pytest.raises(MpsError, match=r"^mps: get_server_list: Cannot find MPS control daemon process$"):
+                await m.prewarm(1)
+        assert a.proc.idle() and not by_done.done()
+        await beating(r.mailbox, BYSTANDER)
+        r.mailbox.halt(BYSTANDER)
+        with anyio.fail_after(10):
+            assert (await by_done).ok
+        await m.drop(a)
+        await m.drop(by)
     assert not os.path.exists(r.daemon.dir)
+
+
+async def test_a_pooled_worker_that_hangs_on_load_is_not_retried(rig):
+    """Only a pooled worker that died while idle is replaced by the next one; a live one that
+    does not answer LOAD fails the load after one deadline (a retry would cost a second one)."""
+    d = Deadlines(load=1.0, retire_quit=1.0, retire_kill=2.0)
+    async with rig(pool_cap=2, deadlines=d) as m:
+        await m.prewarm(2)
+        pooled = m.pool.pids()
+        t0 = time.monotonic()
+        with capture_logs() as logs:
+            with pytest.raises(WorkerError, match=r"^load: worker (\d+): no reply in 1s$") as e:
+                await preload(m, "hangs", load="hang")
+        took = time.monotonic() - t0
+        hung = int(re.match(r"^load: worker (\d+)", str(e.value)).group(1))
+        assert hung in pooled
+        assert not any("was gone" in x["event"] for x in logs), logs
+        assert m.pool.pids() == [p for p in pooled if p != hung]  # the other pooled worker was not spent on it
+        assert took < 1.9, f"the load took {took:.1f}s: retried after the first deadline?"

@@ -101,10 +101,11 @@ class _Module:
 
 
 class CudaGpu:
-    """workers.gpu.Gpu on the real device (device 0)."""
+    """workers.gpu.Gpu on the real device ``device`` (a CUDA ordinal, ``--device``)."""
 
-    def __init__(self, mailbox: Mailbox, sms: int, warm: Warm | None = None):
+    def __init__(self, mailbox: Mailbox, sms: int, warm: Warm | None = None, device: int = 0):
         self.mailbox = mailbox
+        self.device = device
         self._warm = warm
         self.requested_sms = sms
         self.sms = 0
@@ -137,7 +138,7 @@ class CudaGpu:
     # ---- the context ------------------------------------------------------------------
     def _open(self, sms: int) -> None:
         check(cu.cuInit(0), "cuInit")
-        dev = check(cu.cuDeviceGet(0), "cuDeviceGet")
+        dev = check(cu.cuDeviceGet(self.device), f"cuDeviceGet({self.device})")
         total = int(
             check(
                 cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
@@ -159,6 +160,11 @@ class CudaGpu:
                 log.warning("green context keeps its scheduling flags", error=_fmt(_code(r)))
         else:
             warm, self._warm = self._warm, None
+            if warm is not None and warm.ctx is not None and warm.device != self.device:
+                # Warmed for another GPU (argv read differently): give that retain back.
+                log.warning("warm context is for another GPU; releasing it", warm_device=warm.device)
+                cu.cuDevicePrimaryCtxRelease(warm.dev)
+                warm = None
             if warm is not None and warm.ctx is not None:  # retained by warm.py's thread: ours now
                 self._ctx, self._primary, flags_error = warm.ctx, warm.dev, warm.flags_error
             else:
@@ -180,7 +186,7 @@ class CudaGpu:
         )
         self._registered = True
         self.dev = int(check(cu.cuMemHostGetDevicePointer(self._host, 0), "cuMemHostGetDevicePointer"))
-        log.info("GPU opened", sms=self.sms, green=bool(sms), mailbox_dev=hex(self.dev))
+        log.info("GPU opened", device=self.device, sms=self.sms, green=bool(sms), mailbox_dev=hex(self.dev))
 
     def _open_green(self, dev: Any, sms: int, total: int) -> None:
         SM = cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM

@@ -220,14 +220,22 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
             return EXIT_PROTOCOL
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="meshd-mps worker", description="One MPS client process of meshd-mps (started by the daemon).")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The worker's options.  No abbreviations: warm.py reads --gpu, --sms and --device from argv
+    itself (before this module is imported), and must read the same."""
+    ap = argparse.ArgumentParser(prog="meshd-mps worker", description="One MPS client process of meshd-mps (started by the daemon).",
+                                 allow_abbrev=False)
     ap.add_argument("--mailbox", required=True, help="path of the mailbox memfd (/proc/PID/fd/N)")
     ap.add_argument("--sms", type=int, default=0, help="a green context of this many SMs (0: the whole device)")
     ap.add_argument("--gpu", choices=("cuda", "sim"), default="cuda", help="the real GPU, or the CPU simulation for tests")
-    args = ap.parse_args(argv)
+    ap.add_argument("--device", type=int, default=0, help="the GPU's CUDA ordinal (default 0)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     setup_logging(component="worker")
-    structlog.contextvars.bind_contextvars(pid=os.getpid())
+    structlog.contextvars.bind_contextvars(pid=os.getpid(), device=args.device)
     try:
         inject = parse_inject(os.environ.get(INJECT_ENV))
     except ValueError as e:
@@ -243,13 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpu == "sim":
             from .sim_gpu import SimGpu
 
-            gpu = SimGpu(mailbox, args.sms)
+            gpu = SimGpu(mailbox, args.sms, args.device)
         else:
             from .cuda_gpu import CudaGpu
 
             from . import warm
 
-            gpu = CudaGpu(mailbox, args.sms, warm.take())
+            gpu = CudaGpu(mailbox, args.sms, warm.take(), args.device)
     except Exception as e:  # any failure to come up is reported on the first request
         open_error = f"worker {os.getpid()}: {e}"
         log.error("GPU not opened", error=str(e))

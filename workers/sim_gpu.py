@@ -19,6 +19,11 @@ Script keys (all optional):
   load_ms: delay before LOADED; rt_abi, regs, local, per_sm, sms: reported values
 Startup faults come from MESHD_MPS_SIM_STARTUP (same values as ``ready``, plus
 ``no-mps``: do not connect to the daemon, like a worker with another pipe dir).
+
+Several GPUs: ``--device N`` of ``$MESHD_MPS_SIM_GPUS`` (default 1; another
+ordinal is refused as cuDeviceGet refuses it); the worker tells the stand-in
+daemon its device (``HELLO <pid> <device>``), which counts clients and tears
+them down per device, and its mailbox's "device address" differs per GPU.
 """
 
 from __future__ import annotations
@@ -73,9 +78,18 @@ def _script_of(req: Load) -> dict[str, object]:
 
 
 class SimGpu:
-    def __init__(self, mailbox: Mailbox, sms: int):
+    def __init__(self, mailbox: Mailbox, sms: int, device: int = 0):
+        from meshd_mps.device import simulated_count
+
         self.mailbox = mailbox
         self.startup = os.environ.get(STARTUP_ENV, "")
+        try:
+            n = simulated_count()
+        except Exception as e:  # ConfigError: a bad MESHD_MPS_SIM_GPUS
+            raise GpuError(f"cuInit: CUDA_ERROR_NO_DEVICE (simulated: {e})") from None
+        if not 0 <= device < n:
+            raise GpuError(f"cuDeviceGet: CUDA_ERROR_INVALID_DEVICE (simulated: device {device}; {n} GPUs, 0-{n - 1})")
+        self.device = device
         if sms < 0 or sms > SIM_SMS:
             raise GpuError(f"cuDevSmResourceSplitByCount: CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION ({sms} of {SIM_SMS} SMs)")
         self.sms = -(-sms // 8) * 8 if sms else SIM_SMS  # green contexts come in multiples of 8 SMs
@@ -96,12 +110,12 @@ class SimGpu:
             return
         pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
         try:
-            self._client = connect_client(pipe, os.getpid())
+            self._client = connect_client(pipe, os.getpid(), device=self.device)
         except StandinRefused as e:
             raise GpuError(f"cuCtxCreate: CUDA_ERROR_MPS_MAX_CLIENTS_REACHED ({e})") from None
         except OSError as e:
             raise GpuError(f"cuCtxCreate: CUDA_ERROR_MPS_CONNECTION_FAILED ({e})") from None
-        log.debug("simulated context", mps=self._client is not None, sms=self.sms)
+        log.debug("simulated context", mps=self._client is not None, sms=self.sms, device=self.device)
 
     def _listen(self, sock: socket.socket) -> None:
         """What the (stand-in) MPS server tells its clients: a fatal fault tears all down."""
@@ -159,7 +173,7 @@ class SimGpu:
             per_sm=num("per_sm", 8),
             local=num("local", 0),
             sms=num("sms", self.sms),
-            dev=FAKE_DEV,
+            dev=FAKE_DEV + (self.device << 32),
             scratch=req.scratch,
         )
 

@@ -19,8 +19,9 @@ from typing import Any
 
 
 class Warm:
-    def __init__(self, sms: int):
+    def __init__(self, sms: int, device: int = 0):
         self.sms = sms
+        self.device = device  # the ordinal whose primary context is retained
         self.ctx: Any = None  # the retained primary context (None: CudaGpu opens it itself)
         self.dev: Any = None
         self.flags_error = 0  # cuDevicePrimaryCtxSetFlags's CUresult, if it failed
@@ -33,7 +34,7 @@ class Warm:
 
             if int(cu.cuInit(0)[0]) != 0 or self.sms:
                 return
-            err, dev = cu.cuDeviceGet(0)
+            err, dev = cu.cuDeviceGet(self.device)
             if int(err) != 0:
                 return
             (err,) = cu.cuDevicePrimaryCtxSetFlags(dev, int(cu.CUctx_flags.CU_CTX_SCHED_BLOCKING_SYNC))
@@ -53,18 +54,34 @@ class Warm:
 _started: Warm | None = None
 
 
+def options(argv: list[str]) -> tuple[str, int, int]:
+    """(gpu, sms, device) as ``meshd-mps worker``'s argparse reads them (``--x V`` or ``--x=V``, the
+    last one wins, no abbreviations); a value that is not a count is left for argparse to refuse
+    (here: the default).  CudaGpu checks the warmed device against its own ``--device`` anyway."""
+    got = {"--gpu": "cuda", "--sms": "0", "--device": "0"}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, value = a.partition("=")
+        if name in got and eq:
+            got[name] = value
+        elif a in got and i + 1 < len(argv):
+            got[a] = argv[i + 1]
+            i += 1
+        i += 1
+
+    def count(v: str) -> int:
+        return int(v) if v.isdigit() else 0
+
+    return got["--gpu"], count(got["--sms"]), count(got["--device"])
+
+
 def start(argv: list[str]) -> None:
     """From the worker's argv: warm the GPU if it is the real one."""
     global _started
-    gpu = "cuda"
-    sms = 0
-    for i, a in enumerate(argv[:-1]):
-        if a == "--gpu":
-            gpu = argv[i + 1]
-        elif a == "--sms" and argv[i + 1].isdigit():
-            sms = int(argv[i + 1])
+    gpu, sms, device = options(argv)
     if gpu == "cuda":
-        _started = Warm(sms)
+        _started = Warm(sms, device)
 
 
 def take() -> Warm | None:

@@ -7,8 +7,10 @@ stand-in daemon listening they become its MPS clients, without one they run as
 plain (non-MPS) contexts, as the real driver silently does.
 
 Client-socket protocol (``PIPE_DIR/standin-clients``, a Unix stream socket):
-the client sends ``HELLO <pid>\\n``; the daemon answers ``OK\\n`` and counts the
-connection as a client until it closes, or ``ERR <text>\\n`` and closes it.
+the client sends ``HELLO <pid> <device>\\n`` (the device's ordinal; ``HELLO <pid>``
+alone means device 0); the daemon answers ``OK\\n`` and counts the connection as
+a client of that device until it closes, or ``ERR <text>\\n`` and closes it.  The
+client limit and a fault's teardown are per device.
 ``terminate_client`` sends ``TERMINATED\\n`` to a connected client, then EOF;
 ``quit`` closes it (EOF).
 
@@ -43,7 +45,7 @@ def _readline(sock: socket.socket) -> bytes:
 
 
 def connect_client(pipe_dir: str, pid: int, timeout: float = 5.0, device: int = 0) -> socket.socket | None:
-    """Become an MPS client of the stand-in daemon of ``pipe_dir`` ("context creation").
+    """Become an MPS client of the stand-in daemon of ``pipe_dir`` on GPU ``device`` ("context creation").
 
     Returns the connected socket (keep it open for the client's whole life), or
     None when no stand-in daemon listens there.  Raises :class:`StandinRefused`

@@ -1,0 +1,281 @@
+"""Fault injection against the REAL GPU and the real nvidia-cuda-mps-control (issue 7).
+
+The faults of tests/test_workers.py's table, each with examples/heartbeat running in another
+worker: the caller's error, the heartbeat still beating, the victim retired and reaped, the pool
+refilled and serving the next load; after each test no MPS process, fd or temporary entry left.
+Protocol misbehaviours come from the workers' test hook (``MESHD_MPS_WORKER_INJECT``,
+workers/main.py), set only while the one worker that is to misbehave is spawned.  No GPU fault is
+caused here: in MPS one tears every client down (test_mps_real.py's test_gpu_fault_is_survived).
+
+Skipped, with the reason printed, where there is no NVIDIA driver, or no nvidia-cuda-mps-control
+on PATH, or it is meshd-mps's stand-in.  On the device:
+``python3 -m pytest tests/gpu/test_faults_real.py -v -rA`` (well under 2 minutes on an H200).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import pytest
+
+from meshd_mps import abi, standin
+from meshd_mps import mps as mpsmod
+from meshd_mps.backend import Backend
+from meshd_mps.errors import MeshError, MpsError, NoDriver, WorkerError
+from meshd_mps.proc import Deadlines
+
+from .. import waits
+from ..procs import fds_exhausted
+from ..test_backend import beats, example
+from ..test_workers import until
+from .test_mps_real import mps_processes
+
+pytestmark = [pytest.mark.gpu, pytest.mark.mps, pytest.mark.timeout(120), pytest.mark.usefixtures("counted")]
+
+INJECT_ENV = "MESHD_MPS_WORKER_INJECT"
+BYSTANDER, VICTIM = 7, 9  # mailbox slots
+NO_DAEMON = r"^mps: get_server_list: Cannot find MPS control daemon process"
+
+
+@pytest.fixture
+def real_gpu_and_mps():
+    """Skip without a driver or without NVIDIA's own MPS control; after the test, no MPS process
+    left that was not there before it."""
+    from meshd_mps.device import query_device
+
+    try:
+        query_device()  # cuInit: the driver's fds are open before no_leaks counts
+    except NoDriver as e:
+        print(f"skipping the GPU fault-injection tests: {e}", file=sys.stderr)
+        pytest.skip(str(e))
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        pytest.skip("nvidia-cuda-mps-control is not on PATH")
+    if os.path.realpath(control).startswith(os.path.realpath(standin.BIN_DIR) + os.sep):
+        pytest.skip("nvidia-cuda-mps-control on PATH is meshd-mps's stand-in, not NVIDIA's")
+    before = set(mps_processes())
+    yield
+    waits.poll(lambda: set(mps_processes()) <= before, 10.0, f"no MPS process left: {set(mps_processes()) - before}")
+
+
+@pytest.fixture
+def counted(real_gpu_and_mps, no_leaks):
+    """The GPU checks first (the driver's fds open), then the fd and temporary-entry count."""
+    yield
+
+
+async def start_bystander(b: Backend):
+    """examples/heartbeat on its own worker (the pooled one), beating."""
+    k = await b.load(await b.prepare(*example("heartbeat")))
+    b.mailbox.reset_slot(BYSTANDER)
+    run = await b.launch(k, BYSTANDER)
+    await beats(b, BYSTANDER, 1000)
+    return k, run
+
+
+async def still_beating(b: Backend, run) -> None:
+    assert not run.finished(), "the bystander ended"
+    await beats(b, BYSTANDER, b.mailbox.heartbeat(BYSTANDER) + 100)
+
+
+# ---- the table ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fault:
+    error: str  # what the caller sees (the whole message, a regex)
+    inject: str = ""  # MESHD_MPS_WORKER_INJECT for the victim's worker
+    kill: str | None = None  # SIGKILL the victim while its "load" or "launch" is asked, or once its "kernel" runs
+    spawn: str | None = None  # the victim's spawn fails: "no-binary" | "emfile"
+    status: int | None = None  # the victim's exit status
+    deadlines: dict = field(default_factory=dict)
+
+
+RETIRE = {"retire_quit": 10.0, "retire_kill": 5.0}  # a worker that exits at EOF has time to (context teardown)
+HANGS = {"retire_quit": 1.0, "retire_kill": 5.0}  # one that hangs is killed soon
+
+FAULTS = {
+    "sigkill-during-load": Fault(r"load: worker \d+ exited", "load:hang", kill="load", status=-9),
+    "sigkill-during-launch": Fault(r"echo \(worker \d+ exited\)", "launch:hang", kill="launch", status=-9),
+    "sigkill-while-running": Fault(r"worker \d+ exited while its kernel ran", kill="kernel", status=-9),
+    "no-reply-to-load": Fault(r"load: worker \d+: no reply in 5s", "load:hang", status=-9, deadlines={"load": 5.0, **HANGS}),
+    "no-reply-to-launch": Fault(r"echo \(worker \d+: no reply in 2s\)", "launch:hang", status=-9, deadlines=HANGS),
+    "closes-stdout-stays-alive": Fault(r"load: worker \d+ exited", "load:close-stdout", status=-9, deadlines=HANGS),
+    "garbage": Fault(r"load: worker \d+: bad frame: frame length \d+ is over the \d+-byte limit", "load:garbage", status=0),
+    "wrong-op": Fault(r"load: worker \d+: reply LAUNCHED, expected LOADED", "load:wrong-op", status=0),
+    "short-reply": Fault(r"load: worker \d+: bad frame: LOADED reply of 1 bytes, no ok word", "load:short", status=0),
+    "missing-binary": Fault(r"load: mps worker: /nonexistent/meshd-mps-worker: No such file or directory", spawn="no-binary"),
+    "emfile": Fault(r"load: mps worker: .+: Too many open files", spawn="emfile"),
+}
+
+
+@contextmanager
+def victim_spawn(b: Backend, case: Fault, monkeypatch, spawned: list):
+    """Inside: the next worker spawned is the victim (recorded in ``spawned``), with the case's
+    fault: the hook in its environment, a missing binary, or no fd left for its pipes."""
+    with monkeypatch.context() as mp:
+        spawn = b.sup.spawn
+
+        async def victims(*a, **kw):
+            if case.spawn == "emfile":
+                with fds_exhausted(0):
+                    w = await spawn(*a, **kw)
+            else:
+                w = await spawn(*a, **kw)
+            spawned.append(w)
+            return w
+
+        mp.setattr(b.sup, "spawn", victims)
+        if case.inject:
+            mp.setenv(INJECT_ENV, case.inject)
+        if case.spawn == "no-binary":
+            mp.setattr(mpsmod, "worker_argv", lambda *a, **kw: ["/nonexistent/meshd-mps-worker"])
+        yield
+
+
+async def kill_when_asked(b: Backend, spawned: list, phase: str) -> None:
+    """SIGKILL the victim while its LOAD (it is up: a client of our server) or LAUNCH is in flight."""
+    with anyio.fail_after(30):
+        while True:
+            w = spawned[0] if spawned else None
+            if w is not None and w._pending is not None:
+                if phase == "launch" and w.gen:
+                    break
+                if phase == "load" and not w.gen and b.mps.server and w.pid in await b.mps.clients(b.mps.server):
+                    break
+            await anyio.sleep(0.005)
+    os.kill(w.pid, signal.SIGKILL)
+
+
+async def victim(b: Backend, case: Fault) -> MeshError | None:
+    """examples/echo prepared, loaded, launched and awaited as a caller does; the error it met."""
+    try:
+        img = await b.prepare(*example("echo"))
+    except MeshError as e:
+        return e
+    k = await b.load(img)
+    try:
+        b.mailbox.reset_slot(VICTIM)
+        run = await b.launch(k, VICTIM)
+        if case.kill == "kernel":
+            await until(lambda: b.mailbox.u32(VICTIM, abi.STATE) == abi.RUNNING, "the victim running on the GPU", within=30)
+            os.kill(k.pid, signal.SIGKILL)
+        with anyio.fail_after(30):
+            await run
+    except MeshError as e:
+        if case.kill == "kernel":
+            with pytest.raises(WorkerError, match=f"^echo: {re.escape(str(e))}$"):
+                b.query(k)
+        await b.unload(k)  # its worker is retired, never pooled
+        return e
+    await b.unload(k)
+    return None
+
+
+@pytest.mark.parametrize("case", list(FAULTS.values()), ids=list(FAULTS))
+async def test_a_fault_stays_with_its_worker(monkeypatch, case):
+    """Each fault of a worker on the real GPU: the caller gets its own error; the worker is retired
+    and reaped; the heartbeat in another MPS client keeps beating; the pool refills and serves the
+    next load; nothing is left (the fixtures)."""
+    deadlines = Deadlines(**{**RETIRE, **case.deadlines})
+    async with await Backend.open(isolation="mps", gpu="cuda", pool=1, deadlines=deadlines) as b:
+        by_k, by_run = await start_bystander(b)  # it takes the pooled worker: the victim's is fresh
+
+        spawned: list = []
+        with victim_spawn(b, case, monkeypatch, spawned):
+            async with anyio.create_task_group() as tg:
+                if case.kill in ("load", "launch"):
+                    tg.start_soon(kill_when_asked, b, spawned, case.kill)
+                err = await victim(b, case)
+        print(f"{case.error!r}: the caller saw {err!r}", file=sys.stderr)
+        assert isinstance(err, WorkerError) and re.fullmatch(case.error, str(err)), repr(err)
+
+        # The victim is retired and reaped (or never started), the bystander untouched.
+        assert len(spawned) == (0 if case.spawn else 1)
+        await until(lambda: b.sup.children() == [by_k.pid],
+                    lambda: f"only the bystander {by_k.pid} left, not {b.sup.children()}", within=30)
+        if spawned:
+            assert spawned[0].process.returncode == case.status
+        await still_beating(b, by_run)
+
+        # The pool refills and serves the next load.
+        await b.mps.prewarm(b.mps.pool.cap - len(b.mps.pool))
+        assert len(b.mps.pool) == b.mps.pool.cap
+        img = await b.prepare(*example("spin"))
+        assert not img.worker.fresh
+        k = await b.load(img)
+        b.mailbox.reset_slot(VICTIM)
+        with anyio.fail_after(30):
+            d = await (await b.launch(k, VICTIM))  # spin: 100 ms, then it returns
+        assert d.ok, d.message
+        await b.unload(k)
+        await still_beating(b, by_run)
+
+        b.mailbox.halt(BYSTANDER)
+        with anyio.fail_after(30):
+            d = await by_run
+        assert d.ok, d.message
+        await b.unload(by_k)
+
+
+# ---- the MPS daemon and its directory ------------------------------------------------------------
+
+
+def servers() -> list[str]:
+    return [p for p in mps_processes() if "nvidia-cuda-mps-server" in p.split(" ", 2)[1]]
+
+
+async def test_control_daemon_killed():
+    """The control daemon SIGKILLed: its server exits (within ~1 s on the H200), so the running
+    program is lost and says so; a fresh worker then runs as a plain context, silently, and is
+    refused by the client check with the control's own error; so is the pool's refill; no hang."""
+    async with await Backend.open(isolation="mps", gpu="cuda", pool=1) as b:
+        by_k, by_run = await start_bystander(b)  # the pool is empty now: the next worker is fresh
+        assert b.daemon.pid is not None and servers()
+        os.kill(b.daemon.pid, signal.SIGKILL)
+        with anyio.fail_after(30):
+            try:
+                d = await by_run
+                lost = None if d.ok else d.message
+            except WorkerError as e:
+                lost = str(e)
+        print(f"the heartbeat after its server went: {lost}", file=sys.stderr)
+        assert lost, "the heartbeat ended cleanly although its server was gone"
+        await until(lambda: not servers(), lambda: f"the server exited after its daemon: {servers()}", within=30)
+        with anyio.fail_after(60):
+            with pytest.raises(MpsError, match=NO_DAEMON):
+                await b.prepare(*example("spin"))
+            with pytest.raises(MpsError, match=NO_DAEMON):
+                await b.mps.prewarm(1)
+        await b.unload(by_k)
+
+
+async def test_mps_dir_removed():
+    """The MPS directory removed underneath: the running program keeps running, a pooled worker
+    (verified when it started) still loads and runs; a fresh one cannot be verified: refused
+    with the control's own error, no hang; at close the daemon is killed and reaped."""
+    async with await Backend.open(isolation="mps", gpu="cuda", pool=2) as b:
+        by_k, by_run = await start_bystander(b)
+        shutil.rmtree(b.daemon.dir)
+        img = await b.prepare(*example("spin"))
+        assert not img.worker.fresh
+        k = await b.load(img)
+        b.mailbox.reset_slot(VICTIM)
+        with anyio.fail_after(30):
+            assert (await (await b.launch(k, VICTIM))).ok
+        with anyio.fail_after(60):
+            with pytest.raises(MpsError, match=NO_DAEMON):
+                await b.prepare(*example("echo"))
+        await still_beating(b, by_run)
+        await b.unload(k)
+        b.mailbox.halt(BYSTANDER)
+        with anyio.fail_after(30):
+            assert (await by_run).ok
+        await b.unload(by_k)
