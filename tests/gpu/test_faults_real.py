@@ -179,7 +179,18 @@ async def victim(b: Backend, case: Fault) -> MeshError | None:
     return None
 
 
-@pytest.mark.parametrize("case", list(FAULTS.values()), ids=list(FAULTS))
+# Measured on the H200, 2026-12-03 (scripts/kill_probe.py, docs/gpu-runs.md): an MPS client that
+# exits, killed or not, while its kernel runs makes the server raise a fatal GPU error in the
+# other clients (ILLEGAL_ADDRESS, device reset), so the bystander is lost.  `terminate_client`
+# first, or a halt first, leaves it running.  Until retire does one of those (issue 7's note),
+# these cases are known failures; strict, so that the fix shows up.
+KILLS_A_RUNNING_KERNEL = {"sigkill-during-launch", "sigkill-while-running", "no-reply-to-launch"}
+KNOWN = pytest.mark.xfail(strict=True, reason="an MPS client exiting with its kernel running faults the other "
+                          "clients (H200, driver 580); retire does not yet terminate_client first")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=KNOWN) if n in KILLS_A_RUNNING_KERNEL else c
+                                  for n, c in FAULTS.items()], ids=list(FAULTS))
 async def test_a_fault_stays_with_its_worker(monkeypatch, case):
     """Each fault of a worker on the real GPU: the caller gets its own error; the worker is retired
     and reaped; the heartbeat in another MPS client keeps beating; the pool refills and serves the
@@ -232,6 +243,9 @@ def servers() -> list[str]:
     return [p for p in mps_processes() if "nvidia-cuda-mps-server" in p.split(" ", 2)[1]]
 
 
+@pytest.mark.xfail(strict=True, reason="on the H200 (2026-12-03) the server outlived its SIGKILLed control "
+                   "daemon for 10 s+ with a client running, and the running kernel kept beating: the test's "
+                   "premise (the server exits within ~1 s) held only without running clients")
 async def test_control_daemon_killed():
     """The control daemon SIGKILLed: its server exits (within ~1 s on the H200), so the running
     program is lost and says so; a fresh worker then runs as a plain context, silently, and is
