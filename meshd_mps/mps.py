@@ -78,6 +78,7 @@ class Mps:
         self.server: str | None = None  # the server's pid once a worker was seen in its client list
         self.native: set[int] = set()
         self.max_clients = max_clients
+        sup.before_exit = self.terminate
         #: The environment a worker gets on top of ours (tests point it elsewhere).
         self.worker_env: dict[str, str] = dict(daemon.env)
 
@@ -106,6 +107,17 @@ class Mps:
         return device
 
     # ---- clients --------------------------------------------------------------------------
+    async def terminate(self, p: WorkerProc) -> None:
+        """Have the server end ``p``'s context (``terminate_client``) before ``p`` exits with its
+        kernel running: on the H200 such an exit faulted every other client of the GPU, a
+        terminated client's did not (scripts/kill_probe.py, docs/reliability.md)."""
+        server = await self.server_pid()
+        if server is None:
+            return
+        out = (await self.daemon.control(f"terminate_client {server} {p.pid}")).strip()
+        log.info(f"mps: worker {p.pid} retired with its kernel running: terminate_client {server} {p.pid}: {out}",
+                 pid=p.pid)
+
     async def server_pid(self) -> str | None:
         out = await self.daemon.control("get_server_list")
         first = out.split("\n", 1)[0].strip()

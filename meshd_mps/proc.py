@@ -209,6 +209,10 @@ class WorkerProc:
             raise WorkerError(f"worker {self.pid} exited while its kernel ran")
         return d
 
+    def running(self) -> bool:
+        """A launch asked for whose DONE has not come: its kernel may still run."""
+        return any(self.done.get(m, 0) != g for m, g in self.gen.items())
+
     def idle(self) -> bool:
         """Alive, fit, no stream error, nothing running: fit for another image."""
         if self.dead or self.unfit or self.err:

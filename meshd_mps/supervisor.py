@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import anyio
 import structlog
 from anyio.abc import TaskGroup
 
 from . import child
-from .errors import WorkerError
+from .errors import MeshError, WorkerError
 from .frames import Op
 from .proc import Deadlines, WorkerProc
 
@@ -40,6 +40,11 @@ class Supervisor:
         self.closed = False
         self.retired = 0
         self.left_behind: list[int] = []
+        # Called (with the retire-QUIT deadline) before a worker whose kernel may still run is
+        # told to exit or killed.  Mps sets it: under MPS a client that exits with its kernel
+        # running faults every other client of the GPU (H200, docs/reliability.md), one
+        # terminated by the server first does not.
+        self.before_exit: Callable[[WorkerProc], Awaitable[None]] | None = None
 
     async def start(self) -> None:
         started = asyncio.Event()
@@ -101,6 +106,12 @@ class Supervisor:
 
     async def _retire(self, w: WorkerProc) -> None:
         with structlog.contextvars.bound_contextvars(pid=w.pid, program=w.program):
+            if self.before_exit is not None and not w.dead and w.running():
+                try:
+                    with anyio.move_on_after(self.deadlines.retire_quit):
+                        await self.before_exit(w)
+                except MeshError as e:
+                    log.warning(f"mps: worker {w.pid}: {e}; retiring it anyway")
             if not w.dead and not w.unfit:
                 try:
                     with anyio.move_on_after(self.deadlines.retire_quit / 4):

@@ -181,12 +181,14 @@ async def victim(b: Backend, case: Fault) -> MeshError | None:
 
 # Measured on the H200, 2026-12-03 (scripts/kill_probe.py, docs/gpu-runs.md): an MPS client that
 # exits, killed or not, while its kernel runs makes the server raise a fatal GPU error in the
-# other clients (ILLEGAL_ADDRESS, device reset), so the bystander is lost.  `terminate_client`
-# first, or a halt first, leaves it running.  Until retire does one of those (issue 7's note),
-# these cases are known failures; strict, so that the fix shows up.
-KILLS_A_RUNNING_KERNEL = {"sigkill-during-launch", "sigkill-while-running", "no-reply-to-launch"}
-KNOWN = pytest.mark.xfail(strict=True, reason="an MPS client exiting with its kernel running faults the other "
-                          "clients (H200, driver 580); retire does not yet terminate_client first")
+# other clients (ILLEGAL_ADDRESS, device reset), so the bystander is lost.  meshd-mps's own retire
+# now has the server terminate such a client first (Mps.terminate), which leaves the others
+# running: no-reply-to-launch passes.  A SIGKILL from outside cannot be preceded by that: under
+# MPS it is a GPU-wide fault, which Programs' recovery handles (test_mps_real.py).  These two
+# cases' premise (the bystander untouched) does not hold on the H200; strict, so a change shows.
+KILLS_A_RUNNING_KERNEL = {"sigkill-during-launch", "sigkill-while-running"}
+KNOWN = pytest.mark.xfail(strict=True, reason="an MPS client SIGKILLed from outside with its kernel running "
+                          "faults the other clients (H200, driver 580): GPU-wide, not local")
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=KNOWN) if n in KILLS_A_RUNNING_KERNEL else c
