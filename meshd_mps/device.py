@@ -22,7 +22,8 @@ machine without cuda-python.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .errors import ConfigError, DeviceError, NoDriver
@@ -158,6 +159,20 @@ def _ck(call: str, r):  # type: ignore[no-untyped-def]
     return vals[0] if len(vals) == 1 else tuple(vals)
 
 
+@contextmanager
+def _driver_errors(what: str) -> Iterator[None]:
+    """A failure of the driver's calls inside as meshd-mps says it: NoDriver where there is no
+    driver library, else DeviceError prefixed with ``what`` (DeviceErrors from ``_ck`` pass)."""
+    try:
+        yield
+    except DeviceError:
+        raise
+    except Exception as e:
+        if is_no_driver(e):
+            raise NoDriver(f"no NVIDIA driver: {e}") from None
+        raise DeviceError(f"{what}: {type(e).__name__}: {e}") from None
+
+
 def device_count() -> int:
     """GPUs the driver shows this process (cuInit, cuDeviceGetCount), without a context.
 
@@ -165,15 +180,9 @@ def device_count() -> int:
     (``cuInit: CUDA_ERROR_NO_DEVICE (...)`` on a machine whose GPUs are all hidden).
     """
     cu = _driver()
-    try:
+    with _driver_errors("cuDeviceGetCount"):
         _ck("cuInit", cu.cuInit(0))
         return int(_ck("cuDeviceGetCount", cu.cuDeviceGetCount()))
-    except DeviceError:
-        raise
-    except Exception as e:
-        if is_no_driver(e):
-            raise NoDriver(f"no NVIDIA driver: {e}") from None
-        raise DeviceError(f"cuDeviceGetCount: {type(e).__name__}: {e}") from None
 
 
 def query_device(ordinal: int = 0) -> DeviceInfo:
@@ -184,7 +193,7 @@ def query_device(ordinal: int = 0) -> DeviceInfo:
     """
     cu = _driver()
     ck = _ck
-    try:
+    with _driver_errors(f"device {ordinal}"):
         ck("cuInit", cu.cuInit(0))
         dev = ck("cuDeviceGet", cu.cuDeviceGet(ordinal))
         raw = ck("cuDeviceGetName", cu.cuDeviceGetName(256, dev))
@@ -206,12 +215,6 @@ def query_device(ordinal: int = 0) -> DeviceInfo:
             regs_per_block=attr("MAX_REGISTERS_PER_BLOCK"),
             ordinal=ordinal,
         )
-    except DeviceError:
-        raise
-    except Exception as e:
-        if is_no_driver(e):
-            raise NoDriver(f"no NVIDIA driver: {e}") from None
-        raise DeviceError(f"device {ordinal}: {type(e).__name__}: {e}") from None
 
 
 def check_sms(info: DeviceInfo, sms: int, what: str = "the device") -> None:

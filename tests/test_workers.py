@@ -30,6 +30,15 @@ async def preload(m, name="prog", **script):
     return await m.preload(name, sim(**script), 32, 0, 0)
 
 
+async def start_bystander(r, m):
+    """A heartbeat on slot BYSTANDER in its own worker, beating: (its Worker, its DONE's future)."""
+    by = await preload(m, "bystander", kernel="heartbeat")
+    r.mailbox.run(BYSTANDER)
+    by_done = await mpsmod.launch(by, BYSTANDER, 1)
+    await beating(r.mailbox, BYSTANDER)
+    return by, by_done
+
+
 async def test_prewarm_load_launch_done_and_reuse(rig):
     async with rig(pool_cap=2) as m:
         with capture_logs() as logs:
@@ -300,10 +309,7 @@ async def test_a_fault_stays_with_its_worker(rig, monkeypatch, case):
     r = rig(pool_cap=2, deadlines=Deadlines(**{**RETIRE, **case.deadlines}))
     async with r as m:
         await m.prewarm(1)
-        by = await preload(m, "bystander", kernel="heartbeat")  # takes the pooled worker: the victim's is fresh
-        r.mailbox.run(BYSTANDER)
-        by_done = await mpsmod.launch(by, BYSTANDER, 1)
-        await beating(r.mailbox, BYSTANDER)
+        by, by_done = await start_bystander(r, m)  # takes the pooled worker: the victim's is fresh
 
         spawned: list = []
         spawn = m.sup.spawn
@@ -428,10 +434,7 @@ async def test_daemon_killed_underneath(rig):
     r = rig(pool_cap=2)
     async with r as m:
         await m.prewarm(1)
-        by = await preload(m, "bystander", kernel="heartbeat")
-        r.mailbox.run(BYSTANDER)
-        by_done = await mpsmod.launch(by, BYSTANDER, 1)
-        await beating(r.mailbox, BYSTANDER)
+        by, by_done = await start_bystander(r, m)
         os.kill(r.daemon.pid, signal.SIGKILL)
         with anyio.fail_after(10):
             d = await by_done
@@ -453,10 +456,7 @@ async def test_mps_dir_removed_underneath(rig):
     r = rig(pool_cap=2)
     async with r as m:
         await m.prewarm(2)
-        by = await preload(m, "bystander", kernel="heartbeat")
-        r.mailbox.run(BYSTANDER)
-        by_done = await mpsmod.launch(by, BYSTANDER, 1)
-        await beating(r.mailbox, BYSTANDER)
+        by, by_done = await start_bystander(r, m)
         shutil.rmtree(r.daemon.dir)
         a = await preload(m, "a")
         assert not a.fresh
