@@ -290,7 +290,7 @@ def status_table(s: dict[str, Any]) -> str:
         clients = s.get("clients")
         rows += [
             ["pool", f"{len(pool.get('idle', []))} idle of {pool.get('capacity', 0)} {_pids(pool.get('idle', []))}"],
-            ["mps daemon", f"{s.get('daemon_pid')} ({s.get('mps_dir')})"],
+            ["mps daemon", f"{s.get('daemon_died') or s.get('daemon_pid')} ({s.get('mps_dir')})"],
             ["mps server", f"{s.get('server_pid') or '-'}, clients " + (_pids(clients) if clients is not None
                                                                          else s.get("clients_error", "?"))],
         ]

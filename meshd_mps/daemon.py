@@ -91,6 +91,7 @@ class ControlDaemon:
         self.binary: str | None = None
         self.started = False
         self.servers: set[int] = set()  # server pids seen: one whose daemon died becomes our child
+        self.died: str | None = None  # why it is gone while still needed (it was killed or crashed)
 
     @property
     def env(self) -> dict[str, str]:
@@ -177,13 +178,30 @@ class ControlDaemon:
         if self.pid is None:
             return False
         try:
-            pid, _ = os.waitpid(self.pid, os.WNOHANG)
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:
             return False
         if pid == self.pid:
+            if self.started:  # not at our quit: it was killed or crashed
+                code = os.waitstatus_to_exitcode(status)
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+                self.died = f"the MPS control daemon {pid} died ({how})"
+                log.error(f"mps: {self.died}; running programs go on, new workers cannot be verified as clients")
             self.pid = None
             return False
         return True
+
+    def check_alive(self) -> None:
+        """MpsError if the daemon died underneath us: no new worker can then be verified as a client
+        of our server (on the H200 its server exits with it, a running kernel goes on unreported,
+        idle clients' calls fail with MPS_RPC_FAILURE, a fresh worker runs as a plain context)."""
+        if self.started and self.pid is not None:
+            self.alive()
+        if self.died:
+            for p in _mps_orphans() | self.servers:  # its server exits with it: no zombie kept till close
+                _reap_now(p)
+            raise MpsError(f"mps: {self.died}: no new worker can be verified as a client of our server; refusing"
+                           " (running programs go on; restart meshd-mps to load again)")
 
     async def _reap(self, within: float) -> bool:
         if self.pid is None:
@@ -195,7 +213,7 @@ class ControlDaemon:
         return False
 
     async def _reap_orphans(self) -> None:
-        """A server left behind by a dead daemon exits within ~1 s (H200); reap it, or kill it."""
+        """A server whose daemon died exits with it (a zombie of ours, H200); reap it, or kill it."""
         left = {p for p in _mps_orphans() | self.servers if not _reap_now(p)}
         with anyio.move_on_after(REAP_S):
             while left:

@@ -182,6 +182,7 @@ class Mps:
         except WorkerError as e:
             raise WorkerError(f"load: {e}") from None
         self._device_of[w.pid] = d
+        w.device = d
         return w
 
     async def prewarm(self, n: int, device: int | None = None) -> None:
@@ -190,6 +191,7 @@ class Mps:
         if n == 0:
             return
         d = self._device(device)
+        self.daemon.check_alive()
         t0 = time.monotonic()
         procs: list[WorkerProc] = []
         try:
@@ -225,6 +227,7 @@ class Mps:
         """The image's module loaded in a pooled worker of GPU ``device`` (default: the first) if
         one is fit, else in a fresh one there."""
         d = self._device(device)
+        self.daemon.check_alive()  # a pooled worker would fail its LOAD, a fresh one its check
         t0 = time.monotonic()
         req = Load(0, threads, smem, scratch, name, cubin)
         while True:

@@ -70,6 +70,9 @@ class WorkerProc:
         self.unfit: str | None = None  # why it must not be used again
         self.dead = False  # stdout closed: the process exited (or closed it)
         self.exited = asyncio.Event()
+        self.device = 0  # the GPU its context is on (Mps sets it)
+        self.exited_running_at = 0.0  # monotonic time it exited on its own with a kernel launched
+        self.killed = False  # SIGKILLed by us (a retire's or the cleanup's kill)
 
     def __repr__(self) -> str:
         return f"<worker {self.pid}{' ' + self.program if self.program else ''}>"

@@ -30,6 +30,7 @@ from .compiler import Manifest
 from .errors import MeshError, WorkerError
 from .frames import Done
 from .launch import Launch
+from .proc import WorkerProc
 
 log = structlog.get_logger("meshd_mps")
 
@@ -43,6 +44,13 @@ RECOVER_S = 30.0
 # GPU error."  (Its "error trigging process N" lines name every client torn down, not the culprit.)
 FATAL = re.compile(r"Client \{PID: (\d+)[^}]*\} encountered a fatal GPU error")
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+
+
+def died_on_its_own(w: WorkerProc) -> bool:
+    """The worker's process ended by a signal that was not ours, or exited with its kernel
+    launched before it was told to."""
+    rc = w.process.returncode
+    return w.exited_running_at > 0 or (rc is not None and rc < 0 and not w.killed)
 
 
 class ProgramError(MeshError):
@@ -377,10 +385,14 @@ class Programs:
         torn += mps.pools[gpu].drain()
         log.info(f"mps: GPU {gpu}: retiring its {len(torn)} workers after a fault", device=gpu)
         for w in torn:
-            self.b.sup.retire(w)
+            self.b.sup.retire(w, before_exit=False)  # torn down already: nothing to terminate
         with anyio.move_on_after(RECOVER_S):
             for w in torn:
                 await w.process.wait()
+        # A worker that exited on its own with its kernel running (killed from outside, crashed)
+        # faulted the others (H200: the server then names one of *them*); the torn-down ones
+        # lived until retired, and exit at QUIT.  Whichever was seen first, its end says it.
+        died = [q for q in hit if q.kernel.worker is not None and died_on_its_own(q.kernel.worker.proc)]
         if not pids:  # the server may name the culprit only once its clients are gone
             with anyio.move_on_after(FAULT_WINDOW_S):
                 while not (pids := self._fatal_pids(gpu)):
@@ -389,24 +401,34 @@ class Programs:
         # one run in two named an innocent).  A program that ran to its end (STATE = EXITED)
         # and still failed faulted itself; a torn-down resident one was stopped while RUNNING.
         ended = [q for q in hit if self.b.mailbox.u32(q.slot, abi.STATE) == abi.EXITED]
-        culprit = ended[0] if len(ended) == 1 else next((q for q in hit if q.kernel.pid in pids), None)
-        if culprit is None:  # no word from the server: the first program seen failing
-            culprit = min(hit or [first], key=lambda q: q.failed_at or float("inf"))
-            log.info("mps: the server log names no culprit; the first program seen failing is taken for it",
-                     program=culprit.name)
-        own = culprit.state()[1]  # its worker may be torn down before its own DONE arrives
-        culprit.faulted = next((e for e in (own, error) if "CUDA_ERROR" in e), own or error or "fatal GPU error")
-        culprit.lost_to = ""
+        culprit = ended[0] if len(ended) == 1 else died[0] if len(died) == 1 else None
+        # A worker of that GPU that exited on its own with its kernel launched, in a load's LAUNCH
+        # (no program yet): every program there is innocent.
+        ours = {q.kernel.pid for q in hit}
+        stray = [] if culprit else [w for w in self.b.sup.exited_running if w.device == gpu and w.pid not in ours
+                                    and abs(w.exited_running_at - (first.failed_at or time.monotonic())) < FAULT_WINDOW_S]
+        if culprit is None and not stray:
+            culprit = next((q for q in hit if q.kernel.pid in pids), None)
+            if culprit is None:  # no word from the server: the first program seen failing
+                culprit = min(hit or [first], key=lambda q: q.failed_at or float("inf"))
+                log.info("mps: the server log names no culprit; the first program seen failing is taken for it",
+                         program=culprit.name)
+        if culprit is not None:
+            own = culprit.state()[1]  # its worker may be torn down before its own DONE arrives
+            culprit.faulted = (own if culprit in died and own else
+                               next((e for e in (own, error) if "CUDA_ERROR" in e), own or error or "fatal GPU error"))
+            culprit.lost_to = ""
+            name, pid, why = culprit.name, culprit.kernel.pid, culprit.faulted
+        else:
+            w = stray[-1]
+            self.b.sup.exited_running.remove(w)  # taken: a later fault does not name it again
+            name, pid, why = w.program or f"worker {w.pid}", w.pid, f"worker {w.pid} exited while its kernel ran"
         lost = [q for q in hit if q is not culprit]
         for q in lost:
-            q.lost_to = culprit.name
-        r = FaultReport(time.time(), culprit.faulted, culprit.name, culprit.kernel.pid, True, [q.name for q in lost],
-                        device=gpu)
-        log.error(
-            f"mps: GPU fault on GPU {gpu} in program {culprit.name} (worker {culprit.kernel.pid}): {culprit.faulted}; "
-            f"lost with it: {', '.join(r.lost) or 'none'}",
-            program=culprit.name, device=gpu,
-        )
+            q.lost_to = name
+        r = FaultReport(time.time(), why, name, pid, True, [q.name for q in lost], device=gpu)
+        log.error(f"mps: GPU fault on GPU {gpu} in program {name} (worker {pid}): {why}; "
+                  f"lost with it: {', '.join(r.lost) or 'none'}", program=name, device=gpu)
         try:
             with anyio.fail_after(RECOVER_S):
                 # The lost programs' new workers and a full pool, in one batch.

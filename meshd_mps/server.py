@@ -697,6 +697,7 @@ class Daemon:
             "server_pid": None,
             "clients": None,
             "daemon_pid": s.get("daemon_pid"),
+            "daemon_died": s.get("daemon_died"),
             "mps_dir": s.get("mps_dir"),
             "programs": len(ps.by_name),
             "devices": [{**d, "programs": len(ps.on_device(d["device"]))} for d in s["devices"]],

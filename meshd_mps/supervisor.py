@@ -45,6 +45,9 @@ class Supervisor:
         # running faults every other client of the GPU (H200, docs/reliability.md), one
         # terminated by the server first does not.
         self.before_exit: Callable[[WorkerProc], Awaitable[None]] | None = None
+        #: The latest workers (16) that exited on their own with a kernel launched (killed from
+        #: outside, crashed): fault recovery names one as the culprit when it was no program's yet.
+        self.exited_running: list[WorkerProc] = []
 
     async def start(self) -> None:
         started = asyncio.Event()
@@ -85,6 +88,9 @@ class Supervisor:
         unloaded.  Its owner's later retire or give-back finds it retiring already."""
         await w.read_frames()
         if w.pid in self.workers and not self.closed:
+            if w.running():  # on its own, with a kernel launched: under MPS that faults its GPU
+                w.exited_running_at = time.monotonic()
+                self.exited_running = [*self.exited_running[-15:], w]
             self.retire(w)
 
     def start_soon(self, fn, *args, name: str) -> None:  # type: ignore[no-untyped-def]
@@ -96,17 +102,20 @@ class Supervisor:
         if w.pid in self.workers and not self.closed:
             self.retire(w)
 
-    def retire(self, w: WorkerProc) -> None:
-        """QUIT, then reaped by a task of ours (killed if it lingers); never blocks the caller."""
+    def retire(self, w: WorkerProc, before_exit: bool = True) -> None:
+        """QUIT, then reaped by a task of ours (killed if it lingers); never blocks the caller.
+        ``before_exit=False``: not the ``before_exit`` hook (the GPU's clients are torn down by a
+        fault already; on the H200 a terminate_client then hung and the server's teardown never
+        ended)."""
         if self.workers.pop(w.pid, None) is None:
             return  # already retiring
         if self.closed:
             return
-        self._group().start_soon(self._retire, w, name=f"retire {w.pid}")
+        self._group().start_soon(self._retire, w, before_exit, name=f"retire {w.pid}")
 
-    async def _retire(self, w: WorkerProc) -> None:
+    async def _retire(self, w: WorkerProc, before_exit: bool = True) -> None:
         with structlog.contextvars.bound_contextvars(pid=w.pid, program=w.program):
-            if self.before_exit is not None and not w.dead and w.running():
+            if before_exit and self.before_exit is not None and not w.dead and w.running():
                 try:
                     with anyio.move_on_after(self.deadlines.retire_quit):
                         await self.before_exit(w)
@@ -181,6 +190,7 @@ class Supervisor:
 
 def _kill(w: WorkerProc) -> None:
     if w.process.returncode is None:
+        w.killed = True
         try:
             os.kill(w.pid, 9)
         except ProcessLookupError:

@@ -10,6 +10,11 @@ backend with a heartbeat bystander on one worker and echo (resident) on another:
   eof-running    close the echo worker's stdin while its kernel runs (the worker's exit path)
   daemon-killed  SIGKILL the control daemon: does the server exit, do the kernels stop, do their
                  workers' DONEs ever come (10 s)?
+  orphan-server  SIGKILL the control daemon with the heartbeat running and one idle pooled worker:
+                 the server's state (a zombie is not a live server: an earlier version of this
+                 probe took /proc/PID's existence for one), does the pooled worker still load and
+                 run, does a fresh worker's context come up, does the halted heartbeat end and
+                 its DONE come?
 
 For each: whether the bystander's launch ended (and its DONE), its heartbeats over the next 2 s,
 and the server log's new lines.  Run on the GPU machine: ``python3 scripts/kill_probe.py``.
@@ -27,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from meshd_mps import abi  # noqa: E402
 from meshd_mps.backend import Backend  # noqa: E402
 from tests.test_backend import example  # noqa: E402
 
@@ -70,10 +76,10 @@ async def case(name: str) -> None:
             os.kill(b.daemon.pid, signal.SIGKILL)
             for _ in range(100):
                 await asyncio.sleep(0.1)
-                if by_run.finished() or not os.path.exists(f"/proc/{server}/stat"):
+                if by_run.finished() or proc_state(server).startswith(("Z", "gone")):
                     break
-            print(f"  after {time.monotonic() - t0:.1f} s: server {server} "
-                  f"{'gone' if not os.path.exists(f'/proc/{server}/stat') else 'still there'}")
+            print(f"  after {time.monotonic() - t0:.1f} s: server {server}: "
+                  f"{proc_state(server)}")
             for _ in range(100):
                 if by_run.finished():
                     break
@@ -91,7 +97,68 @@ async def case(name: str) -> None:
         print("  server log:\n" + "".join(f"    {line}\n" for line in new.splitlines()[:20]))
 
 
+async def orphan_server() -> None:
+    async with await Backend.open(isolation="mps", gpu=os.environ.get("PROBE_GPU", "cuda"), pool=2) as b:
+        by = await b.load(await b.prepare(*example("heartbeat")))
+        b.mailbox.reset_slot(BY)
+        by_run = await b.launch(by, BY)
+        await asyncio.sleep(0.3)
+        server = int(await b.mps.server_pid())
+        print(f"orphan-server: pool {b.mps.pool.pids()}, server {server}, bystander {by.pid}")
+        t0 = time.monotonic()
+        os.kill(b.daemon.pid, signal.SIGKILL)
+        await asyncio.sleep(3)
+        print(f"  3 s after: server {proc_state(server)}, bystander beats in 1 s: "
+              f"{await beating(b, BY, 1.0)}, ended: {by_run.finished()}")
+        b.daemon.check_alive = lambda: None  # type: ignore[method-assign]  # see what the GPU does, not meshd's refusal
+        for what in ("pooled", "fresh, unverified"):
+            try:  # a pooled worker (verified before the kill), then a fresh one (nobody to ask)
+                if what != "pooled":
+                    async def unchecked(want):  # noqa: ANN001, ANN202
+                        print(f"  (the client check of {want} skipped)")
+                    b.mps.check_clients = unchecked  # type: ignore[method-assign]
+                    for p in b.mps.pool.drain():
+                        b.sup.retire(p)
+                t1 = time.monotonic()
+                img = await b.prepare(*example("spin"))
+                k = await b.load(img)
+                b.mailbox.reset_slot(VIC)
+                d = await asyncio.wait_for((await b.launch(k, VIC)).wait(), 10)
+                print(f"  {what} worker {k.pid} (fresh={k.worker.fresh}): spin DONE {d}"
+                      f" in {(time.monotonic() - t1) * 1e3:.0f} ms")
+                await b.unload(k)
+            except BaseException as e:  # noqa: BLE001
+                print(f"  {what} worker: {e!r}")
+        b.mailbox.halt(BY)
+        try:
+            print(f"  bystander halted: DONE {await asyncio.wait_for(by_run.wait(), 10)}")
+        except BaseException as e:  # noqa: BLE001
+            print(f"  bystander halt: {e!r}; STATE {b.mailbox.u32(BY, abi.STATE)} (EXITED={abi.EXITED}),"
+                  f" beats in the next 1 s: {await beating(b, BY, 1.0)}")
+        await b.unload(by)
+        for p in list(b.mps.pool.drain()):
+            b.sup.retire(p)
+        t2 = time.monotonic()
+        while b.sup.children() and time.monotonic() - t2 < 10:
+            await asyncio.sleep(0.05)
+        print(f"  workers gone; the server: {proc_state(server)} ({time.monotonic() - t0:.1f} s after the kill)")
+        log = Path(b.daemon.log_dir) / "server.log"
+        print("  server log, last lines:\n" + "".join(f"    {ln}\n" for ln in log.read_text().splitlines()[-12:]))
+
+
+def proc_state(pid: int) -> str:
+    """'R (running)', 'Z (zombie)' (exited, not yet reaped: /proc still lists it), or 'gone'."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("State:"))
+    except (OSError, StopIteration):
+        return "gone"
+
+
 async def main() -> None:
+    if sys.argv[1:] == ["orphan-server"]:
+        await orphan_server()
+        return
     for name in sys.argv[1:] or ["kill-running", "kill-idle", "terminate", "eof-running", "daemon-killed"]:
         try:
             await case(name)

@@ -9,7 +9,9 @@ import signal
 import anyio
 import pytest
 
+from meshd_mps import abi
 from meshd_mps.backend import Backend
+from meshd_mps.errors import WorkerError
 from meshd_mps.programs import Programs
 
 from .conftest import TEST_DEADLINES
@@ -55,11 +57,10 @@ async def test_fault_is_survived_and_innocents_relaunched(standin_on_path, resta
         await progs.close()
 
 
-@pytest.mark.parametrize("how", ["retired", "sigkilled"])
-async def test_a_failure_that_is_not_a_fault_stays_local(standin_on_path, how):
-    """A program's worker dies (retired, or SIGKILLed while its kernel runs) with no GPU fault:
-    only that program fails, with the worker's death (or, retired, the server's termination of
-    its client, done before a worker with a running kernel exits) as its error; the others never stop and are
+async def test_a_retired_worker_stays_local(standin_on_path):
+    """A program's worker retired with its kernel running (a hung LAUNCH reply, an unfit worker):
+    the server terminates its client first (Mps.terminate, as the H200 needs), so only that
+    program fails, with the server's termination as its error; the others never stop and are
     not restarted; the dead worker is reaped and forgotten at once; the pool refills and serves the
     next load; the failed program unloads."""
     async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=TEST_DEADLINES) as b:
@@ -67,17 +68,11 @@ async def test_a_failure_that_is_not_a_fault_stays_local(standin_on_path, how):
         hb = await progs.load(*example("heartbeat"))
         victim = await progs.load(*example("echo"))  # resident: it runs until halted, or until its worker dies
         pid = victim.kernel.pid
-        if how == "retired":
-            b.sup.retire(victim.kernel.worker.proc)
-        else:
-            os.kill(pid, signal.SIGKILL)
+        b.sup.retire(victim.kernel.worker.proc)
         await wait_for(lambda: progs.faults)
         r = progs.faults[-1]
         assert not r.gpu_wide and r.faulted == "echo" and r.pid == pid and r.lost == [] and r.relaunched == []
-        if how == "retired":  # terminated by the server first (Mps.terminate), as on the H200
-            assert r.error == "CUDA_ERROR_MPS_CLIENT_TERMINATED: the MPS client has been terminated by the server (simulated)"
-        else:
-            assert r.error == f"worker {pid} exited while its kernel ran"
+        assert r.error == "CUDA_ERROR_MPS_CLIENT_TERMINATED: the MPS client has been terminated by the server (simulated)"
         rows = {row["name"]: row for row in progs.list()}
         assert rows["echo"]["state"] == "failed" and rows["echo"]["error"] == r.error
         assert rows["heartbeat"]["state"] == "running" and rows["heartbeat"]["restarts"] == 0
@@ -91,4 +86,81 @@ async def test_a_failure_that_is_not_a_fault_stays_local(standin_on_path, how):
         with anyio.fail_after(10):
             assert (await spin.launch.wait()).ok  # spin: 100 ms, then it returns
         await progs.unload("echo")
+        await progs.close()
+
+
+async def kill_in_launch(b: Backend, known: set[int], slot: int) -> int:
+    """SIGKILL the first new worker whose LAUNCH is asked and not answered, once its kernel runs
+    (its slot says RUNNING: the kill is then one with the kernel on the GPU); its pid."""
+    with anyio.fail_after(20):
+        while not ((w := next((w for p, w in b.sup.workers.items() if p not in known and w.gen and w._pending), None))
+                   and b.mailbox.u32(slot, abi.STATE) == abi.RUNNING):
+            await anyio.sleep(0.005)
+    os.kill(w.pid, signal.SIGKILL)
+    return w.pid
+
+
+async def test_a_worker_killed_in_a_loads_launch_is_a_gpu_fault(standin_on_path, monkeypatch):
+    """A worker SIGKILLed during its LAUNCH (the kernel launched, the reply not yet written), no
+    program's yet: the load fails with the worker's death, and as on the H200 the GPU's other
+    clients are torn down.  The recovery names the load's image (its worker, not any program),
+    so every program there is innocent: relaunched, none left faulted."""
+    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=TEST_DEADLINES) as b:
+        progs = Programs(b)
+        hb = await progs.load(*example("heartbeat"))  # takes the pooled worker: echo's is fresh
+        await beats(b, hb.slot, 10)
+        monkeypatch.setenv("MESHD_MPS_WORKER_INJECT", "launch:hang")
+        async with anyio.create_task_group() as tg:
+            killed: list[int] = []
+            tg.start_soon(into, killed, kill_in_launch(b, set(b.sup.workers), progs._free_slot()))
+            with pytest.raises(WorkerError, match=r"^echo \(worker \d+ exited\)$"):
+                await progs.load(*example("echo"))
+        monkeypatch.delenv("MESHD_MPS_WORKER_INJECT")
+        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
+        r = progs.faults[-1]
+        assert r.gpu_wide and r.faulted == "echo" and r.pid == killed[0], r
+        assert r.error == f"worker {killed[0]} exited while its kernel ran"
+        assert r.lost == ["heartbeat"] and r.relaunched == ["heartbeat"], r
+        rows = {row["name"]: row for row in progs.list()}
+        assert list(rows) == ["heartbeat"] and rows["heartbeat"]["state"] == "running"
+        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot))
+        echo = await progs.load(*example("echo"))  # the load works again
+        assert await progs.call("echo", b"again") == b"again" and not echo.kernel.worker.fresh
+        await progs.close()
+
+
+async def into(out: list, coro) -> None:
+    """Await ``coro`` and keep its result (a task's value for the test that started it)."""
+    out.append(await coro)
+
+
+async def test_a_worker_killed_with_its_kernel_running_is_a_gpu_fault(standin_on_path):
+    """A SIGKILL from outside while a program's kernel runs: on the H200 that faults every other
+    client of the GPU (the server names one of *them*), and the stand-in does the same.  The
+    recovery takes the killed program for the culprit (its worker exited on its own; the torn-down
+    ones live on until retired), reports its death as the fault, and relaunches the others on fresh
+    workers with a refilled pool; the killed one is left faulted, and unloads."""
+    async with await Backend.open(isolation="mps", gpu="sim", pool=2, deadlines=TEST_DEADLINES) as b:
+        progs = Programs(b)
+        hb = await progs.load(*example("heartbeat"))
+        victim = await progs.load(*example("echo"))
+        await beats(b, hb.slot, 10)
+        pid, hb_pid = victim.kernel.pid, hb.kernel.pid
+        os.kill(pid, signal.SIGKILL)
+        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
+        r = progs.faults[-1]
+        print(f"fault report: {r}")
+        assert r.gpu_wide and r.faulted == "echo" and r.pid == pid, r
+        assert r.error == f"worker {pid} exited while its kernel ran"
+        assert r.lost == ["heartbeat"] and r.relaunched == ["heartbeat"] and r.not_relaunched == {}
+        with open(os.path.join(b.daemon.log_dir, "server.log")) as f:
+            assert f"Client {{PID: {hb_pid}, Context: 1}} encountered a fatal GPU error." in f.read()  # an innocent named
+        rows = {row["name"]: row for row in progs.list()}
+        assert rows["echo"]["state"] == "faulted" and rows["echo"]["error"] == r.error
+        assert rows["heartbeat"]["state"] == "running" and rows["heartbeat"]["restarts"] == 1
+        assert progs.by_name["heartbeat"].kernel.pid != hb_pid
+        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot))
+        assert len(b.mps.pool) == 2  # refilled
+        await progs.unload("echo")
+        await wait_for(lambda: not os.path.exists(f"/proc/{pid}") and not os.path.exists(f"/proc/{hb_pid}"))
         await progs.close()

@@ -515,6 +515,27 @@ def test_second_signal_forces_exit(serve):
     assert_clean_exit(s, status["mps_dir"])
 
 
+def test_mps_daemon_killed_under_serve(serve):
+    """The MPS control daemon SIGKILLed under ``serve``: status notices it (``daemon_died``), the
+    CLI's status names it, a load is refused with 500 and the reason, the running program is still
+    listed as running, and the stop is clean (nothing left: no worker, no zombie server)."""
+    s = serve("mps", "--pool", "2")
+    status = s.wait_ready()
+    s.client.load(program_body(str(EXAMPLES / "heartbeat")))
+    daemon = status["daemon_pid"]
+    os.kill(daemon, signal.SIGKILL)
+    died = f"the MPS control daemon {daemon} died (killed by SIGKILL)"
+    poll(lambda: s.client.status()["daemon_died"] == died, 10.0, "status noticing the daemon's death")
+    with pytest.raises(ClientError, match=rf"^mps: {re.escape(died)}: no new worker can be verified") as e:
+        s.client.load(program_body(str(EXAMPLES / "echo")))
+    assert e.value.status == 500
+    r = cli("status", "--socket", s.sock)
+    assert r.returncode == 0 and re.search(rf"mps daemon +{re.escape(died)} \(", r.stdout), r.stdout
+    assert [(p["name"], p["state"]) for p in s.client.programs()] == [("heartbeat", "running")]
+    assert s.stop() == 0, s.log()
+    assert_clean_exit(s, status["mps_dir"])
+
+
 def test_sigint_during_idle_is_clean(serve):
     s = serve("blink")
     s.wait_ready()

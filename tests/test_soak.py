@@ -1,5 +1,10 @@
 """A bounded soak: thousands of load / launch / DONE / unload cycles across 16
-workers with random SIGKILLs, ending with exact counts (issue 7)."""
+workers with random SIGKILLs, ending with exact counts (issue 7).
+
+A kill lands between a worker's LOADED and its LAUNCH: its module loaded, no kernel
+on the GPU.  That is the kill MPS keeps to its client; one while the kernel runs
+faults every client of the GPU on the H200 (docs/reliability.md), so its cost is
+Programs' fault recovery (tests/test_faults.py), not one lost cycle."""
 
 from __future__ import annotations
 
@@ -39,10 +44,10 @@ async def test_soak_with_random_kills(rig):
                 seen.add(w.proc.pid)
                 kill = rnd.random() < KILL_P
                 try:
-                    done = await mpsmod.launch(w, rnd.randrange(256), 1)
                     if kill:
                         counts["faults injected"] += 1
                         os.kill(w.proc.pid, 9)
+                    done = await mpsmod.launch(w, rnd.randrange(256), 1)
                     d = await asyncio.wait_for(done, 10)
                     if not d.ok:
                         counts["programs lost"] += 1
@@ -53,7 +58,7 @@ async def test_soak_with_random_kills(rig):
                         counts["programs lost"] += 1
                 else:
                     if kill:
-                        counts["faults survived"] += 1  # it finished before the signal landed
+                        counts["programs lost"] += 1  # a killed worker cannot have run it
                 await m.drop(w)
                 counts["cycles"] += 1
 

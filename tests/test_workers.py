@@ -16,6 +16,7 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
+from meshd_mps import abi
 from meshd_mps import mps as mpsmod
 from meshd_mps.errors import LimitError, MeshError, MpsError, WorkerError
 from meshd_mps.proc import Deadlines
@@ -234,10 +235,10 @@ class Fault:
 RETIRE = {"retire_quit": 10.0, "retire_kill": 5.0}
 HANGS = {"retire_quit": 1.0, "retire_kill": 5.0}
 
+#: The faults MPS keeps to their client.  A kill while the victim's kernel is on the GPU is not
+#: one of them (test_a_kill_with_its_kernel_running_faults_its_gpu).
 FAULTS = {
     "sigkill-during-load": Fault(r"load: worker \d+ exited", {"load": "hang"}, kill="load", status=-9),
-    "sigkill-during-launch": Fault(r"victim \(worker \d+ exited\)", {"launch": "hang"}, kill="launch", status=-9),
-    "sigkill-while-running": Fault(r"worker \d+ exited while its kernel ran", {"kernel": "hang"}, kill="kernel", status=-9),
     # A worker that never replies reads no QUIT and no EOF: its retirement kills it.
     "no-reply-to-load": Fault(r"load: worker \d+: no reply in 2s", {"load": "hang"}, status=-9, deadlines={"load": 2.0, **HANGS}),
     "no-reply-to-launch": Fault(r"victim \(worker \d+: no reply in 2s\)", {"launch": "hang"}, status=-9, deadlines=HANGS),
@@ -266,13 +267,14 @@ def spawn_fault(how: str | None, monkeypatch):
             yield
 
 
-async def kill_when_asked(m, spawned: list, phase: str) -> None:
-    """SIGKILL the victim while its LOAD (it is up: a client of the server) or LAUNCH is in flight."""
+async def kill_when_asked(m, spawned: list, phase: str, mailbox=None) -> None:
+    """SIGKILL the victim while its LOAD (it is up: a client of the server) or LAUNCH is in flight
+    (and its kernel runs: a heartbeat's slot says RUNNING)."""
     with anyio.fail_after(20):
         while True:
             w = spawned[0] if spawned else None
             if w is not None and w._pending is not None:
-                if phase == "launch" and w.gen:
+                if phase == "launch" and w.gen and mailbox.u32(VICTIM, abi.STATE) == abi.RUNNING:
                     break
                 if phase == "load" and not w.gen and m.server and w.pid in await m.clients(m.server):
                     break
@@ -352,6 +354,63 @@ async def test_a_fault_stays_with_its_worker(rig, monkeypatch, case):
         await m.drop(by)
 
 
+#: A SIGKILL from outside while the victim's kernel is on the GPU: during its LAUNCH (the kernel
+#: launched, the reply hung) or while it runs.  What the caller sees is its own.
+KILLED_RUNNING = {
+    "sigkill-during-launch": Fault(r"victim \(worker \d+ exited\)", {"launch": "hang", "kernel": "heartbeat"}, kill="launch", status=-9),
+    "sigkill-while-running": Fault(r"worker \d+ exited while its kernel ran", {"kernel": "hang"}, kill="kernel", status=-9),
+}
+
+
+@pytest.mark.parametrize("case", list(KILLED_RUNNING.values()), ids=list(KILLED_RUNNING))
+async def test_a_kill_with_its_kernel_running_faults_its_gpu(rig, monkeypatch, case):
+    """On the H200 an MPS client that exits with its kernel running faults the other clients of
+    its GPU (scripts/kill_probe.py, docs/reliability.md), and the stand-in does the same: the
+    caller gets its own error; the bystander's DONE and the pooled worker's next load say
+    ILLEGAL_ADDRESS; the server log names a fatal GPU error; new clients are refused until the
+    torn-down ones exit, then a fresh worker loads and runs.  (Programs' recovery of this:
+    test_faults.py; meshd-mps's own retire of such a worker terminates its client first and
+    faults nobody: the no-reply-to-launch case above.)"""
+    r = rig(pool_cap=2, deadlines=Deadlines(**RETIRE))
+    async with r as m:
+        await m.prewarm(2)
+        by, by_done = await start_bystander(r, m)
+        spawned: list = []
+        spawn = m.sup.spawn
+
+        async def spy(*a, **kw):
+            spawned.append(await spawn(*a, **kw))
+            return spawned[-1]
+
+        monkeypatch.setattr(m.sup, "spawn", spy)
+        pooled = m.pool.take()  # the victim gets a fresh worker; this one stays idle, a client too
+        async with anyio.create_task_group() as tg:
+            if case.kill == "launch":
+                tg.start_soon(kill_when_asked, m, spawned, "launch", r.mailbox)
+            err = await victim(m, case)
+        assert isinstance(err, WorkerError) and re.fullmatch(case.error, str(err)), repr(err)
+        await until(lambda: spawned[0].process.returncode is not None, "the victim reaped")
+        assert spawned[0].process.returncode == case.status
+
+        with anyio.fail_after(10):
+            d = await by_done
+        assert not d.ok and d.message == "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered (simulated)", d
+        with open(os.path.join(r.daemon.log_dir, "server.log")) as f:
+            log = f.read()
+        assert f"Client {{PID: {by.proc.pid}, Context: 1}} encountered a fatal GPU error." in log, log
+        m.pool.add(pooled)
+        with pytest.raises(WorkerError, match=rf"^load: worker {pooled.pid}: cuModuleLoadData: CUDA_ERROR_ILLEGAL_ADDRESS: "):
+            await preload(m, "after")  # the torn-down pooled worker: refused, and retired
+
+        assert not await m.drop(by)  # its stream failed: retired
+        await until(lambda: m.sup.children() == [], lambda: f"the torn-down workers reaped, not {m.sup.children()}")
+        nxt = await preload(m, "next", kernel="sleep", ms=1)
+        assert nxt.fresh
+        with anyio.fail_after(10):
+            assert (await (await mpsmod.launch(nxt, VICTIM, 1))).ok
+        await m.drop(nxt)
+
+
 async def test_a_dead_worker_is_retired_at_once(rig):
     """A worker that dies while its kernel runs is retired and reaped at once, not only when its
     program is unloaded: meanwhile it is not a live worker, nor counted against the client limit."""
@@ -426,25 +485,47 @@ async def test_a_worker_that_failed_verification_is_never_pooled(rig, monkeypatc
             await m.drop(held)
 
 
+DAEMON_DIED = (r"^mps: the MPS control daemon \d+ died \(killed by SIGKILL\): no new worker can be verified as a"
+               r" client of our server; refusing \(running programs go on; restart meshd-mps to load again\)$")
+
+
 async def test_daemon_killed_underneath(rig):
-    """The control daemon SIGKILLed: its server goes with it, so the running program is lost and
-    says why (MPS_RPC_FAILURE, as on the H200); a fresh worker cannot be verified any more: the load
-    and the pool's refill are refused with the control's own error, without a hang; at close the
-    server it left is reaped (no_child_left) and nothing is left (no_leaks)."""
+    """The control daemon SIGKILLed, as it went on the H200 (2026-12-03, scripts/kill_probe.py
+    orphan-server, tests/gpu/test_faults_real.py): its server exits with it (a zombie of ours,
+    reaped at the next refusal), yet the running program goes on beating, its completion no longer
+    seen; loads and the pool's refill are refused at once, naming the daemon's death (a pooled
+    worker would fail its LOAD with MPS_RPC_FAILURE, a fresh one run as a plain context), and no
+    pooled worker is spent on them; the running one is retired at its unload, without the server to
+    terminate it first; at close nothing is left (no_child_left, no_leaks)."""
     r = rig(pool_cap=2)
     async with r as m:
-        await m.prewarm(1)
+        await m.prewarm(2)
         by, by_done = await start_bystander(r, m)
-        os.kill(r.daemon.pid, signal.SIGKILL)
-        with anyio.fail_after(10):
-            d = await by_done
-        assert not d.ok and d.message.startswith("CUDA_ERROR_MPS_RPC_FAILURE"), d
+        daemon = r.daemon.pid
+        os.kill(daemon, signal.SIGKILL)
+        await until(lambda: not r.daemon.alive(), "the daemon's death seen (waitpid)")
         with anyio.fail_after(30):
-            with pytest.raises(MpsError, match=r"^mps: get_server_list: Cannot find MPS control daemon process$"):
+            with pytest.raises(MpsError, match=DAEMON_DIED):
                 await preload(m, "after")
-            with pytest.raises(MpsError, match=r"^mps: get_server_list: Cannot find MPS control daemon process$"):
+            with pytest.raises(MpsError, match=DAEMON_DIED):
                 await m.prewarm(1)
-        assert not await m.drop(by)  # its stream failed: retired
+        assert r.daemon.died == f"the MPS control daemon {daemon} died (killed by SIGKILL)"
+        assert len(m.pool) == 1  # none spent on a refused load
+
+        def server_reaped() -> bool:  # it exits with its daemon; the next refusal reaps it
+            with pytest.raises(MpsError, match=DAEMON_DIED):
+                r.daemon.check_alive()
+            return not os.path.exists(f"/proc/{m.server}")
+
+        await until(server_reaped, lambda: f"the server {m.server} reaped, not left a zombie till close")
+        await beating(r.mailbox, BYSTANDER)
+        assert not by_done.done()
+        await beating(r.mailbox, BYSTANDER)  # still, well after the daemon went
+        r.mailbox.halt(BYSTANDER)
+        await until(lambda: r.mailbox.u32(BYSTANDER, abi.STATE) == abi.EXITED, "the bystander's kernel ended at HALT")
+        assert not by_done.done()  # ... unseen by its worker
+        assert not await m.drop(by)  # retired: its DONE never came
+        await until(lambda: m.sup.children() == [m.pool.pids()[0]], lambda: f"the bystander reaped, not {m.sup.children()}")
 
 
 async def test_mps_dir_removed_underneath(rig):

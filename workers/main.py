@@ -194,9 +194,11 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
                     reply = frames.ok_reply()
                 except GpuError as e:
                     reply = frames.error_reply(str(e))
+                started = getattr(gpu, "launched", None)  # the simulation starts its kernels here
+                if started is not None and (inject.get("launch") or gpu.misbehaviour("launch")) == "hang":
+                    started()  # the reply hangs, the kernel runs meanwhile: launched, as on a GPU
                 if not misbehave("launch", Op.LAUNCHED, reply):
                     ch.write(Op.LAUNCHED, reply)
-                started = getattr(gpu, "launched", None)  # the simulation starts its kernels here
                 if started is not None:
                     started()
             elif op == Op.LIMIT:

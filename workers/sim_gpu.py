@@ -49,6 +49,8 @@ MAGIC = b"MESHSIM1"
 SIM_SMS = 132
 FAKE_DEV = 0x7F00_0000_0000  # a recognisable "device address" of the mailbox
 STARTUP_ENV = "MESHD_MPS_SIM_STARTUP"
+#: What the H200's driver said to an idle client's call once its control daemon was killed.
+RPC_FAILURE = "CUDA_ERROR_MPS_RPC_FAILURE (the remote procedural call between the MPS server and the MPS client failed; simulated)"
 
 
 @dataclass
@@ -99,6 +101,10 @@ class SimGpu:
         self._stack = 1024  # the driver's default stack limit, bytes per thread
         self._quit = "ignore" if self.startup == "ignore-quit" else None
         self._poison: str | None = None  # a sticky error: every later call fails with it
+        self._server_lost: str | None = None  # calls fail with it; running kernels go on, unreported
+        self._on_gpu = 0  # kernels launched and not yet ended (the stand-in server is told 0 <-> 1)
+        self._on_gpu_lock = threading.Lock()
+        self._pong = threading.Event()
         self._connect()
         if self._client is not None:
             threading.Thread(target=self._listen, args=(self._client,), name="sim mps client", daemon=True).start()
@@ -118,21 +124,42 @@ class SimGpu:
         log.debug("simulated context", mps=self._client is not None, sms=self.sms, device=self.device)
 
     def _listen(self, sock: socket.socket) -> None:
-        """What the (stand-in) MPS server tells its clients: a fatal fault tears all down."""
-        try:
-            data = sock.recv(64)
-        except OSError:
-            data = b""
-        if b"FAULT" in data:
-            self._poison = "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered (simulated)"
-        elif b"TERMINATED" in data:
-            self._poison = "CUDA_ERROR_MPS_CLIENT_TERMINATED: the MPS client has been terminated by the server (simulated)"
-        elif self._client is not None:
-            self._poison = "CUDA_ERROR_MPS_RPC_FAILURE: the connection to the MPS server was lost (simulated)"
+        """What the (stand-in) MPS server tells its clients: a fatal fault tears all down; PONG
+        answers a call's PING (so a call sees whatever the server said before it)."""
+        buf = b""
+        while True:
+            try:
+                data = sock.recv(4096)
+            except OSError:
+                data = b""
+            if not data:
+                if self._client is not None and not self._poison:
+                    # The control daemon died (the stand-in's clients hang up on it).  As on the H200: a
+                    # kernel that runs goes on, but no completion is reported any more, and every call fails.
+                    self._server_lost = RPC_FAILURE
+                self._pong.set()
+                return
+            *lines, buf = (buf + data).split(b"\n")
+            for line in lines:
+                if line == b"FAULT":
+                    self._poison = "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered (simulated)"
+                elif line == b"TERMINATED":
+                    self._poison = "CUDA_ERROR_MPS_CLIENT_TERMINATED: the MPS client has been terminated by the server (simulated)"
+                elif line == b"PONG":
+                    self._pong.set()
 
     def _check(self, call: str) -> None:
-        if self._poison:
-            raise GpuError(f"{call}: {self._poison}")
+        """A call of the driver: a round trip to the server first, as a real call's RPC is, then
+        the client's sticky error if it has one."""
+        if self._client is not None and not (self._poison or self._server_lost):
+            self._pong.clear()
+            try:
+                self._client.sendall(b"PING\n")
+                self._pong.wait(5.0)
+            except OSError:
+                pass
+        if self._poison or self._server_lost:
+            raise GpuError(f"{call}: {self._poison or self._server_lost}")
 
     def misbehaviour(self, phase: str) -> str | None:
         if phase in ("quit", "eof"):
@@ -188,6 +215,7 @@ class SimGpu:
         if not 0 <= slot < abi.SLOTS:
             raise GpuError(f"cuLaunchKernel: CUDA_ERROR_INVALID_VALUE (slot {slot})")
         m.running.set()
+        self._kernels(+1)  # on the GPU from here, as after cuLaunchKernel, even before LAUNCHED is written
 
         def run() -> None:
             ok, msg = True, ""
@@ -197,9 +225,26 @@ class SimGpu:
                     ok, msg = False, self._poison
             finally:
                 m.running.clear()
-                on_done(Done(module, gen, ok, msg))
+                self._kernels(-1)
+                if self._server_lost:  # on the H200 a halted kernel's DONE never came (10 s)
+                    log.warning("kernel ended; its completion is not seen, the MPS server is lost", program=m.name)
+                else:
+                    on_done(Done(module, gen, ok, msg))
 
         self._pending.append(threading.Thread(target=run, name=f"sim kernel {m.name}", daemon=True))
+
+    def _kernels(self, n: int) -> None:
+        """Tell the stand-in server when this client starts and stops having a kernel on the GPU:
+        on the H200 a client that exited with a kernel running faulted the device's other clients
+        (docs/reliability.md), and the stand-in does the same."""
+        with self._on_gpu_lock:
+            self._on_gpu += n
+            say = b"RUNNING\n" if n > 0 and self._on_gpu == 1 else b"IDLE\n" if self._on_gpu == 0 else b""
+            if say and self._client is not None:
+                try:
+                    self._client.sendall(say)
+                except OSError:
+                    pass  # the server is gone: the client is poisoned already
 
     def launched(self) -> None:
         """After LAUNCHED is written: a kernel that kills its process must not race its reply."""

@@ -11,8 +11,14 @@ the client sends ``HELLO <pid> <device>\\n`` (the device's ordinal; ``HELLO <pid
 alone means device 0); the daemon answers ``OK\\n`` and counts the connection as
 a client of that device until it closes, or ``ERR <text>\\n`` and closes it.  The
 client limit and a fault's teardown are per device.
-``terminate_client`` sends ``TERMINATED\\n`` to a connected client, then EOF;
-``quit`` closes it (EOF).
+After ``OK`` the client may say ``RUNNING\\n`` (a kernel of it is on the GPU),
+``IDLE\\n`` (none any more), ``FAULT\\n`` (it hit a fatal GPU error) and ``PING\\n`` (a
+driver call's round trip: the daemon answers ``PONG\\n``, after anything it said before); the daemon
+says ``FAULT\\n`` to every client of a device it tears down: at a client's fault,
+and when a client's connection closes while it said RUNNING (on the H200 a client
+that exited with a kernel running faulted the device's other clients).
+``terminate_client`` sends ``TERMINATED\\n`` to a connected client, then EOF (a
+terminated client faults nobody); ``quit`` closes it (EOF).
 
 Standard library only.
 """

@@ -4,8 +4,10 @@ The faults of tests/test_workers.py's table, each with examples/heartbeat runnin
 worker: the caller's error, the heartbeat still beating, the victim retired and reaped, the pool
 refilled and serving the next load; after each test no MPS process, fd or temporary entry left.
 Protocol misbehaviours come from the workers' test hook (``MESHD_MPS_WORKER_INJECT``,
-workers/main.py), set only while the one worker that is to misbehave is spawned.  No GPU fault is
-caused here: in MPS one tears every client down (test_mps_real.py's test_gpu_fault_is_survived).
+workers/main.py), set only while the one worker that is to misbehave is spawned.  A SIGKILL with
+the victim's kernel on the GPU is not in that table: on the H200 it tears every client of the GPU
+down, like a GPU fault (test_mps_real.py's test_gpu_fault_is_survived), and its test expects
+Programs' recovery.  So does the control daemon's death its own behaviour (the server lives on).
 
 Skipped, with the reason printed, where there is no NVIDIA driver, or no nvidia-cuda-mps-control
 on PATH, or it is meshd-mps's stand-in.  On the device:
@@ -30,10 +32,12 @@ from meshd_mps import mps as mpsmod
 from meshd_mps.backend import Backend
 from meshd_mps.errors import MeshError, MpsError, NoDriver, WorkerError
 from meshd_mps.proc import Deadlines
+from meshd_mps.programs import Programs
 
 from .. import waits
 from ..procs import fds_exhausted
 from ..test_backend import beats, example
+from ..test_faults import into, kill_in_launch
 from ..test_workers import until
 from .test_mps_real import mps_processes
 
@@ -101,10 +105,10 @@ class Fault:
 RETIRE = {"retire_quit": 10.0, "retire_kill": 5.0}  # a worker that exits at EOF has time to (context teardown)
 HANGS = {"retire_quit": 1.0, "retire_kill": 5.0}  # one that hangs is killed soon
 
+#: The faults MPS keeps to their client.  A SIGKILL while the victim's kernel is on the GPU is
+#: not one of them on the H200: test_a_kill_with_its_kernel_running_is_a_gpu_fault.
 FAULTS = {
     "sigkill-during-load": Fault(r"load: worker \d+ exited", "load:hang", kill="load", status=-9),
-    "sigkill-during-launch": Fault(r"echo \(worker \d+ exited\)", "launch:hang", kill="launch", status=-9),
-    "sigkill-while-running": Fault(r"worker \d+ exited while its kernel ran", kill="kernel", status=-9),
     "no-reply-to-load": Fault(r"load: worker \d+: no reply in 5s", "load:hang", status=-9, deadlines={"load": 5.0, **HANGS}),
     "no-reply-to-launch": Fault(r"echo \(worker \d+: no reply in 2s\)", "launch:hang", status=-9, deadlines=HANGS),
     "closes-stdout-stays-alive": Fault(r"load: worker \d+ exited", "load:close-stdout", status=-9, deadlines=HANGS),
@@ -179,20 +183,7 @@ async def victim(b: Backend, case: Fault) -> MeshError | None:
     return None
 
 
-# Measured on the H200, 2026-12-03 (scripts/kill_probe.py, docs/gpu-runs.md): an MPS client that
-# exits, killed or not, while its kernel runs makes the server raise a fatal GPU error in the
-# other clients (ILLEGAL_ADDRESS, device reset), so the bystander is lost.  meshd-mps's own retire
-# now has the server terminate such a client first (Mps.terminate), which leaves the others
-# running: no-reply-to-launch passes.  A SIGKILL from outside cannot be preceded by that: under
-# MPS it is a GPU-wide fault, which Programs' recovery handles (test_mps_real.py).  These two
-# cases' premise (the bystander untouched) does not hold on the H200; strict, so a change shows.
-KILLS_A_RUNNING_KERNEL = {"sigkill-during-launch", "sigkill-while-running"}
-KNOWN = pytest.mark.xfail(strict=True, reason="an MPS client SIGKILLed from outside with its kernel running "
-                          "faults the other clients (H200, driver 580): GPU-wide, not local")
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=KNOWN) if n in KILLS_A_RUNNING_KERNEL else c
-                                  for n, c in FAULTS.items()], ids=list(FAULTS))
+@pytest.mark.parametrize("case", list(FAULTS.values()), ids=list(FAULTS))
 async def test_a_fault_stays_with_its_worker(monkeypatch, case):
     """Each fault of a worker on the real GPU: the caller gets its own error; the worker is retired
     and reaped; the heartbeat in another MPS client keeps beating; the pool refills and serves the
@@ -245,32 +236,96 @@ def servers() -> list[str]:
     return [p for p in mps_processes() if "nvidia-cuda-mps-server" in p.split(" ", 2)[1]]
 
 
-@pytest.mark.xfail(strict=True, reason="on the H200 (2026-12-03) the server outlived its SIGKILLed control "
-                   "daemon for 10 s+ with a client running, and the running kernel kept beating: the test's "
-                   "premise (the server exits within ~1 s) held only without running clients")
+DAEMON_DIED = (r"^mps: the MPS control daemon \d+ died \(killed by SIGKILL\): no new worker can be verified as a"
+               r" client of our server; refusing \(running programs go on; restart meshd-mps to load again\)$")
+
+
 async def test_control_daemon_killed():
-    """The control daemon SIGKILLed: its server exits (within ~1 s on the H200), so the running
-    program is lost and says so; a fresh worker then runs as a plain context, silently, and is
-    refused by the client check with the control's own error; so is the pool's refill; no hang."""
-    async with await Backend.open(isolation="mps", gpu="cuda", pool=1) as b:
-        by_k, by_run = await start_bystander(b)  # the pool is empty now: the next worker is fresh
+    """The control daemon SIGKILLed with a program running: on the H200 its server exits with it (a
+    zombie, 2026-12-03 09:54 UTC) yet the running kernel goes on beating and ends at HALT, its DONE
+    never seen (scripts/kill_probe.py orphan-server); loads and the pool's refill are refused at
+    once, naming the daemon's death (a pooled worker's LOAD would fail with MPS_RPC_FAILURE, a fresh
+    worker run as a plain context), no pooled worker spent; at close nothing is left."""
+    async with await Backend.open(isolation="mps", gpu="cuda", pool=2) as b:
+        by_k, by_run = await start_bystander(b)
         assert b.daemon.pid is not None and servers()
-        os.kill(b.daemon.pid, signal.SIGKILL)
-        with anyio.fail_after(30):
-            try:
-                d = await by_run
-                lost = None if d.ok else d.message
-            except WorkerError as e:
-                lost = str(e)
-        print(f"the heartbeat after its server went: {lost}", file=sys.stderr)
-        assert lost, "the heartbeat ended cleanly although its server was gone"
-        await until(lambda: not servers(), lambda: f"the server exited after its daemon: {servers()}", within=30)
+        server = int(servers()[0].split(":")[0])
+        daemon = b.daemon.pid
+        os.kill(daemon, signal.SIGKILL)
+        await until(lambda: not b.daemon.alive(), "the daemon's death seen (waitpid)")
         with anyio.fail_after(60):
-            with pytest.raises(MpsError, match=NO_DAEMON):
+            with pytest.raises(MpsError, match=DAEMON_DIED):
                 await b.prepare(*example("spin"))
-            with pytest.raises(MpsError, match=NO_DAEMON):
+            with pytest.raises(MpsError, match=DAEMON_DIED):
                 await b.mps.prewarm(1)
+        assert b.daemon.died == f"the MPS control daemon {daemon} died (killed by SIGKILL)"
+        assert len(b.mps.pool) == 1 and b.status()["daemon_died"] == b.daemon.died
+        await still_beating(b, by_run)
+        print(f"the server after its daemon died: {proc_state(server)}", file=sys.stderr)  # H200: Z (zombie)
+        b.mailbox.halt(BYSTANDER)
+        await until(lambda: b.mailbox.u32(BYSTANDER, abi.STATE) == abi.EXITED, "the heartbeat ended at HALT", within=10)
+        with anyio.move_on_after(5):
+            d = await by_run
+            print(f"the heartbeat's DONE after its daemon died: {d}", file=sys.stderr)
+        print(f"the heartbeat's DONE came: {by_run.finished()}; the server: {proc_state(server)}", file=sys.stderr)
         await b.unload(by_k)
+    await until(lambda: proc_state(server) == "gone", lambda: f"the server {server} reaped, not {proc_state(server)}", within=15)
+
+
+def proc_state(pid: int) -> str:
+    """A process's state and command line, from /proc ("gone" once reaped)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            state = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("State:"))
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (OSError, StopIteration):
+        return "gone"
+    return f"{state}, command line {argv!r}"
+
+
+@pytest.mark.parametrize("when", ["while-running", "during-launch"])
+async def test_a_kill_with_its_kernel_running_is_a_gpu_fault(monkeypatch, when):
+    """A worker SIGKILLed from outside with its kernel on the GPU (as an OOM killer would), while
+    echo runs or during echo's LAUNCH (the reply hung by the test hook): on the H200 the server then
+    raises a fatal GPU error in the other clients (scripts/kill_probe.py).  Programs' recovery names
+    echo (its worker exited on its own), reports that death, relaunches the heartbeat on a fresh
+    worker and refills the pool; the heartbeat beats again, a new echo answers; nothing left."""
+    async with await Backend.open(isolation="mps", gpu="cuda", pool=1) as b:
+        progs = Programs(b)
+        hb = await progs.load(*example("heartbeat"))  # takes the pooled worker: echo's is fresh
+        await beats(b, hb.slot, 1000)
+        hb_pid = hb.kernel.pid
+        if when == "while-running":
+            pid = (await progs.load(*example("echo"))).kernel.pid
+            os.kill(pid, signal.SIGKILL)
+        else:
+            monkeypatch.setenv(INJECT_ENV, "launch:hang")
+            async with anyio.create_task_group() as tg:
+                killed: list[int] = []
+                tg.start_soon(into, killed, kill_in_launch(b, set(b.sup.workers), progs._free_slot()))
+                with pytest.raises(WorkerError, match=r"^echo \(worker \d+ exited\)$"):
+                    await progs.load(*example("echo"))
+            monkeypatch.delenv(INJECT_ENV)
+            pid = killed[0]
+        with anyio.fail_after(120):
+            while not (progs.faults and progs.faults[-1].ms > 0):
+                await anyio.sleep(0.01)
+        r = progs.faults[-1]
+        print(f"fault report: {r}", file=sys.stderr)
+        with open(os.path.join(b.daemon.log_dir, "server.log")) as f:
+            fatal = [ln.rstrip() for ln in f if "fatal GPU error" in ln or "reset" in ln]
+        print("server log:\n" + "\n".join(fatal), file=sys.stderr)
+        assert fatal, "the server logged no fatal GPU error"
+        assert r.gpu_wide and r.faulted == "echo" and r.pid == pid and r.error == f"worker {pid} exited while its kernel ran", r
+        assert r.lost == ["heartbeat"] and r.relaunched == ["heartbeat"], r.not_relaunched
+        assert progs.by_name["heartbeat"].kernel.pid != hb_pid
+        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot) + 100)
+        if "echo" in progs.by_name:
+            await progs.unload("echo")
+        await progs.load(*example("echo"))
+        assert await progs.call("echo", b"after the kill") == b"after the kill"
+        await progs.close()
 
 
 async def test_mps_dir_removed():
