@@ -395,12 +395,10 @@ class Backend:
             "devices": [self.device_status(d) for d in self.devices],
         }
         if self.mps is not None:
-            d = self.mps.daemon
-            if d.started and d.pid is not None:
-                d.alive()  # a waitpid: a status poll notices the daemon's death (``daemon_died``)
             s.update(pool=sorted(p for pool in self.mps.pools.values() for p in pool.pids()),
                      pool_cap=sum(pool.cap for pool in self.mps.pools.values()), server=self.mps.server,
-                     mps_dir=self.mps.daemon.dir, daemon_pid=self.mps.daemon.pid, daemon_died=self.mps.daemon.died)
+                     mps_dir=self.mps.daemon.dir, daemon_died=self.mps.daemon.lost(),  # first: a status poll notices a death
+                     daemon_pid=self.mps.daemon.pid)
         blink = self.blink
         if blink is not None:
             s.update(blinks=sum(c.blinks for c in self.blinks.values()), last_blink_ms=self.last_blink_ms(),

@@ -191,16 +191,21 @@ class ControlDaemon:
             return False
         return True
 
-    def check_alive(self) -> None:
-        """MpsError if the daemon died underneath us: no new worker can then be verified as a client
-        of our server (on the H200 its server exits with it, a running kernel goes on unreported,
-        idle clients' calls fail with MPS_RPC_FAILURE, a fresh worker runs as a plain context)."""
+    def lost(self) -> str | None:
+        """Why the daemon is gone while still needed (None: it runs, or we quit it); a waitpid."""
         if self.started and self.pid is not None:
             self.alive()
         if self.died:
             for p in _mps_orphans() | self.servers:  # its server exits with it: no zombie kept till close
                 _reap_now(p)
-            raise MpsError(f"mps: {self.died}: no new worker can be verified as a client of our server; refusing"
+        return self.died
+
+    def check_alive(self) -> None:
+        """MpsError if the daemon died underneath us: no new worker can then be verified as a client
+        of our server (on the H200 its server exits with it, a running kernel goes on unreported,
+        idle clients' calls fail with MPS_RPC_FAILURE, a fresh worker runs as a plain context)."""
+        if why := self.lost():
+            raise MpsError(f"mps: {why}: no new worker can be verified as a client of our server; refusing"
                            " (running programs go on; restart meshd-mps to load again)")
 
     async def _reap(self, within: float) -> bool:

@@ -74,7 +74,7 @@ class Mps:
         self.gpu = gpu
         self.devices = tuple(devices)
         self.pools = {d: Pool(pool_cap, sup.retire) for d in self.devices}
-        self._device_of: dict[int, int] = {}  # worker pid -> its GPU (pruned to the live ones at each spawn)
+        self._spawned: dict[int, WorkerProc] = {}  # by pid, for its GPU (pruned to the live ones at each spawn)
         self.server: str | None = None  # the server's pid once a worker was seen in its client list
         self.native: set[int] = set()
         self.max_clients = max_clients
@@ -93,11 +93,12 @@ class Mps:
 
     def device_of(self, pid: int) -> int | None:
         """The GPU of our worker ``pid`` (None: not one of ours)."""
-        return self._device_of.get(pid)
+        w = self._spawned.get(pid)
+        return None if w is None else w.device
 
     def workers_on(self, device: int) -> list[int]:
         """Our live workers on ``device``, pooled ones included."""
-        return sorted(p for p in self.sup.workers if self._device_of.get(p) == device)
+        return sorted(p for p, w in self.sup.workers.items() if p in self._spawned and w.device == device)
 
     def _device(self, device: int | None) -> int:
         if device is None:
@@ -176,13 +177,13 @@ class Mps:
             )
         env = {**os.environ, **self.worker_env}
         live = self.sup.workers
-        self._device_of = {p: g for p, g in self._device_of.items() if p in live}
+        self._spawned = {p: w for p, w in self._spawned.items() if p in live}
         try:
             w = await self.sup.spawn(worker_argv(self.mailbox, self.sms, self.gpu, d), env, program)
         except WorkerError as e:
             raise WorkerError(f"load: {e}") from None
-        self._device_of[w.pid] = d
         w.device = d
+        self._spawned[w.pid] = w
         return w
 
     async def prewarm(self, n: int, device: int | None = None) -> None:

@@ -267,6 +267,19 @@ def spawn_fault(how: str | None, monkeypatch):
             yield
 
 
+def spy_spawns(m, monkeypatch) -> list:
+    """The workers ``m`` spawns from now on, in order (a list that fills as they come)."""
+    spawned: list = []
+    spawn = m.sup.spawn
+
+    async def spy(*a, **kw):
+        spawned.append(await spawn(*a, **kw))
+        return spawned[-1]
+
+    monkeypatch.setattr(m.sup, "spawn", spy)
+    return spawned
+
+
 async def kill_when_asked(m, spawned: list, phase: str, mailbox=None) -> None:
     """SIGKILL the victim while its LOAD (it is up: a client of the server) or LAUNCH is in flight
     (and its kernel runs: a heartbeat's slot says RUNNING)."""
@@ -313,14 +326,7 @@ async def test_a_fault_stays_with_its_worker(rig, monkeypatch, case):
         await m.prewarm(1)
         by, by_done = await start_bystander(r, m)  # takes the pooled worker: the victim's is fresh
 
-        spawned: list = []
-        spawn = m.sup.spawn
-
-        async def spy(*a, **kw):
-            spawned.append(await spawn(*a, **kw))
-            return spawned[-1]
-
-        monkeypatch.setattr(m.sup, "spawn", spy)
+        spawned = spy_spawns(m, monkeypatch)
         with spawn_fault(case.spawn, monkeypatch):
             async with anyio.create_task_group() as tg:
                 if case.kill in ("load", "launch"):
@@ -375,14 +381,7 @@ async def test_a_kill_with_its_kernel_running_faults_its_gpu(rig, monkeypatch, c
     async with r as m:
         await m.prewarm(2)
         by, by_done = await start_bystander(r, m)
-        spawned: list = []
-        spawn = m.sup.spawn
-
-        async def spy(*a, **kw):
-            spawned.append(await spawn(*a, **kw))
-            return spawned[-1]
-
-        monkeypatch.setattr(m.sup, "spawn", spy)
+        spawned = spy_spawns(m, monkeypatch)
         pooled = m.pool.take()  # the victim gets a fresh worker; this one stays idle, a client too
         async with anyio.create_task_group() as tg:
             if case.kill == "launch":
