@@ -148,10 +148,11 @@ class SimGpu:
                 elif line == b"PONG":
                     self._pong.set()
 
-    def _check(self, call: str) -> None:
-        """A call of the driver: a round trip to the server first, as a real call's RPC is, then
-        the client's sticky error if it has one."""
-        if self._client is not None and not (self._poison or self._server_lost):
+    def _check(self, call: str, rpc: bool = False) -> None:
+        """A call of the driver: the client's sticky error if it has one.  ``rpc``: a round trip to
+        the server first (a module load's), so that the call sees whatever the server said before
+        it; a launch's hot path goes without."""
+        if rpc and self._client is not None and not (self._poison or self._server_lost):
             self._pong.clear()
             try:
                 self._client.sendall(b"PING\n")
@@ -174,7 +175,7 @@ class SimGpu:
 
     # ---- the Gpu protocol ---------------------------------------------------------------
     def load(self, req: Load) -> Loaded:
-        self._check("cuModuleLoadData")
+        self._check("cuModuleLoadData", rpc=True)
         if req.module in self._modules:
             raise GpuError(f"module {req.module} is already loaded")
         script = _script_of(req)

@@ -13,7 +13,7 @@ a client of that device until it closes, or ``ERR <text>\\n`` and closes it.  Th
 client limit and a fault's teardown are per device.
 After ``OK`` the client may say ``RUNNING\\n`` (a kernel of it is on the GPU),
 ``IDLE\\n`` (none any more), ``FAULT\\n`` (it hit a fatal GPU error) and ``PING\\n`` (a
-driver call's round trip: the daemon answers ``PONG\\n``, after anything it said before); the daemon
+module load's round trip: the daemon answers ``PONG\\n``, after anything it said before); the daemon
 says ``FAULT\\n`` to every client of a device it tears down: at a client's fault,
 and when a client's connection closes while it said RUNNING (on the H200 a client
 that exited with a kernel running faulted the device's other clients).

@@ -38,7 +38,7 @@ from .. import waits
 from ..procs import fds_exhausted
 from ..test_backend import beats, example
 from ..test_faults import into, kill_in_launch
-from ..test_workers import until
+from ..test_workers import DAEMON_DIED, until
 from .test_mps_real import mps_processes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mps, pytest.mark.timeout(120), pytest.mark.usefixtures("counted")]
@@ -96,7 +96,7 @@ async def still_beating(b: Backend, run) -> None:
 class Fault:
     error: str  # what the caller sees (the whole message, a regex)
     inject: str = ""  # MESHD_MPS_WORKER_INJECT for the victim's worker
-    kill: str | None = None  # SIGKILL the victim while its "load" or "launch" is asked, or once its "kernel" runs
+    kill: str | None = None  # "load": SIGKILL the victim while its LOAD is asked
     spawn: str | None = None  # the victim's spawn fails: "no-binary" | "emfile"
     status: int | None = None  # the victim's exit status
     deadlines: dict = field(default_factory=dict)
@@ -144,16 +144,13 @@ def victim_spawn(b: Backend, case: Fault, monkeypatch, spawned: list):
         yield
 
 
-async def kill_when_asked(b: Backend, spawned: list, phase: str) -> None:
-    """SIGKILL the victim while its LOAD (it is up: a client of our server) or LAUNCH is in flight."""
+async def kill_in_load(b: Backend, spawned: list) -> None:
+    """SIGKILL the victim while its LOAD is in flight (it is up: a client of our server)."""
     with anyio.fail_after(30):
         while True:
             w = spawned[0] if spawned else None
-            if w is not None and w._pending is not None:
-                if phase == "launch" and w.gen:
-                    break
-                if phase == "load" and not w.gen and b.mps.server and w.pid in await b.mps.clients(b.mps.server):
-                    break
+            if w is not None and w._pending is not None and b.mps.server and w.pid in await b.mps.clients(b.mps.server):
+                break
             await anyio.sleep(0.005)
     os.kill(w.pid, signal.SIGKILL)
 
@@ -168,15 +165,9 @@ async def victim(b: Backend, case: Fault) -> MeshError | None:
     try:
         b.mailbox.reset_slot(VICTIM)
         run = await b.launch(k, VICTIM)
-        if case.kill == "kernel":
-            await until(lambda: b.mailbox.u32(VICTIM, abi.STATE) == abi.RUNNING, "the victim running on the GPU", within=30)
-            os.kill(k.pid, signal.SIGKILL)
         with anyio.fail_after(30):
             await run
     except MeshError as e:
-        if case.kill == "kernel":
-            with pytest.raises(WorkerError, match=f"^echo: {re.escape(str(e))}$"):
-                b.query(k)
         await b.unload(k)  # its worker is retired, never pooled
         return e
     await b.unload(k)
@@ -195,8 +186,8 @@ async def test_a_fault_stays_with_its_worker(monkeypatch, case):
         spawned: list = []
         with victim_spawn(b, case, monkeypatch, spawned):
             async with anyio.create_task_group() as tg:
-                if case.kill in ("load", "launch"):
-                    tg.start_soon(kill_when_asked, b, spawned, case.kill)
+                if case.kill == "load":
+                    tg.start_soon(kill_in_load, b, spawned)
                 err = await victim(b, case)
         print(f"{case.error!r}: the caller saw {err!r}", file=sys.stderr)
         assert isinstance(err, WorkerError) and re.fullmatch(case.error, str(err)), repr(err)
@@ -234,10 +225,6 @@ async def test_a_fault_stays_with_its_worker(monkeypatch, case):
 
 def servers() -> list[str]:
     return [p for p in mps_processes() if "nvidia-cuda-mps-server" in p.split(" ", 2)[1]]
-
-
-DAEMON_DIED = (r"^mps: the MPS control daemon \d+ died \(killed by SIGKILL\): no new worker can be verified as a"
-               r" client of our server; refusing \(running programs go on; restart meshd-mps to load again\)$")
 
 
 async def test_control_daemon_killed():
