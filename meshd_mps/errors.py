@@ -41,3 +41,36 @@ class WorkerError(MeshError):
 
 class MpsError(MeshError):
     """The MPS control daemon or its server misbehaved, or a worker is not its client."""
+
+
+class CapacityError(LimitError):
+    """A load that the GPU cannot run beside what runs already, refused before anything changes:
+    ``limit`` names the limit (e.g. ``hardware queues``), ``have`` its value, ``asked`` what the
+    load would need.  The API answers 409: the request is fine, the GPU is full."""
+
+    def __init__(self, message: str, *, limit: str, have: int, asked: int):
+        super().__init__(message)
+        self.limit = limit
+        self.have = have
+        self.asked = asked
+
+
+class NotStarted(MeshError):
+    """A launched kernel did not write STATE = RUNNING within the start deadline: ``program``,
+    ``within`` (seconds) and ``likely`` (the likely reason, in words).  The load was rolled back."""
+
+    def __init__(self, message: str, *, program: str, within: float, likely: str):
+        super().__init__(message)
+        self.program = program
+        self.within = within
+        self.likely = likely
+
+
+class ImageRefused(WorkerError):
+    """The GPU's driver refused the image itself at load (not a valid cubin for this GPU, no
+    ``mesh_main``): the program's fault, not the worker's, which stays fit.  ``error`` is the
+    driver call and its error, as the worker reported it."""
+
+    def __init__(self, message: str, *, error: str):
+        super().__init__(message)
+        self.error = error

@@ -213,18 +213,24 @@ def ok_reply(payload: bytes = b"") -> bytes:
     return U32.pack(1) + payload
 
 
-def error_reply(message: str) -> bytes:
-    return U32.pack(0) + message.encode()
+#: A reply's ok word: 1 done; 0 failed (the GPU or the worker); 2 refused: the driver refused
+#: the request's image itself (LOADED only: not a cubin for this GPU, no ``mesh_main``).
+OK, FAILED, REFUSED = 1, 0, 2
 
 
-def split_reply(op: Op, body: bytes) -> tuple[bool, bytes]:
-    """A reply's ok word and the rest: the payload, or the error text."""
+def error_reply(message: str, refused: bool = False) -> bytes:
+    return U32.pack(REFUSED if refused else FAILED) + message.encode()
+
+
+def split_reply(op: Op, body: bytes) -> tuple[int, bytes]:
+    """A reply's ok word (``OK``, ``FAILED`` or, for LOADED, ``REFUSED``) and the rest: the payload,
+    or the error text."""
     if len(body) < U32.size:
         raise FrameError(f"{op.name} reply of {len(body)} bytes, no ok word")
     (ok,) = U32.unpack_from(body)
-    if ok not in (0, 1):
-        raise FrameError(f"{op.name} reply ok word {ok}, expected 0 or 1")
-    return ok == 1, body[U32.size :]
+    if ok not in (OK, FAILED) and not (ok == REFUSED and op == Op.LOADED):
+        raise FrameError(f"{op.name} reply ok word {ok}, expected 0 or 1" + (" or 2" if op == Op.LOADED else ""))
+    return ok, body[U32.size :]
 
 
 def ready_reply(pid: int) -> bytes:

@@ -18,7 +18,7 @@ import structlog
 
 from . import frames
 from .child import Child
-from .errors import WorkerError
+from .errors import ImageRefused, WorkerError
 from .frames import Done, FrameError, Op
 
 log = structlog.get_logger("meshd_mps")
@@ -32,6 +32,7 @@ class Deadlines:
     load: float = 30.0  # a worker's first load also starts the MPS server (context creation)
     ready: float = 30.0
     launch: float = 2.0
+    start: float = 2.0  # LAUNCHED -> the program's STATE = RUNNING (the start check)
     retire_quit: float = 2.0  # QUIT -> exit
     retire_kill: float = 2.0  # SIGKILL -> reaped
     cleanup_reap: float = 0.5  # one shared deadline for every worker at exit
@@ -190,7 +191,10 @@ class WorkerProc:
                 why = f"worker {self.pid}: bad frame: {e}"
                 self.mark_unfit(why)
                 raise WorkerError(why) from None
-            if not ok:
+            if ok == frames.REFUSED:
+                text = frames.reply_text(payload)
+                raise ImageRefused(f"worker {self.pid}: {text}", error=text)
+            if ok != frames.OK:
                 raise WorkerError(f"worker {self.pid}: {frames.reply_text(payload)}")
             return payload
 

@@ -156,7 +156,8 @@ class Worker:
         assert got is not None, f"the worker closed stdout (exit {self.p.poll()}) instead of {want.name}"
         rop, rbody = got
         assert rop == want, f"{rop.name} {rbody!r} instead of {want.name}"
-        return frames.split_reply(rop, rbody)
+        ok, payload = frames.split_reply(rop, rbody)
+        return ok == frames.OK, payload
 
     def ready(self) -> int:
         ok, payload = self.ask(Op.READY, b"", Op.READY)
