@@ -17,21 +17,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
 import structlog
 
-from . import abi, frames
-from .frames import Op
+from . import abi, frames, limits
+from .frames import Loaded, Op
 from .blink import BlinkContext, Module
 from .compiler import Compiler, Manifest, Prepared
 from .daemon import PIPE_ENV, ControlDaemon
 from .device import (Caps, DeviceInfo, caps_of, check_sms, check_unique, choose_devices, device_count, ordinals_text,
                      query_device, simulated_count, simulated_device)
-from .errors import ConfigError, MeshError
+from .errors import ConfigError, MeshError, WorkerError
 from .launch import Launch
 from .log import setup_logging
 from .mailbox import Mailbox
@@ -76,6 +76,7 @@ class Kernel:
     launch: Launch | None = None
     context_pid: int = 0  # blink mode: the one context's worker
     device: int = 0  # the GPU it runs on
+    sms: int = 0  # the SMs of its context (a green context's, else the device's)
 
     @property
     def pid(self) -> int:
@@ -304,21 +305,54 @@ class Backend:
             img.worker = await self.mps.preload(m.name, p.cubin, m.threads, m.smem, m.scratch, d)
         return img
 
-    async def load(self, img: Image) -> Kernel:
+    def admit(self, device: int, name: str, nodes: int, used: float, new: bool = True) -> None:
+        """Before anything changes: CapacityError if GPU ``device`` cannot take a program of
+        ``nodes`` blocks beside its programs (whose shares of its blocks add up to ``used``);
+        ``new``: one more program (an upgrade or relaunch takes its predecessor's place)."""
+        d = self.device_or_first(device)
+        if new:
+            if self.mps is not None:
+                self.mps.check_room(name, d)
+            else:
+                self.blinks[d].check_room(name)
+        info = self.infos[d]
+        limits.check_nodes(name, nodes, info, info.sms_total, used)
+
+    def not_started_why(self, device: int) -> str:
+        """The likely reasons a launched kernel does not start, in this mode, in words."""
+        if self.mps is not None:
+            return (f"its blocks wait for SMs that the other resident programs of GPU {device} hold, or the program"
+                    " does not set STATE = RUNNING when it starts (docs/program-abi.md)")
+        ctx = self.blinks[device]
+        return (f"its stream shares a hardware work queue with a resident kernel ({len(ctx.modules)} programs in a context"
+                f" of {ctx.queues} queues), its blocks wait for SMs that resident programs hold, or the program does not"
+                " set STATE = RUNNING when it starts (docs/program-abi.md)")
+
+    async def load(self, img: Image, admit: Callable[[Loaded], None] | None = None) -> Kernel:
+        """The image's module, ready to launch.  ``admit`` sees what the worker reported (its
+        occupancy, its context's SMs) and raises to refuse it; a refused module is unloaded (in
+        blink mode within the load's own blink)."""
         p, m = img.prepared, img.prepared.manifest
         if self.mps is not None:
             if img.worker is None:
                 raise MeshError("internal: an image prepared for the other isolation mode")
             w, img.worker = img.worker, None
-            k = Kernel(m.name, m, w.info.regs, w.info.local, w.info.per_sm, w.info.scratch, w.info.rt_abi, worker=w,
-                       device=w.device)
+            i = w.info
+            k = Kernel(m.name, m, i.regs, i.local, i.per_sm, i.scratch, i.rt_abi, worker=w, device=w.device, sms=i.sms)
+            if admit is not None:
+                try:
+                    admit(i)
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await self.unload(k)
+                    raise
         else:
             d = self.device_or_first(img.device)
             ctx = self.blinks[d]
-            mod = await ctx.load(m.name, p.cubin, m.threads, m.smem, m.scratch)
+            mod = await ctx.load(m.name, p.cubin, m.threads, m.smem, m.scratch, admit)
             i = mod.info
             k = Kernel(m.name, m, i.regs, i.local, i.per_sm, i.scratch, i.rt_abi, module=mod,
-                       context_pid=ctx.proc.pid if ctx.proc else 0, device=d)
+                       context_pid=ctx.proc.pid if ctx.proc else 0, device=d, sms=i.sms)
         if k.rt_abi != abi.RT_ABI:
             await self.unload(k)
             raise MeshError(f"{m.name}: {abi.RT_ABI_SYMBOL} is {k.rt_abi}, this meshd-mps runs program ABI {abi.RT_ABI}")
@@ -356,6 +390,27 @@ class Backend:
         elif k.module is not None and self.blinks:
             mod, k.module = k.module, None
             await self.blinks[k.device].unload(mod)
+
+    async def abandon(self, k: Kernel, slot: int) -> None:
+        """A launch given up before its kernel started: HALT on its slot, so that it returns at
+        once should it start; its module unloaded.  MPS: a worker whose kernel does not return
+        is retired (the server ends its context first); blink: in one blink, which halts the
+        kernels it may be queued behind."""
+        self.mailbox.halt(slot)
+        if k.worker is not None and self.mps is not None:
+            run = k.launch
+            if run is not None and not run.finished():
+                with anyio.move_on_after(self.sup.deadlines.launch):
+                    try:
+                        await run.wait()
+                    except WorkerError:
+                        pass
+                if not run.finished():
+                    self.sup.retire(k.worker.proc)
+            await self.unload(k)
+        elif k.module is not None and self.blinks:
+            mod, k.module = k.module, None
+            await self.blinks[k.device].discard(mod)
 
     async def drop(self, img: Image) -> None:
         """An image prepared but never loaded: its worker goes back."""

@@ -38,6 +38,12 @@ the backend's nvJitLink); nothing ships as PTX.  Rows (issue 6):
 (g) idle: this supervisor process's CPU (getrusage user + sys) over 5 s
     (2 s with --quick) with 32 (8) idle pooled workers, in % of one core,
     against the same window before any backend was opened.
+(h) limits (issue 14): as many resident heartbeats as each mode takes (blink
+    32, one per hardware queue; MPS 44: 48 clients less a pool of 4; 8 with
+    --quick), how many beat, the next load refused; an upgrade at the limit:
+    in blink mode the blink's length against the same with one program, in
+    MPS mode a neighbour's MAX_GAP against its idle gap; the start check's
+    share of a load (LAUNCHED to STATE = RUNNING) against the whole load.
 """
 
 from __future__ import annotations
@@ -67,9 +73,11 @@ import anyio
 from . import abi, child, eventloop, frames
 from .backend import Backend
 from .compiler import Compiler, cuda_to_ptx, nvjitlink_version
+from .errors import CapacityError
 from .frames import Launch as LaunchReq, Op
+from .limits import BLINK_QUEUES
 from .log import setup_logging
-from .mps import Worker
+from .mps import MAX_CLIENTS, Worker
 from .proc import Deadlines, WorkerProc
 from .programs import Programs
 
@@ -633,8 +641,77 @@ async def sec_idle(bench: Bench) -> list[Row]:
                 f"getrusage(RUSAGE_SELF) user+sys over {window} s, % of one core")]
 
 
+# ---- (h) limits --------------------------------------------------------------------------------
+async def sec_limits(bench: Bench) -> list[Row]:
+    """As many resident heartbeats as each mode takes (blink: one per hardware queue; MPS: the
+    server's clients less a pool of 4), every one beating; the next load refused; an upgrade at
+    the limit and what it costs a neighbour; the start check's share of a load."""
+    rows: list[Row] = []
+    for mode in ("blink", "mps"):
+        pool = 4 if mode == "mps" else 0
+        n = BLINK_QUEUES if mode == "blink" else bench.n(MAX_CLIENTS - pool, 8)
+        async with await bench.backend(mode, pool=pool) as b:
+            progs, mb = Programs(b), b.mailbox
+            try:
+                man, ptx = await bench.src(b, "heartbeat")
+
+                def named(i: int) -> dict[str, Any]:
+                    return {**man, "name": f"heartbeat-{i}"}
+
+                for i in (0, 1):
+                    p = await progs.load(named(i), ptx)
+                    await until(lambda: mb.heartbeat(p.slot) > 0, 10, "the first heartbeats")
+                await progs.upgrade("heartbeat-0", named(0), ptx)  # in blink mode it halts heartbeat-1
+                two_blink = b.last_blink_ms()
+                loads: list[float] = []
+                for i in range(2, n):
+                    t0 = time.perf_counter()
+                    await progs.load(named(i), ptx)
+                    loads.append((time.perf_counter() - t0) * 1e3)
+                seen = {p.slot: mb.heartbeat(p.slot) for p in progs.by_name.values()}
+                with anyio.move_on_after(3):
+                    await until(lambda: all(mb.heartbeat(s) > v for s, v in seen.items()), 3, "every heartbeat")
+                beating = sum(mb.heartbeat(s) > v for s, v in seen.items())
+                t0 = time.perf_counter()
+                try:
+                    await progs.load(named(n), ptx)
+                    more = f"a load {n + 1} was taken (not at the limit: --quick)"
+                    await progs.unload(f"heartbeat-{n}")
+                except CapacityError as e:
+                    more = f"load {n + 1} refused up front in {(time.perf_counter() - t0) * 1e3:.2f} ms ({e.limit})"
+                rows.append(Row("h", f"limits: {mode}, {n} resident heartbeats", "beating", beating, n, "loaded", "all",
+                                beating == n, f"each seen advancing within 3 s of the last load; {more}"))
+                nb = progs.by_name["heartbeat-1"]
+                if mode == "blink":
+                    await progs.upgrade("heartbeat-0", named(0), ptx)
+                    rows.append(Row("h", f"limits: blink at {n}, an upgrade halts every program for", "ms",
+                                    b.last_blink_ms(), two_blink, "the same with 2 programs", "-", None,
+                                    "the blink's halt, reload and relaunch (BlinkContext.last_blink_ms)"))
+                else:
+                    await beat(b, nb.slot, reset=True)
+                    t0 = time.perf_counter()
+                    await progs.upgrade("heartbeat-0", named(0), ptx)
+                    window = time.perf_counter() - t0
+                    await beat(b, nb.slot)
+                    gap = float(mb.u64(nb.slot, abi.MAX_GAP))
+                    await beat(b, nb.slot, reset=True)
+                    await anyio.sleep(window)
+                    await beat(b, nb.slot)
+                    idle = float(mb.u64(nb.slot, abi.MAX_GAP))
+                    rows.append(Row("h", f"limits: mps at {n}, an upgrade: a neighbour's worst gap", "us", gap / 1e3,
+                                    idle / 1e3, "its idle gap", "-", None,
+                                    f"heartbeat-1's MAX_GAP while heartbeat-0 is upgraded ({window * 1e3:.0f} ms), pool {pool}"))
+                rows.append(Row("h", f"start check, {mode}: LAUNCHED to STATE = RUNNING, p50", "ms", pct(progs.start_ms, 0.5),
+                                pct(loads, 0.5), "the whole load, p50", "-", None,
+                                f"p99 {pct(progs.start_ms, 0.99):.3f} ms over {len(progs.start_ms)} launches"))
+            finally:
+                await progs.close()
+    return rows
+
+
 SECTIONS = [("a", "stall", sec_stall), ("b", "ask", sec_ask), ("c", "done", sec_done), ("d", "pool", sec_pool),
-            ("e", "load", sec_load), ("f", "ring", sec_ring), ("g", "idle", sec_idle)]
+            ("e", "load", sec_load), ("f", "ring", sec_ring), ("g", "idle", sec_idle),
+            ("h", "limits", sec_limits)]
 
 
 def describe(e: BaseException) -> str:
@@ -753,7 +830,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mps-dir", metavar="DIR", help="where the private MPS daemons' directories go (default: a temporary one)")
     ap.add_argument("--loop", choices=eventloop.CHOICES, default="auto",
                     help="the event loop (default auto: uvloop where installed; (b) then runs once more on asyncio)")
-    ap.add_argument("--only", metavar="a,b,...", help="run only these sections (letters a-g, comma-separated)")
+    ap.add_argument("--only", metavar="a,b,...", help="run only these sections (letters a-h, comma-separated)")
     args = ap.parse_args(argv)
     os.environ.setdefault("MESHD_MPS_LOG_LEVEL", "warning")  # workers inherit it
     setup_logging(component="bench")
@@ -763,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshd-mps bench: {e}", file=sys.stderr)
         return 2
     if args.only and not set(args.only.split(",")) <= {sec[0] for sec in SECTIONS}:
-        print(f"meshd-mps bench: --only {args.only}: expected letters a-g, comma-separated", file=sys.stderr)
+        print(f"meshd-mps bench: --only {args.only}: expected letters a-h, comma-separated", file=sys.stderr)
         return 2
     bench = Bench(args.gpu, args.quick, args.mps_dir, args.loop)
     try:

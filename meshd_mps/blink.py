@@ -16,15 +16,17 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
 import structlog
 
 from . import frames
-from .errors import MeshError, WorkerError
+from .errors import CapacityError, MeshError, WorkerError
 from .frames import Launch as LaunchReq, Load, Loaded, Op
 from .launch import Launch
+from .limits import BLINK_QUEUES
 from .mailbox import Mailbox
 from .proc import WorkerProc
 from .supervisor import Supervisor
@@ -63,12 +65,14 @@ class BlinkContext:
         self.last_blink_ms: float | None = None
         self.last_blink_at = 0.0  # its monotonic end, to find the latest across GPUs
         self.blinks = 0
+        #: Hardware work queues the context's worker asks for; a module gets a stream of its own queue.
+        self.queues = BLINK_QUEUES
 
     async def open(self) -> None:
         from .mps import worker_argv
 
-        self.proc = await self.sup.spawn(worker_argv(self.mailbox.path, self.sms, self.gpu, self.device), dict(os.environ),
-                                         f"blink context (GPU {self.device})")
+        argv = worker_argv(self.mailbox.path, self.sms, self.gpu, self.device, queues=self.queues)
+        self.proc = await self.sup.spawn(argv, dict(os.environ), f"blink context (GPU {self.device})")
         await self.proc.ask(Op.READY, b"", Op.READY, self.sup.deadlines.ready)
 
     def _p(self) -> WorkerProc:
@@ -107,14 +111,18 @@ class BlinkContext:
             except WorkerError as e:
                 r.relaunch_failed(e)
 
-    async def _blink(self, what: str, work):  # type: ignore[no-untyped-def]
+    async def _blink(self, what: str, work, drop: Module | None = None):  # type: ignore[no-untyped-def]
+        """Every running program halted, ``work`` done, the halted ones relaunched (``drop``'s not)."""
         async with self._lock:
             t0 = time.perf_counter()
             halted = await self._halt_all()
             try:
                 return await work()
             finally:
-                await self._relaunch(halted)
+                dropped = [r for r in halted if drop is not None and r in drop.runs]
+                for r in dropped:
+                    r.relaunched(r.inner)  # it ends here, with the DONE of its HALT
+                await self._relaunch([r for r in halted if r not in dropped])
                 ms = (time.perf_counter() - t0) * 1e3
                 if halted:
                     self.blinks += 1
@@ -123,7 +131,23 @@ class BlinkContext:
                     log.info(f"blink: {what}: {len(halted)} programs on GPU {self.device} halted for {ms:.2f} ms")
 
     # ---- modules ----------------------------------------------------------------------------
-    async def load(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int) -> Module:
+    def room(self) -> int:
+        """Programs the context still takes: one module, one stream, one hardware queue each."""
+        return self.queues - len(self.modules)
+
+    def check_room(self, name: str) -> None:
+        if self.room() <= 0:
+            raise CapacityError(
+                f"{name}: the blink context of GPU {self.device} runs {len(self.modules)} programs, one per hardware work"
+                f" queue, and has {self.queues}: a kernel on a shared queue would wait behind a resident one forever"
+                " (use --isolation mps for more programs)", limit="hardware queues", have=self.queues,
+                asked=len(self.modules) + 1)
+
+    async def load(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int,
+                   admit: Callable[[Loaded], None] | None = None) -> Module:
+        """The module loaded, in one blink; ``admit`` (raising to refuse it) sees what the worker
+        reported before anything is relaunched, and a refused module is unloaded in the same blink."""
+        self.check_room(name)
         module = self._next
         self._next += 1
         req = Load(module, threads, smem, scratch, name, cubin)
@@ -132,13 +156,33 @@ class BlinkContext:
             try:
                 payload = await self._p().ask(Op.LOAD, req.encode(), Op.LOADED, self.sup.deadlines.load)
                 info = Loaded.decode_ok(payload)
-            except (WorkerError, frames.FrameError) as e:
-                raise WorkerError(f"load: {e}") from None
+            except frames.FrameError as e:
+                raise WorkerError(f"load: {e}") from e
+            except WorkerError as e:
+                e.args = (f"load: {e}",)
+                raise
             self.dev = info.dev
+            if admit is not None:
+                try:
+                    admit(info)
+                except BaseException:
+                    await self._p().send(Op.UNLOAD, frames.unload_body(module))
+                    raise
             m = self.modules[module] = Module(name, module, info)
             return m
 
         return await self._blink(f"load {name}", work)
+
+    async def discard(self, m: Module) -> None:
+        """A module whose launch is given up (it never started): in one blink every program is
+        halted, so that a kernel queued behind one of them runs, sees HALT and returns; the
+        module is unloaded and the others relaunched."""
+
+        async def work() -> None:  # every launch of m returned: _halt_all refuses otherwise
+            self.modules.pop(m.module, None)
+            await self._p().send(Op.UNLOAD, frames.unload_body(m.module))
+
+        await self._blink(f"discard {m.name}", work, drop=m)
 
     async def unload(self, m: Module) -> None:
         if m.running():

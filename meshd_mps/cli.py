@@ -21,7 +21,9 @@ examples:
   meshd-mps call echo hello                # a request through a program's ring
   meshd-mps upgrade echo examples/echo     # a new image on the same slot
   meshd-mps unload echo
-the socket: --socket, else $MESHD_MPS_SOCKET, else $XDG_RUNTIME_DIR/meshd-mps.sock, else /tmp/meshd-mps-$UID.sock
+the socket: --socket, else $MESHD_MPS_SOCKET, else $XDG_RUNTIME_DIR/meshd-mps.sock, else
+  /run/meshd-mps/meshd-mps.sock (root) or /tmp/meshd-mps-$UID/meshd-mps.sock (a directory only you can write)
+CUDA C is compiled by this command, as you, for the daemon's oldest GPU, and sent as PTX: the daemon takes PTX only
 """
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -31,13 +33,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("one MPS client process (started by the daemon, not by hand)", "(started by meshd-mps serve)"),
     "bench": ("measure stalls, round trips, pool and load costs on this GPU (meshd-mps bench --help)",
               "meshd-mps bench\n  meshd-mps bench --gpu sim --quick"),
-    "load": ("load a program: compile, start it on a free mailbox slot",
+    "load": ("load a program: compile (CUDA C here, PTX in the daemon), start it on a free mailbox slot",
              "meshd-mps load examples/heartbeat\n  meshd-mps load examples/echo --device 1"
              "\n  meshd-mps load --manifest m.json --ptx prog.ptx --hash 0123456789abcdef"),
     "upgrade": ("replace a loaded program's image; it keeps its slot",
                 "meshd-mps upgrade echo examples/echo\n  meshd-mps upgrade echo --manifest m.json --cuda echo.cu"),
     "unload": ("halt a program and unload it", "meshd-mps unload echo"),
-    "ps": ("list the loaded programs: slot, state, worker, GPU, heartbeat, uptime", "meshd-mps ps\n  meshd-mps ps --json"),
+    "ps": ("list the loaded programs: slot, state, worker, GPU, heartbeat and its age, uptime",
+           "meshd-mps ps\n  meshd-mps ps --json"),
     "status": ("the daemon's state: GPUs, isolation, pools, MPS server and clients, versions",
                "meshd-mps status\n  meshd-mps status --json"),
     "call": ("send DATA to a program's request ring and print its response",
@@ -53,7 +56,8 @@ def _sub(sub: Any, name: str) -> argparse.ArgumentParser:
 
 def _client_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", metavar="PATH", help="the daemon's socket (default: $MESHD_MPS_SOCKET, "
-                   "$XDG_RUNTIME_DIR/meshd-mps.sock or /tmp/meshd-mps-$UID.sock)")
+                   "$XDG_RUNTIME_DIR/meshd-mps.sock, /run/meshd-mps/meshd-mps.sock for root, else"
+                   " /tmp/meshd-mps-$UID/meshd-mps.sock); refused if another user owns it")
     p.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
 
 
@@ -62,7 +66,8 @@ def _image_opts(p: argparse.ArgumentParser, nodes: bool) -> None:
     p.add_argument("--manifest", metavar="FILE", help="the manifest (instead of DIR/manifest.json)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--ptx", metavar="FILE", help="the program's PTX")
-    src.add_argument("--cuda", metavar="FILE", help="the program's CUDA C source (compiled by the daemon with NVRTC)")
+    src.add_argument("--cuda", metavar="FILE", help="the program's CUDA C source: compiled here, as you, with NVRTC for"
+                     " the daemon's oldest GPU, and sent as PTX (the daemon takes PTX only)")
     p.add_argument("--hash", metavar="H", help="the image hash expected (16 hex digits); another image is refused")
     if nodes:
         p.add_argument("--nodes", type=int, metavar="N", help="blocks to launch (default 1)")
@@ -87,12 +92,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu", choices=("cuda", "sim"), default="cuda",
                    help="cuda: the GPU; sim: the explicit CPU simulation, for trying meshd-mps without one (default cuda)")
     s.add_argument("--socket", metavar="PATH", help="the control socket (default: $MESHD_MPS_SOCKET, "
-                   "$XDG_RUNTIME_DIR/meshd-mps.sock or /tmp/meshd-mps-$UID.sock)")
+                   "$XDG_RUNTIME_DIR/meshd-mps.sock, /run/meshd-mps/meshd-mps.sock for root, else"
+                   " /tmp/meshd-mps-$UID/meshd-mps.sock); its directory must be writable by this user only")
     s.add_argument("--cache-dir", metavar="DIR", help="keep compiled cubins here across restarts")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="default info ($MESHD_MPS_LOG_LEVEL)")
     s.add_argument("--log-format", choices=("json", "console"), help="default: JSON lines unless stderr is a terminal")
     s.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
                    help="the event loop: auto takes uvloop where it is installed (default auto)")
+    s.add_argument("--stall-after", type=float, metavar="S",
+                   help="a running program whose heartbeat has not advanced for S seconds is shown as stalled"
+                        " (default 5)")
 
     _sub(sub, "worker")
     _sub(sub, "bench")
@@ -151,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.pool is not None and args.pool < 0:
             print("meshd-mps: --pool must not be negative", file=sys.stderr)
             return 2
+        if args.stall_after is not None and not 0 < args.stall_after < float("inf"):
+            print(f"meshd-mps: --stall-after {args.stall_after:g}: seconds, more than 0", file=sys.stderr)
+            return 2
         try:
             devices = parse_devices(args.devices)
         except ConfigError as e:
@@ -159,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return server.main(server.Config(isolation=args.isolation, sms=args.sms, mps_dir=args.mps_dir, pool=args.pool,
                                          gpu=args.gpu, socket=args.socket, cache_dir=args.cache_dir,
                                          log_level=args.log_level, log_format=args.log_format, loop=args.loop,
-                                         devices=devices))
+                                         devices=devices, stall_after=args.stall_after))
     return _client(args)
 
 
@@ -167,13 +179,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _client(args: argparse.Namespace) -> int:
-    from .client import Client, ClientError, program_body
+    from .client import Client, ClientError
 
     c = Client(args.socket)
     try:
         if args.cmd in ("load", "upgrade"):
-            body = program_body(args.dir, args.manifest, args.ptx, args.cuda, args.hash, getattr(args, "nodes", None),
-                                getattr(args, "device", None))
+            # CUDA C is compiled here (as this user), for the daemon's oldest GPU; the daemon gets PTX.
+            body = c.program_body(args.dir, args.manifest, args.ptx, args.cuda, args.hash, getattr(args, "nodes", None),
+                                  getattr(args, "device", None))
             ans = c.load(body) if args.cmd == "load" else c.upgrade(args.name, body)
             if args.json:
                 return _json(ans)
@@ -247,15 +260,22 @@ def table(rows: list[list[str]]) -> str:
     return "".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n" for r in rows)
 
 
+def beat_age(p: dict[str, Any]) -> str:
+    """BEAT-AGE: seconds since the heartbeat was last seen advancing; "-" if it never beat (or the
+    daemon does not say)."""
+    age = p.get("beat_age_s")
+    return "-" if age is None or isinstance(age, bool) or not isinstance(age, (int, float)) else duration(float(age))
+
+
 def ps_table(programs: list[dict[str, Any]]) -> str:
-    head = ["NAME", "SLOT", "STATE", "PID", "GPU", "HEARTBEAT", "UPTIME", "UPGRADES", "HASH"]
+    head = ["NAME", "SLOT", "STATE", "PID", "GPU", "HEARTBEAT", "BEAT-AGE", "UPTIME", "UPGRADES", "HASH"]
     errors = any(p.get("error") for p in programs)
     if errors:
         head.append("ERROR")
     rows = [head]
     for p in programs:
         r = [p["name"], str(p["slot"]), p["state"], str(p["pid"]), str(p.get("device", "-")), str(p["heartbeat"]),
-             duration(p["uptime_s"]), str(p["upgrades"]), p["hash"]]
+             beat_age(p), duration(p["uptime_s"]), str(p["upgrades"]), p["hash"]]
         if errors:
             r.append(p.get("error") or "")
         rows.append(r)
@@ -301,6 +321,7 @@ def status_table(s: dict[str, Any]) -> str:
     rows += [
         ["workers", f"{len(s.get('workers', []))} {_pids(s.get('workers', []))}, {s.get('retired', 0)} retired"],
         ["programs", str(s.get("programs", 0))],
+        ["stalled", str(s.get("stalled", 0))],
         ["loads", str(s.get("loads", 0))],
         ["uptime", duration(float(s.get("uptime_s", 0)))],
         ["versions", ", ".join(f"{k} {v}" for k, v in (s.get("versions") or {}).items())],

@@ -1,33 +1,173 @@
 """The control API's client: HTTP/1.1 + JSON over the daemon's Unix socket.
 
 Standard library only (``http.client`` on an AF_UNIX socket), and light to
-import: the CLI's client commands load nothing else of meshd-mps.
+import: the CLI's client commands load nothing else of meshd-mps, except
+:mod:`meshd_mps.compiler` (and NVRTC) when a command compiles CUDA C.
+
+The daemon takes PTX only: CUDA C is compiled here, by the client, with the
+user's own rights (``#include`` reads the user's files, never the daemon's),
+for the oldest GPU the daemon serves (its ``GET /v1/status``).
+
+JSON read here and by the daemon goes through :func:`parse_json`: at most
+``MAX_JSON_DEPTH`` levels of nesting, checked by a scan before ``json.loads``
+runs (so that it never recurses deeply).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
+import re
 import socket
+import stat
+import struct
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 SOCKET_ENV = "MESHD_MPS_SOCKET"
 #: The daemon refuses bodies over this (413); the client does not send them.
 MAX_BODY = 64 << 20
+#: Arrays and objects nested deeper than this are refused (the API's bodies, manifests, answers).
+MAX_JSON_DEPTH = 32
+#: Integers in JSON input with more digits than this are refused (u64's largest has 20).
+MAX_INT_DIGITS = 64
+#: The default socket's directory for root (without $XDG_RUNTIME_DIR); the daemon creates it 0700.
+RUN_DIR = "/run/meshd-mps"
+#: Where other users' default socket directory, ``meshd-mps-$UID``, is made (0700, by the daemon).
+TMP_ROOT = "/tmp"
+SOCKET_NAME = "meshd-mps.sock"
+#: The architecture CUDA C is compiled for when no daemon is asked (``program_body`` without ``arch``).
+DEFAULT_ARCH = "compute_90"
+
+
+def private_dirs(euid: int | None = None) -> tuple[str, ...]:
+    """The default socket directories the daemon creates itself and accepts only as its own (0700,
+    owned by its uid, not a symlink): ``/run/meshd-mps`` (root) and ``/tmp/meshd-mps-$UID``."""
+    euid = os.geteuid() if euid is None else euid
+    return (RUN_DIR,) if euid == 0 else (os.path.join(TMP_ROOT, f"meshd-mps-{euid}"),)
 
 
 def default_socket() -> str:
-    """``$MESHD_MPS_SOCKET``, else ``$XDG_RUNTIME_DIR/meshd-mps.sock``, else ``/tmp/meshd-mps-$UID.sock``."""
+    """``$MESHD_MPS_SOCKET``; else ``$XDG_RUNTIME_DIR/meshd-mps.sock``; else, for root,
+    ``/run/meshd-mps/meshd-mps.sock``; else ``/tmp/meshd-mps-$UID/meshd-mps.sock``: always in a
+    directory only its owner can write (the daemon checks, and creates the last two 0700)."""
     env = os.environ.get(SOCKET_ENV)
     if env:
         return env
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg:
-        return os.path.join(xdg, "meshd-mps.sock")
-    return f"/tmp/meshd-mps-{os.getuid()}.sock"
+        return os.path.join(xdg, SOCKET_NAME)
+    return os.path.join(private_dirs()[0], SOCKET_NAME)
+
+
+# ---- JSON input -------------------------------------------------------------------------------
+
+
+class JSONRefused(ValueError):
+    """JSON text refused: too deep, not UTF-8, NaN, a duplicate key, ... (the message says which)."""
+
+
+#: A JSON string (its escaped quotes and backslashes already removed), or a run of anything but
+#: brackets and quotes: what the depth scan drops, leaving only the brackets outside strings.
+_NOT_BRACKETS = re.compile(r'"[^"]*"?|[^\[\]{}"]+')
+_PARENS = str.maketrans("[{]}", "(())")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def json_deeper_than(text: str, limit: int) -> bool:
+    """Whether JSON ``text`` nests arrays and objects more than ``limit`` deep, found without
+    parsing it and without recursion, in a few passes of C-speed string operations: escaped
+    backslashes and quotes dropped (so that no quote inside a string ends it), then every string
+    and everything but brackets; what is left is brackets only.  Each pass then removes every
+    innermost pair ``()`` at once, one level; a balanced text of depth d is gone in d passes.
+    Brackets left unmatched (invalid JSON) count as open levels (an upper bound, never less than
+    what ``json.loads`` would recurse into before finding the error)."""
+    if "\\" in text:
+        text = text.replace("\\\\", "").replace('\\"', "")
+    s = _NOT_BRACKETS.sub("", text).translate(_PARENS)
+    for levels in range(limit + 1):
+        t = s.replace("()", "")
+        if len(t) == len(s):
+            return levels + max(0, s.count("(") - s.count(")")) > limit
+        s = t
+    return True
+
+
+def _refuse_constant(name: str) -> Any:
+    raise JSONRefused(f"{name} is not a JSON number (RFC 8259: numbers are finite)")
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise JSONRefused(f"the number {text[:40]} is out of range (a finite double expected)")
+    return v
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text) - (text[0] == "-")
+    if digits > MAX_INT_DIGITS:
+        raise JSONRefused(f"an integer of {digits} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise JSONRefused(f"the key {k[:80]!r} appears twice in one object")
+        out[k] = v
+    return out
+
+
+def _check_strings(obj: Any) -> None:
+    todo = [obj]  # at most MAX_JSON_DEPTH deep, walked without recursion all the same
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                raise JSONRefused("a string with a lone surrogate escape (\\ud800-\\udfff): not Unicode text")
+        elif isinstance(v, dict):
+            todo.extend(v)
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+
+
+def parse_json(data: bytes | str, *, strict: bool = True, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """JSON text as meshd-mps reads it; JSONRefused (a ValueError) says what is wrong.  Always:
+    UTF-8 (bytes), at most ``max_depth`` levels of arrays and objects (checked before parsing).
+    ``strict`` (input: bodies, manifests) also refuses NaN and Infinity, numbers out of a double's
+    range, integers over ``MAX_INT_DIGITS`` digits, a key twice in one object and lone surrogates."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        try:
+            text = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise JSONRefused(f"not UTF-8 (byte {e.start}: {bytes(data)[e.start:e.start + 1]!r})") from None
+    else:
+        text = data
+    if json_deeper_than(text, max_depth):
+        raise JSONRefused(f"nested deeper than the limit of {max_depth} levels of arrays and objects")
+    try:
+        if not strict:
+            return json.loads(text)
+        obj = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite, parse_int=_bounded_int,
+                         object_pairs_hook=_unique)
+    except RecursionError:  # not reached (the scan comes first): a JSON error all the same
+        raise JSONRefused(f"nested deeper than the limit of {max_depth} levels of arrays and objects") from None
+    except JSONRefused:
+        raise
+    except ValueError as e:
+        raise JSONRefused(str(e)) from None
+    _check_strings(obj)
+    return obj
+
+
+# ---- the client ---------------------------------------------------------------------------------
 
 
 class ClientError(Exception):
@@ -43,19 +183,51 @@ class NoDaemon(ClientError):
     """Nobody serves on the socket."""
 
 
+def check_socket_owner(path: str) -> None:
+    """Before connecting: ClientError if the socket ``path`` (or, for a symlink, the link or what it
+    points to) belongs to another user than ours: a daemon of someone else, or an impostor that
+    wants our requests.  A missing path is left to ``connect`` (NoDaemon)."""
+    me = os.geteuid()
+    try:
+        st = os.lstat(path)
+        target = os.stat(path) if stat.S_ISLNK(st.st_mode) else st
+    except OSError:
+        return
+    if st.st_uid != me:
+        raise ClientError(f"{path}: owned by uid {st.st_uid}, not by you (uid {me}); refusing to talk to it"
+                          " (run the client as the daemon's user)")
+    if target.st_uid != me:
+        raise ClientError(f"{path}: a symlink to {os.path.realpath(path)}, owned by uid {target.st_uid}, not by you"
+                          f" (uid {me}); refusing to talk to it (run the client as the daemon's user)")
+
+
+def check_peer(s: socket.socket, path: str) -> None:
+    """After connecting: the process that listens (SO_PEERCRED, Linux) runs as our uid."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return
+    fmt = "iII"  # struct ucred: pid_t, uid_t, gid_t
+    pid, uid, _gid = struct.unpack(fmt, s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(fmt)))
+    me = os.geteuid()
+    if uid != me:
+        raise ClientError(f"{path}: served by pid {pid} as uid {uid}, not by you (uid {me}); refusing to talk to it"
+                          " (run the client as the daemon's user)")
+
+
 class UnixHTTPConnection(http.client.HTTPConnection):
-    """http.client over a Unix stream socket."""
+    """http.client over a Unix stream socket whose owner and server are the caller's own uid."""
 
     def __init__(self, path: str, timeout: float | None = None):
         super().__init__("localhost", timeout=timeout)
         self.unix_path = path
 
     def connect(self) -> None:
+        check_socket_owner(self.unix_path)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             if self.timeout is not None:
                 s.settimeout(self.timeout)
             s.connect(self.unix_path)
+            check_peer(s, self.unix_path)
         except BaseException:
             s.close()
             raise
@@ -65,6 +237,19 @@ class UnixHTTPConnection(http.client.HTTPConnection):
 def quote(name: str) -> str:
     """A program name as one URL path segment (a ``/`` in it stays inside the segment)."""
     return urllib.parse.quote(name, safe="")
+
+
+def oldest_arch(status: dict[str, Any]) -> str:
+    """``compute_XY`` of the oldest GPU a daemon's status names (its ``devices``' caps, else its
+    ``caps``): PTX for it JITs on every GPU the daemon serves, whichever one takes the program."""
+    caps = [d.get("caps") for d in status.get("devices") or [] if isinstance(d, dict)] or [status.get("caps")]
+    ccs = [(c["cc_major"], c["cc_minor"]) for c in caps if isinstance(c, dict)
+           and all(isinstance(c.get(k), int) and not isinstance(c.get(k), bool) for k in ("cc_major", "cc_minor"))]
+    if not ccs:
+        raise ClientError("the daemon's status names no compute capability (caps: cc_major, cc_minor), so CUDA C"
+                          " cannot be compiled for its GPUs here; compile it to PTX and load it with --ptx")
+    major, minor = min(ccs)
+    return f"compute_{major}{minor}"
 
 
 class Client:
@@ -107,9 +292,9 @@ class Client:
         body = None if obj is None else json.dumps(obj).encode()
         status, _headers, data = self.raw(method, path, body, timeout=timeout)
         try:
-            ans = json.loads(data)
-        except ValueError:
-            raise ClientError(f"HTTP {status}: not JSON: {data[:200]!r}", status) from None
+            ans = parse_json(data, strict=False)
+        except ValueError as e:
+            raise ClientError(f"HTTP {status}: not JSON ({e}): {data[:200]!r}", status) from None
         if not isinstance(ans, dict):
             raise ClientError(f"HTTP {status}: a JSON object expected", status)
         if not ans.get("ok") or status >= 400:
@@ -120,6 +305,15 @@ class Client:
     def status(self) -> dict[str, Any]:
         return self.request("GET", "/v1/status")
 
+    def arch(self) -> str:
+        """The architecture to compile CUDA C for: ``compute_XY`` of the daemon's oldest GPU."""
+        return oldest_arch(self.status())
+
+    def program_body(self, *args: Any, **kw: Any) -> dict[str, Any]:
+        """:func:`program_body`, CUDA C compiled for this daemon's oldest GPU (asked only if needed)."""
+        kw.setdefault("arch", self.arch)
+        return program_body(*args, **kw)
+
     def programs(self) -> list[dict[str, Any]]:
         return self.request("GET", "/v1/programs")["programs"]
 
@@ -127,7 +321,8 @@ class Client:
         return self.request("GET", f"/v1/programs/{quote(name)}")["program"]
 
     def load(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``body``: {"manifest": {...}, "ptx": text | "cuda": text, "hash"?: 16 hex, "nodes"?: N, "device"?: GPU}."""
+        """``body``: {"manifest": {...}, "ptx": text, "hash"?: 16 hex, "nodes"?: N, "device"?: GPU}
+        (the daemon takes PTX only: see :func:`program_body` for CUDA C)."""
         return self.request("POST", "/v1/programs", body)
 
     def upgrade(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -154,10 +349,37 @@ class Client:
 # ---- program files --------------------------------------------------------------------------
 
 
+def compile_cuda(source: bytes, name: str, arch: str, include: list[str] | None = None) -> str:
+    """CUDA C -> PTX text here, in this process (NVRTC, with the caller's own file access; the
+    examples' ``mesh_program.h`` on the include path): ClientError with NVRTC's log, never a
+    traceback."""
+    try:
+        from .compiler import cuda_to_ptx
+        from .errors import CompileError
+    except ImportError as e:
+        raise ClientError(f"{name}: compiling CUDA C needs meshd-mps's compiler: {e}") from None
+    try:
+        ptx = cuda_to_ptx(source, name, arch, include)
+    except CompileError as e:
+        raise ClientError(str(e)) from None
+    except ImportError as e:  # cuda.bindings is imported by the call
+        raise ClientError(f"{name}: compiling CUDA C needs NVRTC (the cuda-bindings package): {e}") from None
+    except Exception as e:  # NVRTC's library missing or broken: said in one line, not a traceback
+        raise ClientError(f"{name}: NVRTC failed: {type(e).__name__}: {e}") from None
+    try:
+        return ptx.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ClientError(f"{name}: NVRTC's PTX is not UTF-8 text: {e}") from None
+
+
 def program_body(dir: str | None = None, manifest: str | None = None, ptx: str | None = None, cuda: str | None = None,
-                 hash: str | None = None, nodes: int | None = None, device: int | None = None) -> dict[str, Any]:
+                 hash: str | None = None, nodes: int | None = None, device: int | None = None,
+                 arch: str | Callable[[], str] | None = None) -> dict[str, Any]:
     """A load/upgrade body from files: a program directory (manifest.json and one ``*.ptx``
     or ``*.cu``) or ``manifest`` with ``ptx`` or ``cuda``; ``device``: the GPU (a CUDA ordinal).
+    The body always carries PTX: CUDA C is compiled here (:func:`compile_cuda`, the source's own
+    directory on the include path) for ``arch`` (``compute_XY``, or a function that returns it,
+    called only then, e.g. :meth:`Client.arch`; default ``DEFAULT_ARCH``).
     ClientError says what is wrong."""
     if dir is not None:
         d = Path(dir)
@@ -183,21 +405,28 @@ def program_body(dir: str | None = None, manifest: str | None = None, ptx: str |
     if (ptx is None) == (cuda is None):
         raise ClientError("one of --ptx FILE or --cuda FILE is needed")
     try:
-        mtext = mpath.read_text()
+        mtext = mpath.read_bytes()
     except OSError as e:
         raise ClientError(f"{mpath}: {e.strerror or e}") from None
     try:
-        mobj = json.loads(mtext)
+        mobj = parse_json(mtext)
     except ValueError as e:
         raise ClientError(f"{mpath}: not JSON: {e}") from None
     src = Path(ptx if ptx is not None else cuda)  # type: ignore[arg-type]
     try:
-        text = src.read_bytes().decode("utf-8")
+        raw = src.read_bytes()
     except OSError as e:
         raise ClientError(f"{src}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ClientError(f"{src}: not UTF-8 text: {e}") from None
-    body: dict[str, Any] = {"manifest": mobj, ("ptx" if ptx is not None else "cuda"): text}
+    if ptx is not None:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ClientError(f"{src}: not UTF-8 text: {e}") from None
+    else:
+        name = mobj.get("name") if isinstance(mobj, dict) and isinstance(mobj.get("name"), str) else src.stem
+        target = arch() if callable(arch) else (arch or DEFAULT_ARCH)
+        text = compile_cuda(raw, name, target, [str(src.resolve().parent)])
+    body: dict[str, Any] = {"manifest": mobj, "ptx": text}
     if hash is not None:
         body["hash"] = hash
     if nodes is not None:

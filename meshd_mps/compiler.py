@@ -33,6 +33,7 @@ from typing import Any
 import anyio.to_thread
 
 from . import abi
+from .client import parse_json
 from .device import DeviceInfo
 from .errors import CompileError, HashMismatch, LimitError, ManifestError
 
@@ -68,9 +69,9 @@ class Manifest:
         """From JSON text or an already decoded object; ManifestError names the bad field."""
         if isinstance(data, (bytes, bytearray, str)):
             try:
-                obj = json.loads(data)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ManifestError(f"manifest: not JSON: {e}") from None
+                obj = parse_json(data)  # bounded depth: never a RecursionError
+            except ValueError as e:
+                raise ManifestError(f"manifest: not JSON: {e}") from e
         else:
             obj = data
         if not isinstance(obj, Mapping):
@@ -78,7 +79,7 @@ class Manifest:
         known = {f.name for f in fields(cls)}
         for k in obj:
             if k not in known:
-                raise ManifestError(f"manifest: unknown field {k!r}")
+                raise ManifestError(f"manifest: unknown field {str(k)[:80]!r}")
         for k in ("name", "backend", "warps", "abi"):
             if k not in obj:
                 raise ManifestError(f"manifest: field {k!r} is missing")

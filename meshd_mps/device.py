@@ -44,6 +44,7 @@ class DeviceInfo:
     max_shared: int  # bytes of shared memory per block, opt-in
     regs_per_block: int
     ordinal: int = 0  # which GPU: CUDA's device ordinal
+    max_grid_x: int = (1 << 31) - 1  # blocks in a launch's x dimension (CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X)
 
     @property
     def arch(self) -> str:
@@ -96,6 +97,7 @@ def simulated_device(ordinal: int = 0) -> DeviceInfo:
         max_shared=232448,
         regs_per_block=65536,
         ordinal=ordinal,
+        max_grid_x=(1 << 31) - 1,
     )
 
 
@@ -214,6 +216,7 @@ def query_device(ordinal: int = 0) -> DeviceInfo:
             max_shared=attr("MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"),
             regs_per_block=attr("MAX_REGISTERS_PER_BLOCK"),
             ordinal=ordinal,
+            max_grid_x=attr("MAX_GRID_DIM_X"),
         )
 
 

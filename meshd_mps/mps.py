@@ -24,8 +24,9 @@ import structlog
 
 from . import frames
 from .daemon import ControlDaemon
-from .errors import ConfigError, LimitError, MpsError, WorkerError
+from .errors import CapacityError, ConfigError, ImageRefused, LimitError, MpsError, WorkerError
 from .frames import Done, Launch, Load, Loaded, Op
+from .limits import MPS_QUEUES
 from .pool import Pool
 from .proc import WorkerProc
 from .supervisor import Supervisor
@@ -40,9 +41,11 @@ def pids_debug(pids: Sequence[int]) -> str:
     return "[" + ", ".join(str(p) for p in pids) + "]"
 
 
-def worker_argv(mailbox: str, sms: int, gpu: str, device: int = 0) -> list[str]:
-    """``meshd-mps worker`` for this interpreter (no PATH lookup, the same venv), on GPU ``device``."""
-    argv = [sys.executable, "-m", "meshd_mps", "worker", "--mailbox", mailbox, "--gpu", gpu, "--device", str(device)]
+def worker_argv(mailbox: str, sms: int, gpu: str, device: int = 0, queues: int = MPS_QUEUES) -> list[str]:
+    """``meshd-mps worker`` for this interpreter (no PATH lookup, the same venv), on GPU ``device``,
+    asking for ``queues`` hardware work queues (limits.py)."""
+    argv = [sys.executable, "-m", "meshd_mps", "worker", "--mailbox", mailbox, "--gpu", gpu, "--device", str(device),
+            "--queues", str(queues)]
     if sms:
         argv += ["--sms", str(sms)]
     return argv
@@ -165,6 +168,21 @@ class Mps:
         known to us, so it is counted against each)."""
         return len(self.workers_on(device)) + len(self.native)
 
+    def room(self, device: int) -> int:
+        """Programs GPU ``device`` still takes: the server's clients less the pool's (kept for the
+        next loads and upgrades), the native clients' and the programs' workers."""
+        busy = len(self.workers_on(device)) - len(self.pools[device])
+        return self.max_clients - self.pools[device].cap - len(self.native) - busy
+
+    def check_room(self, name: str, device: int) -> None:
+        if self.room(device) <= 0:
+            busy = len(self.workers_on(device)) - len(self.pools[device])
+            gpu = "" if len(self.devices) == 1 else f" of GPU {device}"
+            raise CapacityError(
+                f"{name}: the MPS server{gpu} takes {self.max_clients} clients (CUDA 13.0); {busy} programs,"
+                f" {len(self.native)} native clients and a pool of {self.pools[device].cap} leave no room for another",
+                limit="MPS clients", have=self.max_clients - self.pools[device].cap - len(self.native), asked=busy + 1)
+
     async def spawn(self, program: str | None = None, device: int | None = None) -> WorkerProc:
         """A fresh worker on GPU ``device`` (default: the first), within that GPU's client limit."""
         d = self._device(device)
@@ -241,6 +259,14 @@ class Mps:
                 payload = await p.ask(Op.LOAD, req.encode(), Op.LOADED, self.sup.deadlines.load)
                 info = Loaded.decode_ok(payload)
                 break
+            except ImageRefused as e:
+                # The image's fault, not the worker's: a pooled one (verified, still fit) goes back.
+                p.program = None
+                if fresh or len(self.pools[d]) >= self.pools[d].cap:
+                    self.sup.retire(p)
+                else:
+                    self.pools[d].add(p)
+                raise ImageRefused(f"load: {e}", error=e.error) from e
             except (WorkerError, frames.FrameError) as e:
                 self.sup.retire(p)
                 if fresh or not (p.dead or p.process.returncode is not None or "stdin closed" in str(e)):

@@ -24,10 +24,10 @@ from typing import Any
 import anyio
 import structlog
 
-from . import abi
+from . import abi, frames, limits
 from .backend import Backend, Image, Kernel
 from .compiler import Manifest
-from .errors import MeshError, WorkerError
+from .errors import MeshError, NotStarted, WorkerError
 from .frames import Done
 from .launch import Launch
 from .proc import WorkerProc
@@ -36,6 +36,8 @@ log = structlog.get_logger("meshd_mps")
 
 HALT_S = 5.0
 CALL_S = 5.0
+#: A running program whose heartbeat has not advanced for this long is ``stalled`` (serve --stall-after).
+STALL_S = 5.0
 #: How long after a program fails the server log is watched for a fatal-fault line.
 FAULT_WINDOW_S = 2.0
 #: How long recovery waits for the torn-down clients to exit and the server to take new ones.
@@ -76,17 +78,31 @@ class Program:
     faulted: str = ""  # the fault this program caused; it is not relaunched
     lost_to: str = ""  # the program whose fault took this one down
     failed_at: float = 0.0  # monotonic time its launch was seen failing
+    beat: int = -1  # the HEARTBEAT last seen (Programs.sample)
+    beat_at: float = field(default_factory=time.monotonic)  # when it was last seen advancing
+    beaten: bool = False  # seen advancing at least once: a program that never beats never stalls
+    stalled_at: float = 0.0  # monotonic time it was found stalled (0: not stalled)
 
     @property
     def device(self) -> int:
         """The GPU it runs on."""
         return self.kernel.device
 
+    def share(self) -> float:
+        """The part of its GPU's resident blocks it holds while it runs (limits.py)."""
+        return 0.0 if self.launch.finished() else limits.share(self.nodes, self.kernel.per_sm, self.kernel.sms)
+
+    def beat_age(self, now: float | None = None) -> float | None:
+        """Seconds since its heartbeat was last seen advancing (None: it never beat)."""
+        return ((now or time.monotonic()) - self.beat_at) if self.beaten else None
+
     def state(self) -> tuple[str, str]:
-        """(running | exited | failed | faulted, the error text)."""
+        """(running | stalled | exited | failed | faulted, the error text)."""
         if self.faulted:
             return "faulted", self.faulted
         if not self.launch.finished():
+            if self.stalled_at:
+                return "stalled", f"no heartbeat for {self.beat_age() or 0:.1f}s"
             return "running", ""
         f = self.launch.inner
         if f.cancelled():
@@ -119,9 +135,13 @@ class Programs:
     """``restart``: after a GPU-wide fault, relaunch the programs lost with it (not the
     one that faulted) on fresh workers."""
 
-    def __init__(self, backend: Backend, restart: bool = True):
+    def __init__(self, backend: Backend, restart: bool = True, stall_after: float = STALL_S):
+        if not stall_after > 0:
+            raise ProgramError(f"stall_after {stall_after!r}: seconds, more than 0")
         self.b = backend
         self.restart = restart
+        self.stall_after = stall_after
+        self.start_ms: list[float] = []  # the start check's share of each load: LAUNCHED -> STATE = RUNNING
         self.by_name: dict[str, Program] = {}
         self._lock = anyio.Lock()  # one load/upgrade/unload/recovery at a time
         self.loads = 0
@@ -130,6 +150,7 @@ class Programs:
         self._closing = False
         self._log_at = self._server_log_size()
         self._fatal: set[int] = set()  # pids the server logged as faulting, not yet taken by a recovery
+        self.b.sup.start_soon(self._beats, name="heartbeats")
 
     def _free_slot(self) -> int:
         used = {p.slot for p in self.by_name.values()}
@@ -148,15 +169,54 @@ class Programs:
     def _manifest(manifest: Manifest | bytes | str | Mapping[str, Any]) -> Manifest:
         return manifest if isinstance(manifest, Manifest) else Manifest.parse(manifest)
 
-    async def _start(self, img: Image, slot: int, nodes: int) -> tuple[Kernel, Launch]:
-        k = await self.b.load(img)
+    async def _start(self, img: Image, slot: int, nodes: int, used: float) -> tuple[Kernel, Launch]:
+        """Loaded, launched, and seen started; anything less is rolled back.  ``used``: the shares
+        of its GPU's blocks that the other programs hold (the module's real occupancy is checked
+        against what they leave before it is launched)."""
+        name = img.name
+
+        def admit(info: frames.Loaded) -> None:
+            limits.check_resident(name, nodes, info.per_sm, info.sms, used)
+
+        k = await self.b.load(img, admit)
         try:
             self.b.mailbox.reset_slot(slot)
-            return k, await self.b.launch(k, slot, nodes)
+            run = await self.b.launch(k, slot, nodes)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.b.unload(k)
             raise
+        try:
+            await self._until_started(k, run, slot)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.b.abandon(k, slot)
+            raise
+        return k, run
+
+    async def _until_started(self, k: Kernel, run: Launch, slot: int) -> None:
+        """The start check: a launched kernel counts only once it has set STATE = RUNNING (or
+        already ended), within the start deadline; NotStarted otherwise.  A kernel on a hardware
+        queue held by a resident one, or whose blocks wait for SMs, is launched but never runs."""
+        within = self.b.sup.deadlines.start
+        mb = self.b.mailbox
+        t0 = time.perf_counter()
+        with anyio.move_on_after(within):
+            while mb.u32(slot, abi.STATE) == abi.IDLE and not run.inner.done():
+                # The kernel writes STATE within microseconds of LAUNCHED: yield first, then back off.
+                await anyio.sleep(0 if time.perf_counter() - t0 < 200e-6 else 1e-3)
+            self.start_ms.append((time.perf_counter() - t0) * 1e3)
+            del self.start_ms[:-1000]
+            return
+        why = self.b.not_started_why(k.device)
+        log.error(f"program {k.name}: its kernel did not start within {within:g}s; rolling the load back", program=k.name,
+                  pid=k.pid, slot=slot, device=k.device)
+        raise NotStarted(f"{k.name}: the kernel was launched but did not start within {within:g}s (STATE is not RUNNING):"
+                         f" likely {why}; the load was rolled back", program=k.name, within=within, likely=why)
+
+    def _used(self, device: int, without: Program | None = None) -> float:
+        """The shares of GPU ``device``'s resident blocks its running programs hold (``without`` one)."""
+        return sum(p.share() for p in self.on_device(device) if p is not without)
 
     def place(self, device: int | None = None) -> int:
         """The GPU for a new program: ``device`` if it is one of ours, else the one with the
@@ -177,17 +237,19 @@ class Programs:
                    nodes: int = 1, device: int | None = None) -> Program:
         """Compile, preload and launch on a free slot, on GPU ``device`` (None: ``place``'s choice)."""
         m = self._manifest(manifest)
-        if nodes < 1:
-            raise ProgramError(f"{m.name}: nodes must be at least 1")
+        if isinstance(nodes, bool) or not isinstance(nodes, int):
+            raise ProgramError(f"{m.name}: nodes {nodes!r}: a count of blocks expected")
         async with self._lock:
             if m.name in self.by_name:
                 raise ProgramError(f"program {m.name!r} is already loaded (upgrade it instead)")
             slot = self._free_slot()
             gpu = self.place(device)
+            used = self._used(gpu)
+            self.b.admit(gpu, m.name, nodes, used)  # every limit, before anything changes
             t0 = time.perf_counter()
             img = await self.b.prepare(m, ptx, expect, device=gpu)
             try:
-                k, run = await self._start(img, slot, nodes)
+                k, run = await self._start(img, slot, nodes, used)
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await self.b.drop(img)
@@ -234,6 +296,8 @@ class Programs:
             raise ProgramError(f"upgrade {name}: the manifest names {m.name!r}")
         async with self._lock:
             old = self.get(name)
+            used = self._used(old.device, without=old)
+            self.b.admit(old.device, name, old.nodes, used, new=False)
             t0 = time.perf_counter()
             # MPS: loaded in a worker of the program's GPU while the old one runs.
             img = await self.b.prepare(m, ptx, expect, device=old.device)
@@ -242,7 +306,7 @@ class Programs:
                 await self._halt(old)
                 stopped = True
                 await self.b.unload(old.kernel)
-                k, run = await self._start(img, old.slot, old.nodes)
+                k, run = await self._start(img, old.slot, old.nodes, used)
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await self.b.drop(img)
@@ -378,7 +442,7 @@ class Programs:
         assert mps is not None
         gpu = first.device
         # Every client of that GPU goes down with it: the ones still running fail within ms.
-        hit = [q for q in self.on_device(gpu) if q.state()[0] in ("running", "failed")]
+        hit = [q for q in self.on_device(gpu) if q.state()[0] in ("running", "stalled", "failed")]
         for q in hit:
             q.lost_to = "?"  # their watchers leave them to this recovery
         torn = [q.kernel.worker.proc for q in self.on_device(gpu) if q.kernel.worker is not None]
@@ -461,7 +525,7 @@ class Programs:
         assert q.manifest is not None
         img = await self.b.prepare(q.manifest, q.ptx, device=q.device)
         try:
-            k, run = await self._start(img, q.slot, q.nodes)
+            k, run = await self._start(img, q.slot, q.nodes, self._used(q.device, without=q))
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.b.drop(img)
@@ -471,8 +535,40 @@ class Programs:
                     cached=img.prepared.cached, manifest=q.manifest, ptx=q.ptx, restarts=q.restarts + 1)
         self._install(p)
 
+    # ---- heartbeats --------------------------------------------------------------------------
+    async def _beats(self) -> None:
+        """Watch every program's heartbeat, often enough to see a stall within a fraction of
+        ``stall_after`` (a read of one word per program)."""
+        every = min(1.0, self.stall_after / 4)
+        while True:
+            self.sample()
+            await anyio.sleep(every)
+
+    def sample(self) -> None:
+        """Note each program's heartbeat; a running one whose heartbeat has not advanced for
+        ``stall_after`` is stalled.  The start and the end of a stall are logged once each."""
+        now = time.monotonic()
+        mb = self.b.mailbox
+        for p in list(self.by_name.values()):
+            hb = mb.heartbeat(p.slot)
+            if hb != p.beat:
+                if p.beat >= 0 or hb:  # its slot was zeroed at launch: a count is beats since
+                    p.beaten = True
+                p.beat, p.beat_at = hb, now
+            ended = p.launch.finished()
+            if p.stalled_at and (ended or p.beat_at > p.stalled_at):
+                how = f"it ended ({p.state()[0]})" if ended else "it beats again"
+                log.info(f"program {p.name} no longer stalled after {now - p.stalled_at + self.stall_after:.1f}s: {how}",
+                         program=p.name, slot=p.slot)
+                p.stalled_at = 0.0
+            elif p.beaten and not p.stalled_at and not ended and now - p.beat_at >= self.stall_after:
+                p.stalled_at = now
+                log.warning(f"program {p.name} stalled: its heartbeat has not advanced for {now - p.beat_at:.1f}s",
+                            program=p.name, slot=p.slot, heartbeat=hb)
+
     def describe(self, p: Program) -> dict[str, Any]:
         state, error = p.state()
+        age = p.beat_age()
         mb = self.b.mailbox
         return {
             "name": p.name,
@@ -482,6 +578,7 @@ class Programs:
             "pid": p.kernel.pid,
             "device": p.device,
             "heartbeat": mb.heartbeat(p.slot),
+            "beat_age_s": None if age is None else round(age, 3),
             "uptime_s": round(time.monotonic() - p.started, 3),
             "hash": f"{p.hash:016x}",
             "upgrades": p.upgrades,
@@ -491,6 +588,7 @@ class Programs:
         }
 
     def list(self) -> list[dict[str, Any]]:
+        self.sample()
         return [self.describe(p) for p in sorted(self.by_name.values(), key=lambda p: p.slot)]
 
     async def close(self) -> None:

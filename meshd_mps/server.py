@@ -5,9 +5,16 @@ The control API is HTTP/1.1 + JSON, served by this module on
 connection (``Connection: close``), ``Content-Length`` bodies up to 64 MiB.
 Every answer is ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``
 with its status: 400 a bad request, 404 an unknown program or route, 405,
-409 a conflict (already loaded, not running, ...), 413, 500, 503 while the
-daemon shuts down, 504 a call that got no response in time.  A bad request
-changes nothing: the body is checked whole before any program is touched.
+409 a conflict (already loaded, not running, the GPU full, ...), 413, 500,
+503 while the daemon shuts down, 504 a call that got no response in time.  A
+bad request changes nothing: the body is checked whole before any program is
+touched.  Bodies are strict JSON (``client.parse_json``: UTF-8, at most
+``client.MAX_JSON_DEPTH`` (32) levels, no NaN, no key twice, ...), and the daemon takes
+PTX only: it never compiles CUDA C (the client does, as its user), so that no
+request makes it read a file (``#include``).
+
+The socket lives in a directory only the daemon's user can write (checked at
+start: ``_check_socket_dir``), and is created 0600.
 
 Signals: SIGTERM or SIGINT shuts down cleanly (stop accepting, the in-flight
 requests finish, every program halted and unloaded, the backend closed, the
@@ -21,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import http
 import importlib.metadata
 import json
@@ -46,10 +52,11 @@ import structlog
 
 from . import abi, eventloop
 from .backend import Backend
-from .client import MAX_BODY, default_socket
-from .compiler import INCLUDE_DIR, Manifest, cuda_to_ptx, nvjitlink_version
+from .client import MAX_BODY, default_socket, parse_json, private_dirs
+from .compiler import Manifest, nvjitlink_version
 from .daemon import become_subreaper
-from .errors import CompileError, ConfigError, HashMismatch, LimitError, ManifestError, MeshError, NoDriver, WorkerError
+from .errors import (CapacityError, CompileError, ConfigError, HashMismatch, ImageRefused, LimitError, ManifestError,
+                     MeshError, NoDriver, NotStarted, WorkerError)
 from .log import setup_logging
 from .mailbox import MailboxError
 from .metrics import CONTENT_TYPE as METRICS_TYPE, Histogram, Registry
@@ -59,8 +66,6 @@ from .procfs import processes
 log = structlog.get_logger("meshd_mps")
 
 NO_DRIVER_HINT = "no NVIDIA driver on this machine; to try meshd-mps without a GPU: meshd-mps serve --gpu sim"
-#: The device-side header's folder (examples/include next to the package), for CUDA C sources.
-EXAMPLES_INCLUDE = Path(__file__).resolve().parent.parent / "examples" / "include"
 
 HEAD_S = 30.0  # to send the request line and headers
 BODY_S = 120.0  # to send the body
@@ -70,9 +75,21 @@ MAX_HEAD = 64 << 10
 MAX_HEADERS = 100
 MAX_CALL_S = 300.0
 SUN_PATH_MAX = 107  # AF_UNIX: 108 bytes with the NUL
+#: The socket's listen backlog: connections the kernel queues while the loop is busy (a burst of
+#: clients).  The kernel caps it at net.core.somaxconn (4096 on Linux 5.4+).  Passed to
+#: ``start_unix_server`` too, which listens again with its own default (100) otherwise.
+BACKLOG = 1024
 
-LOAD_FIELDS = ("manifest", "ptx", "cuda", "hash", "nodes", "device")
+LOAD_FIELDS = ("manifest", "ptx", "hash", "nodes", "device")
+#: The answer to a body with CUDA C: the daemon never compiles it (an ``#include`` would read any
+#: file the daemon can read, and the compile log would echo it to the client).
+PTX_ONLY = ("field 'cuda': this daemon takes PTX only; it does not compile CUDA C (an #include would read files as"
+            " the daemon's user). The CLI compiles CUDA C itself, as you, and sends PTX: meshd-mps load DIR (with a"
+            " .cu file), or meshd-mps load --manifest FILE --cuda FILE")
 CALL_FIELDS = ("data", "hex", "timeout")
+#: Program states the metrics always list (each 0 when no program is in it).
+STATES = ("running", "stalled", "exited", "failed", "faulted")
+FAILED = ("failed", "faulted")
 
 
 # ---- configuration and start-up errors ----------------------------------------------------
@@ -91,6 +108,7 @@ class Config:
     log_format: str | None = None  # json | console | None (JSON unless stderr is a TTY)
     loop: str = "auto"  # auto (uvloop if installed) | uvloop | asyncio
     devices: tuple[int, ...] | None = None  # the GPUs to drive (None: every visible one)
+    stall_after: float | None = None  # seconds without a heartbeat before "stalled" (None: Programs' default)
 
 
 class StartError(MeshError):
@@ -232,7 +250,10 @@ async def read_head(reader: asyncio.StreamReader) -> Request | None:
     else:
         raise HttpError(431, f"more than {MAX_HEADERS} headers")
     if target.startswith(("http://", "https://")):
-        target = urllib.parse.urlsplit(target).path or "/"
+        try:
+            target = urllib.parse.urlsplit(target).path or "/"
+        except ValueError as e:  # e.g. "http://[": an unclosed IPv6 host
+            raise HttpError(400, f"request target {target[:80]!r}: {e}") from None
     if not target.startswith("/"):
         raise HttpError(400, f"request target {target[:80]!r}: a path starting with / expected")
     path = target.split("?", 1)[0].split("#", 1)[0]
@@ -252,11 +273,11 @@ def content_length(req: Request) -> int:
     v = req.headers.get("content-length")
     if v is None:
         return 0
-    if not v.isdigit():
+    if not (v.isascii() and v.isdigit()):  # str.isdigit() alone takes "²" (latin-1 superscripts) too
         raise HttpError(400, f"Content-Length {v[:40]!r}: not a number")
-    n = int(v)
+    n = int(v) if len(v) <= 20 else MAX_BODY + 1  # int() of thousands of digits raises: over the limit anyway
     if n > MAX_BODY:
-        raise HttpError(413, f"body of {n} bytes is over the limit of {MAX_BODY} bytes (64 MiB)")
+        raise HttpError(413, f"body of {v[:40]} bytes is over the limit of {MAX_BODY} bytes (64 MiB)")
     return n
 
 
@@ -264,21 +285,38 @@ def content_length(req: Request) -> int:
 
 
 def json_body(req: Request) -> dict[str, Any]:
+    """The body as a JSON object: strict JSON (``client.parse_json``), nested at most
+    ``client.MAX_JSON_DEPTH`` (32) levels, checked without recursion before it is parsed."""
     if not req.body.strip():
         raise HttpError(400, "body: a JSON object expected, got an empty body")
     try:
-        obj = json.loads(req.body)
-    except (ValueError, UnicodeDecodeError) as e:
+        obj = parse_json(req.body)
+    except ValueError as e:
         raise HttpError(400, f"body: not JSON: {e}") from None
     if not isinstance(obj, dict):
-        raise HttpError(400, f"body: a JSON object expected, got {type(obj).__name__}")
+        raise HttpError(400, f"body: a JSON object expected, got {_jtype(obj)}")
     return obj
+
+
+def _jtype(v: Any) -> str:
+    """A JSON value's type, in JSON's words."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    return {int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _show(v: Any, n: int = 80) -> str:
+    """A value as an error message quotes it: its repr, cut to ``n`` characters."""
+    r = repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
 
 
 def check_fields(obj: dict[str, Any], allowed: tuple[str, ...]) -> None:
     for k in obj:
         if k not in allowed:
-            raise HttpError(400, f"unknown field {k!r} (expected {', '.join(allowed)})")
+            raise HttpError(400, f"unknown field {_show(k)} (expected {', '.join(allowed)})")
 
 
 def check_name(name: str) -> str:
@@ -296,7 +334,7 @@ def _int_field(obj: dict[str, Any], key: str) -> int | None:
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
-        raise HttpError(400, f"field {key!r}: an integer expected, got {type(v).__name__}")
+        raise HttpError(400, f"field {key!r}: an integer expected, got {_jtype(v)}")
     return v
 
 
@@ -305,37 +343,42 @@ class Image:
     """A load or upgrade request, checked."""
 
     manifest: Manifest
-    kind: str  # ptx | cuda
-    text: str
+    text: str  # PTX
     expect: int | None
     nodes: int | None
     device: int | None = None
 
 
 def parse_image(obj: dict[str, Any]) -> Image:
+    """A load/upgrade body, checked whole.  Integers are bounded only by what they mean (a GPU
+    ordinal must be served here, ``nodes`` must fit the GPU: Programs refuses more with 409)."""
+    if "cuda" in obj:
+        raise HttpError(400, PTX_ONLY)
     check_fields(obj, LOAD_FIELDS)
     if "manifest" not in obj:
         raise HttpError(400, "field 'manifest' is missing")
     raw = obj["manifest"]
-    if not isinstance(raw, (dict, str)):
-        raise HttpError(400, f"field 'manifest': a JSON object expected, got {type(raw).__name__}")
+    if isinstance(raw, str):  # a manifest's JSON text: read as strictly as the body
+        try:
+            raw = parse_json(raw)
+        except ValueError as e:
+            raise HttpError(400, f"field 'manifest': not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise HttpError(400, f"field 'manifest': a JSON object expected, got {_jtype(raw)}")
     m = Manifest.parse(raw)  # ManifestError names the field: 400
     check_name(m.name)
-    have = [k for k in ("ptx", "cuda") if k in obj]
-    if len(have) != 1:
-        raise HttpError(400, "one of the fields 'ptx' (PTX text) or 'cuda' (CUDA C source) is needed" if not have
-                        else "the fields 'ptx' and 'cuda' exclude each other")
-    kind = have[0]
-    text = obj[kind]
+    if "ptx" not in obj:
+        raise HttpError(400, "field 'ptx' (the program's PTX text) is missing")
+    text = obj["ptx"]
     if not isinstance(text, str):
-        raise HttpError(400, f"field {kind!r}: a string expected, got {type(text).__name__}")
+        raise HttpError(400, f"field 'ptx': a string expected, got {_jtype(text)}")
     if not text.strip():
-        raise HttpError(400, f"field {kind!r} is empty")
+        raise HttpError(400, "field 'ptx' is empty")
     expect = None
     if obj.get("hash") is not None:
         h = obj["hash"]
         if not isinstance(h, str) or len(h) != 16 or any(c not in "0123456789abcdefABCDEF" for c in h):
-            raise HttpError(400, f"field 'hash' {h!r}: 16 hex digits expected")
+            raise HttpError(400, f"field 'hash' {_show(h)}: 16 hex digits expected")
         expect = int(h, 16)
     nodes = _int_field(obj, "nodes")
     if nodes is not None and nodes < 1:
@@ -343,7 +386,7 @@ def parse_image(obj: dict[str, Any]) -> Image:
     device = _int_field(obj, "device")
     if device is not None and device < 0:
         raise HttpError(400, f"field 'device' {device}: a GPU ordinal is 0 or more")
-    return Image(m, kind, text, expect, nodes, device)
+    return Image(m, text, expect, nodes, device)
 
 
 # ---- the daemon ---------------------------------------------------------------------------
@@ -401,7 +444,8 @@ class Daemon:
                 return 0
             stopped.cancel()
             opening.result()  # its error (NoDriver, MpsError, ...) ends the start
-            server = await asyncio.start_unix_server(self._handle, sock=sock, limit=MAX_HEAD, start_serving=False)
+            server = await asyncio.start_unix_server(self._handle, sock=sock, limit=MAX_HEAD, start_serving=False,
+                                                     backlog=BACKLOG)
             await server.start_serving()
             b = self.backend
             assert b is not None and b.caps is not None
@@ -441,7 +485,8 @@ class Daemon:
         b = await Backend.open(isolation=c.isolation, sms=c.sms, mps_dir=c.mps_dir, pool=pool,  # type: ignore[arg-type]
                                gpu=c.gpu, cache_dir=c.cache_dir, devices=c.devices)
         self.backend = b
-        self.programs = Programs(b)
+        # stall_after only when given: Programs' own default (programs.STALL_S) otherwise.
+        self.programs = Programs(b) if c.stall_after is None else Programs(b, stall_after=c.stall_after)
         self._register_metrics()
 
     async def _close_backend(self) -> None:
@@ -512,7 +557,7 @@ class Daemon:
         path = self.socket_path
         if len(os.fsencode(path)) > SUN_PATH_MAX:
             raise StartError(f"--socket {path}: {len(os.fsencode(path))} bytes, AF_UNIX allows {SUN_PATH_MAX}")
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        _check_socket_dir(os.path.dirname(path))
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -538,7 +583,7 @@ class Daemon:
         os.chmod(path, 0o600)
         st = os.stat(path)
         self._sock_id = (st.st_dev, st.st_ino)
-        s.listen(128)  # a client that connects during start-up waits for the answer
+        s.listen(BACKLOG)  # a client that connects during start-up waits for the answer
         s.setblocking(False)
         return s
 
@@ -604,6 +649,11 @@ class Daemon:
             resp = await self._dispatch(req)
         except HttpError as e:
             resp = error_response(e.status, e.message, e.headers)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            raise
+        except Exception:  # a bug in reading the request: answered, not a dropped connection
+            log.error("reading a request failed", traceback=traceback.format_exc())
+            resp = error_response(500, "internal error (the daemon's log has the traceback)")
         self.http_codes[resp.status] = self.http_codes.get(resp.status, 0) + 1
         head = [f"HTTP/1.1 {resp.status} {reason(resp.status)}", f"Content-Type: {resp.content_type}",
                 f"Content-Length: {len(resp.body)}", "Connection: close", "Server: meshd-mps"]
@@ -631,7 +681,7 @@ class Daemon:
             status = _mesh_status(e)
             if status >= 500:
                 log.error(f"{req.method} {req.path}: {e}")
-            return error_response(status, str(e))
+            return json_response(status, {"ok": False, "error": str(e), **_error_fields(e)})
         except MailboxError as e:
             return error_response(409 if "full" in str(e) else 400, str(e))
         except Exception:
@@ -700,6 +750,7 @@ class Daemon:
             "daemon_died": s.get("daemon_died"),
             "mps_dir": s.get("mps_dir"),
             "programs": len(ps.by_name),
+            "stalled": sum(1 for p in ps.by_name.values() if ps.describe(p)["state"] == "stalled"),
             "devices": [{**d, "programs": len(ps.on_device(d["device"]))} for d in s["devices"]],
             "loads": ps.loads,
             "requests_in_flight": len(self._busy),  # this one included
@@ -727,17 +778,6 @@ class Daemon:
     async def get_program(self, req: Request, name: str) -> Response:
         return json_response(200, {"ok": True, "program": self._describe(self._p().get(name))})
 
-    async def _ptx(self, img: Image) -> bytes:
-        if img.kind == "ptx":
-            return img.text.encode()
-        include = [str(EXAMPLES_INCLUDE)] if EXAMPLES_INCLUDE.is_dir() and EXAMPLES_INCLUDE != INCLUDE_DIR else []
-        b = self._b()
-        assert b.info is not None
-        # The oldest architecture served: its PTX JITs on every GPU here, whichever one takes it.
-        oldest = min(b.infos.values(), key=lambda i: (i.cc_major, i.cc_minor))
-        compile = functools.partial(cuda_to_ptx, img.text.encode(), img.manifest.name, oldest.compute, include)
-        return await anyio.to_thread.run_sync(compile)
-
     def _loaded(self, p: Program, status: int, what: str) -> Response:
         ps = self._p()
         if ps.load_ms and self.load_seconds is not None:
@@ -753,8 +793,7 @@ class Daemon:
         if img.device is not None and img.device not in self._b().devices:
             raise HttpError(400, f"field 'device' {img.device}: this daemon serves GPU"
                                  f" {', '.join(map(str, self._b().devices))} (--devices)")
-        ptx = await self._ptx(img)
-        p = await ps.load(img.manifest, ptx, img.expect, img.nodes or 1, img.device)
+        p = await ps.load(img.manifest, img.text.encode(), img.expect, img.nodes or 1, img.device)
         return self._loaded(p, 201, "loaded")
 
     async def put_program(self, req: Request, name: str) -> Response:
@@ -768,8 +807,7 @@ class Daemon:
         if img.device is not None and img.device != old.device:
             raise HttpError(400, f"field 'device' {img.device}: an upgrade keeps the program on its GPU {old.device}"
                                  " (unload and load to move it)")
-        ptx = await self._ptx(img)
-        p = await ps.upgrade(name, img.manifest, ptx, img.expect)
+        p = await ps.upgrade(name, img.manifest, img.text.encode(), img.expect)
         return self._loaded(p, 200, "upgraded")
 
     async def delete_program(self, req: Request, name: str) -> Response:
@@ -786,11 +824,11 @@ class Daemon:
             raise HttpError(400, "one of the fields 'data' (text) or 'hex' (bytes in hex) is needed")
         if "data" in obj:
             if not isinstance(obj["data"], str):
-                raise HttpError(400, f"field 'data': a string expected, got {type(obj['data']).__name__}")
+                raise HttpError(400, f"field 'data': a string expected, got {_jtype(obj['data'])}")
             payload = obj["data"].encode()
         else:
             if not isinstance(obj["hex"], str):
-                raise HttpError(400, f"field 'hex': a string expected, got {type(obj['hex']).__name__}")
+                raise HttpError(400, f"field 'hex': a string expected, got {_jtype(obj['hex'])}")
             try:
                 payload = bytes.fromhex(obj["hex"])
             except ValueError as e:
@@ -801,7 +839,7 @@ class Daemon:
         if obj.get("timeout") is not None:
             t = obj["timeout"]
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= MAX_CALL_S:
-                raise HttpError(400, f"field 'timeout' {t!r}: seconds, more than 0 and at most {MAX_CALL_S:g}")
+                raise HttpError(400, f"field 'timeout' {_show(t)}: seconds, more than 0 and at most {MAX_CALL_S:g}")
             within = float(t)
         ps.get(name)  # 404
         t0 = time.perf_counter()
@@ -825,9 +863,9 @@ class Daemon:
             state, _error = p.state()
             current[key] = state
             before = self._seen.get(key)
-            if state == before or state in ("running", "exited"):
-                continue
-            if before in (None, "running", "exited"):  # newly failed (failed -> faulted is one fault)
+            # Newly failed (failed -> faulted is one fault); any other state (running, exited,
+            # stalled, ...) is not a failure.
+            if state in FAILED and before not in FAILED:
                 self.faults += 1
                 f = p.launch.inner
                 if f.done() and not f.cancelled() and isinstance(f.exception(), WorkerError):
@@ -855,11 +893,15 @@ class Daemon:
             "meshd_mps_load_seconds", "Time of each successful load or upgrade (checks, JIT or cache, preload, launch).")
 
         def by_state() -> list[tuple[dict[str, str], float]]:
-            n = dict.fromkeys(("running", "exited", "failed", "faulted"), 0)
+            n = dict.fromkeys(STATES, 0)
             for p in ps.by_name.values():
-                st = p.state()[0]
+                st = ps.describe(p)["state"]  # "stalled" included (its heartbeat stopped)
                 n[st] = n.get(st, 0) + 1
             return [({"state": k}, v) for k, v in n.items()]
+
+        def beat_ages() -> list[tuple[dict[str, str], float]]:
+            ages = [(p.name, ps.describe(p).get("beat_age_s")) for p in ps.by_name.values()]
+            return [({"program": name}, age) for name, age in ages if age is not None]  # never beat: no sample
 
         r.gauge("meshd_mps_programs", "Loaded programs, by state.", by_state)
         r.counter("meshd_mps_faults_total", "Programs seen failed or faulted (a launch error, a GPU fault, a worker death).",
@@ -892,6 +934,9 @@ class Daemon:
             r.gauge("meshd_mps_last_blink_seconds", "Length of the last blink on any GPU (absent before the first).", last_blink)
         r.gauge("meshd_mps_program_heartbeat", "Each program's heartbeat counter (its mailbox slot's HEARTBEAT word).",
                 lambda: [({"program": p.name}, b.mailbox.heartbeat(p.slot)) for p in ps.by_name.values()])
+        r.gauge("meshd_mps_program_beat_age_seconds",
+                "Seconds since each program's heartbeat was last seen advancing (no sample for one that never beat).",
+                beat_ages)
         r.gauge("meshd_mps_sms", "SMs a program may use (--sms, else the device's).", lambda: caps.sms)
         r.counter("meshd_mps_http_requests_total", "Control API requests answered, by status code.",
                   lambda: [({"code": str(k)}, v) for k, v in sorted(self.http_codes.items())])
@@ -905,6 +950,16 @@ def _fault(f: Any) -> dict[str, Any]:
     return d
 
 
+def _error_fields(e: MeshError) -> dict[str, Any]:
+    """A typed error's fields, beside its message in the answer: a CapacityError's ``limit``,
+    ``have`` and ``asked``; NotStarted's ``within`` and ``likely``."""
+    if isinstance(e, CapacityError):
+        return {"limit": e.limit, "have": e.have, "asked": e.asked}
+    if isinstance(e, NotStarted):
+        return {"within": e.within, "likely": e.likely}
+    return {}
+
+
 def _program_status(msg: str) -> int:
     if "is not loaded" in msg:
         return 404
@@ -916,6 +971,12 @@ def _program_status(msg: str) -> int:
 
 
 def _mesh_status(e: MeshError) -> int:
+    # By type first: the GPU cannot take the load beside what runs (409), the kernel never started
+    # (409, rolled back), the driver refused the image itself (400: the program's fault).
+    if isinstance(e, (CapacityError, NotStarted)):
+        return 409
+    if isinstance(e, ImageRefused):
+        return 400
     if isinstance(e, (ManifestError, CompileError, HashMismatch, ConfigError)):
         return 400
     if isinstance(e, LimitError):
@@ -923,6 +984,52 @@ def _mesh_status(e: MeshError) -> int:
     if "did not halt" in str(e) or "still runs" in str(e):
         return 409
     return 500  # a worker, the MPS daemon or the device failed: the message says which
+
+
+# ---- the socket's directory -------------------------------------------------------------------
+
+
+def _check_socket_dir(d: str) -> None:
+    """The socket's directory, created (0700) if it is missing, and refused (StartError) unless only
+    the daemon's user can write it: a directory owned by the daemon's uid, or by root, with no group
+    or other write bit, so that nobody else can remove, rename or replace the socket or plant
+    another one in its place.  This holds for every socket (--socket, $MESHD_MPS_SOCKET, the
+    defaults), with no exception for sticky directories such as /tmp.  A symlink is followed if it
+    is the daemon's user's or root's.  The default directories the daemon makes itself
+    (client.private_dirs: /run/meshd-mps for root, /tmp/meshd-mps-$UID) must be its own: owned by
+    its uid, and never a symlink (anyone can create that name in /tmp first)."""
+    me = os.geteuid()
+    own = os.path.abspath(d) in private_dirs(me)
+    hint = "put the socket in a directory only you can write (--socket), or remove it and let meshd-mps make it"
+    try:
+        os.makedirs(d, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        pass  # not a directory (or a dangling symlink): said below
+    except OSError as e:
+        raise StartError(f"socket directory {d}: cannot create it: {e.strerror}") from None
+    try:
+        st = os.lstat(d)
+        if stat.S_ISLNK(st.st_mode):
+            if own:
+                raise StartError(f"socket directory {d} is a symlink; refusing it (the default directory must be a real"
+                                 f" one, owned by uid {me}, mode 0700: remove the link and meshd-mps makes it)")
+            if st.st_uid not in (me, 0):
+                raise StartError(f"socket directory {d} is a symlink owned by uid {st.st_uid}, not by this daemon's uid"
+                                 f" {me} or root; refusing it: {hint}")
+            st = os.stat(d)
+    except FileNotFoundError:
+        raise StartError(f"socket directory {d}: a dangling symlink; refusing it") from None
+    except OSError as e:
+        raise StartError(f"socket directory {d}: {e.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise StartError(f"socket directory {d} is not a directory; refusing it")
+    if st.st_uid != me and (own or st.st_uid != 0):
+        raise StartError(f"socket directory {d} is owned by uid {st.st_uid}, not by this daemon's uid {me}; refusing it"
+                         f" (its owner could replace the socket): {hint}")
+    if st.st_mode & 0o022:
+        who = " and ".join(w for w, bit in (("its group", 0o020), ("other users", 0o002)) if st.st_mode & bit)
+        raise StartError(f"socket directory {d} is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}); refusing it"
+                         f" (they could remove or replace the socket): {hint}")
 
 
 # ---- processes ------------------------------------------------------------------------------

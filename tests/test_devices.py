@@ -19,6 +19,7 @@ from meshd_mps.client import ClientError, program_body
 from meshd_mps.device import SIM_GPUS_ENV, choose_devices, parse_devices, simulated_count
 from meshd_mps.errors import ConfigError, LimitError, WorkerError
 from meshd_mps.frames import Op
+from meshd_mps.limits import MPS_QUEUES
 from meshd_mps.mps import Mps, worker_argv
 from meshd_mps.programs import ProgramError, Programs
 from workers import warm
@@ -94,7 +95,9 @@ def test_worker_argv_and_warm_read_the_same_options():
     for argv in argvs:
         ns = parse_args(argv)
         assert warm.options(argv) == (ns.gpu, ns.sms, ns.device), argv
-    assert "--device" in worker_argv("m", 0, "sim", 1) and worker_argv("m", 0, "sim", 1)[-1] == "1"
+        assert warm.queues(argv) == ns.queues, argv
+    argv = worker_argv("m", 0, "sim", 1)
+    assert argv[argv.index("--device") + 1] == "1" and argv[argv.index("--queues") + 1] == str(MPS_QUEUES)
     with pytest.raises(SystemExit):  # no abbreviations, which warm.py would not read
         parse_args(["--mailbox", "m", "--dev", "1"])
 

@@ -228,7 +228,8 @@ def test_serve_end_to_end(serve, tmp, isolation):
     assert second.returncode == 1 and f"another meshd-mps serves on {sock}" in second.stderr
     assert "Traceback" not in second.stderr
 
-    # Load: a program directory through the CLI (the daemon compiles its .cu), CUDA C through the client.
+    # Load: a program directory through the CLI (the CLI compiles its .cu, the daemon gets PTX), and through
+    # the client module (program_body compiles it the same way).
     r = cli("load", str(EXAMPLES / "heartbeat"), "--socket", sock)
     assert r.returncode == 0, r.stderr
     assert re.match(r"heartbeat loaded on slot 0 \(pid \d+, hash [0-9a-f]{16}, ", r.stdout), r.stdout
@@ -352,7 +353,9 @@ def check_errors(s: Serve, c: Client, isolation: str) -> None:
     refused(lambda: c.load({"manifest": manifest("spin", warps=0), "ptx": ptx}), 400, "'warps'")
     msg = refused(lambda: c.load({"manifest": manifest("spin"), "ptx": ".version 9.0\n.target sm_90\ngarbage"}), 400)
     assert msg.startswith("jit: "), msg
-    refused(lambda: c.load({"manifest": manifest("spin"), "cuda": "this is not C"}), 400, "nvrtc: spin")
+    # CUDA C: the daemon takes PTX only (it never compiles, so no #include of a file of its own).
+    refused(lambda: c.load({"manifest": manifest("spin"), "cuda": "this is not C"}), 400, "takes PTX only",
+            "meshd-mps load DIR")
     refused(lambda: c.load({"manifest": manifest("spin"), "ptx": ptx, "hash": "0000000000000000"}), 400,
             "expected 0000000000000000")
     refused(lambda: c.load({"manifest": manifest("spin"), "ptx": ptx, "hash": "xyz"}), 400, "16 hex digits")

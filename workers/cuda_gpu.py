@@ -8,15 +8,21 @@ sleeps instead of spinning a CPU.
 
 The mailbox (the memfd every worker maps) is registered as host-mapped memory
 (DEVICEMAP | PORTABLE); programs get its device address as their first
-parameter.  Each module has its own non-blocking stream; each launch records a
-blocking-sync event after the kernel, and the module's waiter thread (one per
-module, started at load: a thread started per launch cost each LAUNCH ~50 us
-on the H200 host) sleeps in cuEventSynchronize on each in launch order, the
-order its stream runs them, then reports DONE exactly once.  cuda.bindings
+parameter.  The context's non-blocking streams are made when it opens, one per
+hardware work queue (``--queues``, workers/warm.py) in creation order, so each
+is a queue of its own; a module takes the lowest-numbered free one and gives it
+back at unload (workers.gpu.Streams), so its kernel never waits behind another
+module's resident one.  Each launch records a blocking-sync event after the
+kernel, and the module's waiter thread (one per module, started at load: a
+thread started per launch cost each LAUNCH ~50 us on the H200 host) sleeps in
+cuEventSynchronize on each in launch order, the order its stream runs them,
+then reports DONE exactly once.  cuda.bindings
 releases the GIL in every driver call, so waiters do not hold up the frame loop.
 
 Every driver error raises GpuError naming the call and the error, e.g.
-``cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (device kernel image is invalid)``.
+``cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (device kernel image is invalid)``;
+one that is the image's fault (by its CUresult: ``IMAGE_ERRORS``, ``NO_ENTRY``)
+is marked refused.
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ from meshd_mps.device import error_name, is_no_driver
 from meshd_mps.frames import Done, Load, Loaded
 from meshd_mps.mailbox import Mailbox
 
-from .gpu import DoneCallback, GpuError
-from .warm import Warm
+from .gpu import DoneCallback, GpuError, Streams
+from .warm import Warm, driver_queues
 
 try:
     from cuda.bindings import driver as cu
@@ -46,6 +52,16 @@ else:
     _IMPORT_ERROR = None
 
 log = structlog.get_logger("meshd_mps.worker.cuda")
+
+#: cuModuleLoadData's errors that are the image's fault, not the worker's: a LOADED refusal.
+IMAGE_ERRORS: frozenset[int] = frozenset(
+    int(getattr(cu.CUresult, n)) for n in (
+        "CUDA_ERROR_INVALID_IMAGE", "CUDA_ERROR_INVALID_PTX", "CUDA_ERROR_NO_BINARY_FOR_GPU",
+        "CUDA_ERROR_UNSUPPORTED_PTX_VERSION", "CUDA_ERROR_INVALID_SOURCE",
+    )
+) if cu is not None else frozenset()
+#: cuModuleGetFunction's "the image has no such entry": refused as well.
+NO_ENTRY: frozenset[int] = frozenset({int(cu.CUresult.CUDA_ERROR_NOT_FOUND)}) if cu is not None else frozenset()
 
 #: Dynamic shared memory above this needs CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES.
 SMEM_DEFAULT_LIMIT = 48 << 10
@@ -62,8 +78,9 @@ def _done_text(err: Any) -> str:
     return f"{name}: {text}" if text else name
 
 
-def check(result: Any, call: str) -> Any:
-    """A driver call's ``(err, *values)`` (or a bare ``err``): the value(s), or GpuError.
+def check(result: Any, call: str, refuse: frozenset[int] = frozenset()) -> Any:
+    """A driver call's ``(err, *values)`` (or a bare ``err``): the value(s), or GpuError (refused
+    when the error is one of ``refuse``).
 
     Like cuda.core's handle_return: no value gives None, one value that value,
     several a tuple.
@@ -73,7 +90,7 @@ def check(result: Any, call: str) -> Any:
     else:
         err, vals = result, []
     if int(err) != 0:
-        raise GpuError(f"{call}: {_fmt(err)}")
+        raise GpuError(f"{call}: {_fmt(err)}", refused=int(err) in refuse)
     if not vals:
         return None
     return vals[0] if len(vals) == 1 else tuple(vals)
@@ -89,6 +106,7 @@ class _Module:
     name: str
     mod: Any
     fn: Any = None
+    hw_queue: int = -1  # its hardware work queue's number in the context's Streams, -1 if none yet
     stream: Any = None
     threads: int = 0
     smem: int = 0
@@ -120,6 +138,7 @@ class CudaGpu:
         self._tls = threading.local()
         self._params: dict[int, tuple[Any, ...]] = {}  # slot -> (its kernel parameters, kept alive, their address)
         self._modules: dict[int, _Module] = {}
+        self._streams: Streams[Any] = Streams([])
         self._closed = False
         if cu is None:
             raise GpuError(f"cuda-python is not installed: {_IMPORT_ERROR}")
@@ -186,7 +205,13 @@ class CudaGpu:
         )
         self._registered = True
         self.dev = int(check(cu.cuMemHostGetDevicePointer(self._host, 0), "cuMemHostGetDevicePointer"))
-        log.info("GPU opened", device=self.device, sms=self.sms, green=bool(sms), mailbox_dev=hex(self.dev))
+        made: list[Any] = []
+        try:
+            for _ in range(driver_queues()):  # the count the driver read at cuInit: one stream per queue, in order
+                made.append(check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate"))
+        finally:
+            self._streams = Streams(made)  # close destroys what was made, even after a failure
+        log.info("GPU opened", device=self.device, sms=self.sms, green=bool(sms), mailbox_dev=hex(self.dev), queues=len(made))
 
     def _open_green(self, dev: Any, sms: int, total: int) -> None:
         SM = cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
@@ -240,10 +265,10 @@ class CudaGpu:
         if req.threads < 1:
             raise GpuError(f"{req.name}: {req.threads} threads per block")
         self._current()
-        mod = check(cu.cuModuleLoadData(req.cubin), "cuModuleLoadData")
+        mod = check(cu.cuModuleLoadData(req.cubin), "cuModuleLoadData", IMAGE_ERRORS)
         m = _Module(req.module, req.name, mod, threads=req.threads, smem=req.smem)
         try:
-            m.fn = check(cu.cuModuleGetFunction(mod, abi.ENTRY.encode()), f"cuModuleGetFunction({abi.ENTRY})")
+            m.fn = check(cu.cuModuleGetFunction(mod, abi.ENTRY.encode()), f"cuModuleGetFunction({abi.ENTRY})", NO_ENTRY)
             A = cu.CUfunction_attribute
             if req.smem > SMEM_DEFAULT_LIMIT:
                 check(
@@ -274,7 +299,7 @@ class CudaGpu:
                 v32 = ctypes.c_uint32(0)
                 check(cu.cuMemcpyDtoH(ctypes.addressof(v32), at, 4), f"cuMemcpyDtoH({abi.RT_ABI_SYMBOL})")
                 rt_abi = int(v32.value)
-            m.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+            m.hw_queue, m.stream = self._streams.take()
             m.waiter = threading.Thread(target=self._waits, args=(m,), name=f"done-{req.module}", daemon=True)
             m.waiter.start()
         except BaseException:
@@ -305,15 +330,15 @@ class CudaGpu:
         m.events = []
         if m.scratch:
             steps.append(("cuMemFree(scratch)", lambda: cu.cuMemFree(m.scratch)))
-        if m.stream is not None:
-            steps.append(("cuStreamDestroy", lambda: cu.cuStreamDestroy(m.stream)))
         steps.append(("cuModuleUnload", lambda: cu.cuModuleUnload(m.mod)))
         for call, f in steps:
             try:
                 check(f(), call)
             except GpuError as e:
                 first = first or str(e)
-        m.scratch, m.stream = 0, None
+        if m.stream is not None:  # the context's, idle now: the next module's
+            self._streams.give(m.hw_queue)
+        m.scratch, m.hw_queue, m.stream = 0, -1, None
         return first
 
     def stack_limit(self, set_to: int | None) -> int:
@@ -421,6 +446,10 @@ class CudaGpu:
                 err = self._release(m)
                 if err:
                     log.warning("module not released", module=m.id, error=err)
+            failed = [_code(r) for r in (cu.cuStreamDestroy(st) for st in self._streams.streams) if _code(r)]
+            if failed:
+                log.warning("streams not destroyed", streams=len(failed), error=_fmt(failed[0]))
+            self._streams = Streams([])
             if self._registered:
                 r = cu.cuMemHostUnregister(self._host)
                 if _code(r):

@@ -2,16 +2,58 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Generic, Protocol, TypeVar
 
 from meshd_mps.frames import Done, Load, Loaded
 
+from .warm import MAX_QUEUES, QUEUES_ENV
+
 DoneCallback = Callable[[Done], None]
+S = TypeVar("S")
 
 
 class GpuError(Exception):
-    """A GPU call failed; the text is sent to the supervisor as the reply's error."""
+    """A GPU call failed; the text is sent to the supervisor as the reply's error.  ``refused``: the
+    driver refused the request's image itself (the program's fault, not the worker's), which a
+    LOADED reply says with its ok word 2."""
+
+    def __init__(self, message: str, *, refused: bool = False):
+        super().__init__(message)
+        self.refused = refused
+
+
+class Streams(Generic[S]):
+    """A context's streams, one per hardware work queue, made in order when the context opens.
+
+    A kernel on a queue that holds a resident kernel never starts, and the driver, not we, picks a
+    new stream's queue.  The first N streams of a fresh context are on its N queues; a stream made
+    per module is not, once more than N were made (on the H200, driver 580: a 9th module's stream
+    shared module 1's queue, and after it was destroyed the next module's stream still shared a
+    resident kernel's queue and never started).  So the streams are made once, and each module
+    takes the lowest-numbered free one and gives it back at unload: up to ``len(streams)``
+    resident programs each have a queue of their own, and one more is refused at load.
+    """
+
+    def __init__(self, streams: Sequence[S]):
+        self.streams = list(streams)
+        self._free = set(range(len(self.streams)))
+
+    def take(self) -> tuple[int, S]:
+        """(the queue's number, its stream); GpuError naming the limit when every one is held."""
+        if not self._free:
+            n = len(self.streams)
+            raise GpuError(
+                f"cuStreamCreate: all {n} hardware work queues of this context hold a module; a stream on a"
+                f" shared queue would never start its kernel beside a resident one (unload a module, or start"
+                f" the worker with more --queues: {QUEUES_ENV}, at most {MAX_QUEUES})"
+            )
+        i = min(self._free)
+        self._free.remove(i)
+        return i, self.streams[i]
+
+    def give(self, i: int) -> None:
+        self._free.add(i)
 
 
 class Gpu(Protocol):

@@ -37,6 +37,7 @@ from meshd_mps.log import setup_logging
 from meshd_mps.mailbox import Mailbox
 
 from .gpu import Gpu, GpuError
+from .warm import MAX_QUEUES, QUEUES_ENV
 
 log = structlog.get_logger("meshd_mps.worker")
 
@@ -184,7 +185,7 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
                     log.info("module loaded", program=req.name, module=req.module, ms=round((time.monotonic() - t0) * 1e3, 2))
                     reply = info.encode()
                 except GpuError as e:
-                    reply = frames.error_reply(str(e))
+                    reply = frames.error_reply(str(e), refused=e.refused)
                 if not misbehave("load", Op.LOADED, reply):
                     ch.write(Op.LOADED, reply)
             elif op == Op.LAUNCH:
@@ -222,20 +223,33 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
             return EXIT_PROTOCOL
 
 
+def _queues(v: str) -> int:
+    """``--queues``: digits only (what warm.py reads too), at most the driver's maximum."""
+    if not v.isdigit():
+        raise argparse.ArgumentTypeError(f"{v!r} is not a count of hardware work queues")
+    n = int(v)
+    if n > MAX_QUEUES:
+        raise argparse.ArgumentTypeError(f"{n}: the driver takes at most {MAX_QUEUES} hardware work queues ({QUEUES_ENV})")
+    return n
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The worker's options.  No abbreviations: warm.py reads --gpu, --sms and --device from argv
-    itself (before this module is imported), and must read the same."""
+    """The worker's options.  No abbreviations: warm.py reads --gpu, --sms, --device and --queues
+    from argv itself (before this module is imported), and must read the same."""
     ap = argparse.ArgumentParser(prog="meshd-mps worker", description="One MPS client process of meshd-mps (started by the daemon).",
                                  allow_abbrev=False)
     ap.add_argument("--mailbox", required=True, help="path of the mailbox memfd (/proc/PID/fd/N)")
     ap.add_argument("--sms", type=int, default=0, help="a green context of this many SMs (0: the whole device)")
     ap.add_argument("--gpu", choices=("cuda", "sim"), default="cuda", help="the real GPU, or the CPU simulation for tests")
     ap.add_argument("--device", type=int, default=0, help="the GPU's CUDA ordinal (default 0)")
+    ap.add_argument("--queues", type=_queues, default=0, metavar="N",
+                    help=f"hardware work queues of the context ({QUEUES_ENV}, set before cuInit; at most {MAX_QUEUES};"
+                         " 0: the driver's default, 8)")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv)  # --queues is in the environment already: warm.start put it there, before cuInit
     setup_logging(component="worker")
     structlog.contextvars.bind_contextvars(pid=os.getpid(), device=args.device)
     try:

@@ -7,18 +7,39 @@ read and write the real mailbox, and a script in the image makes the worker
 finish, fail, hang, die or break the protocol where a test wants it.
 
 The image ("cubin") is either a script, ``MESHSIM1`` then a JSON object, or a
-real cubin (an ELF from nvJitLink), which runs as the example program its
-name starts with (heartbeat, echo, spin, fault), else returns at once.
+real cubin (an ELF from nvJitLink).  The simulation does not run GPU code, and
+says so: a real cubin whose name starts with an example's (heartbeat, echo,
+spin, fault) runs as that example, with a warning at load; any other is
+refused at load, as is one without the entry ``mesh_main`` (in the real
+driver's words).  Refusals are the image's fault: GpuError(refused=True).
 
 Script keys (all optional):
   kernel: sleep | fail | hang | exit | heartbeat | echo | spin | fault
   ms: run time of sleep/fail (default 0); message: fail's error text
+  start: false  (never write STATE = RUNNING; otherwise as its kernel)
+  pause_after, pause_ms: heartbeat/echo stop beating after that many beats, for
+      pause_ms (0: until HALT), still seeing HALT: a stalled program
+  entry: false  (the image has no mesh_main: refused at load)
   load, launch, ready: a protocol fault in that reply: hang | exit | garbage |
       wrong-op | short | close-stdout | unsolicited | error:<text>
   quit: ignore  (ignore QUIT and stdin EOF)
   load_ms: delay before LOADED; rt_abi, regs, local, per_sm, sms: reported values
+Every kernel writes STATE = RUNNING in its slot when it starts (the ABI asks it
+of every program), unless ``start`` is false.
 Startup faults come from MESHD_MPS_SIM_STARTUP (same values as ``ready``, plus
 ``no-mps``: do not connect to the daemon, like a worker with another pipe dir).
+
+What the H200 does to resident kernels, simulated so that tests fail where the
+GPU would: the context has ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware work queues
+(read at construction, as the driver reads it at cuInit; workers/warm.py), a
+module takes one as CudaGpu gives it a stream (workers.gpu.Streams), and a
+kernel starts only once every earlier kernel of its queue has ended.  And a
+resident kernel needs its whole grid on the GPU at once: the context holds
+``per_sm * sms`` blocks of a module (``per_sm`` as reported, ``sms`` the
+context's), a kernel of ``nodes`` blocks holds ``nodes / (per_sm * sms)`` of
+it, and one that does not fit beside the running ones waits until it does
+(the GPU does not preempt).  A kernel that waits has not started: it neither
+runs nor writes STATE.
 
 Several GPUs: ``--device N`` of ``$MESHD_MPS_SIM_GPUS`` (default 1; another
 ordinal is refused as cuDeviceGet refuses it); the worker tells the stand-in
@@ -33,7 +54,9 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
+from fractions import Fraction
 
 import structlog
 
@@ -41,7 +64,8 @@ from meshd_mps import abi
 from meshd_mps.frames import Done, Load, Loaded
 from meshd_mps.mailbox import Mailbox
 
-from .gpu import DoneCallback, GpuError
+from .gpu import DoneCallback, GpuError, Streams
+from .warm import driver_queues
 
 log = structlog.get_logger("meshd_mps.worker")
 
@@ -51,6 +75,10 @@ FAKE_DEV = 0x7F00_0000_0000  # a recognisable "device address" of the mailbox
 STARTUP_ENV = "MESHD_MPS_SIM_STARTUP"
 #: What the H200's driver said to an idle client's call once its control daemon was killed.
 RPC_FAILURE = "CUDA_ERROR_MPS_RPC_FAILURE (the remote procedural call between the MPS server and the MPS client failed; simulated)"
+#: The examples a real cubin can run as, by its name's prefix.
+EXAMPLES = ("heartbeat", "echo", "spin", "fault")
+#: cuModuleGetFunction's text on the H200 for an image without the entry.
+NO_ENTRY = f"cuModuleGetFunction({abi.ENTRY}): CUDA_ERROR_NOT_FOUND (named symbol not found)"
 
 
 @dataclass
@@ -59,24 +87,45 @@ class _Module:
     script: dict[str, object]
     threads: int
     scratch: int
-    running: threading.Event = field(default_factory=threading.Event)
+    queue: int  # its hardware work queue
+    per_sm: int  # blocks of it that fit one SM (as reported in LOADED)
+    launched: int = 0  # kernels launched and not yet ended (under SimGpu._cv)
 
 
-def _script_of(req: Load) -> dict[str, object]:
+@dataclass(eq=False)
+class _Kernel:
+    """One launch on its way: queued on its module's hardware queue until it may start."""
+
+    module: _Module
+    share: Fraction  # of the context's resident blocks
+    started: bool = False
+
+
+def _script_of(req: Load) -> tuple[dict[str, object], str | None]:
+    """The image's script, and the example a real cubin runs as (None for a script); GpuError,
+    refused, for an image the simulation (or the driver) would not run."""
     if req.cubin.startswith(MAGIC):
         try:
             s = json.loads(req.cubin[len(MAGIC) :])
         except ValueError as e:
-            raise GpuError(f"cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (simulated: bad script: {e})") from None
+            raise GpuError(f"cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (simulated: bad script: {e})", refused=True) from None
         if not isinstance(s, dict):
-            raise GpuError("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (simulated: script is not an object)")
-        return s
+            raise GpuError("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (simulated: script is not an object)", refused=True)
+        if s.get("entry", True) is False:
+            raise GpuError(NO_ENTRY, refused=True)
+        return s, None
     if not req.cubin.startswith(b"\x7fELF"):
-        raise GpuError("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (device kernel image is invalid)")
-    for kind in ("heartbeat", "echo", "spin", "fault"):
+        raise GpuError("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (device kernel image is invalid)", refused=True)
+    if b"\0" + abi.ENTRY.encode() + b"\0" not in req.cubin:  # a whole entry of the symbol string table
+        raise GpuError(NO_ENTRY, refused=True)
+    for kind in EXAMPLES:
         if req.name.startswith(kind):
-            return {"kernel": kind}
-    return {"kernel": "sleep", "ms": 0}
+            return {"kernel": kind}, kind
+    raise GpuError(
+        f"simulated GPU: {req.name} is a real cubin, and the simulation does not run GPU code: it runs a real cubin"
+        f" only as the example its name starts with ({', '.join(EXAMPLES)}); refusing it rather than pretending",
+        refused=True,
+    )
 
 
 class SimGpu:
@@ -104,6 +153,12 @@ class SimGpu:
         self._server_lost: str | None = None  # calls fail with it; running kernels go on, unreported
         self._on_gpu = 0  # kernels launched and not yet ended (the stand-in server is told 0 <-> 1)
         self._on_gpu_lock = threading.Lock()
+        # The hardware: its work queues (each a FIFO of kernels; the head may run) and the part of
+        # the resident blocks the running kernels hold, under one condition that every end signals.
+        self._streams = Streams(range(driver_queues()))
+        self._hw: list[deque[_Kernel]] = [deque() for _ in self._streams.streams]
+        self._used = Fraction(0)
+        self._cv = threading.Condition()
         self._pong = threading.Event()
         self._connect()
         if self._client is not None:
@@ -142,11 +197,17 @@ class SimGpu:
             *lines, buf = (buf + data).split(b"\n")
             for line in lines:
                 if line == b"FAULT":
-                    self._poison = "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered (simulated)"
+                    self._poisoned("CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered (simulated)")
                 elif line == b"TERMINATED":
-                    self._poison = "CUDA_ERROR_MPS_CLIENT_TERMINATED: the MPS client has been terminated by the server (simulated)"
+                    self._poisoned("CUDA_ERROR_MPS_CLIENT_TERMINATED: the MPS client has been terminated by the server (simulated)")
                 elif line == b"PONG":
                     self._pong.set()
+
+    def _poisoned(self, error: str) -> None:
+        """A sticky error: kernels still waiting for their queue or for room end with it, unrun."""
+        with self._cv:
+            self._poison = error
+            self._cv.notify_all()
 
     def _check(self, call: str, rpc: bool = False) -> None:
         """A call of the driver: the client's sticky error if it has one.  ``rpc``: a round trip to
@@ -178,27 +239,32 @@ class SimGpu:
         self._check("cuModuleLoadData", rpc=True)
         if req.module in self._modules:
             raise GpuError(f"module {req.module} is already loaded")
-        script = _script_of(req)
+        script, example = _script_of(req)
+        if example is not None:
+            log.warning(f"simulated GPU: {req.name} runs as the example {example!r}: the simulation does not run GPU code",
+                        program=req.name, module=req.module)
         how = script.get("load")
         if isinstance(how, str) and how.startswith("error:"):
             raise GpuError(how[len("error:") :])
-        # The blink premise, simulated: a load in one context waits for its running kernels.
-        for m in self._modules.values():
-            while m.running.is_set():
-                time.sleep(0.001)
+        # The blink premise, simulated: a load in one context waits for its kernels, queued ones too.
+        with self._cv:
+            self._cv.wait_for(lambda: not any(m.launched for m in self._modules.values()))
         time.sleep(float(script.get("load_ms", 0)) / 1e3)  # type: ignore[arg-type]
-        self._modules[req.module] = _Module(req.name, script, req.threads, req.scratch)
-        if script.get("quit") == "ignore":
-            self._quit = "ignore"
 
         def num(k: str, d: int) -> int:
             v = script.get(k, d)
             return v if isinstance(v, int) else d
 
+        queue, _ = self._streams.take()
+        per_sm = num("per_sm", 8)
+        self._modules[req.module] = _Module(req.name, script, req.threads, req.scratch, queue, per_sm)
+        if script.get("quit") == "ignore":
+            self._quit = "ignore"
+        log.debug("simulated module", program=req.name, module=req.module, queue=queue)
         return Loaded(
             rt_abi=num("rt_abi", abi.RT_ABI),
             regs=num("regs", 32),
-            per_sm=num("per_sm", 8),
+            per_sm=per_sm,
             local=num("local", 0),
             sms=num("sms", self.sms),
             dev=FAKE_DEV + (self.device << 32),
@@ -215,17 +281,33 @@ class SimGpu:
             raise GpuError(how[len("error:") :])
         if not 0 <= slot < abi.SLOTS:
             raise GpuError(f"cuLaunchKernel: CUDA_ERROR_INVALID_VALUE (slot {slot})")
-        m.running.set()
+        if nodes < 1:
+            raise GpuError(f"cuLaunchKernel: CUDA_ERROR_INVALID_VALUE (a grid of {nodes} blocks)")
+        if m.per_sm < 1:
+            raise GpuError(f"cuLaunchKernel: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (too many resources requested for launch;"
+                           f" simulated: {m.name} reports {m.per_sm} blocks per SM)")
+        k = _Kernel(m, Fraction(nodes, m.per_sm * self.sms))
+        with self._cv:
+            m.launched += 1
+            self._hw[m.queue].append(k)  # in launch order: its queue runs them in that order
         self._kernels(+1)  # on the GPU from here, as after cuLaunchKernel, even before LAUNCHED is written
 
         def run() -> None:
             ok, msg = True, ""
             try:
-                ok, msg = self._kernel(m, slot)
+                if self._admit(k):
+                    if m.script.get("start", True) is not False:
+                        self.mailbox.set_u32(slot, abi.STATE, abi.RUNNING)
+                    ok, msg = self._kernel(m, slot)
                 if self._poison:
                     ok, msg = False, self._poison
             finally:
-                m.running.clear()
+                with self._cv:
+                    m.launched -= 1
+                    self._hw[m.queue].remove(k)
+                    if k.started:
+                        self._used -= k.share
+                    self._cv.notify_all()
                 self._kernels(-1)
                 if self._server_lost:  # on the H200 a halted kernel's DONE never came (10 s)
                     log.warning("kernel ended; its completion is not seen, the MPS server is lost", program=m.name)
@@ -233,6 +315,18 @@ class SimGpu:
                     on_done(Done(module, gen, ok, msg))
 
         self._pending.append(threading.Thread(target=run, name=f"sim kernel {m.name}", daemon=True))
+
+    def _admit(self, k: _Kernel) -> bool:
+        """Wait until the kernel may start: first on its hardware queue, and its whole grid fits
+        beside the running kernels.  False if the context is poisoned first (it never runs)."""
+        q = self._hw[k.module.queue]
+        with self._cv:
+            self._cv.wait_for(lambda: self._poison or (q[0] is k and self._used + k.share <= 1))
+            if self._poison:
+                return False
+            k.started = True
+            self._used += k.share
+            return True
 
     def _kernels(self, n: int) -> None:
         """Tell the stand-in server when this client starts and stops having a kernel on the GPU:
@@ -265,8 +359,7 @@ class SimGpu:
             threading.Event().wait()
         if kind == "exit":
             os._exit(4)
-        if kind == "fault":  # as examples/fault: RUNNING, the illegal store, EXITED (the store is posted)
-            mb.set_u32(slot, abi.STATE, abi.RUNNING)
+        if kind == "fault":  # as examples/fault: after RUNNING, the illegal store, then EXITED (the store is posted)
             mb.set_u32(slot, abi.STATE, abi.EXITED)
             if self._client is not None:
                 self._client.sendall(b"FAULT\n")  # the server tears every client down
@@ -278,17 +371,24 @@ class SimGpu:
                 time.sleep(0.001)
             return True, ""
         if kind in ("heartbeat", "echo"):
-            self._resident(slot, echo=kind == "echo")
+            self._resident(slot, echo=kind == "echo", pause=m.script)
             return True, ""
         return False, f"simulated kernel {kind!r} is unknown"
 
-    def _resident(self, slot: int, echo: bool) -> None:
-        """A resident program: beat (and serve the ring) until the host writes HALT."""
+    def _resident(self, slot: int, echo: bool, pause: dict[str, object]) -> None:
+        """A resident program: beat (and serve the ring) until the host writes HALT.  A stall, on
+        script: after ``pause_after`` beats no beat for ``pause_ms`` (0: until HALT), HALT still seen."""
         mb = self.mailbox
-        mb.set_u32(slot, abi.STATE, abi.RUNNING)
         last = time.monotonic_ns()
         gap = 0
+        after, ms = pause.get("pause_after"), pause.get("pause_ms", 0)
+        beats = 0
         while mb.u32(slot, abi.CONTROL) != abi.HALT and not self._poison:
+            beats += 1
+            if isinstance(after, int) and beats == after + 1 and isinstance(ms, (int, float)):
+                end = time.monotonic() + ms / 1e3 if ms else float("inf")
+                while time.monotonic() < end and mb.u32(slot, abi.CONTROL) != abi.HALT and not self._poison:
+                    time.sleep(0.001)
             now = time.monotonic_ns()
             if mb.u32(slot, abi.GAP_RESET):
                 gap = 0
@@ -327,9 +427,12 @@ class SimGpu:
         m = self._modules.pop(module, None)
         if m is None:
             raise GpuError(f"cuModuleUnload: CUDA_ERROR_INVALID_HANDLE (module {module} is not loaded)")
-        if m.running.is_set():
+        with self._cv:
+            busy = m.launched
+        if busy:
             self._modules[module] = m
             raise GpuError(f"cuModuleUnload: module {module} ({m.name}) still runs")
+        self._streams.give(m.queue)
         if m.script.get("quit") == "ignore" and self.startup != "ignore-quit":
             self._quit = None
 

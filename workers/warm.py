@@ -9,13 +9,35 @@ then opens the GPU itself and reports the error in its own words.  A green
 context (``--sms``) is not made here (it needs the device's SM split); only
 cuInit runs early then.
 
+The driver reads ``CUDA_DEVICE_MAX_CONNECTIONS`` (a context's hardware work
+queues) once, at cuInit: so ``--queues`` is read here too and put in the
+environment before the thread starts.  Its constants live here because this
+module is the one every other part of the worker can import early.
+
 This module imports nothing but the standard library until its thread runs.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Mapping
 from typing import Any
+
+#: The environment variable the driver reads at cuInit: a context's hardware work queues.
+QUEUES_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
+#: The driver's count without it (measured on the H200: the 9th resident kernel never started).
+DEFAULT_QUEUES = 8
+#: The most the driver takes (with 32 set, 32 resident kernels ran and the 33rd never started).
+MAX_QUEUES = 32
+
+
+def driver_queues(environ: Mapping[str, str] = os.environ) -> int:
+    """The hardware work queues a context gets from ``environ`` as the driver reads it at cuInit:
+    the default where it is unset or not a count, else clamped to 1..MAX_QUEUES.  Both GPUs count
+    their streams with it, so that an inherited value is honoured as the driver honours it."""
+    v = environ.get(QUEUES_ENV, "").strip()
+    return min(max(int(v), 1), MAX_QUEUES) if v.isdigit() else DEFAULT_QUEUES
 
 
 class Warm:
@@ -54,11 +76,10 @@ class Warm:
 _started: Warm | None = None
 
 
-def options(argv: list[str]) -> tuple[str, int, int]:
-    """(gpu, sms, device) as ``meshd-mps worker``'s argparse reads them (``--x V`` or ``--x=V``, the
-    last one wins, no abbreviations); a value that is not a count is left for argparse to refuse
-    (here: the default).  CudaGpu checks the warmed device against its own ``--device`` anyway."""
-    got = {"--gpu": "cuda", "--sms": "0", "--device": "0"}
+def _read(argv: list[str]) -> dict[str, str]:
+    """The options warm.py needs, as ``meshd-mps worker``'s argparse reads them (``--x V`` or
+    ``--x=V``, the last one wins, no abbreviations)."""
+    got = {"--gpu": "cuda", "--sms": "0", "--device": "0", "--queues": "0"}
     i = 0
     while i < len(argv):
         a = argv[i]
@@ -69,16 +90,36 @@ def options(argv: list[str]) -> tuple[str, int, int]:
             got[a] = argv[i + 1]
             i += 1
         i += 1
+    return got
 
-    def count(v: str) -> int:
-        return int(v) if v.isdigit() else 0
 
-    return got["--gpu"], count(got["--sms"]), count(got["--device"])
+def _count(v: str) -> int:
+    """A count as argparse would take it; anything else is left for argparse to refuse (here: 0)."""
+    return int(v) if v.isdigit() else 0
+
+
+def options(argv: list[str]) -> tuple[str, int, int]:
+    """(gpu, sms, device) as ``meshd-mps worker``'s argparse reads them.  CudaGpu checks the warmed
+    device against its own ``--device`` anyway."""
+    got = _read(argv)
+    return got["--gpu"], _count(got["--sms"]), _count(got["--device"])
+
+
+def queues(argv: list[str]) -> int:
+    """``--queues`` as argparse reads it (0: the driver's default)."""
+    return _count(_read(argv)["--queues"])
 
 
 def start(argv: list[str]) -> None:
-    """From the worker's argv: warm the GPU if it is the real one."""
+    """From the worker's argv: ``--queues`` into the environment (0 leaves the driver's default, or
+    what the worker inherited), then warm the GPU if it is the real one.  A ``--queues`` over the
+    driver's maximum warms nothing: argparse refuses it next."""
     global _started
+    n = queues(argv)
+    if n > MAX_QUEUES:
+        return
+    if n:
+        os.environ[QUEUES_ENV] = str(n)
     gpu, sms, device = options(argv)
     if gpu == "cuda":
         _started = Warm(sms, device)

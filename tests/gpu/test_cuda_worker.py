@@ -107,10 +107,12 @@ def images(info: DeviceInfo) -> dict[str, Image]:
 class Worker:
     """One worker process and its frames: replies in order, DONEs collected on the side."""
 
-    def __init__(self, mailbox: Mailbox, sms: int = 0):
+    def __init__(self, mailbox: Mailbox, sms: int = 0, queues: int = 0):
         args = [sys.executable, "-m", "meshd_mps", "worker", "--mailbox", mailbox.path, "--gpu", "cuda"]
         if sms:
             args += ["--sms", str(sms)]
+        if queues:
+            args += ["--queues", str(queues)]
         self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(mailbox.fd,), cwd=ROOT)
         self.replies: queue.Queue[tuple[Op, bytes] | None] = queue.Queue()
         self.dones: dict[tuple[int, int], Done] = {}
@@ -148,6 +150,11 @@ class Worker:
         self.p.stdin.flush()
 
     def ask(self, op: Op, body: bytes, want: Op, timeout: float = 60) -> tuple[bool, bytes]:
+        ok, payload = self.ask_word(op, body, want, timeout)
+        return ok == frames.OK, payload
+
+    def ask_word(self, op: Op, body: bytes, want: Op, timeout: float = 60) -> tuple[int, bytes]:
+        """The reply's ok word itself (LOADED has three) and its payload."""
         self.send(op, body)
         try:
             got = self.replies.get(timeout=timeout)
@@ -156,8 +163,7 @@ class Worker:
         assert got is not None, f"the worker closed stdout (exit {self.p.poll()}) instead of {want.name}"
         rop, rbody = got
         assert rop == want, f"{rop.name} {rbody!r} instead of {want.name}"
-        ok, payload = frames.split_reply(rop, rbody)
-        return ok == frames.OK, payload
+        return frames.split_reply(rop, rbody)
 
     def ready(self) -> int:
         ok, payload = self.ask(Op.READY, b"", Op.READY)
@@ -169,9 +175,10 @@ class Worker:
         assert ok, frames.reply_text(payload)
         return Loaded.decode_ok(payload)
 
-    def load_error(self, req: Load) -> str:
-        ok, payload = self.ask(Op.LOAD, req.encode(), Op.LOADED)
-        assert not ok, "the load succeeded"
+    def load_error(self, req: Load, word: int = frames.FAILED) -> str:
+        """The text of a LOAD that fails with ok word ``word`` (REFUSED: the image's fault)."""
+        ok, payload = self.ask_word(Op.LOAD, req.encode(), Op.LOADED)
+        assert ok == word, f"LOADED ok word {ok}, expected {word}: {frames.reply_text(payload)}"
         return frames.reply_text(payload)
 
     def launch(self, module: int, gen: int, slot: int, nodes: int = 1) -> None:
@@ -265,10 +272,19 @@ def test_ready(worker: Worker) -> None:
 
 def test_bad_cubin_is_a_loaded_error(worker: Worker) -> None:
     junk = b"\x7fELF\x02\x01\x01" + bytes(57) + b"\xff" * 4096  # an ELF header that says nothing
-    msg = worker.load_error(Load(99, 32, 0, 0, "junk", junk))
+    msg = worker.load_error(Load(99, 32, 0, 0, "junk", junk), word=frames.REFUSED)
     print("bad cubin:", msg, file=sys.stderr)
     assert msg.startswith("cuModuleLoadData: CUDA_ERROR_"), msg
     assert "(" in msg  # the driver's description follows the name
+
+
+def test_a_cubin_without_mesh_main_is_refused(worker: Worker, info: DeviceInfo) -> None:
+    """The driver's own words, which the simulation repeats (workers/sim_gpu.py, NO_ENTRY)."""
+    d = ROOT / "examples" / "heartbeat"
+    ptx = cuda_to_ptx((d / "heartbeat.cu").read_bytes(), "heartbeat", arch=info.compute)
+    cubin = ptx_to_cubin(ptx.replace(b"mesh_main", b"mesh_other"), info.arch, reg_cap(info, 1))
+    msg = worker.load_error(Load(98, 32, 0, 0, "heartbeat", cubin), word=frames.REFUSED)
+    assert msg == "cuModuleGetFunction(mesh_main): CUDA_ERROR_NOT_FOUND (named symbol not found)", msg
 
 
 def test_load_every_program(worker: Worker, images: dict[str, Image], info: DeviceInfo) -> None:
@@ -423,6 +439,52 @@ def test_sms_over_the_device(info: DeviceInfo, mailbox: Mailbox) -> None:
         assert f"--sms {info.sms_total + 1}: the device has {info.sms_total}" in frames.reply_text(payload)
         assert w.quit() == 0
     finally:
+        w.kill()
+
+
+def test_32_queues_hold_32_residents_through_churn(info: DeviceInfo, images: dict[str, Image], mailbox: Mailbox) -> None:
+    """``--queues 32``: 32 heartbeats beat at once; a 33rd module finds no queue (with 8 queues and
+    a stream made per module, a 9th module's kernel never started, nor, once that module was
+    unloaded, the next one's: H200, 2026-12-03); after a blink's churn (all halted, two unloaded,
+    two others loaded, all launched again) the new ones take the freed queues and all 32 beat."""
+    w = Worker(mailbox, queues=32)
+    hb = images["heartbeat"]
+    slot = {m: 100 + m for m in [*range(1, 33), 40, 41]}  # the module-scoped tests use slots under 32
+    try:
+        w.ready()
+        for m in range(1, 33):
+            w.load(hb.load(m))
+        assert "all 32 hardware work queues of this context hold a module" in w.load_error(hb.load(33))
+
+        def launch_all(mods: list[int], gen: int) -> None:
+            for m in mods:
+                mailbox.reset_slot(slot[m])
+                w.launch(m, gen, slot[m])
+            before = {m: mailbox.heartbeat(slot[m]) for m in mods}
+            wait_for(f"modules {mods} beating", lambda: all(mailbox.heartbeat(slot[m]) > before[m] + 10 for m in mods))
+
+        mods = list(range(1, 33))
+        launch_all(mods, 1)
+        for m in mods:
+            mailbox.halt(slot[m])
+        for m in mods:
+            assert w.done(m, 1).ok
+        for m in (3, 17):
+            w.send(Op.UNLOAD, frames.unload_body(m))
+        for m in (40, 41):
+            w.load(hb.load(m))
+        mods = [m for m in mods if m not in (3, 17)] + [40, 41]
+        launch_all(mods, 2)
+        for m in mods:
+            mailbox.halt(slot[m])
+        for m in mods:
+            assert w.done(m, 2).ok
+        for m in mods:
+            w.send(Op.UNLOAD, frames.unload_body(m))
+        assert w.quit() == 0
+    finally:
+        for s in slot.values():
+            mailbox.halt(s)
         w.kill()
 
 

@@ -1,0 +1,811 @@
+"""The control API's inputs, its socket and what the CLI sends: strict JSON (depth, NaN, duplicate
+keys, UTF-8, huge numbers), odd HTTP heads, typed errors' status codes, the listen backlog under a
+burst of clients, PTX only (the daemon never compiles CUDA C: the CLI does, as its user), the
+socket's directory and owner, and the stall columns.  Most tests share one ``--gpu sim`` daemon
+(blink mode) with ``echo`` loaded, and check after each refused request that nothing changed."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import stat
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from meshd_mps import client as client_mod, server
+from meshd_mps.cli import ps_table, status_table
+from meshd_mps.client import (MAX_JSON_DEPTH, Client, ClientError, UnixHTTPConnection, default_socket, json_deeper_than,
+                              oldest_arch, parse_json, program_body)
+from meshd_mps.errors import CapacityError, ImageRefused, LimitError, NotStarted, WorkerError
+from .test_serve import EXAMPLES, NOBODY, Serve, cli, manifest, parse_metrics, ptx_of
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ---- the shared daemon ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = tempfile.mkdtemp(prefix="mai-")
+    s = Serve(d, "blink", os.path.join(d, "s.sock"))
+    try:
+        s.wait_ready()
+        s.client.load(program_body(str(EXAMPLES / "echo")))
+        yield s
+    finally:
+        s.kill()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def spin_ptx() -> str:
+    return ptx_of("spin")
+
+
+@pytest.fixture
+def tmp():
+    d = tempfile.mkdtemp(prefix="mai-")  # short: AF_UNIX paths stop at 108 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def snapshot(c: Client):
+    """What a refused request must leave as it was: every program, and the load count."""
+    progs = [(p["name"], p["slot"], p["pid"], p["hash"], p["state"], p["upgrades"]) for p in c.programs()]
+    return progs, c.status()["loads"]
+
+
+def answer(c: Client, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
+    st, _h, data = c.raw(method, path, body)
+    return st, json.loads(data)
+
+
+def internal_errors(s: Serve) -> int:
+    return s.log().count("internal error")
+
+
+# ---- 1. JSON nesting, and JSON's other oddities -----------------------------------------------
+
+
+@pytest.mark.parametrize("text, limit, deeper", [
+    ("{}", 0, True), ("1", 0, False), ("[[]]", 2, False), ("[[]]", 1, True),
+    ("[" * 32 + "]" * 32, 32, False), ("[" * 33 + "]" * 33, 32, True),
+    ('{"a": {"b": {"c": []}}}', 4, False), ('{"a": {"b": {"c": []}}}', 3, True),
+    ("[[[[", 3, True), ("[[[", 3, False),  # unclosed levels count (json.loads would recurse into them)
+    ('["[[[[[[", "]]]]", "{{{{"]', 1, False),  # brackets in strings are text
+    (r'["\"[[[[", []]', 2, False),  # an escaped quote does not end the string
+    (r'["\\", [[[]]]]', 3, True),  # an escaped backslash does not escape the quote after it
+    (r'["\\\"[[[[[", []]', 2, False),
+    ("[]" * 1000 + "[[]]", 2, False),  # flat runs are not depth
+])
+def test_json_depth_scan(text, limit, deeper):
+    assert json_deeper_than(text, limit) is deeper
+
+
+def test_json_depth_scan_is_fast_and_never_recurses():
+    deep = "[" * 5_000_000 + "]" * 5_000_000  # json.loads: RecursionError at ~1000
+    flat = json.dumps({"ptx": "\tld.global.u32 %r1, [%rd2+4];\n" * 1_000_000})  # 32 MB, brackets in a string
+    t0 = time.perf_counter()
+    assert json_deeper_than(deep, MAX_JSON_DEPTH) and not json_deeper_than(flat, MAX_JSON_DEPTH)
+    assert time.perf_counter() - t0 < 10.0
+    with pytest.raises(ValueError, match="nested deeper than the limit of 32 levels"):
+        parse_json(deep)
+    assert parse_json(flat)["ptx"].startswith("\tld.global")
+
+
+@pytest.mark.parametrize("data, words", [
+    (b'{"a": NaN}', "NaN is not a JSON number"), (b'[Infinity]', "Infinity is not a JSON number"),
+    (b'[-Infinity]', "-Infinity is not a JSON number"), (b'[1e309]', "the number 1e309 is out of range"),
+    (b"[" + b"9" * 65 + b"]", "an integer of 65 digits (at most 64)"),
+    (b'{"a": 1, "b": {"c": 1, "c": 2}}', "the key 'c' appears twice"),
+    (b'["\xff"]', "not UTF-8 (byte 2"), ('["x"]'.encode("utf-16"), "not UTF-8"),
+    (b'["\\ud800"]', "lone surrogate"), (b'{"\\udfff": 1}', "lone surrogate"),
+])
+def test_parse_json_strict(data, words):
+    with pytest.raises(ValueError) as ei:
+        parse_json(data)
+    assert words in str(ei.value)
+
+
+def test_parse_json_takes_what_json_is():
+    assert parse_json(b'{"a": [1, -2.5e3, "\\ud83d\\ude00", null, true], "b": "' + b"9" * 64 + b'"}') == \
+        {"a": [1, -2500.0, "\U0001F600", None, True], "b": "9" * 64}
+    assert parse_json("[" + "9" * 64 + "]") == [int("9" * 64)]
+    assert parse_json(b'{"a": NaN, "a": 1}', strict=False) == {"a": 1}  # answers: only depth and UTF-8
+    with pytest.raises(ValueError, match="nested deeper"):
+        parse_json("[" * 33 + "]" * 33, strict=False)
+
+
+def _deep(n: int, leaf: str = "1") -> str:
+    return "[" * n + leaf + "]" * n
+
+
+@pytest.mark.parametrize("path, body, status, words", [
+    # nesting: refused before json.loads, naming the limit (it was a RecursionError and a 500)
+    ("/v1/programs", '{"manifest": ' + _deep(33) + "}", 400, "nested deeper than the limit of 32 levels"),
+    ("/v1/programs", "[" * 100_000, 400, "nested deeper than the limit of 32 levels"),
+    ("/v1/programs/echo/call", '{"data": ' + '{"a": ' * 40 + "1" + "}" * 40 + "}", 400, "nested deeper than the limit of 32"),
+    ("/v1/programs", json.dumps({"manifest": _deep(40), "ptx": "x"}), 400,
+     "field 'manifest': not JSON: nested deeper than the limit of 32"),
+    ("/v1/programs", '{"x": ' + _deep(31) + "}", 400, "unknown field 'x'"),  # 32 levels: parsed
+    # numbers JSON does not have, numbers out of range
+    ("/v1/programs/echo/call", '{"data": "x", "timeout": NaN}', 400, "NaN is not a JSON number"),
+    ("/v1/programs/echo/call", '{"data": "x", "timeout": Infinity}', 400, "Infinity is not a JSON number"),
+    ("/v1/programs/echo/call", '{"data": "x", "timeout": -Infinity}', 400, "-Infinity is not a JSON number"),
+    ("/v1/programs/echo/call", '{"data": "x", "timeout": 1e309}', 400, "the number 1e309 is out of range"),
+    ("/v1/programs/echo/call", '{"data": "x", "timeout": 1e308}', 400, "field 'timeout' 1e+308: seconds"),
+    ("/v1/programs/echo/call", '{"data": "x", "timeout": ' + "9" * 40 + "}", 400, "field 'timeout' 9999"),
+    ("/v1/programs/echo/call", '{"data": "x", "timeout": ' + "9" * 5000 + "}", 400,
+     "an integer of 5000 digits (at most 64)"),
+    ("/v1/programs", json.dumps({"manifest": {"name": "z", "backend": "cuda", "warps": 1, "abi": 1}, "ptx": "x",
+                                 "device": 10 ** 30}), 400, f"field 'device' {10 ** 30}: this daemon serves GPU 0"),
+    ("/v1/programs", json.dumps({"manifest": {"name": "z", "backend": "cuda", "warps": 1, "abi": 1}, "ptx": "x",
+                                 "device": 2 ** 64}), 400, f"field 'device' {2 ** 64}: this daemon serves GPU 0"),
+    ("/v1/programs", json.dumps({"manifest": {"name": "z", "backend": "cuda", "warps": 1, "abi": 1}, "ptx": "x",
+                                 "nodes": True}), 400, "field 'nodes': an integer expected, got boolean"),
+    ("/v1/programs", json.dumps({"manifest": {"name": "z", "backend": "cuda", "warps": 1, "abi": 1}, "ptx": "x",
+                                 "nodes": 1.5}), 400, "field 'nodes': an integer expected, got number"),
+    ("/v1/programs", json.dumps({"manifest": {"name": "z", "backend": "cuda", "warps": 2 ** 64, "abi": 1}, "ptx": "x"}),
+     400, f"field 'warps' {2 ** 64} is out of range 1..32"),
+    # duplicate keys: which one counts is the parser's guess, so neither does
+    ("/v1/programs/echo/call", '{"data": "x", "data": "y"}', 400, "the key 'data' appears twice in one object"),
+    ("/v1/programs", '{"manifest": {"name": "z", "name": "echo", "backend": "cuda", "warps": 1, "abi": 1}, "ptx": "x"}',
+     400, "the key 'name' appears twice"),
+    ("/v1/programs", json.dumps({"manifest": '{"name": "z", "name": "y"}', "ptx": "x"}), 400,
+     "field 'manifest': not JSON: the key 'name' appears twice"),
+    # text that is not UTF-8 or not Unicode (a lone surrogate made .encode() raise: a 500)
+    ("/v1/programs/echo/call", b'{"data": "\xff\xfe"}', 400, "not UTF-8 (byte 10"),
+    ("/v1/programs/echo/call", json.dumps({"data": "x"}).encode("utf-16"), 400, "not UTF-8"),
+    ("/v1/programs/echo/call", b'\xef\xbb\xbf{"data": "x"}', 400, "not JSON"),
+    ("/v1/programs/echo/call", b'{"data": "\\ud800"}', 400, "lone surrogate"),
+    ("/v1/programs", b'{"manifest": {}, "ptx": "\\udc00"}', 400, "lone surrogate"),
+    # huge values are quoted cut short
+    ("/v1/programs", json.dumps({"manifest": {"name": "z", "backend": "cuda", "warps": 1, "abi": 1}, "ptx": "x",
+                                 "hash": list(range(10_000))}), 400, "16 hex digits expected"),
+    ("/v1/programs/echo/call", json.dumps({"data": "x", "q" * 10_000: 1}), 400, "unknown field 'qqq"),
+])
+def test_bad_input_is_a_400_and_changes_nothing(daemon, path, body, status, words):
+    c = daemon.client
+    before, errors = snapshot(c), internal_errors(daemon)
+    st, ans = answer(c, "POST", path, body.encode() if isinstance(body, str) else body)
+    assert (st, ans["ok"]) == (status, False), (st, ans)
+    assert words in ans["error"], ans["error"]
+    assert len(ans["error"]) < 600, ans["error"]  # nothing huge quoted back
+    assert snapshot(c) == before
+    assert internal_errors(daemon) == errors
+
+
+def test_good_input_still_goes_through(daemon):
+    c = daemon.client
+    assert c.call("echo", "\U0001F600 ok")["data"] == "\U0001F600 ok"
+    st, ans = answer(c, "POST", "/v1/programs/echo/call", b'{"data": "\\ud83d\\ude00", "timeout": 5}')
+    assert st == 200 and ans["data"] == "\U0001F600"
+
+
+def test_cli_refuses_a_deep_manifest_without_a_traceback(daemon, tmp, spin_ptx):
+    d = Path(tmp)
+    (d / "manifest.json").write_text('{"name": "deep", "x": ' + _deep(5000) + "}")
+    (d / "deep.ptx").write_text(spin_ptx)
+    before = snapshot(daemon.client)
+    r = cli("load", str(d), "--socket", daemon.sock)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr == f"meshd-mps: {d / 'manifest.json'}: not JSON: nested deeper than the limit of 32 levels of" \
+                       " arrays and objects\n"
+    (d / "manifest.json").write_text('{"name": "deep", "name": "other"}')
+    r = cli("load", str(d), "--socket", daemon.sock)
+    assert r.returncode == 1 and "the key 'name' appears twice" in r.stderr and "Traceback" not in r.stderr
+    assert snapshot(daemon.client) == before
+
+
+def test_client_refuses_a_deep_answer(tmp):
+    """A daemon (or whatever answers on the socket) that sends JSON 100000 deep: ClientError, not a
+    RecursionError out of the CLI."""
+    path = os.path.join(tmp, "fake.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    body = b"[" * 100_000
+
+    def serve_one() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+
+    t = threading.Thread(target=serve_one)
+    t.start()
+    try:
+        with pytest.raises(ClientError) as ei:
+            Client(path, timeout=10).status()
+        assert "not JSON (nested deeper than the limit of 32 levels" in str(ei.value)
+    finally:
+        t.join(10)
+        srv.close()
+
+
+# ---- odd HTTP heads --------------------------------------------------------------------------
+
+
+def raw_http(sock: str, data: bytes) -> tuple[int, dict]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(sock)
+        s.sendall(data)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 "), got[:200]  # answered, not a dropped connection
+    head, _, body = got.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), json.loads(body)
+
+
+@pytest.mark.parametrize("data, status, words", [
+    ("POST /v1/programs/echo/call HTTP/1.1\r\nContent-Length: \u00b2\r\n\r\nxx", 400, "Content-Length '²': not a number"),
+    ("POST /v1/programs/echo/call HTTP/1.1\r\nContent-Length: \u0661\r\n\r\nx", 400, "not a number"),
+    ("POST /v1/programs/echo/call HTTP/1.1\r\nContent-Length: " + "9" * 5000 + "\r\n\r\n", 413,
+     "is over the limit of 67108864 bytes"),
+    ("POST /v1/programs/echo/call HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400, "not a number"),
+    ("POST /v1/programs/echo/call HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400, "conflicting"),
+    ("GET http://[/v1/status HTTP/1.1\r\n\r\n", 400, "request target 'http://[/v1/status'"),
+    ("GET http://x/v1/status HTTP/1.1\r\n\r\n", 200, ""),
+    ("GET /v1/status HTTP/1.1\r\n continued: header\r\n\r\n", 400, "bad header line"),
+    ("GET /v1/programs/%ff HTTP/1.1\r\n\r\n", 400, "not UTF-8"),
+])
+def test_odd_heads_are_answered(daemon, data, status, words):
+    before, errors = snapshot(daemon.client), internal_errors(daemon)
+    st, ans = raw_http(daemon.sock, data.encode("utf-8" if "\u0661" in data else "latin-1"))
+    assert st == status, ans
+    assert words in ans.get("error", ""), ans
+    assert snapshot(daemon.client) == before
+    assert internal_errors(daemon) == errors and "connection failed" not in daemon.log()
+
+
+# ---- 3. typed errors ---------------------------------------------------------------------------
+
+
+def test_typed_errors_by_type():
+    cap = CapacityError("x: nodes 9 cannot be resident at once", limit="resident blocks", have=8, asked=9)
+    assert server._mesh_status(cap) == 409
+    assert server._mesh_status(CapacityError("any words", limit="hardware queues", have=32, asked=33)) == 409
+    assert server._mesh_status(NotStarted("x never started", program="x", within=5.0, likely="?")) == 409
+    assert server._mesh_status(ImageRefused("worker 1: no mesh_main", error="e")) == 400
+    assert server._mesh_status(WorkerError("worker 1 died")) == 500  # unchanged: a worker's failure
+    assert server._mesh_status(LimitError("x: 2048 threads per block")) == 400
+    assert server._mesh_status(LimitError("mps: 48 clients already")) == 409
+
+
+@pytest.mark.parametrize("error, status, fields", [
+    (CapacityError("p: the blink context runs 32 programs, one per hardware work queue", limit="hardware queues",
+                   have=32, asked=33), 409, {"limit": "hardware queues", "have": 32, "asked": 33}),
+    (NotStarted("p: did not write STATE = RUNNING within 5s; rolled back", program="p", within=5.0,
+                likely="its queue is taken"), 409, {"within": 5.0, "likely": "its queue is taken"}),
+    (ImageRefused("load: worker 7: cuModuleGetFunction(mesh_main): CUDA_ERROR_NOT_FOUND", error="e"), 400, {}),
+])
+async def test_typed_errors_through_dispatch(error, status, fields):
+    d = server.Daemon(server.Config(socket="/nonexistent/meshd-mps.sock"))
+
+    async def handler(req):
+        raise error
+
+    d._route = lambda req: (handler, ())  # type: ignore[method-assign]
+    resp = await d._dispatch(server.Request("POST", "/v1/programs", "/v1/programs", ["v1", "programs"], {}))
+    assert resp.status == status
+    assert json.loads(resp.body) == {"ok": False, "error": str(error), **fields}
+
+
+def check_image_refused(c: Client) -> None:
+    """PTX without mesh_main: the driver (here the simulation, in its words) refuses the image: 400,
+    nothing loaded, and the next load goes through."""
+    from meshd_mps.compiler import cuda_to_ptx
+
+    ptx = cuda_to_ptx(b'extern "C" __global__ void other(int *p) { *p = 1; }', "spin").decode()
+    before = snapshot(c)
+    st, ans = answer(c, "POST", "/v1/programs", json.dumps({"manifest": manifest("spin"), "ptx": ptx}).encode())
+    assert st == 400 and "mesh_main" in ans["error"] and "CUDA_ERROR_NOT_FOUND" in ans["error"], (st, ans)
+    assert snapshot(c) == before
+    assert c.call("echo", "still here")["data"] == "still here"
+
+
+def test_image_refused_is_a_400(daemon):
+    check_image_refused(daemon.client)
+
+
+def test_image_refused_is_a_400_in_mps_mode(tmp):
+    """The same in MPS mode, where the image goes to a pooled worker (needs mps.py to raise the
+    worker's ImageRefused as it is, not as a plain WorkerError: that was a 500)."""
+    s = Serve(tmp, "mps", os.path.join(tmp, "s.sock"), "--pool", "1")
+    try:
+        s.wait_ready()
+        s.client.load(program_body(str(EXAMPLES / "echo")))
+        check_image_refused(s.client)
+    finally:
+        s.kill()
+
+
+@pytest.mark.parametrize("nodes, words", [
+    (4294967296, "over the grid limit of 2147483647 blocks"),
+    (2 ** 64, "over the grid limit of 2147483647 blocks"),
+    (1000000000, "cannot be resident at once"),
+])
+def test_nodes_beyond_the_gpu_is_a_409_naming_the_limit(daemon, spin_ptx, nodes, words):
+    """Needs Programs' CapacityError for nodes (meshd_mps/limits.py): over the grid, or more blocks than
+    the GPU holds at once.  Never a 500 (4294967296 was a struct.error in the LAUNCH frame)."""
+    c = daemon.client
+    before = snapshot(c)
+    name = f"nodes-{nodes % 1000}"
+    try:
+        st, ans = answer(c, "POST", "/v1/programs",
+                         json.dumps({"manifest": manifest("spin", name=name), "ptx": spin_ptx, "nodes": nodes}).encode())
+        assert st == 409, (st, ans)
+        assert words in ans["error"] and f"nodes {nodes}" in ans["error"], ans
+        assert ans["asked"] == nodes and str(ans["have"]) in ans["error"], ans
+        assert snapshot(c) == before
+    finally:
+        if name in {p["name"] for p in c.programs()}:
+            c.unload(name)
+
+
+# ---- 2. the listen backlog ------------------------------------------------------------------
+
+
+def test_a_burst_of_200_clients_is_served(daemon):
+    """200 clients connect at once, each with a connect timeout as a real client has (its socket is
+    then non-blocking, so a full backlog is EAGAIN at once, not a wait), while the daemon is stopped
+    (SIGSTOP: the worst case of a busy loop, none accepted): the backlog holds them all, and each
+    gets its 200 once the daemon goes on.  asyncio's default backlog of 100 failed about half."""
+    n = 200
+    results: list[object] = [None] * n
+    connected = threading.Semaphore(0)
+    go = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        conn = UnixHTTPConnection(daemon.sock, timeout=60)
+        try:
+            go.wait(30)
+            conn.connect()
+        except Exception as e:
+            results[i] = f"connect: {e!r}"
+            conn.close()
+            return
+        finally:
+            connected.release()
+        try:
+            conn.request("GET", "/v1/status", headers={"Host": "x", "Connection": "close"})
+            r = conn.getresponse()
+            results[i] = r.status if json.loads(r.read())["ok"] else "not ok"
+        except Exception as e:
+            results[i] = repr(e)
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        for t in threads:
+            t.start()
+        for _ in range(n):
+            assert connected.acquire(timeout=60), "a client's connect neither succeeded nor failed"
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    for t in threads:
+        t.join(90)
+    failed = [r for r in results if r != 200]
+    assert not failed, f"{len(failed)} of {n} failed, e.g. {failed[:3]}"
+    assert daemon.client.status()["ok"]
+
+
+# ---- 4. PTX only: CUDA C is the CLI's --------------------------------------------------------
+
+
+def test_the_daemon_refuses_cuda_c_and_reads_no_file(daemon, tmp):
+    """A body with "cuda" gets a 400 saying the daemon takes PTX only, whatever the source
+    #includes: a FIFO (a daemon that opened it would hang: the request would time out, and a writer
+    could open the FIFO) and a file whose contents must not come back."""
+    c = daemon.client
+    fifo, secret = os.path.join(tmp, "fifo"), os.path.join(tmp, "secret.h")
+    os.mkfifo(fifo)
+    Path(secret).write_text("the-secret-line-7f3a\n")
+    src = f'#include "{fifo}"\n#include "{secret}"\n#include "/etc/passwd"\n'
+    before = snapshot(c)
+    quick = Client(daemon.sock, timeout=10)
+    for method, path, name in (("POST", "/v1/programs", "spin"), ("PUT", "/v1/programs/echo", "echo")):
+        st, _h, data = quick.raw(method, path, json.dumps({"manifest": manifest(name), "cuda": src}).encode())
+        ans = json.loads(data)
+        assert st == 400 and ans["error"].startswith("field 'cuda': this daemon takes PTX only"), (st, ans)
+        assert "The CLI compiles CUDA C itself" in ans["error"] and "meshd-mps load DIR" in ans["error"]
+        assert "--cuda FILE" in ans["error"]
+        assert "7f3a" not in data.decode() and "root:" not in data.decode()
+    with pytest.raises(OSError) as ei:  # nobody has the FIFO open for reading
+        os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    assert ei.value.errno == errno.ENXIO
+    assert snapshot(c) == before
+    assert "7f3a" not in daemon.log()
+
+
+class Recorder:
+    """A socket in front of the daemon's: records each request (method, target, body) and relays it."""
+
+    def __init__(self, upstream: str, path: str):
+        self.upstream, self.path = upstream, path
+        self.requests: list[tuple[str, str, bytes]] = []
+        self.srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.srv.bind(path)
+        self.srv.listen(16)
+        self.srv.settimeout(0.1)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            try:
+                conn, _ = self.srv.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(60)
+                self._relay(conn)
+
+    def _relay(self, conn: socket.socket) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        m = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+        while m and len(body) < int(m[1]):
+            body += conn.recv(1 << 20)
+        method, target = head.split(b" ")[:2]
+        self.requests.append((method.decode(), target.decode(), body))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as up:
+            up.settimeout(60)
+            up.connect(self.upstream)
+            up.sendall(head + b"\r\n\r\n" + body)
+            while chunk := up.recv(65536):
+                conn.sendall(chunk)
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(10)
+        self.srv.close()
+
+
+@pytest.fixture
+def recorder(daemon, tmp):
+    r = Recorder(daemon.sock, os.path.join(tmp, "rec.sock"))
+    yield r
+    r.close()
+
+
+def test_the_cli_compiles_cuda_c_and_sends_ptx(daemon, recorder):
+    r = cli("load", str(EXAMPLES / "heartbeat"), "--socket", recorder.path)
+    try:
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("heartbeat loaded on slot "), r.stdout
+        # It asked the daemon's status (the oldest GPU's compute capability), then sent PTX for it.
+        assert [(m, t) for m, t, _b in recorder.requests] == [("GET", "/v1/status"), ("POST", "/v1/programs")]
+        body = json.loads(recorder.requests[1][2])
+        assert set(body) == {"manifest", "ptx"} and body["manifest"]["name"] == "heartbeat"
+        assert ".target sm_90" in body["ptx"] and ".entry mesh_main" in body["ptx"]
+        assert body["ptx"] == ptx_of("heartbeat")
+        assert daemon.client.program("heartbeat")["state"] == "running"
+    finally:
+        if "heartbeat" in {p["name"] for p in daemon.client.programs()}:
+            daemon.client.unload("heartbeat")
+
+
+def test_the_cli_compiles_as_its_user_and_prints_errors_plainly(daemon, recorder, tmp):
+    """#include "/etc/passwd" through the CLI: NVRTC reads it in the CLI's own process, with the
+    user's rights (here it may: the user's own access), and its errors come out as one clean
+    message with exit status 1; the daemon gets no body at all, so never reads the file."""
+    d = Path(tmp) / "prog"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps(manifest("spin", name="peek")))
+    (d / "peek.cu").write_text('#include "/etc/passwd"\n')
+    before = snapshot(daemon.client)
+    r = cli("load", str(d), "--socket", recorder.path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("meshd-mps: nvrtc: peek: ") and "/etc/passwd" in r.stderr, r.stderr
+    assert [(m, t) for m, t, _b in recorder.requests] == [("GET", "/v1/status")]  # no load was sent
+    (d / "peek.cu").write_text("this is not C\n")
+    r = cli("load", str(d), "--socket", recorder.path)
+    assert r.returncode == 1 and r.stderr.startswith("meshd-mps: nvrtc: peek: ") and "Traceback" not in r.stderr
+    assert [m for m, _t, _b in recorder.requests] == ["GET", "GET"]
+    assert snapshot(daemon.client) == before
+
+
+def test_the_arch_is_the_oldest_gpus():
+    caps = lambda major, minor: {"cc_major": major, "cc_minor": minor}  # noqa: E731
+    assert oldest_arch({"caps": caps(9, 0), "devices": [{"caps": caps(9, 0)}, {"caps": caps(8, 6)}]}) == "compute_86"
+    assert oldest_arch({"caps": caps(10, 0), "devices": [{"caps": caps(12, 0)}, {"caps": caps(10, 0)}]}) == "compute_100"
+    assert oldest_arch({"caps": caps(8, 0)}) == "compute_80"  # a daemon without "devices"
+    with pytest.raises(ClientError, match="names no compute capability"):
+        oldest_arch({"caps": None, "devices": []})
+
+
+# ---- 5. the socket: its default directory, its owner -----------------------------------------
+
+
+def test_the_default_socket(monkeypatch):
+    for k in ("MESHD_MPS_SOCKET", "XDG_RUNTIME_DIR"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert default_socket() == "/run/meshd-mps/meshd-mps.sock"
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert default_socket() == "/tmp/meshd-mps-1000/meshd-mps.sock"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "/run/user/1000")
+    assert default_socket() == "/run/user/1000/meshd-mps.sock"
+    monkeypatch.setenv("MESHD_MPS_SOCKET", "/srv/m.sock")
+    assert default_socket() == "/srv/m.sock"
+
+
+def refused_dir(d: str, *words: str) -> None:
+    with pytest.raises(server.StartError) as ei:
+        server._check_socket_dir(d)
+    for w in words:
+        assert w in str(ei.value), str(ei.value)
+
+
+def test_the_socket_directory_rules(monkeypatch, tmp):
+    me = os.geteuid()
+    # The default directory is made 0700, and taken only as a real directory of the daemon's uid.
+    monkeypatch.setattr(client_mod, "RUN_DIR", os.path.join(tmp, "run"))
+    monkeypatch.setattr(client_mod, "TMP_ROOT", tmp)
+    own = client_mod.private_dirs()[0]
+    server._check_socket_dir(own)
+    st = os.lstat(own)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == me
+    os.rmdir(own)
+    target = os.path.join(tmp, "elsewhere")
+    os.mkdir(target, 0o700)
+    os.symlink(target, own)
+    refused_dir(own, f"socket directory {own} is a symlink; refusing it")
+    os.unlink(own)
+    named = os.path.join(tmp, "named")
+    os.symlink(target, named)
+    server._check_socket_dir(named)  # a named one may be a symlink of ours, to a directory of ours
+    os.mkdir(own, 0o700)
+    os.chmod(own, 0o770)
+    refused_dir(own, "is writable by its group (mode 0770)")
+    os.chmod(own, 0o777)
+    refused_dir(own, "is writable by its group and other users (mode 0777)", "--socket")
+    os.chmod(own, 0o1777)  # sticky makes no exception
+    refused_dir(own, "writable by its group and other users (mode 1777)")
+    os.chmod(own, 0o755)
+    server._check_socket_dir(own)  # no write bit for others: fine
+    if me == 0:
+        os.chown(own, NOBODY, NOBODY)
+        refused_dir(own, f"socket directory {own} is owned by uid {NOBODY}, not by this daemon's uid 0")
+        os.chown(target, NOBODY, NOBODY)
+        refused_dir(named, f"owned by uid {NOBODY}")
+    Path(os.path.join(tmp, "file")).write_text("")
+    refused_dir(os.path.join(tmp, "file"), "is not a directory")
+    # For another uid: a named directory of root's is fine, its own default one must be its own.
+    monkeypatch.setattr(os, "geteuid", lambda: 4242)
+    root_owned = os.path.join(tmp, "rootdir")
+    os.mkdir(root_owned, 0o755)
+    if me == 0:
+        server._check_socket_dir(root_owned)
+        own2 = client_mod.private_dirs()[0]
+        assert own2 == os.path.join(tmp, "meshd-mps-4242")
+        refused_dir(own2, "is owned by uid 0, not by this daemon's uid 4242")  # made by root, here
+
+
+def test_the_daemon_binds_in_its_default_directory(monkeypatch, tmp):
+    """Daemon._bind without --socket or the environment: root's default, /run/meshd-mps (here
+    moved under tmp), made 0700, the socket 0600 in it; and refused once the directory is not its own."""
+    for k in ("MESHD_MPS_SOCKET", "XDG_RUNTIME_DIR"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(client_mod, "RUN_DIR", os.path.join(tmp, "run"))
+    monkeypatch.setattr(client_mod, "TMP_ROOT", tmp)
+    d = server.Daemon(server.Config())
+    assert d.socket_path == os.path.join(client_mod.private_dirs()[0], "meshd-mps.sock")
+    s = d._bind()
+    try:
+        assert stat.S_IMODE(os.stat(os.path.dirname(d.socket_path)).st_mode) == 0o700
+        assert stat.S_ISSOCK(os.lstat(d.socket_path).st_mode) and stat.S_IMODE(os.lstat(d.socket_path).st_mode) == 0o600
+    finally:
+        s.close()
+        d._remove_socket()
+    assert not os.path.exists(d.socket_path)
+    os.chmod(os.path.dirname(d.socket_path), 0o733)
+    with pytest.raises(server.StartError, match="writable by its group and other users"):
+        server.Daemon(server.Config())._bind()
+    assert not os.path.exists(d.socket_path)
+
+
+@pytest.mark.parametrize("how", ["mode", "owner"])
+def test_serve_refuses_a_socket_directory_others_can_write(tmp, how):
+    d = os.path.join(tmp, "shared")
+    os.mkdir(d)
+    if how == "mode":
+        os.chmod(d, 0o777)
+        words = f"socket directory {d} is writable by its group and other users (mode 0777); refusing it"
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("needs root to give a directory to another uid")
+        os.chown(d, NOBODY, NOBODY)
+        words = f"socket directory {d} is owned by uid {NOBODY}, not by this daemon's uid 0; refusing it"
+    sock = os.path.join(d, "s.sock")
+    r = cli("serve", "--gpu", "sim", "--socket", sock, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"meshd-mps: {words}" in r.stderr, r.stderr
+    assert not os.path.exists(sock)
+
+
+def requests_seen(c: Client) -> float:
+    return sum(v for k, v in parse_metrics(c.metrics()).items() if k.startswith("meshd_mps_http_requests_total"))
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
+
+
+@needs_root
+def test_the_client_refuses_a_socket_of_another_user(daemon, tmp):
+    c = daemon.client
+    link = os.path.join(tmp, "link.sock")
+    os.symlink(daemon.sock, link)
+    assert Client(link).status()["ok"]  # our link to our socket
+    before = snapshot(c)
+    n0 = requests_seen(c)
+    os.chown(daemon.sock, NOBODY, -1)
+    try:
+        with pytest.raises(ClientError) as ei:
+            Client(daemon.sock).status()
+        assert str(ei.value) == (f"{daemon.sock}: owned by uid {NOBODY}, not by you (uid 0); refusing to talk to it"
+                                 " (run the client as the daemon's user)")
+        with pytest.raises(ClientError, match=rf"^{re.escape(link)}: a symlink to {re.escape(daemon.sock)}, owned by uid"
+                                              rf" {NOBODY}, not by you"):
+            Client(link).status()
+        r = cli("ps", "--socket", daemon.sock)
+        assert r.returncode == 1 and r.stderr == f"meshd-mps: {ei.value}\n", r.stderr
+    finally:
+        os.chown(daemon.sock, 0, -1)
+    os.lchown(link, NOBODY, -1)
+    with pytest.raises(ClientError, match=rf"^{re.escape(link)}: owned by uid {NOBODY}"):
+        Client(link).status()
+    n1 = requests_seen(c)
+    assert n1 - n0 == 1  # only the metrics request that counted n0: none of the refused ones reached the daemon
+    assert snapshot(c) == before
+
+
+@needs_root
+def test_the_client_refuses_a_server_of_another_user(tmp):
+    """A socket file of ours, served by a process of another uid (it was chowned after the bind):
+    SO_PEERCRED names the real server, and the client hangs up before it sends anything."""
+    d = os.path.join(tmp, "other")
+    os.mkdir(d, 0o700)
+    os.chown(d, NOBODY, NOBODY)
+    os.chmod(tmp, 0o711)
+    path = os.path.join(d, "s.sock")
+    ready_r, ready_w = os.pipe()
+    quit_r, quit_w = os.pipe()
+    with warnings.catch_warnings():  # the child makes syscalls only and _exits: fork is fine
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(ready_r)
+            os.close(quit_w)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(path)
+            s.listen(4)
+            os.write(ready_w, b"ready")
+            got = b""
+            s.settimeout(30)
+            try:
+                conn, _ = s.accept()
+                conn.settimeout(5)
+                got = conn.recv(100)  # b"": the client closed without a byte
+            except OSError:
+                got = b"no connection"
+            os.write(ready_w, b"|" + (got or b"nothing"))
+            os.read(quit_r, 1)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(quit_r)
+    try:
+        assert os.read(ready_r, 5) == b"ready"
+        os.chown(path, 0, 0)
+        with pytest.raises(ClientError) as ei:
+            Client(path, timeout=10).status()
+        assert re.fullmatch(rf"{re.escape(path)}: served by pid {pid} as uid {NOBODY}, not by you \(uid 0\); refusing"
+                            r" to talk to it \(run the client as the daemon's user\)", str(ei.value)), str(ei.value)
+        assert os.read(ready_r, 100) == b"|nothing"
+    finally:
+        os.close(quit_w)
+        os.close(ready_r)
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+# ---- 6. stalls ---------------------------------------------------------------------------------
+
+
+def test_ps_shows_the_beat_age_and_stalled():
+    base = {"pid": 10, "device": 0, "heartbeat": 7, "uptime_s": 75.0, "upgrades": 0, "hash": "0123456789abcdef"}
+    rows = [
+        {**base, "name": "hb", "slot": 0, "state": "running", "beat_age_s": 0.04},
+        {**base, "name": "quiet", "slot": 1, "state": "stalled", "beat_age_s": 65.2},
+        {**base, "name": "never", "slot": 2, "state": "running", "beat_age_s": None},
+        {**base, "name": "old", "slot": 3, "state": "running"},  # a daemon without the field
+    ]
+    lines = ps_table(rows).splitlines()
+    assert lines[0].split() == ["NAME", "SLOT", "STATE", "PID", "GPU", "HEARTBEAT", "BEAT-AGE", "UPTIME", "UPGRADES", "HASH"]
+    got = {ln.split()[0]: ln.split() for ln in lines[1:]}
+    assert [got[n][2] for n in ("hb", "quiet", "never", "old")] == ["running", "stalled", "running", "running"]
+    assert [got[n][6] for n in ("hb", "quiet", "never", "old")] == ["0.0s", "1m05s", "-", "-"]
+    assert got["hb"][7] == "1m15s"
+
+
+def rows_of(text: str) -> dict[str, str]:
+    return {(parts := re.split(r"\s{2,}", ln.strip(), maxsplit=1))[0]: parts[1] if len(parts) > 1 else ""
+            for ln in text.splitlines()}
+
+
+def test_status_shows_the_stalled_count():
+    table = rows_of(status_table({"isolation": "blink", "programs": 3, "stalled": 2}))
+    assert table["programs"] == "3" and table["stalled"] == "2"
+    assert rows_of(status_table({"isolation": "blink", "programs": 1}))["stalled"] == "0"  # a daemon without it
+
+
+def test_stall_figures_in_status_and_metrics(daemon):
+    c = daemon.client
+    st = c.status()
+    assert isinstance(st["stalled"], int) and not isinstance(st["stalled"], bool)
+    assert st["stalled"] == sum(1 for p in c.programs() if p["state"] == "stalled")
+    text = c.metrics()
+    m = parse_metrics(text)
+    assert 'meshd_mps_programs{state="stalled"}' in m and 'meshd_mps_programs{state="running"}' in m
+    assert "# TYPE meshd_mps_program_beat_age_seconds gauge\n" in text
+    ages = {k: v for k, v in m.items() if k.startswith("meshd_mps_program_beat_age_seconds")}
+    beat = {p["name"]: p.get("beat_age_s") for p in c.programs()}
+    assert set(ages) == {f'meshd_mps_program_beat_age_seconds{{program="{n}"}}' for n, a in beat.items() if a is not None}
+    r = cli("status", "--socket", daemon.sock)
+    assert r.returncode == 0 and re.search(r"^stalled +\d+$", r.stdout, re.M), r.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_serve_refuses_a_bad_stall_after(tmp, value):
+    r = cli("serve", "--gpu", "sim", "--socket", os.path.join(tmp, "s.sock"), "--stall-after", value)
+    assert r.returncode == 2 and r.stderr == f"meshd-mps: --stall-after {float(value):g}: seconds, more than 0\n", r.stderr
+    assert not os.path.exists(os.path.join(tmp, "s.sock"))
+
+
+async def test_stall_after_reaches_programs(monkeypatch, tmp):
+    """--stall-after S is Programs(backend, stall_after=S); without it, Programs' own default."""
+    seen: list[dict] = []
+    real = server.Programs
+
+    class Spy(real):  # type: ignore[misc, valid-type]
+        def __init__(self, backend, **kw):
+            seen.append(kw)
+            super().__init__(backend)
+
+    monkeypatch.setattr(server, "Programs", Spy)
+    for cfg, kw in ((server.Config(gpu="sim", stall_after=2.5), {"stall_after": 2.5}), (server.Config(gpu="sim"), {})):
+        cfg.socket = os.path.join(tmp, "s.sock")
+        d = server.Daemon(cfg)
+        try:
+            await d._open()
+            assert seen[-1] == kw
+        finally:
+            await d._close_backend()
+    assert len(seen) == 2
