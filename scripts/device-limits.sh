@@ -6,6 +6,7 @@
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+GPU=${GPU:-cuda}  # GPU=sim (with the stand-in first on PATH) tries the script on a CPU
 M="python3 -m meshd_mps"
 W=$(mktemp -d /tmp/meshd-limits.XXXXXX)
 # One PTX for every copy (the CLI compiles CUDA C itself; here once, for speed).
@@ -19,18 +20,18 @@ for name in ("heartbeat", "spin"):
     (w / f"{name}.ptx").write_bytes(cuda_to_ptx(src, name, "compute_90", ["examples/include"]))
 EOF
 for iso in blink mps; do
-  S=/tmp/ml-$iso.sock; L="$OUT/limits-$iso.txt"
+  S=$W/$iso.sock; L="$OUT/limits-$iso.txt"  # $W is 0700: the daemon refuses a socket dir others can write
   if [ $iso = blink ]; then n=32; pool=0; else n=44; pool=4; fi
-  $M serve --isolation $iso --pool $pool --socket $S --log-format console 2>/tmp/limits-$iso-log.txt &
+  $M serve --gpu $GPU --isolation $iso --pool $pool --socket $S --log-format console 2>/tmp/limits-$iso-log.txt &
   P=$!
   for i in $(seq 150); do $M status --socket $S >/dev/null 2>&1 && break; sleep 0.2; done
   {
-    t0=$(date +%s.%N)
+    t0=$(date +%s)
     for i in $(seq 0 $((n - 1))); do
-      echo "{\"name\": \"hb-$i\", \"backend\": \"cuda\", \"warps\": 1, \"abi\": 1}" > $W/hb-$i.json
-      $M load --manifest $W/hb-$i.json --ptx $W/heartbeat.ptx --socket $S >/dev/null || echo "load hb-$i FAILED"
+      echo "{\"name\": \"heartbeat-$i\", \"backend\": \"cuda\", \"warps\": 1, \"abi\": 1}" > $W/heartbeat-$i.json
+      $M load --manifest $W/heartbeat-$i.json --ptx $W/heartbeat.ptx --socket $S >/dev/null || echo "load heartbeat-$i FAILED"
     done
-    echo "loaded $n in $(echo "$(date +%s.%N) - $t0" | bc) s"
+    echo "loaded $n in $(( $(date +%s) - t0 )) s"
     sleep 2
     $M ps --socket $S --json > $W/ps-$iso.json
     python3 - $W/ps-$iso.json $n <<'EOF'
@@ -42,7 +43,7 @@ print("states:", sorted({p["state"] for p in ps}), "largest beat age:", max((p.g
 EOF
     echo '{"name": "one-more", "backend": "cuda", "warps": 1, "abi": 1}' > $W/one-more.json
     echo "== one more load:"; $M load --manifest $W/one-more.json --ptx $W/heartbeat.ptx --socket $S; echo "rc=$?"
-    $M unload hb-0 --socket $S
+    $M unload heartbeat-0 --socket $S
     echo '{"name": "wide", "backend": "cuda", "warps": 1, "abi": 1}' > $W/wide.json
     for nodes in 4294967296 1000000000 5000; do
       echo "== --nodes $nodes:"; $M load --manifest $W/wide.json --ptx $W/spin.ptx --nodes $nodes --socket $S; echo "rc=$?"

@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1
 timeout 420 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider > "$OUT/gpu-tests.txt" 2>&1
 echo "pytest rc=$?" >> "$OUT/gpu-tests.txt"
 for iso in mps blink; do
-  S=/tmp/msv-$iso.sock; L="$OUT/serve-$iso.txt"
+  SD=$(mktemp -d /tmp/msv.XXXXXX); S=$SD/$iso.sock; L="$OUT/serve-$iso.txt"  # a private dir: the daemon refuses a shared one
   python3 -m meshd_mps serve --isolation $iso --pool 2 --socket $S --log-format console 2>/tmp/serve-$iso-log.txt &
   P=$!
   for i in $(seq 100); do python3 -m meshd_mps status --socket $S >/dev/null 2>&1 && break; sleep 0.2; done
