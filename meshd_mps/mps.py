@@ -168,20 +168,17 @@ class Mps:
         known to us, so it is counted against each)."""
         return len(self.workers_on(device)) + len(self.native)
 
-    def room(self, device: int) -> int:
-        """Programs GPU ``device`` still takes: the server's clients less the pool's (kept for the
-        next loads and upgrades), the native clients' and the programs' workers."""
-        busy = len(self.workers_on(device)) - len(self.pools[device])
-        return self.max_clients - self.pools[device].cap - len(self.native) - busy
-
     def check_room(self, name: str, device: int) -> None:
-        if self.room(device) <= 0:
-            busy = len(self.workers_on(device)) - len(self.pools[device])
+        """CapacityError unless GPU ``device`` takes one more program: the server's clients less
+        the pool's (kept for the next loads and upgrades), the native clients' and the programs'."""
+        busy = len(self.workers_on(device)) - len(self.pools[device])
+        have = self.max_clients - self.pools[device].cap - len(self.native)
+        if busy >= have:
             gpu = "" if len(self.devices) == 1 else f" of GPU {device}"
             raise CapacityError(
                 f"{name}: the MPS server{gpu} takes {self.max_clients} clients (CUDA 13.0); {busy} programs,"
                 f" {len(self.native)} native clients and a pool of {self.pools[device].cap} leave no room for another",
-                limit="MPS clients", have=self.max_clients - self.pools[device].cap - len(self.native), asked=busy + 1)
+                limit="MPS clients", have=have, asked=busy + 1)
 
     async def spawn(self, program: str | None = None, device: int | None = None) -> WorkerProc:
         """A fresh worker on GPU ``device`` (default: the first), within that GPU's client limit."""
