@@ -13,13 +13,14 @@ __version__ = "0.1.0"
 __all__ = ["Backend", "Programs", "Launch", "Deadlines", "MeshError", "__version__"]
 
 if TYPE_CHECKING:
-    from .backend import Backend
-    from .errors import MeshError
-    from .launch import Launch
-    from .proc import Deadlines
-    from .programs import Programs
+    from meshd_mps.backend import Backend
+    from meshd_mps.errors import MeshError
+    from meshd_mps.isolation.launch import Launch
+    from meshd_mps.supervision.proc import Deadlines
+    from meshd_mps.programs import Programs
 
-_WHERE = {"Backend": "backend", "Programs": "programs", "Launch": "launch", "Deadlines": "proc", "MeshError": "errors"}
+_WHERE = {"Backend": "backend", "Programs": "programs", "Launch": "isolation.launch", "Deadlines": "supervision.proc",
+          "MeshError": "errors"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,3 +1,3 @@
-from .cli import main
+from meshd_mps.serving.cli import main
 
 raise SystemExit(main())

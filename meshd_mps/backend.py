@@ -24,21 +24,22 @@ from typing import Any, Literal
 import anyio
 import structlog
 
-from . import abi, frames, limits
-from .frames import Loaded, Op
-from .blink import BlinkContext, Module
-from .compiler import Compiler, Manifest, Prepared
-from .daemon import PIPE_ENV, ControlDaemon
-from .device import (Caps, DeviceInfo, caps_of, check_sms, check_unique, choose_devices, device_count, ordinals_text,
+from meshd_mps.protocol import abi, frames
+from meshd_mps.isolation import limits
+from meshd_mps.protocol.frames import Loaded, Op
+from meshd_mps.isolation.blink import BlinkContext, Module
+from meshd_mps.gpu.compiler import Compiler, Manifest, Prepared
+from meshd_mps.mps.control import PIPE_ENV, ControlDaemon
+from meshd_mps.gpu.device import (Caps, DeviceInfo, caps_of, check_sms, check_unique, choose_devices, device_count, ordinals_text,
                      query_device, simulated_count, simulated_device)
-from .errors import ConfigError, MeshError, WorkerError
-from .launch import Launch
-from .log import setup_logging
-from .mailbox import Mailbox
-from .mps import MAX_CLIENTS, Mps, Worker
-from .mps import launch as mps_launch
-from .proc import Deadlines
-from .supervisor import Supervisor
+from meshd_mps.errors import ConfigError, MeshError, WorkerError
+from meshd_mps.isolation.launch import Launch
+from meshd_mps.log import setup_logging
+from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.mps.clients import MAX_CLIENTS, Mps, Worker
+from meshd_mps.mps.clients import launch as mps_launch
+from meshd_mps.supervision.proc import Deadlines
+from meshd_mps.supervision.supervisor import Supervisor
 
 log = structlog.get_logger("meshd_mps")
 
@@ -376,7 +377,7 @@ class Backend:
     def query(self, k: Kernel) -> bool:
         """The last launch finished; WorkerError (naming the program) on a stream error or a death."""
         if k.worker is not None:
-            from .mps import query
+            from meshd_mps.mps.clients import query
 
             return query(k.worker)
         assert k.module is not None

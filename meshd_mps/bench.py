@@ -70,16 +70,18 @@ from typing import Any
 
 import anyio
 
-from . import abi, child, eventloop, frames
-from .backend import Backend
-from .compiler import Compiler, cuda_to_ptx, nvjitlink_version
-from .errors import CapacityError
-from .frames import Launch as LaunchReq, Op
-from .limits import BLINK_QUEUES
-from .log import setup_logging
-from .mps import MAX_CLIENTS, Worker
-from .proc import Deadlines, WorkerProc
-from .programs import Programs
+from meshd_mps.protocol import abi, frames
+from meshd_mps.supervision import child
+from meshd_mps import eventloop
+from meshd_mps.backend import Backend
+from meshd_mps.gpu.compiler import Compiler, cuda_to_ptx, nvjitlink_version
+from meshd_mps.errors import CapacityError
+from meshd_mps.protocol.frames import Launch as LaunchReq, Op
+from meshd_mps.isolation.limits import BLINK_QUEUES
+from meshd_mps.log import setup_logging
+from meshd_mps.mps.clients import MAX_CLIENTS, Worker
+from meshd_mps.supervision.proc import Deadlines, WorkerProc
+from meshd_mps.programs import Programs
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BARE_CUDA = r"""

@@ -24,13 +24,14 @@ from typing import Any
 import anyio
 import structlog
 
-from . import abi, frames, limits
-from .backend import Backend, Image, Kernel
-from .compiler import Manifest
-from .errors import MeshError, NotStarted, WorkerError
-from .frames import Done
-from .launch import Launch
-from .proc import WorkerProc
+from meshd_mps.protocol import abi, frames
+from meshd_mps.isolation import limits
+from meshd_mps.backend import Backend, Image, Kernel
+from meshd_mps.gpu.compiler import Manifest
+from meshd_mps.errors import MeshError, NotStarted, WorkerError
+from meshd_mps.protocol.frames import Done
+from meshd_mps.isolation.launch import Launch
+from meshd_mps.supervision.proc import WorkerProc
 
 log = structlog.get_logger("meshd_mps")
 

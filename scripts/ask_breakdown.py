@@ -28,10 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshd_mps import child, frames  # noqa: E402
+from meshd_mps.supervision import child
+from meshd_mps.protocol import frames  # noqa: E402
 from meshd_mps.bench import ANSWER_CHILD, ECHO_CHILD, ask_only, answering_child  # noqa: E402
-from meshd_mps.frames import Launch, Op  # noqa: E402
-from meshd_mps.proc import Deadlines  # noqa: E402
+from meshd_mps.protocol.frames import Launch, Op  # noqa: E402
+from meshd_mps.supervision.proc import Deadlines  # noqa: E402
 
 REQ = frames.encode(Op.LAUNCH, Launch(1, 1, 0, 1).encode())
 
@@ -146,9 +147,9 @@ async def answer(n: int) -> list[float]:
 
 def heartbeat_load(module: int):
     """heartbeat compiled here for this GPU, as a LOAD request."""
-    from meshd_mps.compiler import Manifest, cuda_to_ptx, ptx_to_cubin, reg_cap
-    from meshd_mps.device import query_device
-    from meshd_mps.frames import Load
+    from meshd_mps.gpu.compiler import Manifest, cuda_to_ptx, ptx_to_cubin, reg_cap
+    from meshd_mps.gpu.device import query_device
+    from meshd_mps.protocol.frames import Load
 
     info = query_device()
     d = ROOT / "examples" / "heartbeat"
@@ -160,9 +161,9 @@ def heartbeat_load(module: int):
 
 async def worker(n: int, gpu: str) -> list[float]:
     """WorkerProc.ask LAUNCH to a real worker process (no MPS), heartbeat with HALT preset, DONE awaited."""
-    from meshd_mps.mailbox import Mailbox
-    from meshd_mps.mps import worker_argv
-    from meshd_mps.proc import WorkerProc
+    from meshd_mps.protocol.mailbox import Mailbox
+    from meshd_mps.mps.clients import worker_argv
+    from meshd_mps.supervision.proc import WorkerProc
 
     mb = Mailbox.create()
     argv = worker_argv(mb.path, 0, gpu)
@@ -172,7 +173,7 @@ async def worker(n: int, gpu: str) -> list[float]:
     if gpu == "cuda":
         req = heartbeat_load(1)
     else:
-        from meshd_mps.frames import Load
+        from meshd_mps.protocol.frames import Load
         req = Load(1, 32, 0, 0, "heartbeat", b"\x7fELF heartbeat")
     await w.ask(Op.LOAD, req.encode(), Op.LOADED, 30)
     mb.reset_slot(3)
@@ -216,7 +217,7 @@ async def mps_worker(n: int, gpu: str, pool: int = 1, settle: float = 0.0) -> li
 def gpu_launch(n: int) -> list[float]:
     import threading
 
-    from meshd_mps.mailbox import Mailbox
+    from meshd_mps.protocol.mailbox import Mailbox
     from workers.cuda_gpu import CudaGpu
 
     mb = Mailbox.create()

@@ -13,7 +13,7 @@ W=$(mktemp -d /tmp/meshd-limits.XXXXXX)
 python3 - "$W" <<'EOF'
 import sys
 from pathlib import Path
-from meshd_mps.compiler import cuda_to_ptx
+from meshd_mps.gpu.compiler import cuda_to_ptx
 w = Path(sys.argv[1])
 for name in ("heartbeat", "spin"):
     src = Path(f"examples/{name}/{name}.cu").read_bytes()
@@ -52,7 +52,7 @@ EOF
     echo "== CUDA C through the API (refused) and through the CLI (compiled by the CLI):"
     python3 - $S <<'EOF'
 import sys
-from meshd_mps.client import Client, ClientError
+from meshd_mps.serving.client import Client, ClientError
 try:
     Client(sys.argv[1]).request("POST", "/v1/programs", {"manifest": {"name": "x", "backend": "cuda", "warps": 1, "abi": 1},
                                                         "cuda": '#include "/etc/passwd"\n'})

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshd_mps import abi  # noqa: E402
+from meshd_mps.protocol import abi  # noqa: E402
 from meshd_mps.backend import Backend  # noqa: E402
 from tests.test_backend import example  # noqa: E402
 

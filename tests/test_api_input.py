@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from meshd_mps import client as client_mod, server
-from meshd_mps.cli import ps_table, status_table
-from meshd_mps.client import (MAX_JSON_DEPTH, Client, ClientError, UnixHTTPConnection, default_socket, json_deeper_than,
+from meshd_mps.serving import client as client_mod, server
+from meshd_mps.serving.cli import ps_table, status_table
+from meshd_mps.serving.client import (MAX_JSON_DEPTH, Client, ClientError, UnixHTTPConnection, default_socket, json_deeper_than,
                               oldest_arch, parse_json, program_body)
 from meshd_mps.errors import CapacityError, ImageRefused, LimitError, NotStarted, WorkerError
 from .test_serve import EXAMPLES, NOBODY, Serve, cli, manifest, parse_metrics, ptx_of
@@ -307,7 +307,7 @@ async def test_typed_errors_through_dispatch(error, status, fields):
 def check_image_refused(c: Client) -> None:
     """PTX without mesh_main: the driver (here the simulation, in its words) refuses the image: 400,
     nothing loaded, and the next load goes through."""
-    from meshd_mps.compiler import cuda_to_ptx
+    from meshd_mps.gpu.compiler import cuda_to_ptx
 
     ptx = cuda_to_ptx(b'extern "C" __global__ void other(int *p) { *p = 1; }', "spin").decode()
     before = snapshot(c)

@@ -9,9 +9,9 @@ import pathlib
 import anyio
 import pytest
 
-from meshd_mps import abi
+from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend, Image
-from meshd_mps.compiler import Prepared, cuda_to_ptx
+from meshd_mps.gpu.compiler import Prepared, cuda_to_ptx
 from meshd_mps.errors import ConfigError, MeshError, NoDriver
 from meshd_mps.programs import ProgramError, Programs
 
@@ -111,7 +111,7 @@ async def test_blink_refuses_when_a_program_does_not_halt(standin_on_path):
 
 
 def man_parse(man: dict, name: str):
-    from meshd_mps.compiler import Manifest
+    from meshd_mps.gpu.compiler import Manifest
 
     return Manifest.parse({**man, "name": name})
 
@@ -143,7 +143,7 @@ async def test_green_context_sm_count_is_checked(standin_on_path):
 
 async def test_no_driver_is_a_plain_error(standin_on_path):
     try:
-        from meshd_mps.device import query_device
+        from meshd_mps.gpu.device import query_device
 
         query_device()
     except NoDriver:

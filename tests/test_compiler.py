@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from meshd_mps import abi, compiler
-from meshd_mps.compiler import (
+from meshd_mps.protocol import abi
+from meshd_mps.gpu import compiler
+from meshd_mps.gpu.compiler import (
     Compiler,
     Manifest,
     check_hash,
@@ -22,7 +23,7 @@ from meshd_mps.compiler import (
     ptx_version,
     reg_cap,
 )
-from meshd_mps.device import caps_of, check_sms, query_device, simulated_device
+from meshd_mps.gpu.device import caps_of, check_sms, query_device, simulated_device
 from meshd_mps.errors import CompileError, ConfigError, HashMismatch, LimitError, ManifestError, NoDriver
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,14 +13,14 @@ import re
 import anyio
 import pytest
 
-from meshd_mps import abi
+from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend
-from meshd_mps.client import ClientError, program_body
-from meshd_mps.device import SIM_GPUS_ENV, choose_devices, parse_devices, simulated_count
+from meshd_mps.serving.client import ClientError, program_body
+from meshd_mps.gpu.device import SIM_GPUS_ENV, choose_devices, parse_devices, simulated_count
 from meshd_mps.errors import ConfigError, LimitError, WorkerError
-from meshd_mps.frames import Op
-from meshd_mps.limits import MPS_QUEUES
-from meshd_mps.mps import Mps, worker_argv
+from meshd_mps.protocol.frames import Op
+from meshd_mps.isolation.limits import MPS_QUEUES
+from meshd_mps.mps.clients import Mps, worker_argv
 from meshd_mps.programs import ProgramError, Programs
 from workers import warm
 from workers.main import parse_args

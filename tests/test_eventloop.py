@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from meshd_mps import child, eventloop
+from meshd_mps.supervision import child
+from meshd_mps import eventloop
 from meshd_mps.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,7 +9,7 @@ import signal
 import anyio
 import pytest
 
-from meshd_mps import abi
+from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend
 from meshd_mps.errors import WorkerError
 from meshd_mps.programs import Programs

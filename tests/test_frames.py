@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshd_mps import frames
-from meshd_mps.frames import Done, FrameError, Launch, Load, Loaded, Op
+from meshd_mps.protocol import frames
+from meshd_mps.protocol.frames import Done, FrameError, Launch, Load, Loaded, Op
 from workers.main import Channel
 
 

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from meshd_mps import standin
-from meshd_mps.client import MAX_BODY, Client, ClientError, NoDaemon, program_body
-from meshd_mps.metrics import Registry
+from meshd_mps.mps import standin
+from meshd_mps.serving.client import MAX_BODY, Client, ClientError, NoDaemon, program_body
+from meshd_mps.serving.metrics import Registry
 from . import waits
 
 pytestmark = pytest.mark.timeout(120)
@@ -185,7 +185,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def ptx_of(name: str) -> str:
-    from meshd_mps.compiler import cuda_to_ptx
+    from meshd_mps.gpu.compiler import cuda_to_ptx
 
     return cuda_to_ptx((EXAMPLES / name / f"{name}.cu").read_bytes(), name, "compute_90").decode()
 
@@ -550,7 +550,7 @@ def test_sigint_during_idle_is_clean(serve):
 
 
 def test_no_driver_is_plain(tmp):
-    from meshd_mps.device import query_device
+    from meshd_mps.gpu.device import query_device
     from meshd_mps.errors import NoDriver
 
     try:
@@ -596,8 +596,8 @@ def test_help_says_what_each_does():
 
 
 def test_worker_fast_path_and_light_client():
-    code = ("import sys; from meshd_mps import cli; cli.parser(); "
-            "heavy = [m for m in ('meshd_mps.server', 'meshd_mps.supervisor', 'meshd_mps.backend', 'anyio') if m in sys.modules]; "
+    code = ("import sys; from meshd_mps.serving import cli; cli.parser(); "
+            "heavy = [m for m in ('meshd_mps.serving.server', 'meshd_mps.supervision.supervisor', 'meshd_mps.backend', 'anyio') if m in sys.modules]; "
             "assert not heavy, heavy")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=REPO)
     assert r.returncode == 0, r.stderr

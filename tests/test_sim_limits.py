@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from meshd_mps import abi, frames
-from meshd_mps.compiler import cuda_to_ptx, ptx_to_cubin
-from meshd_mps.frames import Done, Launch, Load, Loaded, Op
-from meshd_mps.mailbox import Mailbox
+from meshd_mps.protocol import abi, frames
+from meshd_mps.gpu.compiler import cuda_to_ptx, ptx_to_cubin
+from meshd_mps.protocol.frames import Done, Launch, Load, Loaded, Op
+from meshd_mps.protocol.mailbox import Mailbox
 from workers import warm
 from workers.gpu import GpuError, Streams
 from workers.main import parse_args

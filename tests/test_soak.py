@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from meshd_mps import mps as mpsmod
+from meshd_mps.mps import clients as mpsmod
 from meshd_mps.errors import WorkerError
 
 from .conftest import sim

@@ -16,10 +16,10 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from meshd_mps import abi
-from meshd_mps import mps as mpsmod
+from meshd_mps.protocol import abi
+from meshd_mps.mps import clients as mpsmod
 from meshd_mps.errors import LimitError, MeshError, MpsError, WorkerError
-from meshd_mps.proc import Deadlines
+from meshd_mps.supervision.proc import Deadlines
 
 from .conftest import sim
 from .procs import alive, fds_exhausted
@@ -191,7 +191,7 @@ async def test_spawning_many_does_not_freeze_the_loop(rig):
 
 
 async def test_no_mps_binary_on_path(monkeypatch, tmp_path):
-    from meshd_mps.daemon import ControlDaemon
+    from meshd_mps.mps.control import ControlDaemon
 
     monkeypatch.setenv("PATH", str(tmp_path))
     d = ControlDaemon(str(tmp_path / "mps"), temporary=True)
@@ -451,7 +451,7 @@ async def test_out_of_fds_to_verify_a_fresh_worker(rig, monkeypatch):
 
 async def test_out_of_fds_for_the_pidfd(rig, monkeypatch):
     """No fd left for a worker's pidfd: the worker still works, and its exit is seen by polling."""
-    from meshd_mps import child
+    from meshd_mps.supervision import child
 
     def emfile(pid):
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))

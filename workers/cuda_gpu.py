@@ -35,10 +35,10 @@ from typing import Any
 
 import structlog
 
-from meshd_mps import abi
-from meshd_mps.device import error_name, is_no_driver
-from meshd_mps.frames import Done, Load, Loaded
-from meshd_mps.mailbox import Mailbox
+from meshd_mps.protocol import abi
+from meshd_mps.gpu.device import error_name, is_no_driver
+from meshd_mps.protocol.frames import Done, Load, Loaded
+from meshd_mps.protocol.mailbox import Mailbox
 
 from .gpu import DoneCallback, GpuError, Streams
 from .warm import Warm, driver_queues

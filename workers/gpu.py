@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
-from meshd_mps.frames import Done, Load, Loaded
+from meshd_mps.protocol.frames import Done, Load, Loaded
 
 from .warm import MAX_QUEUES, QUEUES_ENV
 

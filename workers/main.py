@@ -31,10 +31,10 @@ import time
 
 import structlog
 
-from meshd_mps import frames
-from meshd_mps.frames import Done, FrameError, Launch, Load, Op
+from meshd_mps.protocol import frames
+from meshd_mps.protocol.frames import Done, FrameError, Launch, Load, Op
 from meshd_mps.log import setup_logging
-from meshd_mps.mailbox import Mailbox
+from meshd_mps.protocol.mailbox import Mailbox
 
 from .gpu import Gpu, GpuError
 from .warm import MAX_QUEUES, QUEUES_ENV

@@ -60,9 +60,9 @@ from fractions import Fraction
 
 import structlog
 
-from meshd_mps import abi
-from meshd_mps.frames import Done, Load, Loaded
-from meshd_mps.mailbox import Mailbox
+from meshd_mps.protocol import abi
+from meshd_mps.protocol.frames import Done, Load, Loaded
+from meshd_mps.protocol.mailbox import Mailbox
 
 from .gpu import DoneCallback, GpuError, Streams
 from .warm import driver_queues
@@ -130,7 +130,7 @@ def _script_of(req: Load) -> tuple[dict[str, object], str | None]:
 
 class SimGpu:
     def __init__(self, mailbox: Mailbox, sms: int, device: int = 0):
-        from meshd_mps.device import simulated_count
+        from meshd_mps.gpu.device import simulated_count
 
         self.mailbox = mailbox
         self.startup = os.environ.get(STARTUP_ENV, "")
@@ -165,7 +165,7 @@ class SimGpu:
             threading.Thread(target=self._listen, args=(self._client,), name="sim mps client", daemon=True).start()
 
     def _connect(self) -> None:
-        from meshd_mps.standin import StandinRefused, connect_client
+        from meshd_mps.mps.standin import StandinRefused, connect_client
 
         if self.startup == "no-mps":
             return

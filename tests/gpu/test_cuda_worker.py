@@ -22,12 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from meshd_mps import abi, frames
-from meshd_mps.compiler import Manifest, cuda_to_ptx, ptx_to_cubin, reg_cap
-from meshd_mps.device import DeviceInfo, query_device
+from meshd_mps.protocol import abi, frames
+from meshd_mps.gpu.compiler import Manifest, cuda_to_ptx, ptx_to_cubin, reg_cap
+from meshd_mps.gpu.device import DeviceInfo, query_device
 from meshd_mps.errors import NoDriver
-from meshd_mps.frames import Done, Launch, Load, Loaded, Op
-from meshd_mps.mailbox import Mailbox
+from meshd_mps.protocol.frames import Done, Launch, Load, Loaded, Op
+from meshd_mps.protocol.mailbox import Mailbox
 
 from .. import waits
 

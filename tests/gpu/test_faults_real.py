@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 import anyio
 import pytest
 
-from meshd_mps import abi, standin
-from meshd_mps import mps as mpsmod
+from meshd_mps.protocol import abi
+from meshd_mps.mps import standin
+from meshd_mps.mps import clients as mpsmod
 from meshd_mps.backend import Backend
 from meshd_mps.errors import MeshError, MpsError, NoDriver, WorkerError
-from meshd_mps.proc import Deadlines
+from meshd_mps.supervision.proc import Deadlines
 from meshd_mps.programs import Programs
 
 from .. import waits
@@ -52,7 +53,7 @@ NO_DAEMON = r"^mps: get_server_list: Cannot find MPS control daemon process"
 def real_gpu_and_mps():
     """Skip without a driver or without NVIDIA's own MPS control; after the test, no MPS process
     left that was not there before it."""
-    from meshd_mps.device import query_device
+    from meshd_mps.gpu.device import query_device
 
     try:
         query_device()  # cuInit: the driver's fds are open before no_leaks counts

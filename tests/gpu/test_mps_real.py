@@ -14,9 +14,9 @@ import tempfile
 import anyio
 import pytest
 
-from meshd_mps import abi
+from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend
-from meshd_mps.daemon import LOG_ENV, PIPE_ENV
+from meshd_mps.mps.control import LOG_ENV, PIPE_ENV
 from meshd_mps.errors import LimitError, MpsError, NoDriver
 from meshd_mps.programs import Programs
 
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.mps, pytest.mark.timeout(300)]
 
 @pytest.fixture(autouse=True)
 def real_gpu_and_mps():
-    from meshd_mps.device import query_device
+    from meshd_mps.gpu.device import query_device
 
     try:
         query_device()

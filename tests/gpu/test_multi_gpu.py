@@ -32,7 +32,7 @@ def skip(reason: str) -> None:
 
 @pytest.fixture(autouse=True)
 def two_real_gpus() -> int:
-    from meshd_mps.device import device_count
+    from meshd_mps.gpu.device import device_count
 
     try:
         n = device_count()

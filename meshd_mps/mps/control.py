@@ -19,9 +19,9 @@ import time
 import anyio
 import structlog
 
-from . import child
-from .errors import MpsError
-from .procfs import processes
+from meshd_mps.supervision import child
+from meshd_mps.errors import MpsError
+from meshd_mps.supervision.procfs import processes
 
 log = structlog.get_logger("meshd_mps")
 

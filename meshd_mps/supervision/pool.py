@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import structlog
 
-from . import frames
-from .errors import WorkerError
-from .frames import Op
-from .proc import WorkerProc
+from meshd_mps.protocol import frames
+from meshd_mps.errors import WorkerError
+from meshd_mps.protocol.frames import Op
+from meshd_mps.supervision.proc import WorkerProc
 
 log = structlog.get_logger("meshd_mps")
 

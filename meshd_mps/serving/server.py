@@ -50,18 +50,19 @@ from typing import Any
 import anyio.to_thread
 import structlog
 
-from . import abi, eventloop
-from .backend import Backend
-from .client import MAX_BODY, default_socket, parse_json, private_dirs
-from .compiler import Manifest, nvjitlink_version
-from .daemon import become_subreaper
-from .errors import (CapacityError, CompileError, ConfigError, HashMismatch, ImageRefused, LimitError, ManifestError,
+from meshd_mps.protocol import abi
+from meshd_mps import eventloop
+from meshd_mps.backend import Backend
+from meshd_mps.serving.client import MAX_BODY, default_socket, parse_json, private_dirs
+from meshd_mps.gpu.compiler import Manifest, nvjitlink_version
+from meshd_mps.mps.control import become_subreaper
+from meshd_mps.errors import (CapacityError, CompileError, ConfigError, HashMismatch, ImageRefused, LimitError, ManifestError,
                      MeshError, NoDriver, NotStarted, WorkerError)
-from .log import setup_logging
-from .mailbox import MailboxError
-from .metrics import CONTENT_TYPE as METRICS_TYPE, Histogram, Registry
-from .programs import CALL_S, NAME, Program, ProgramError, Programs
-from .procfs import processes
+from meshd_mps.log import setup_logging
+from meshd_mps.protocol.mailbox import MailboxError
+from meshd_mps.serving.metrics import CONTENT_TYPE as METRICS_TYPE, Histogram, Registry
+from meshd_mps.programs import CALL_S, NAME, Program, ProgramError, Programs
+from meshd_mps.supervision.procfs import processes
 
 log = structlog.get_logger("meshd_mps")
 
@@ -141,7 +142,7 @@ def own_version() -> str:
     try:
         import tomllib
 
-        with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+        with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as f:
             return str(tomllib.load(f)["project"]["version"]) + "+source"
     except (OSError, KeyError, ValueError):
         return "unknown"

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 import anyio
 import structlog
 
-from . import frames
-from .errors import CapacityError, MeshError, WorkerError
-from .frames import Launch as LaunchReq, Load, Loaded, Op
-from .launch import Launch
-from .limits import BLINK_QUEUES
-from .mailbox import Mailbox
-from .proc import WorkerProc
-from .supervisor import Supervisor
+from meshd_mps.protocol import frames
+from meshd_mps.errors import CapacityError, MeshError, WorkerError
+from meshd_mps.protocol.frames import Launch as LaunchReq, Load, Loaded, Op
+from meshd_mps.isolation.launch import Launch
+from meshd_mps.isolation.limits import BLINK_QUEUES
+from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.supervision.proc import WorkerProc
+from meshd_mps.supervision.supervisor import Supervisor
 
 log = structlog.get_logger("meshd_mps")
 
@@ -69,7 +69,7 @@ class BlinkContext:
         self.queues = BLINK_QUEUES
 
     async def open(self) -> None:
-        from .mps import worker_argv
+        from meshd_mps.mps.clients import worker_argv
 
         argv = worker_argv(self.mailbox.path, self.sms, self.gpu, self.device, queues=self.queues)
         self.proc = await self.sup.spawn(argv, dict(os.environ), f"blink context (GPU {self.device})")

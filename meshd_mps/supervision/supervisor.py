@@ -18,10 +18,10 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup
 
-from . import child
-from .errors import MeshError, WorkerError
-from .frames import Op
-from .proc import Deadlines, WorkerProc
+from meshd_mps.supervision import child
+from meshd_mps.errors import MeshError, WorkerError
+from meshd_mps.protocol.frames import Op
+from meshd_mps.supervision.proc import Deadlines, WorkerProc
 
 log = structlog.get_logger("meshd_mps")
 

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .errors import ConfigError, DeviceError, NoDriver
+from meshd_mps.errors import ConfigError, DeviceError, NoDriver
 
 #: How many GPUs the CPU simulation has (``--gpu sim``); the workers inherit it.
 SIM_GPUS_ENV = "MESHD_MPS_SIM_GPUS"

@@ -22,14 +22,14 @@ from dataclasses import dataclass
 import anyio
 import structlog
 
-from . import frames
-from .daemon import ControlDaemon
-from .errors import CapacityError, ConfigError, ImageRefused, LimitError, MpsError, WorkerError
-from .frames import Done, Launch, Load, Loaded, Op
-from .limits import MPS_QUEUES
-from .pool import Pool
-from .proc import WorkerProc
-from .supervisor import Supervisor
+from meshd_mps.protocol import frames
+from meshd_mps.mps.control import ControlDaemon
+from meshd_mps.errors import CapacityError, ConfigError, ImageRefused, LimitError, MpsError, WorkerError
+from meshd_mps.protocol.frames import Done, Launch, Load, Loaded, Op
+from meshd_mps.isolation.limits import MPS_QUEUES
+from meshd_mps.supervision.pool import Pool
+from meshd_mps.supervision.proc import WorkerProc
+from meshd_mps.supervision.supervisor import Supervisor
 
 log = structlog.get_logger("meshd_mps")
 

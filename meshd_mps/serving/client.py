@@ -354,8 +354,8 @@ def compile_cuda(source: bytes, name: str, arch: str, include: list[str] | None 
     examples' ``mesh_program.h`` on the include path): ClientError with NVRTC's log, never a
     traceback."""
     try:
-        from .compiler import cuda_to_ptx
-        from .errors import CompileError
+        from meshd_mps.gpu.compiler import cuda_to_ptx
+        from meshd_mps.errors import CompileError
     except ImportError as e:
         raise ClientError(f"{name}: compiling CUDA C needs meshd-mps's compiler: {e}") from None
     try:

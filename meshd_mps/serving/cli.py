@@ -147,15 +147,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return worker_main(argv[1:])
     if argv[:1] == ["bench"]:
-        from .bench import main as bench_main  # it has its own options (--gpu, --quick, --json)
+        from meshd_mps.bench import main as bench_main  # it has its own options (--gpu, --quick, --json)
 
         return bench_main(argv[1:])
     args = parser().parse_args(argv)
     if args.cmd == "serve":
-        from . import server
+        from meshd_mps.serving import server
 
-        from .device import parse_devices
-        from .errors import ConfigError
+        from meshd_mps.gpu.device import parse_devices
+        from meshd_mps.errors import ConfigError
 
         if args.pool is not None and args.pool < 0:
             print("meshd-mps: --pool must not be negative", file=sys.stderr)
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _client(args: argparse.Namespace) -> int:
-    from .client import Client, ClientError
+    from meshd_mps.serving.client import Client, ClientError
 
     c = Client(args.socket)
     try:

@@ -1,7 +1,7 @@
 """One worker process as the supervisor sees it (the seed's ``proc``).
 
 Its stdin and stdout are asyncio streams; one reader task (owned by the
-:class:`~meshd_mps.supervisor.Supervisor`'s task group) turns stdout into
+:class:`~meshd_mps.supervision.supervisor.Supervisor`'s task group) turns stdout into
 frames.  A request and its reply meet in a future, one ask at a time; DONE
 frames arrive on their own and resolve the launch's completion future.  A
 frame that breaks the protocol, or a reply that comes late or unasked, makes
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import structlog
 
-from . import frames
-from .child import Child
-from .errors import ImageRefused, WorkerError
-from .frames import Done, FrameError, Op
+from meshd_mps.protocol import frames
+from meshd_mps.supervision.child import Child
+from meshd_mps.errors import ImageRefused, WorkerError
+from meshd_mps.protocol.frames import Done, FrameError, Op
 
 log = structlog.get_logger("meshd_mps")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from .frames import Done
+from meshd_mps.protocol.frames import Done
 
 
 class Launch:

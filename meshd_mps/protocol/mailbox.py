@@ -11,7 +11,7 @@ import mmap
 import os
 import struct
 
-from . import abi
+from meshd_mps.protocol import abi
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")

@@ -32,13 +32,13 @@ from typing import Any
 
 import anyio.to_thread
 
-from . import abi
-from .client import parse_json
-from .device import DeviceInfo
-from .errors import CompileError, HashMismatch, LimitError, ManifestError
+from meshd_mps.protocol import abi
+from meshd_mps.serving.client import parse_json
+from meshd_mps.gpu.device import DeviceInfo
+from meshd_mps.errors import CompileError, HashMismatch, LimitError, ManifestError
 
 #: The device-side header's folder, passed to NVRTC with -I (a source checkout only).
-INCLUDE_DIR = Path(__file__).resolve().parent.parent / "examples" / "include"
+INCLUDE_DIR = Path(__file__).resolve().parents[2] / "examples" / "include"
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 U32_MAX = (1 << 32) - 1

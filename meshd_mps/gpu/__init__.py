@@ -1,0 +1,1 @@
+"""The GPU seen without a context: device queries, NVRTC and nvJitLink."""

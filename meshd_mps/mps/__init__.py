@@ -1,0 +1,1 @@
+"""NVIDIA MPS: the private control daemon, its server's clients, the stand-in."""
