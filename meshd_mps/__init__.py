@@ -16,10 +16,10 @@ if TYPE_CHECKING:
     from meshd_mps.backend import Backend
     from meshd_mps.errors import MeshError
     from meshd_mps.isolation.launch import Launch
-    from meshd_mps.supervision.proc import Deadlines
+    from meshd_mps.deadlines import Deadlines
     from meshd_mps.programs import Programs
 
-_WHERE = {"Backend": "backend", "Programs": "programs", "Launch": "isolation.launch", "Deadlines": "supervision.proc",
+_WHERE = {"Backend": "backend", "Programs": "programs", "Launch": "isolation.launch", "Deadlines": "deadlines",
           "MeshError": "errors"}
 
 

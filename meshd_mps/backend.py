@@ -14,6 +14,7 @@ the GPU named, else on the least loaded one.  ``info``, ``caps`` and
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import tempfile
@@ -26,25 +27,26 @@ import structlog
 
 from meshd_mps.protocol import abi, frames
 from meshd_mps.isolation import limits
-from meshd_mps.protocol.frames import Loaded, Op
+from meshd_mps.protocol.frames import Done, Loaded, Op
 from meshd_mps.isolation.blink import BlinkContext, Module
 from meshd_mps.gpu.compiler import Compiler, Manifest, Prepared
 from meshd_mps.mps.control import PIPE_ENV, ControlDaemon
 from meshd_mps.gpu.device import (Caps, DeviceInfo, caps_of, check_sms, check_unique, choose_devices, device_count, ordinals_text,
                      query_device, simulated_count, simulated_device)
-from meshd_mps.errors import ConfigError, MeshError, WorkerError
+from meshd_mps.errors import (AbiMismatch, ConfigError, DeviceError, MailboxError, MeshError, NotServedHere, Unavailable,
+                              WorkerError)
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.log import setup_logging
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.mps.clients import MAX_CLIENTS, Mps, Worker
 from meshd_mps.mps.clients import launch as mps_launch
-from meshd_mps.supervision.proc import Deadlines
+from meshd_mps.mps.clients import query as mps_query
+from meshd_mps.deadlines import Deadlines
 from meshd_mps.supervision.supervisor import Supervisor
 
 log = structlog.get_logger("meshd_mps")
 
 Isolation = Literal["blink", "mps"]
-NO_SLOT = 0xFFFFFFFF
 
 
 @dataclass
@@ -85,11 +87,6 @@ class Kernel:
         if self.worker is not None:
             return self.worker.proc.pid
         return self.context_pid
-
-    def global_u32(self, name: str) -> int:
-        if name == abi.RT_ABI_SYMBOL:
-            return self.rt_abi
-        raise MeshError(f"global {name}: a worker reports only {abi.RT_ABI_SYMBOL}")
 
 
 class Backend:
@@ -185,7 +182,7 @@ class Backend:
                     for g in self.devices:
                         tg.start_soon(mps.prewarm, self._pool_n, g)
             except ExceptionGroup as e:
-                raise e.exceptions[0] from None
+                raise e.exceptions[0] from e
         else:
             await self._devices()
             for g in self.devices:
@@ -223,10 +220,11 @@ class Backend:
         """``device`` checked to be one of ours; None: the first."""
         if device is None:
             if not self.devices:
-                raise MeshError("backend not open")
+                raise Unavailable("backend not open")
             return self.devices[0]
         if isinstance(device, bool) or not isinstance(device, int) or device not in self.devices:
-            raise ConfigError(f"GPU {device!r} is not one this backend drives (--devices {ordinals_text(self.devices)})")
+            raise NotServedHere(f"GPU {device!r} is not served here (--devices {ordinals_text(self.devices)})",
+                                device=device, devices=self.devices)
         return device
 
     def load_of(self, device: int) -> int:
@@ -239,7 +237,7 @@ class Backend:
     def least_loaded(self, load: Mapping[int, int] | None = None) -> int:
         """The GPU with the least ``load`` (default: ``load_of``); ties go to the lowest ordinal."""
         if not self.devices:
-            raise MeshError("backend not open")
+            raise Unavailable("backend not open")
         count = (lambda d: load.get(d, 0)) if load is not None else self.load_of
         return min(self.devices, key=lambda d: (count(d), d))
 
@@ -248,22 +246,12 @@ class Backend:
     def isolated(self) -> bool:
         return self.isolation == "mps"
 
-    @property
-    def resident(self) -> bool:
-        return True
-
     def mailbox_dev(self, device: int | None = None) -> int:
         """The mailbox's device address in GPU ``device``'s shared context (default: the first);
         0 in MPS mode (each worker has its own)."""
         if self.isolated or not self.blinks:
             return 0
         return self.blinks[self.device_or_first(device)].dev
-
-    def module_scope(self, slot: int | None) -> int | None:
-        """MPS mode: modules are scoped per slot (``NO_SLOT`` without one); blink: None (one scope)."""
-        if not self.isolated:
-            return None
-        return NO_SLOT if slot is None else slot
 
     async def stack_limit(self, set_to: int | None = None, device: int | None = None) -> int | None:
         """GPU ``device``'s shared context's stack limit in bytes per thread (set first if asked;
@@ -276,10 +264,10 @@ class Backend:
 
         async def ask() -> int:
             try:
-                payload = await p.ask(Op.LIMIT, frames.limit_body(set_to), Op.LIMIT, self.sup.deadlines.load)
+                payload = await p.ask(Op.LIMIT, frames.limit_body(set_to))
                 return frames.limit_value(payload)
             except frames.FrameError as e:
-                raise MeshError(f"stack limit: worker {p.pid}: {e}") from None
+                raise e.prefixed(f"stack limit: worker {p.pid}") from e
 
         if set_to is None:
             return await ask()
@@ -289,7 +277,7 @@ class Backend:
     def _compiler(self, device: int) -> Compiler:
         c = self.compilers.get(device)
         if c is None or self._closed:
-            raise MeshError("backend closed")
+            raise Unavailable("backend closed")
         return c
 
     async def prepare(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, expect: int | None = None,
@@ -297,7 +285,7 @@ class Backend:
         """Checks, PTX -> cubin (cached), and in MPS mode the preload into a worker; on GPU
         ``device``, else on the least loaded one (``least_loaded``)."""
         if self._closed or not self.devices:
-            raise MeshError("backend closed")
+            raise Unavailable("backend closed")
         d = self.least_loaded() if device is None else self.device_or_first(device)
         p = await self._compiler(d).prepare(manifest, ptx, expect)
         img = Image(p, device=d)
@@ -356,16 +344,17 @@ class Backend:
                        context_pid=ctx.proc.pid if ctx.proc else 0, device=d, sms=i.sms)
         if k.rt_abi != abi.RT_ABI:
             await self.unload(k)
-            raise MeshError(f"{m.name}: {abi.RT_ABI_SYMBOL} is {k.rt_abi}, this meshd-mps runs program ABI {abi.RT_ABI}")
+            raise AbiMismatch(f"{m.name}: {abi.RT_ABI_SYMBOL} is {k.rt_abi}, this meshd-mps runs program ABI {abi.RT_ABI}",
+                              program=m.name, abi=k.rt_abi, expected=abi.RT_ABI)
         if self.sms and self.blinks and k.module and k.module.info.sms != self.sms:
             await self.unload(k)
-            raise MeshError(f"load: the context's green context has {k.module.info.sms} SMs, not {self.sms}")
+            raise DeviceError(f"load: the context's green context has {k.module.info.sms} SMs, not {self.sms}")
         return k
 
     async def launch(self, k: Kernel, slot: int, nodes: int = 1) -> Launch:
         """``mesh_main(mailbox_dev, slot)`` on ``nodes`` blocks; await the result for its DONE."""
         if not 0 <= slot < abi.SLOTS:
-            raise MeshError(f"{k.name}: slot {slot} out of range 0..{abi.SLOTS - 1}")
+            raise MailboxError(f"{k.name}: slot {slot} out of range 0..{abi.SLOTS - 1}")
         self.mailbox.run(slot)
         if k.worker is not None:
             k.launch = Launch(k.name, slot, nodes, await mps_launch(k.worker, slot, nodes))
@@ -377,9 +366,7 @@ class Backend:
     def query(self, k: Kernel) -> bool:
         """The last launch finished; WorkerError (naming the program) on a stream error or a death."""
         if k.worker is not None:
-            from meshd_mps.mps.clients import query
-
-            return query(k.worker)
+            return mps_query(k.worker)
         assert k.module is not None
         return self.blinks[k.device].query(k.module)
 
@@ -479,4 +466,5 @@ class Backend:
                 else:
                     os.environ[PIPE_ENV] = self._saved_pipe_env
         self.mailbox.close()
+
 

@@ -80,7 +80,8 @@ from meshd_mps.protocol.frames import Launch as LaunchReq, Op
 from meshd_mps.isolation.limits import BLINK_QUEUES
 from meshd_mps.log import setup_logging
 from meshd_mps.mps.clients import MAX_CLIENTS, Worker
-from meshd_mps.supervision.proc import Deadlines, WorkerProc
+from meshd_mps.deadlines import Deadlines
+from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.programs import Programs
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -225,7 +226,7 @@ async def launch_sync(w: Worker, slot: int, ask_only: bool = False) -> float:
     gen, done = p.next_gen(w.module)
     t0 = time.perf_counter()
     try:
-        await p.ask(Op.LAUNCH, LaunchReq(w.module, gen, slot, 1).encode(), Op.LAUNCHED, p.deadlines.launch)
+        await p.ask(Op.LAUNCH, LaunchReq(w.module, gen, slot, 1).encode())
     except BaseException:
         done.cancel()
         raise
@@ -393,7 +394,7 @@ async def answering_child(d: Deadlines) -> tuple[WorkerProc, asyncio.Task[None]]
 
 
 async def ask_only(w: WorkerProc) -> None:
-    await w.ask(Op.LAUNCH, LaunchReq(1, 1, 0, 1).encode(), Op.LAUNCHED, w.deadlines.launch)
+    await w.ask(Op.LAUNCH, LaunchReq(1, 1, 0, 1).encode())
 
 
 async def sec_ask(bench: Bench) -> list[Row]:
@@ -418,7 +419,7 @@ async def sec_ask(bench: Bench) -> list[Row]:
         for i, w in enumerate(ws):  # each runs heartbeat, busy until halted
             b.mailbox.reset_slot(100 + i)
             gen, done = w.proc.next_gen(w.module)
-            await w.proc.ask(Op.LAUNCH, LaunchReq(w.module, gen, 100 + i, 1).encode(), Op.LAUNCHED, w.proc.deadlines.launch)
+            await w.proc.ask(Op.LAUNCH, LaunchReq(w.module, gen, 100 + i, 1).encode())
             dones.append(done)
         await until(lambda: all(b.mailbox.u64(100 + i, abi.HEARTBEAT) > 0 for i in range(nw)), 10, "busy heartbeats")
         busy_one = await timed(n1, lambda: launch_sync(asked, 99, ask_only=True))

@@ -1,10 +1,66 @@
-"""meshd-mps's errors: one small class per kind, each message says who and what."""
+"""meshd-mps's errors: one tree of types with fields, so that a status or a retry is decided by type.
+
+Every error meshd-mps raises on purpose is a :class:`MeshError`.  The branch it sits on says what
+kind of failure it is for a caller (a bad request, something not found, a conflict with what runs,
+a timeout, a failure of ours); its fields say who and what.  The API maps branches to HTTP statuses
+in one table (``serving/errors.py``), as supervisord maps its ``Faults``; nothing parses a message.
+This module imports nothing of meshd-mps: the workers and the frame code use it too.
+"""
 
 from __future__ import annotations
 
+from typing import Any, ClassVar, Self
+
 
 class MeshError(Exception):
-    """Base of every error meshd-mps raises on purpose."""
+    """Base of every error meshd-mps raises on purpose.  ``FIELDS`` names the attributes that an
+    API answer carries beside the message."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def fields(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.FIELDS}
+
+    def prefixed(self, what: str, form: str = "{what}: {message}") -> Self:
+        """The same error (type and fields), its message put in what it happened in ("load: worker
+        7 exited", or with ``form="{what} ({message})"`` "echo (worker 7 exited)"); raise it
+        ``from`` the original to keep the cause."""
+        e = type(self).__new__(type(self))  # not copy.copy: that calls __init__ without the fields
+        e.__dict__.update(self.__dict__)
+        e.args = (form.format(what=what, message=self), *self.args[1:])
+        return e
+
+
+# ---- the branches ---------------------------------------------------------------------------
+
+
+class BadRequest(MeshError):
+    """The request itself is wrong (a field, a manifest, a program the GPU cannot run at all):
+    sent again unchanged, it fails again.  Nothing was changed."""
+
+
+class NotFound(MeshError):
+    """What the request names does not exist here."""
+
+
+class Conflict(MeshError):
+    """The request is fine, but what runs now does not allow it (the name is taken, the GPU is
+    full, the program is not running).  Nothing was changed."""
+
+
+class Timeout(MeshError):
+    """A wait ran past its deadline (``deadlines.py``)."""
+
+
+class Unavailable(MeshError):
+    """The daemon cannot serve this now (starting, shutting down)."""
+
+
+# ---- configuration and the machine ----------------------------------------------------------
+
+
+class ConfigError(BadRequest):
+    """An option that cannot work here (e.g. --sms over the device's SM count)."""
 
 
 class NoDriver(MeshError):
@@ -15,38 +71,146 @@ class DeviceError(MeshError):
     """A device query or CUDA driver call failed."""
 
 
-class ConfigError(MeshError):
-    """An option that cannot work here (e.g. --sms over the device's SM count)."""
+class NotServedHere(BadRequest):
+    """A GPU ordinal that this daemon does not drive."""
+
+    FIELDS = ("device", "devices")
+
+    def __init__(self, message: str, *, device: object, devices: tuple[int, ...]):
+        super().__init__(message)
+        self.device = device
+        self.devices = devices
 
 
-class CompileError(MeshError):
+# ---- programs: requests -----------------------------------------------------------------------
+
+
+class CompileError(BadRequest):
     """NVRTC or nvJitLink refused the program."""
 
 
-class ManifestError(MeshError):
+class ManifestError(BadRequest):
     """A program manifest that is malformed or out of range."""
 
 
-class HashMismatch(MeshError):
+class BadName(ManifestError):
+    """A program name outside the name rule (``programs.check_name``)."""
+
+    FIELDS = ("name",)
+
+    def __init__(self, message: str, *, name: str):
+        super().__init__(message)
+        self.name = name
+
+
+class HashMismatch(BadRequest):
     """The image's hash is not the one the caller expected."""
 
 
-class LimitError(MeshError):
-    """A program over the device's limits (threads, shared memory, MPS clients)."""
+class LimitError(BadRequest):
+    """A program over the device's own limits (threads, shared memory, grid), whatever else runs."""
 
 
-class WorkerError(MeshError):
-    """A worker process failed: it died, hung, lied or broke the frame protocol."""
+class ImageRefused(BadRequest):
+    """The GPU's driver refused the image itself at load (not a valid cubin for this GPU, no
+    ``mesh_main``): the program's fault, not the worker's, which stays fit.  ``error`` is the
+    driver call and its error, as the worker reported it."""
+
+    FIELDS = ("error",)
+
+    def __init__(self, message: str, *, error: str):
+        super().__init__(message)
+        self.error = error
 
 
-class MpsError(MeshError):
-    """The MPS control daemon or its server misbehaved, or a worker is not its client."""
+class AbiMismatch(BadRequest):
+    """The module's ``mesh_rt_abi`` is not the program ABI this meshd-mps speaks."""
+
+    FIELDS = ("program", "abi", "expected")
+
+    def __init__(self, message: str, *, program: str, abi: int, expected: int):
+        super().__init__(message)
+        self.program = program
+        self.abi = abi
+        self.expected = expected
 
 
-class CapacityError(LimitError):
+class UpgradeMismatch(BadRequest):
+    """An upgrade that would change what an upgrade keeps: the name, the slot's nodes, the GPU."""
+
+    FIELDS = ("program", "field")
+
+    def __init__(self, message: str, *, program: str, field: str):
+        super().__init__(message)
+        self.program = program
+        self.field = field
+
+
+class PayloadTooLarge(BadRequest):
+    """A request over what one ring entry holds."""
+
+    FIELDS = ("size", "limit")
+
+    def __init__(self, message: str, *, size: int, limit: int):
+        super().__init__(message)
+        self.size = size
+        self.limit = limit
+
+
+# ---- programs: state ----------------------------------------------------------------------------
+
+
+class NotLoaded(NotFound):
+    FIELDS = ("program",)
+
+    def __init__(self, program: str):
+        super().__init__(f"program {program!r} is not loaded")
+        self.program = program
+
+
+class AlreadyLoaded(Conflict):
+    FIELDS = ("program",)
+
+    def __init__(self, program: str):
+        super().__init__(f"program {program!r} is already loaded (upgrade it instead)")
+        self.program = program
+
+
+class NoFreeSlot(Conflict):
+    FIELDS = ("slots",)
+
+    def __init__(self, slots: int):
+        super().__init__(f"no free mailbox slot: all {slots} are in use")
+        self.slots = slots
+
+
+class NotRunning(Conflict):
+    """A call to a program that is not running, or that ended before it answered."""
+
+    FIELDS = ("program", "state")
+
+    def __init__(self, message: str, *, program: str, state: str):
+        super().__init__(message)
+        self.program = program
+        self.state = state
+
+
+class StillRunning(Conflict):
+    """A module unloaded while its kernel still runs (halt it first)."""
+
+    FIELDS = ("program",)
+
+    def __init__(self, message: str, *, program: str):
+        super().__init__(message)
+        self.program = program
+
+
+class CapacityError(Conflict):
     """A load that the GPU cannot run beside what runs already, refused before anything changes:
     ``limit`` names the limit (e.g. ``hardware queues``), ``have`` its value, ``asked`` what the
-    load would need.  The API answers 409: the request is fine, the GPU is full."""
+    load would need.  The request is fine, the GPU is full."""
+
+    FIELDS = ("limit", "have", "asked")
 
     def __init__(self, message: str, *, limit: str, have: int, asked: int):
         super().__init__(message)
@@ -55,9 +219,21 @@ class CapacityError(LimitError):
         self.asked = asked
 
 
-class NotStarted(MeshError):
+class ClientLimit(CapacityError):
+    """The MPS server of a GPU has every client it takes: no new worker there."""
+
+    FIELDS = ("limit", "have", "asked", "device")
+
+    def __init__(self, message: str, *, have: int, asked: int, device: int):
+        super().__init__(message, limit="MPS clients", have=have, asked=asked)
+        self.device = device
+
+
+class NotStarted(Conflict):
     """A launched kernel did not write STATE = RUNNING within the start deadline: ``program``,
     ``within`` (seconds) and ``likely`` (the likely reason, in words).  The load was rolled back."""
+
+    FIELDS = ("program", "within", "likely")
 
     def __init__(self, message: str, *, program: str, within: float, likely: str):
         super().__init__(message)
@@ -66,11 +242,95 @@ class NotStarted(MeshError):
         self.likely = likely
 
 
-class ImageRefused(WorkerError):
-    """The GPU's driver refused the image itself at load (not a valid cubin for this GPU, no
-    ``mesh_main``): the program's fault, not the worker's, which stays fit.  ``error`` is the
-    driver call and its error, as the worker reported it."""
+class HaltTimeout(Conflict):
+    """A program that did not return within the halt deadline after HALT: the module change that
+    needed it halted was refused (a blink) or its worker retired (MPS)."""
 
-    def __init__(self, message: str, *, error: str):
+    FIELDS = ("programs", "within")
+
+    def __init__(self, message: str, *, programs: tuple[str, ...], within: float):
         super().__init__(message)
-        self.error = error
+        self.programs = programs
+        self.within = within
+
+
+class CallTimeout(Timeout):
+    """A program that got a request and did not answer within the call's deadline."""
+
+    FIELDS = ("program", "within")
+
+    def __init__(self, program: str, within: float):
+        super().__init__(f"program {program}: no response in {within:g}s")
+        self.program = program
+        self.within = within
+
+
+# ---- the mailbox and the frame protocol ------------------------------------------------------
+
+
+class MailboxError(MeshError):
+    """The mailbox cannot be opened, or a slot or entry out of its layout."""
+
+
+class RingFull(Conflict, MailboxError):
+    FIELDS = ("slot", "ring")
+
+    def __init__(self, slot: int, ring: int):
+        super().__init__(f"slot {slot}: request ring full ({ring} outstanding)")
+        self.slot = slot
+        self.ring = ring
+
+
+class FrameError(MeshError):
+    """A frame that breaks the protocol (docs/protocol.md): its sender is not to be trusted again."""
+
+
+# ---- workers and MPS ------------------------------------------------------------------------------
+
+
+class WorkerError(MeshError):
+    """A worker process failed: it died, hung, lied or broke the frame protocol.  ``pid`` is the
+    worker's (0 where no process was started)."""
+
+    FIELDS = ("pid",)
+
+    def __init__(self, message: str, *, pid: int = 0):
+        super().__init__(message)
+        self.pid = pid
+
+
+class WorkerGone(WorkerError):
+    """The worker's process exited (or closed its pipes): a pooled one that died while idle is
+    replaced by the next one, since nothing was asked of it yet."""
+
+
+class WorkerUnfit(WorkerError):
+    """The worker broke the protocol or missed a deadline: never asked again, retired."""
+
+
+class NoReply(WorkerUnfit):
+    FIELDS = ("pid", "within")
+
+    def __init__(self, message: str, *, pid: int, within: float):
+        super().__init__(message, pid=pid)
+        self.within = within
+
+
+class SpawnFailed(WorkerError):
+    """The worker's program could not be started at all."""
+
+
+class MpsError(MeshError):
+    """The MPS control daemon or its server misbehaved, or a worker is not its client."""
+
+
+class StateError(MeshError):
+    """A lifecycle move its state table does not allow: a bug of meshd-mps, never the caller's."""
+
+    FIELDS = ("what", "frm", "to")
+
+    def __init__(self, message: str, *, what: str, frm: str, to: str):
+        super().__init__(message)
+        self.what = what
+        self.frm = frm
+        self.to = to

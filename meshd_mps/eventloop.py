@@ -34,9 +34,9 @@ def factory(choice: str = "auto") -> tuple[str, Callable[[], asyncio.AbstractEve
         return "asyncio", None
     try:
         import uvloop
-    except ImportError:
+    except ImportError as e:
         if choice == "uvloop":
-            raise LoopError("--loop uvloop: uvloop is not installed (pip install 'meshd-mps[uvloop]')") from None
+            raise LoopError("--loop uvloop: uvloop is not installed (pip install 'meshd-mps[uvloop]')") from e
         return "asyncio", None
     return f"uvloop {uvloop.__version__}", uvloop.new_event_loop
 

@@ -28,25 +28,17 @@ from meshd_mps.protocol import abi, frames
 from meshd_mps.isolation import limits
 from meshd_mps.backend import Backend, Image, Kernel
 from meshd_mps.gpu.compiler import Manifest
-from meshd_mps.errors import MeshError, NotStarted, WorkerError
+from meshd_mps.errors import (AlreadyLoaded, CallTimeout, ConfigError, HaltTimeout, ManifestError, MeshError, NoFreeSlot,
+                              NotLoaded, NotRunning, NotStarted, UpgradeMismatch, WorkerError)
 from meshd_mps.protocol.frames import Done
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.supervision.proc import WorkerProc
 
 log = structlog.get_logger("meshd_mps")
 
-HALT_S = 5.0
-CALL_S = 5.0
-#: A running program whose heartbeat has not advanced for this long is ``stalled`` (serve --stall-after).
-STALL_S = 5.0
-#: How long after a program fails the server log is watched for a fatal-fault line.
-FAULT_WINDOW_S = 2.0
-#: How long recovery waits for the torn-down clients to exit and the server to take new ones.
-RECOVER_S = 30.0
 # The culprit, as the H200's server logs it: "Client {PID: 968, Context: 1} encountered a fatal
 # GPU error."  (Its "error trigging process N" lines name every client torn down, not the culprit.)
 FATAL = re.compile(r"Client \{PID: (\d+)[^}]*\} encountered a fatal GPU error")
-NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 
 
 def died_on_its_own(w: WorkerProc) -> bool:
@@ -54,10 +46,6 @@ def died_on_its_own(w: WorkerProc) -> bool:
     launched before it was told to."""
     rc = w.process.returncode
     return w.exited_running_at > 0 or (rc is not None and rc < 0 and not w.killed)
-
-
-class ProgramError(MeshError):
-    """A request about programs that cannot be carried out (unknown name, no free slot, ...)."""
 
 
 @dataclass
@@ -136,9 +124,11 @@ class Programs:
     """``restart``: after a GPU-wide fault, relaunch the programs lost with it (not the
     one that faulted) on fresh workers."""
 
-    def __init__(self, backend: Backend, restart: bool = True, stall_after: float = STALL_S):
+    def __init__(self, backend: Backend, restart: bool = True, stall_after: float | None = None):
+        self.d = backend.sup.deadlines
+        stall_after = self.d.stall if stall_after is None else stall_after
         if not stall_after > 0:
-            raise ProgramError(f"stall_after {stall_after!r}: seconds, more than 0")
+            raise ConfigError(f"stall_after {stall_after!r}: seconds, more than 0")
         self.b = backend
         self.restart = restart
         self.stall_after = stall_after
@@ -158,12 +148,12 @@ class Programs:
         for s in range(abi.SLOTS):
             if s not in used:
                 return s
-        raise ProgramError(f"no free mailbox slot: all {abi.SLOTS} are in use")
+        raise NoFreeSlot(abi.SLOTS)
 
     def get(self, name: str) -> Program:
         p = self.by_name.get(name)
         if p is None:
-            raise ProgramError(f"program {name!r} is not loaded")
+            raise NotLoaded(name)
         return p
 
     @staticmethod
@@ -223,9 +213,7 @@ class Programs:
         """The GPU for a new program: ``device`` if it is one of ours, else the one with the
         fewest programs (ties to the lowest ordinal)."""
         if device is not None:
-            if isinstance(device, bool) or not isinstance(device, int) or device not in self.b.devices:
-                raise ProgramError(f"GPU {device!r} is not served here (--devices {','.join(map(str, self.b.devices))})")
-            return device
+            return self.b.device_or_first(device)
         count = {d: 0 for d in self.b.devices}
         for p in self.by_name.values():
             count[p.device] = count.get(p.device, 0) + 1
@@ -239,10 +227,10 @@ class Programs:
         """Compile, preload and launch on a free slot, on GPU ``device`` (None: ``place``'s choice)."""
         m = self._manifest(manifest)
         if isinstance(nodes, bool) or not isinstance(nodes, int):
-            raise ProgramError(f"{m.name}: nodes {nodes!r}: a count of blocks expected")
+            raise ManifestError(f"{m.name}: nodes {nodes!r}: a count of blocks expected")
         async with self._lock:
             if m.name in self.by_name:
-                raise ProgramError(f"program {m.name!r} is already loaded (upgrade it instead)")
+                raise AlreadyLoaded(m.name)
             slot = self._free_slot()
             gpu = self.place(device)
             used = self._used(gpu)
@@ -272,11 +260,12 @@ class Programs:
         self.load_ms.append((time.perf_counter() - t0) * 1e3)
         del self.load_ms[:-1000]
 
-    async def _halt(self, p: Program, within: float = HALT_S) -> None:
+    async def _halt(self, p: Program, within: float | None = None) -> None:
         """HALT through the slot and wait for the program's DONE; an MPS worker that
         does not stop is killed, since it would never be fit again."""
         if p.launch.finished():
             return
+        within = self.d.halt if within is None else within
         self.b.mailbox.halt(p.slot)
         with anyio.move_on_after(within):
             try:
@@ -288,13 +277,13 @@ class Programs:
             log.error(f"program {p.name} did not halt in {within:g}s; retiring its worker", pid=p.kernel.pid)
             self.b.sup.retire(p.kernel.worker.proc)
             return
-        raise ProgramError(f"program {p.name} did not halt within {within:g}s")
+        raise HaltTimeout(f"program {p.name} did not halt within {within:g}s", programs=(p.name,), within=within)
 
     async def upgrade(self, name: str, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes,
                       expect: int | None = None) -> Program:
         m = self._manifest(manifest)
         if m.name != name:
-            raise ProgramError(f"upgrade {name}: the manifest names {m.name!r}")
+            raise UpgradeMismatch(f"upgrade {name}: the manifest names {m.name!r}", program=name, field="name")
         async with self._lock:
             old = self.get(name)
             used = self._used(old.device, without=old)
@@ -338,11 +327,12 @@ class Programs:
             await self.b.unload(p.kernel)
             log.info(f"program {name} unloaded from slot {p.slot}", program=name)
 
-    async def call(self, name: str, payload: bytes, within: float = CALL_S) -> bytes:
+    async def call(self, name: str, payload: bytes, within: float | None = None) -> bytes:
         """A request through the program's ring, and its response."""
+        within = self.d.call if within is None else within
         p = self.get(name)
         if p.launch.finished():
-            raise ProgramError(f"program {name} is not running ({p.state()[0]})")
+            raise NotRunning(f"program {name} is not running ({p.state()[0]})", program=name, state=p.state()[0])
         seq = self.b.mailbox.post(p.slot, payload)
         t0 = time.perf_counter()
         with anyio.move_on_after(within):
@@ -351,11 +341,12 @@ class Programs:
                 if got is not None:
                     return got
                 if p.launch.finished():
-                    raise ProgramError(f"program {name} ended before answering ({p.state()[1] or p.state()[0]})")
+                    raise NotRunning(f"program {name} ended before answering ({p.state()[1] or p.state()[0]})", program=name,
+                                     state=p.state()[0])
                 # The kernel answers in host memory: nothing to wait on but the word.  For the
                 # first 200 us just yield (the loop's timers round any sleep up to 1 ms), then back off.
                 await anyio.sleep(0 if time.perf_counter() - t0 < 200e-6 else 1e-3)
-        raise ProgramError(f"program {name}: no response in {within:g}s")
+        raise CallTimeout(name, within)
 
     # ---- faults ---------------------------------------------------------------------------
     def _server_log(self) -> str | None:
@@ -423,12 +414,12 @@ class Programs:
             if self.b.isolated:
                 # A fault of its GPU if the server logs a fatal fault there, or other programs of
                 # that GPU fail with this one (MPS tears down the clients of the faulting GPU only).
-                with anyio.move_on_after(FAULT_WINDOW_S):
+                with anyio.move_on_after(self.d.fault_window):
                     while not (pids := self._fatal_pids(p.device)):
                         await anyio.sleep(0.02)  # the server writes its log line within milliseconds
                 others = [q for q in self.on_device(p.device)
                           if q is not p and q.failed_at and not (q.faulted or q.lost_to)
-                          and abs(q.failed_at - p.failed_at) < FAULT_WINDOW_S]
+                          and abs(q.failed_at - p.failed_at) < self.d.fault_window]
             if not pids and not others:
                 self.faults.append(FaultReport(time.time(), error, p.name, p.kernel.pid, False, device=p.device))
                 log.error(f"program {p.name} failed: {error}", program=p.name, pid=p.kernel.pid, device=p.device)
@@ -451,7 +442,7 @@ class Programs:
         log.info(f"mps: GPU {gpu}: retiring its {len(torn)} workers after a fault", device=gpu)
         for w in torn:
             self.b.sup.retire(w, before_exit=False)  # torn down already: nothing to terminate
-        with anyio.move_on_after(RECOVER_S):
+        with anyio.move_on_after(self.d.recover):
             for w in torn:
                 await w.process.wait()
         # A worker that exited on its own with its kernel running (killed from outside, crashed)
@@ -459,7 +450,7 @@ class Programs:
         # lived until retired, and exit at QUIT.  Whichever was seen first, its end says it.
         died = [q for q in hit if q.kernel.worker is not None and died_on_its_own(q.kernel.worker.proc)]
         if not pids:  # the server may name the culprit only once its clients are gone
-            with anyio.move_on_after(FAULT_WINDOW_S):
+            with anyio.move_on_after(self.d.fault_window):
                 while not (pids := self._fatal_pids(gpu)):
                     await anyio.sleep(0.02)
         # Which one faulted is not always the one the server names first (seen on the H200:
@@ -471,7 +462,7 @@ class Programs:
         # (no program yet): every program there is innocent.
         ours = {q.kernel.pid for q in hit}
         stray = [] if culprit else [w for w in self.b.sup.exited_running if w.device == gpu and w.pid not in ours
-                                    and abs(w.exited_running_at - (first.failed_at or time.monotonic())) < FAULT_WINDOW_S]
+                                    and abs(w.exited_running_at - (first.failed_at or time.monotonic())) < self.d.fault_window]
         if culprit is None and not stray:
             culprit = next((q for q in hit if q.kernel.pid in pids), None)
             if culprit is None:  # no word from the server: the first program seen failing
@@ -495,7 +486,7 @@ class Programs:
         log.error(f"mps: GPU fault on GPU {gpu} in program {name} (worker {pid}): {why}; "
                   f"lost with it: {', '.join(r.lost) or 'none'}", program=name, device=gpu)
         try:
-            with anyio.fail_after(RECOVER_S):
+            with anyio.fail_after(self.d.recover):
                 # The lost programs' new workers and a full pool, in one batch.
                 want = min(mps.pools[gpu].cap + (len(lost) if self.restart else 0), mps.max_clients)
                 while True:  # the server takes clients there again once the torn-down ones exited
@@ -506,7 +497,7 @@ class Programs:
                         log.info(f"mps: after the fault, GPU {gpu}'s pool does not come up yet: {e}")
                         await anyio.sleep(0.2)
         except TimeoutError:
-            log.error(f"mps: the server took no new clients on GPU {gpu} within {RECOVER_S:g}s of the fault")
+            log.error(f"mps: the server took no new clients on GPU {gpu} within {self.d.recover:g}s of the fault")
         for q in lost:
             if not self.restart:
                 r.not_relaunched[q.name] = "restart policy off"
@@ -601,7 +592,7 @@ class Programs:
                 self.b.mailbox.halt(p.slot)
             for p in progs:
                 try:
-                    await self._halt(p, within=1.0)
+                    await self._halt(p, within=self.d.close_halt)
                 except MeshError as e:
                     log.error(f"program {p.name}: {e}")
             for p in progs:

@@ -32,7 +32,7 @@ from meshd_mps.supervision import child
 from meshd_mps.protocol import frames  # noqa: E402
 from meshd_mps.bench import ANSWER_CHILD, ECHO_CHILD, ask_only, answering_child  # noqa: E402
 from meshd_mps.protocol.frames import Launch, Op  # noqa: E402
-from meshd_mps.supervision.proc import Deadlines  # noqa: E402
+from meshd_mps.deadlines import Deadlines  # noqa: E402
 
 REQ = frames.encode(Op.LAUNCH, Launch(1, 1, 0, 1).encode())
 
@@ -175,14 +175,14 @@ async def worker(n: int, gpu: str) -> list[float]:
     else:
         from meshd_mps.protocol.frames import Load
         req = Load(1, 32, 0, 0, "heartbeat", b"\x7fELF heartbeat")
-    await w.ask(Op.LOAD, req.encode(), Op.LOADED, 30)
+    await w.ask(Op.LOAD, req.encode())
     mb.reset_slot(3)
     mb.halt(3)
     out = []
     for i in range(n + 100):
         gen, done = w.next_gen(1)
         t = time.perf_counter()
-        await w.ask(Op.LAUNCH, Launch(1, gen, 3, 1).encode(), Op.LAUNCHED, 2)
+        await w.ask(Op.LAUNCH, Launch(1, gen, 3, 1).encode())
         dt = time.perf_counter() - t
         await asyncio.wait_for(done, 5)
         if i >= 100:

@@ -17,7 +17,7 @@ from meshd_mps.mps import standin
 from meshd_mps.mps.control import ControlDaemon, become_subreaper
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.mps.clients import Mps
-from meshd_mps.supervision.proc import Deadlines
+from meshd_mps.deadlines import Deadlines
 from meshd_mps.supervision.supervisor import Supervisor
 
 from .procs import Resources, children, describe, wait_gone

@@ -26,7 +26,8 @@ from meshd_mps.serving import client as client_mod, server
 from meshd_mps.serving.cli import ps_table, status_table
 from meshd_mps.serving.client import (MAX_JSON_DEPTH, Client, ClientError, UnixHTTPConnection, default_socket, json_deeper_than,
                               oldest_arch, parse_json, program_body)
-from meshd_mps.errors import CapacityError, ImageRefused, LimitError, NotStarted, WorkerError
+from meshd_mps.errors import CapacityError, ClientLimit, ImageRefused, LimitError, NotStarted, WorkerError
+from meshd_mps.serving.status import status_of
 from .test_serve import EXAMPLES, NOBODY, Serve, cli, manifest, parse_metrics, ptx_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -276,21 +277,21 @@ def test_odd_heads_are_answered(daemon, data, status, words):
 
 def test_typed_errors_by_type():
     cap = CapacityError("x: nodes 9 cannot be resident at once", limit="resident blocks", have=8, asked=9)
-    assert server._mesh_status(cap) == 409
-    assert server._mesh_status(CapacityError("any words", limit="hardware queues", have=32, asked=33)) == 409
-    assert server._mesh_status(NotStarted("x never started", program="x", within=5.0, likely="?")) == 409
-    assert server._mesh_status(ImageRefused("worker 1: no mesh_main", error="e")) == 400
-    assert server._mesh_status(WorkerError("worker 1 died")) == 500  # unchanged: a worker's failure
-    assert server._mesh_status(LimitError("x: 2048 threads per block")) == 400
-    assert server._mesh_status(LimitError("mps: 48 clients already")) == 409
+    assert status_of(cap) == 409
+    assert status_of(CapacityError("any words", limit="hardware queues", have=32, asked=33)) == 409
+    assert status_of(NotStarted("x never started", program="x", within=5.0, likely="?")) == 409
+    assert status_of(ImageRefused("worker 1: no mesh_main", error="e")) == 400
+    assert status_of(WorkerError("worker 1 died")) == 500  # unchanged: a worker's failure
+    assert status_of(LimitError("x: 2048 threads per block")) == 400
+    assert status_of(ClientLimit("mps: 48 clients already", have=48, asked=49, device=0)) == 409
 
 
 @pytest.mark.parametrize("error, status, fields", [
     (CapacityError("p: the blink context runs 32 programs, one per hardware work queue", limit="hardware queues",
                    have=32, asked=33), 409, {"limit": "hardware queues", "have": 32, "asked": 33}),
     (NotStarted("p: did not write STATE = RUNNING within 5s; rolled back", program="p", within=5.0,
-                likely="its queue is taken"), 409, {"within": 5.0, "likely": "its queue is taken"}),
-    (ImageRefused("load: worker 7: cuModuleGetFunction(mesh_main): CUDA_ERROR_NOT_FOUND", error="e"), 400, {}),
+                likely="its queue is taken"), 409, {"program": "p", "within": 5.0, "likely": "its queue is taken"}),
+    (ImageRefused("load: worker 7: cuModuleGetFunction(mesh_main): CUDA_ERROR_NOT_FOUND", error="e"), 400, {"error": "e"}),
 ])
 async def test_typed_errors_through_dispatch(error, status, fields):
     d = server.Daemon(server.Config(socket="/nonexistent/meshd-mps.sock"))

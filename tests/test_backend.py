@@ -13,7 +13,8 @@ from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend, Image
 from meshd_mps.gpu.compiler import Prepared, cuda_to_ptx
 from meshd_mps.errors import ConfigError, MeshError, NoDriver
-from meshd_mps.programs import ProgramError, Programs
+from meshd_mps.errors import AlreadyLoaded, NotLoaded, NotServedHere
+from meshd_mps.programs import Programs
 
 from .conftest import TEST_DEADLINES, sim
 
@@ -73,9 +74,9 @@ async def test_programs_load_call_upgrade_unload(backend):
     await beats(backend, hb.slot, before)  # the heartbeat kept (or resumed) running
     rows = {r["name"]: r for r in progs.list()}
     assert rows["heartbeat"]["state"] == "running" and rows["echo"]["upgrades"] == 1
-    with pytest.raises(ProgramError, match="already loaded"):
+    with pytest.raises(AlreadyLoaded, match="already loaded"):
         await progs.load(*example("echo"))
-    with pytest.raises(ProgramError, match="'nope' is not loaded"):
+    with pytest.raises(NotLoaded, match="'nope' is not loaded"):
         await progs.unload("nope")
     await progs.unload("echo")
     await progs.unload("heartbeat")

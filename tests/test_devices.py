@@ -17,11 +17,12 @@ from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend
 from meshd_mps.serving.client import ClientError, program_body
 from meshd_mps.gpu.device import SIM_GPUS_ENV, choose_devices, parse_devices, simulated_count
-from meshd_mps.errors import ConfigError, LimitError, WorkerError
+from meshd_mps.errors import ClientLimit, ConfigError, LimitError, WorkerError
 from meshd_mps.protocol.frames import Op
 from meshd_mps.isolation.limits import MPS_QUEUES
 from meshd_mps.mps.clients import Mps, worker_argv
-from meshd_mps.programs import ProgramError, Programs
+from meshd_mps.errors import AlreadyLoaded, NotLoaded, NotServedHere
+from meshd_mps.programs import Programs
 from workers import warm
 from workers.main import parse_args
 
@@ -158,7 +159,7 @@ async def test_placement_named_and_least_loaded(two_gpus):
         assert on[hb.kernel.pid] == "GPU-standin-0" and on[echo.kernel.pid] == "GPU-standin-1"
         rows = {r["name"]: r for r in progs.list()}
         assert {n: r["device"] for n, r in rows.items()} == {"heartbeat": 0, "echo": 1, "spin": 1, "heartbeat-2": 0}
-        with pytest.raises(ProgramError, match=r"GPU 5 is not served here \(--devices 0,1\)"):
+        with pytest.raises(NotServedHere, match=r"GPU 5 is not served here \(--devices 0,1\)"):
             await progs.load(*renamed("spin", "spin-5"), device=5)
         assert "spin-5" not in progs.by_name
         await beats(b, hb.slot, 10)
@@ -187,21 +188,21 @@ async def test_client_limit_is_per_gpu(standin_on_path, monkeypatch):
     async with TwoGpus(pool_cap=0, max_clients=2) as m:
         a = await m.preload("a", sim(), 32, 0, 0, device=0)
         b = await m.preload("b", sim(), 32, 0, 0)  # the first GPU by default
-        with pytest.raises(LimitError, match=r"^mps: 2 clients already: the MPS server takes at most 2 \(CUDA 13.0\) per GPU,"
+        with pytest.raises(ClientLimit, match=r"^mps: 2 clients already: the MPS server takes at most 2 \(CUDA 13.0\) per GPU,"
                                              r" and GPU 0 has them all; refusing another worker for c$"):
             await m.preload("c", sim(), 32, 0, 0, device=0)
         c = await m.preload("c", sim(), 32, 0, 0, device=1)  # GPU 1 has room
         d = await m.preload("d", sim(), 32, 0, 0, device=1)
         assert (a.device, b.device, c.device, d.device) == (0, 0, 1, 1)
         assert m.workers_on(1) == sorted([c.proc.pid, d.proc.pid]) and m.device_of(a.proc.pid) == 0
-        with pytest.raises(ConfigError, match=r"GPU 2 is not one of this backend's \(--devices 0,1\)"):
+        with pytest.raises(NotServedHere, match=r"GPU 2 is not one of this backend's \(--devices 0,1\)"):
             await m.spawn("e", device=2)
         for w in (a, b, c, d):
             await m.drop(w)
         # A worker told a GPU the simulation does not have is refused as cuDeviceGet refuses it.
         p = await m.sup.spawn(worker_argv(m.mailbox, 0, "sim", 5), {**os.environ, **m.worker_env}, "nowhere")
         with pytest.raises(WorkerError, match=r"cuDeviceGet: CUDA_ERROR_INVALID_DEVICE \(simulated: device 5; 2 GPUs"):
-            await p.ask(Op.READY, b"", Op.READY, 10)
+            await p.ask(Op.READY)
         m.sup.retire(p)
 
 

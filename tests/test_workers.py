@@ -18,8 +18,8 @@ from structlog.testing import capture_logs
 
 from meshd_mps.protocol import abi
 from meshd_mps.mps import clients as mpsmod
-from meshd_mps.errors import LimitError, MeshError, MpsError, WorkerError
-from meshd_mps.supervision.proc import Deadlines
+from meshd_mps.errors import ClientLimit, MeshError, MpsError, WorkerError
+from meshd_mps.deadlines import Deadlines
 
 from .conftest import sim
 from .procs import alive, fds_exhausted
@@ -165,7 +165,7 @@ async def test_client_limit_refuses_a_load(rig):
     async with rig(max_clients=2, pool_cap=0) as m:
         a = await preload(m, "a")
         b = await preload(m, "b")
-        with pytest.raises(LimitError, match=r"2 clients already: the MPS server takes at most 2 .*for c"):
+        with pytest.raises(ClientLimit, match=r"2 clients already: the MPS server takes at most 2 .*for c"):
             await preload(m, "c")
         assert a.proc.idle() and b.proc.idle()
 

@@ -35,12 +35,12 @@ import anyio.to_thread
 from meshd_mps.protocol import abi
 from meshd_mps.serving.client import parse_json
 from meshd_mps.gpu.device import DeviceInfo
+from meshd_mps.names import check_name
 from meshd_mps.errors import CompileError, HashMismatch, LimitError, ManifestError
 
 #: The device-side header's folder, passed to NVRTC with -I (a source checkout only).
 INCLUDE_DIR = Path(__file__).resolve().parents[2] / "examples" / "include"
 
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
 
@@ -85,12 +85,7 @@ class Manifest:
                 raise ManifestError(f"manifest: field {k!r} is missing")
 
         name = obj["name"]
-        if not isinstance(name, str):
-            raise ManifestError(f"manifest: field 'name' must be a string, got {_tname(name)}")
-        if not _NAME.fullmatch(name) or name.startswith("."):
-            raise ManifestError(
-                f"manifest: field 'name' {name!r}: 1-64 characters of A-Z a-z 0-9 _ . -, not starting with '.'"
-            )
+        check_name(name, "manifest: field 'name'")
         backend = obj["backend"]
         if not isinstance(backend, str):
             raise ManifestError(f"manifest: field 'backend' must be a string, got {_tname(backend)}")

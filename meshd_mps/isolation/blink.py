@@ -23,7 +23,7 @@ import anyio
 import structlog
 
 from meshd_mps.protocol import frames
-from meshd_mps.errors import CapacityError, MeshError, WorkerError
+from meshd_mps.errors import CapacityError, FrameError, HaltTimeout, StillRunning, Unavailable, WorkerError
 from meshd_mps.protocol.frames import Launch as LaunchReq, Load, Loaded, Op
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.isolation.limits import BLINK_QUEUES
@@ -32,9 +32,6 @@ from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
 
 log = structlog.get_logger("meshd_mps")
-
-#: How long a resident program may take to see HALT and return.
-HALT_S = 5.0
 
 
 @dataclass
@@ -50,13 +47,14 @@ class Module:
 
 
 class BlinkContext:
-    def __init__(self, sup: Supervisor, mailbox: Mailbox, sms: int, gpu: str, halt_s: float = HALT_S, device: int = 0):
+    def __init__(self, sup: Supervisor, mailbox: Mailbox, sms: int, gpu: str, device: int = 0):
         self.sup = sup
         self.device = device
         self.mailbox = mailbox
         self.sms = sms
         self.gpu = gpu
-        self.halt_s = halt_s
+        #: How long a resident program may take to see HALT and return (tests shorten it).
+        self.halt_s = sup.deadlines.halt
         self.proc: WorkerProc | None = None
         self.modules: dict[int, Module] = {}
         self._next = 1
@@ -73,11 +71,11 @@ class BlinkContext:
 
         argv = worker_argv(self.mailbox.path, self.sms, self.gpu, self.device, queues=self.queues)
         self.proc = await self.sup.spawn(argv, dict(os.environ), f"blink context (GPU {self.device})")
-        await self.proc.ask(Op.READY, b"", Op.READY, self.sup.deadlines.ready)
+        await self.proc.ask(Op.READY)
 
     def _p(self) -> WorkerProc:
         if self.proc is None:
-            raise MeshError("blink: the context is not open")
+            raise Unavailable("blink: the context is not open")
         return self.proc
 
     # ---- the blink --------------------------------------------------------------------------
@@ -96,7 +94,8 @@ class BlinkContext:
             for r in stuck:
                 r.relaunched(r.inner)
             names = ", ".join(f"{r.name} (slot {r.slot})" for r in stuck)
-            raise MeshError(f"blink: {names} did not halt within {self.halt_s:g}s: refusing the module change, which would wait for it")
+            raise HaltTimeout(f"blink: {names} did not halt within {self.halt_s:g}s: refusing the module change, which would"
+                              " wait for it", programs=tuple(r.name for r in stuck), within=self.halt_s)
         return running
 
     async def _relaunch(self, halted: list[Launch]) -> None:
@@ -154,13 +153,10 @@ class BlinkContext:
 
         async def work() -> Module:
             try:
-                payload = await self._p().ask(Op.LOAD, req.encode(), Op.LOADED, self.sup.deadlines.load)
+                payload = await self._p().ask(Op.LOAD, req.encode())
                 info = Loaded.decode_ok(payload)
-            except frames.FrameError as e:
-                raise WorkerError(f"load: {e}") from e
-            except WorkerError as e:
-                e.args = (f"load: {e}",)
-                raise
+            except (FrameError, WorkerError) as e:
+                raise e.prefixed("load") from e
             self.dev = info.dev
             if admit is not None:
                 try:
@@ -186,7 +182,7 @@ class BlinkContext:
 
     async def unload(self, m: Module) -> None:
         if m.running():
-            raise MeshError(f"blink: {m.name} still runs; halt it before unloading")
+            raise StillRunning(f"blink: {m.name} still runs; halt it before unloading", program=m.name)
 
         async def work() -> None:
             self.modules.pop(m.module, None)
@@ -198,10 +194,10 @@ class BlinkContext:
         p = self._p()
         gen, done = p.next_gen(m.module)
         try:
-            await p.ask(Op.LAUNCH, LaunchReq(m.module, gen, slot, nodes).encode(), Op.LAUNCHED, self.sup.deadlines.launch)
+            await p.ask(Op.LAUNCH, LaunchReq(m.module, gen, slot, nodes).encode())
         except WorkerError as e:
             done.cancel()
-            raise WorkerError(f"{m.name} ({e})") from None
+            raise e.prefixed(m.name, "{what} ({message})") from e
         return done
 
     async def launch(self, m: Module, slot: int, nodes: int) -> Launch:
@@ -213,7 +209,7 @@ class BlinkContext:
         try:
             return self._p().query(m.module)
         except WorkerError as e:
-            raise WorkerError(f"{m.name}: {e}") from None
+            raise e.prefixed(m.name) from e
 
 
 

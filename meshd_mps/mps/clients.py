@@ -24,7 +24,7 @@ import structlog
 
 from meshd_mps.protocol import frames
 from meshd_mps.mps.control import ControlDaemon
-from meshd_mps.errors import CapacityError, ConfigError, ImageRefused, LimitError, MpsError, WorkerError
+from meshd_mps.errors import CapacityError, ClientLimit, DeviceError, FrameError, ImageRefused, MpsError, NotServedHere, WorkerError, WorkerGone
 from meshd_mps.protocol.frames import Done, Launch, Load, Loaded, Op
 from meshd_mps.isolation.limits import MPS_QUEUES
 from meshd_mps.supervision.pool import Pool
@@ -107,7 +107,8 @@ class Mps:
         if device is None:
             return self.devices[0]
         if device not in self.devices:
-            raise ConfigError(f"mps: GPU {device} is not one of this backend's (--devices {','.join(map(str, self.devices))})")
+            raise NotServedHere(f"mps: GPU {device} is not one of this backend's (--devices {','.join(map(str, self.devices))})",
+                                device=device, devices=self.devices)
         return device
 
     # ---- clients --------------------------------------------------------------------------
@@ -186,17 +187,17 @@ class Mps:
         n = self._count_clients(d)
         if n >= self.max_clients:
             gpu = "" if len(self.devices) == 1 else f" per GPU, and GPU {d} has them all"
-            raise LimitError(
+            raise ClientLimit(
                 f"mps: {n} clients already: the MPS server takes at most {self.max_clients}"
-                f" (CUDA 13.0){gpu}; refusing another worker{' for ' + program if program else ''}"
-            )
+                f" (CUDA 13.0){gpu}; refusing another worker{' for ' + program if program else ''}",
+                have=self.max_clients, asked=n + 1, device=d)
         env = {**os.environ, **self.worker_env}
         live = self.sup.workers
         self._spawned = {p: w for p, w in self._spawned.items() if p in live}
         try:
             w = await self.sup.spawn(worker_argv(self.mailbox, self.sms, self.gpu, d), env, program)
         except WorkerError as e:
-            raise WorkerError(f"load: {e}") from None
+            raise e.prefixed("load") from e
         w.device = d
         self._spawned[w.pid] = w
         return w
@@ -221,7 +222,7 @@ class Mps:
             for p in procs:
                 self.sup.retire(p)
             if isinstance(e, ExceptionGroup):
-                raise e.exceptions[0] from None
+                raise e.exceptions[0] from e
             raise
         for p in procs:
             self.pools[d].add(p)
@@ -230,13 +231,17 @@ class Mps:
 
     async def _ready(self, p: WorkerProc) -> None:
         try:
-            payload = await p.ask(Op.READY, b"", Op.READY, self.sup.deadlines.ready)
+            payload = await p.ask(Op.READY)
+        except WorkerError as e:
+            raise e.prefixed("mps: pool") from e
+        try:
             pid = frames.ready_pid(payload)
-        except (WorkerError, frames.FrameError) as e:
-            raise WorkerError(f"mps: pool: {e}") from None
+        except FrameError as e:
+            p.mark_unfit(f"worker {p.pid}: bad READY: {e}")
+            raise WorkerError(f"mps: pool: worker {p.pid}: bad READY: {e}", pid=p.pid) from e
         if pid != p.pid:
             p.mark_unfit(f"worker {p.pid}: READY says pid {pid}")
-            raise WorkerError(f"mps: pool: worker {p.pid}: READY says pid {pid}")
+            raise WorkerError(f"mps: pool: worker {p.pid}: READY says pid {pid}", pid=p.pid)
 
     async def preload(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int,
                       device: int | None = None) -> Worker:
@@ -253,7 +258,7 @@ class Mps:
                 p = await self.spawn(name, d)
             p.program = name
             try:
-                payload = await p.ask(Op.LOAD, req.encode(), Op.LOADED, self.sup.deadlines.load)
+                payload = await p.ask(Op.LOAD, req.encode())
                 info = Loaded.decode_ok(payload)
                 break
             except ImageRefused as e:
@@ -263,11 +268,11 @@ class Mps:
                     self.sup.retire(p)
                 else:
                     self.pools[d].add(p)
-                raise ImageRefused(f"load: {e}", error=e.error) from e
-            except (WorkerError, frames.FrameError) as e:
+                raise e.prefixed("load") from e
+            except (WorkerError, FrameError) as e:
                 self.sup.retire(p)
-                if fresh or not (p.dead or p.process.returncode is not None or "stdin closed" in str(e)):
-                    raise WorkerError(f"load: {e}") from None
+                if fresh or not isinstance(e, WorkerGone):
+                    raise e.prefixed("load") from e
                 # A pooled worker that died while idle (not yet seen dead): try the next one.  One
                 # that is alive but misbehaved (no reply, garbage) is not retried: a hang would
                 # cost the caller a second load deadline.
@@ -275,7 +280,7 @@ class Mps:
         w = Worker(p, name, info, fresh, device=d)
         try:
             if self.sms and self.sms != info.sms:
-                raise MpsError(f"load: the worker's green context has {info.sms} SMs, not {self.sms}")
+                raise DeviceError(f"load: the worker's green context has {info.sms} SMs, not {self.sms}")
             if fresh:
                 await self.check_clients([p.pid])
         except BaseException:
@@ -305,10 +310,10 @@ async def launch(w: Worker, slot: int, nodes: int) -> asyncio.Future[Done]:
     p = w.proc
     gen, done = p.next_gen(w.module)
     try:
-        await p.ask(Op.LAUNCH, Launch(w.module, gen, slot, nodes).encode(), Op.LAUNCHED, p.deadlines.launch)
+        await p.ask(Op.LAUNCH, Launch(w.module, gen, slot, nodes).encode())
     except WorkerError as e:
         done.cancel()
-        raise WorkerError(f"{w.name} ({e})") from None
+        raise e.prefixed(w.name, "{what} ({message})") from e
     return done
 
 
@@ -317,4 +322,4 @@ def query(w: Worker) -> bool:
     try:
         return w.proc.query(w.module)
     except WorkerError as e:
-        raise WorkerError(f"{w.name}: {e}") from None
+        raise e.prefixed(w.name) from e

@@ -19,8 +19,9 @@ import time
 import anyio
 import structlog
 
-from meshd_mps.supervision import child
+from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import MpsError
+from meshd_mps.supervision import child
 from meshd_mps.supervision.procfs import processes
 
 log = structlog.get_logger("meshd_mps")
@@ -28,11 +29,6 @@ log = structlog.get_logger("meshd_mps")
 CONTROL = "nvidia-cuda-mps-control"
 PIPE_ENV = "CUDA_MPS_PIPE_DIRECTORY"
 LOG_ENV = "CUDA_MPS_LOG_DIRECTORY"
-COMMAND_S = 10.0
-START_S = 10.0
-QUIT_S = 5.0
-REAP_S = 5.0
-NO_DAEMON = "Cannot find MPS control daemon process"
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -82,7 +78,8 @@ def _make_private_dir(path: str) -> None:
 class ControlDaemon:
     """One private control daemon under ``dir`` (``dir/pipe``, ``dir/log``)."""
 
-    def __init__(self, dir: str, temporary: bool):
+    def __init__(self, dir: str, temporary: bool, deadlines: Deadlines = DEFAULT):
+        self.deadlines = deadlines
         self.dir = os.path.abspath(dir)
         self.temporary = temporary
         self.pipe_dir = os.path.join(self.dir, "pipe")
@@ -104,7 +101,7 @@ class ControlDaemon:
         try:
             proc = await child.spawn([self.binary, *args], env, stdin=stdin is not None, merge_stderr=True)
         except OSError as e:  # out of fds or processes: the command's own error, not a bare OSError
-            raise MpsError(f"mps: {' '.join(args) or (stdin or '').strip()}: cannot start {self.binary}: {e.strerror or e}") from None
+            raise MpsError(f"mps: {' '.join(args) or (stdin or '').strip()}: cannot start {self.binary}: {e.strerror or e}") from e
         assert proc.stdout is not None
         out = b""
         try:
@@ -115,8 +112,8 @@ class ControlDaemon:
                     proc.stdin.close()
                 out = await proc.stdout.read()
                 await proc.wait()
-        except TimeoutError:
-            raise MpsError(f"mps: {CONTROL} {' '.join(args) or repr(stdin)}: no answer in {within:g}s") from None
+        except TimeoutError as e:
+            raise MpsError(f"mps: {CONTROL} {' '.join(args) or repr(stdin)}: no answer in {within:g}s") from e
         except (BrokenPipeError, ConnectionResetError):  # it exited without reading its command
             with anyio.move_on_after(within):
                 out = await proc.stdout.read()
@@ -131,7 +128,7 @@ class ControlDaemon:
 
     async def control(self, command: str) -> str:
         """One control command (``get_server_list``, ...); its output, or MpsError."""
-        rc, out = await self._run([], command + "\n", COMMAND_S)
+        rc, out = await self._run([], command + "\n", self.deadlines.control_command)
         if rc != 0:
             raise MpsError(f"mps: {command}: {out.strip() or f'exit status {rc}'}")
         return out
@@ -143,25 +140,25 @@ class ControlDaemon:
         _make_private_dir(self.dir)
         _make_private_dir(self.pipe_dir)
         _make_private_dir(self.log_dir)
-        rc, out = await self._run([], "get_server_list\n", COMMAND_S)
+        rc, out = await self._run([], "get_server_list\n", self.deadlines.control_command)
         if rc == 0:
             raise MpsError(f"mps: a control daemon already runs on {self.pipe_dir} and it is not ours; refusing")
         become_subreaper()
         before = _children_running(CONTROL)
         t0 = time.monotonic()
-        rc, out = await self._run(["-d"], None, START_S)
+        rc, out = await self._run(["-d"], None, self.deadlines.control_start)
         if rc != 0:
             raise MpsError(f"mps: {CONTROL} -d: {out.strip() or f'exit status {rc}'}")
         self.started = True
         try:
-            with anyio.fail_after(START_S):
+            with anyio.fail_after(self.deadlines.control_start):
                 while True:
-                    rc, out = await self._run([], "get_server_list\n", COMMAND_S)
+                    rc, out = await self._run([], "get_server_list\n", self.deadlines.control_command)
                     if rc == 0:
                         break
                     await anyio.sleep(0.01)  # the daemon is coming up: poll its socket
-        except TimeoutError:
-            raise MpsError(f"mps: the control daemon did not answer within {START_S:g}s: {out.strip()}") from None
+        except TimeoutError as e:
+            raise MpsError(f"mps: the control daemon did not answer within {self.deadlines.control_start:g}s: {out.strip()}") from e
         with anyio.move_on_after(2.0):  # the daemonized process is re-parented to us soon after -d
             while not (pids := _children_running(CONTROL) - before):
                 await anyio.sleep(0.005)
@@ -220,7 +217,7 @@ class ControlDaemon:
     async def _reap_orphans(self) -> None:
         """A server whose daemon died exits with it (a zombie of ours, H200); reap it, or kill it."""
         left = {p for p in _mps_orphans() | self.servers if not _reap_now(p)}
-        with anyio.move_on_after(REAP_S):
+        with anyio.move_on_after(self.deadlines.control_reap):
             while left:
                 await anyio.sleep(0.01)
                 left = {p for p in left if not _reap_now(p)}
@@ -230,7 +227,7 @@ class ControlDaemon:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        with anyio.move_on_after(REAP_S):
+        with anyio.move_on_after(self.deadlines.control_reap):
             while left:
                 await anyio.sleep(0.01)
                 left = {p for p in left if not _reap_now(p)}
@@ -241,19 +238,19 @@ class ControlDaemon:
             self.started = False
             t0 = time.monotonic()
             try:
-                rc, out = await self._run([], "quit\n", QUIT_S)
+                rc, out = await self._run([], "quit\n", self.deadlines.control_quit)
                 if rc != 0:
                     log.error(f"mps: quit: {out.strip() or f'exit status {rc}'}")
             except MpsError as e:
                 log.error(str(e))
-            if not await self._reap(REAP_S):
-                log.error(f"mps: control daemon {self.pid} did not exit {REAP_S:g}s after quit; killing it")
+            if not await self._reap(self.deadlines.control_reap):
+                log.error(f"mps: control daemon {self.pid} did not exit {self.deadlines.control_reap:g}s after quit; killing it")
                 if self.pid is not None:
                     try:
                         os.kill(self.pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-                if not await self._reap(REAP_S):
+                if not await self._reap(self.deadlines.control_reap):
                     log.error(f"mps: control daemon {self.pid} not reaped; left behind")
             await self._reap_orphans()
             log.info(f"mps: control daemon quit in {(time.monotonic() - t0) * 1e3:.0f} ms")

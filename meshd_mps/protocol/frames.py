@@ -12,6 +12,8 @@ import enum
 import struct
 from dataclasses import dataclass
 
+from meshd_mps.errors import FrameError as FrameError  # re-exported: the frame code's callers catch it here
+
 HEADER = struct.Struct("<I")
 #: Largest ``length`` accepted (op + body): a cubin travels in one LOAD frame.
 MAX_FRAME = 64 << 20
@@ -35,10 +37,8 @@ LIMIT_BODY = struct.Struct("<IQ")
 
 #: Ops a worker sends only in answer to a request.
 REPLIES = {Op.READY, Op.LOADED, Op.LAUNCHED}  # and LIMIT, answered with LIMIT
-
-
-class FrameError(Exception):
-    """A frame that breaks the protocol: short, oversized, unknown op, bad body."""
+#: The reply each request is answered with (UNLOAD and QUIT are not answered; DONE comes on its own).
+REPLY = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT}
 
 
 def encode(op: Op | int, body: bytes = b"") -> bytes:
@@ -58,8 +58,8 @@ def check_length(n: int) -> None:
 def check_op(b: int) -> Op:
     try:
         return Op(b)
-    except ValueError:
-        raise FrameError(f"unknown op {b}") from None
+    except ValueError as e:
+        raise FrameError(f"unknown op {b}") from e
 
 
 def decode(buf: bytes) -> tuple[Op, bytes, int]:

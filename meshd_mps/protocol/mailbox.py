@@ -11,22 +11,19 @@ import mmap
 import os
 import struct
 
+from meshd_mps.errors import MailboxError as MailboxError  # re-exported for the workers
+from meshd_mps.errors import PayloadTooLarge, RingFull
 from meshd_mps.protocol import abi
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
-class MailboxError(Exception):
-    pass
-
-
 class Mailbox:
-    def __init__(self, fd: int, path: str, owner: bool):
+    def __init__(self, fd: int, path: str):
         self.fd = fd
         self.path = path
         self.size = abi.MAILBOX_BYTES
-        self._owner = owner
         self.mm = mmap.mmap(fd, self.size)
 
     @classmethod
@@ -34,19 +31,19 @@ class Mailbox:
         """A fresh, zeroed mailbox; its fd stays open (and inheritable by path) until close."""
         fd = os.memfd_create("meshd-mps-mailbox", os.MFD_CLOEXEC)
         os.ftruncate(fd, abi.MAILBOX_BYTES)
-        return cls(fd, f"/proc/{os.getpid()}/fd/{fd}", owner=True)
+        return cls(fd, f"/proc/{os.getpid()}/fd/{fd}")
 
     @classmethod
     def open(cls, path: str) -> Mailbox:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as e:
-            raise MailboxError(f"mailbox {path}: {e.strerror}") from None
+            raise MailboxError(f"mailbox {path}: {e.strerror}") from e
         size = os.fstat(fd).st_size
         if size != abi.MAILBOX_BYTES:
             os.close(fd)
             raise MailboxError(f"mailbox {path}: {size} bytes, expected {abi.MAILBOX_BYTES}")
-        return cls(fd, path, owner=False)
+        return cls(fd, path)
 
     def close(self) -> None:
         if self.fd < 0:
@@ -93,10 +90,11 @@ class Mailbox:
     def post(self, slot: int, payload: bytes) -> int:
         """Write the next request; returns its sequence number."""
         if len(payload) > abi.ENTRY_PAYLOAD:
-            raise MailboxError(f"request of {len(payload)} bytes is over {abi.ENTRY_PAYLOAD}")
+            raise PayloadTooLarge(f"request of {len(payload)} bytes: a ring entry holds at most {abi.ENTRY_PAYLOAD}",
+                                  size=len(payload), limit=abi.ENTRY_PAYLOAD)
         head = self.u32(slot, abi.REQ_HEAD)
         if head - self.u32(slot, abi.RESP_HEAD) >= abi.RING:
-            raise MailboxError(f"slot {slot}: request ring full ({abi.RING} outstanding)")
+            raise RingFull(slot, abi.RING)
         at = self._at(slot, abi.REQ_BASE + (head % abi.RING) * abi.ENTRY_BYTES)
         _U32.pack_into(self.mm, at, len(payload))
         self.mm[at + 4 : at + 4 + len(payload)] = payload

@@ -56,12 +56,13 @@ from meshd_mps.backend import Backend
 from meshd_mps.serving.client import MAX_BODY, default_socket, parse_json, private_dirs
 from meshd_mps.gpu.compiler import Manifest, nvjitlink_version
 from meshd_mps.mps.control import become_subreaper
-from meshd_mps.errors import (CapacityError, CompileError, ConfigError, HashMismatch, ImageRefused, LimitError, ManifestError,
-                     MeshError, NoDriver, NotStarted, WorkerError)
+from meshd_mps.errors import MeshError, NoDriver, WorkerError
+from meshd_mps.deadlines import DEFAULT
 from meshd_mps.log import setup_logging
-from meshd_mps.protocol.mailbox import MailboxError
 from meshd_mps.serving.metrics import CONTENT_TYPE as METRICS_TYPE, Histogram, Registry
-from meshd_mps.programs import CALL_S, NAME, Program, ProgramError, Programs
+from meshd_mps.names import RULE, NAME
+from meshd_mps.programs import Program, Programs
+from meshd_mps.serving.status import status_of
 from meshd_mps.supervision.procfs import processes
 
 log = structlog.get_logger("meshd_mps")
@@ -321,12 +322,8 @@ def check_fields(obj: dict[str, Any], allowed: tuple[str, ...]) -> None:
 
 
 def check_name(name: str) -> str:
-    if not NAME.match(name) or ".." in name:
-        raise HttpError(
-            400,
-            f"program name {name[:80]!r}: 1-64 characters of A-Z a-z 0-9 _ . -, starting with a letter, digit or _,"
-            " without '..'",
-        )
+    if not NAME.fullmatch(name) or ".." in name:
+        raise HttpError(400, f"program name {name[:80]!r}: {RULE}")
     return name
 
 
@@ -676,15 +673,11 @@ class Daemon:
             return await handler(req, *args)
         except HttpError as e:
             return error_response(e.status, e.message, e.headers)
-        except ProgramError as e:
-            return error_response(_program_status(str(e)), str(e))
         except MeshError as e:
-            status = _mesh_status(e)
+            status = status_of(e)
             if status >= 500:
                 log.error(f"{req.method} {req.path}: {e}")
-            return json_response(status, {"ok": False, "error": str(e), **_error_fields(e)})
-        except MailboxError as e:
-            return error_response(409 if "full" in str(e) else 400, str(e))
+            return json_response(status, {"ok": False, "error": str(e), **e.fields()})
         except Exception:
             log.error(f"{req.method} {req.path}: internal error", traceback=traceback.format_exc())
             return error_response(500, "internal error (the daemon's log has the traceback)")
@@ -836,7 +829,7 @@ class Daemon:
                 raise HttpError(400, f"field 'hex': {e}") from None
         if len(payload) > abi.ENTRY_PAYLOAD:
             raise HttpError(400, f"request of {len(payload)} bytes: a ring entry holds at most {abi.ENTRY_PAYLOAD}")
-        within = CALL_S
+        within = DEFAULT.call
         if obj.get("timeout") is not None:
             t = obj["timeout"]
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= MAX_CALL_S:
@@ -949,42 +942,6 @@ def _fault(f: Any) -> dict[str, Any]:
     if isinstance(d.get("at"), (int, float)):
         d["at"] = datetime.fromtimestamp(d["at"], timezone.utc).isoformat()
     return d
-
-
-def _error_fields(e: MeshError) -> dict[str, Any]:
-    """A typed error's fields, beside its message in the answer: a CapacityError's ``limit``,
-    ``have`` and ``asked``; NotStarted's ``within`` and ``likely``."""
-    if isinstance(e, CapacityError):
-        return {"limit": e.limit, "have": e.have, "asked": e.asked}
-    if isinstance(e, NotStarted):
-        return {"within": e.within, "likely": e.likely}
-    return {}
-
-
-def _program_status(msg: str) -> int:
-    if "is not loaded" in msg:
-        return 404
-    if "no response in" in msg:
-        return 504
-    if "nodes must" in msg or "the manifest names" in msg or "is not served here" in msg:
-        return 400
-    return 409  # already loaded, no free slot, not running, did not halt
-
-
-def _mesh_status(e: MeshError) -> int:
-    # By type first: the GPU cannot take the load beside what runs (409), the kernel never started
-    # (409, rolled back), the driver refused the image itself (400: the program's fault).
-    if isinstance(e, (CapacityError, NotStarted)):
-        return 409
-    if isinstance(e, ImageRefused):
-        return 400
-    if isinstance(e, (ManifestError, CompileError, HashMismatch, ConfigError)):
-        return 400
-    if isinstance(e, LimitError):
-        return 409 if "clients already" in str(e) else 400
-    if "did not halt" in str(e) or "still runs" in str(e):
-        return 409
-    return 500  # a worker, the MPS daemon or the device failed: the message says which
 
 
 # ---- the socket's directory -------------------------------------------------------------------

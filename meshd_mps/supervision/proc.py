@@ -6,36 +6,48 @@ frames.  A request and its reply meet in a future, one ask at a time; DONE
 frames arrive on their own and resolve the launch's completion future.  A
 frame that breaks the protocol, or a reply that comes late or unasked, makes
 the worker *unfit*: it is never asked again and its owner retires it.
+
+Its lifecycle is :class:`WorkerState`, changed only by :meth:`WorkerProc.to`, which refuses
+the moves the table does not allow (supervisord's ``ProcessStates``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import structlog
 
+from meshd_mps.deadlines import DEFAULT, Deadlines
+from meshd_mps.errors import FrameError, ImageRefused, NoReply, StateError, WorkerError, WorkerGone, WorkerUnfit
 from meshd_mps.protocol import frames
+from meshd_mps.protocol.frames import Done, Op
 from meshd_mps.supervision.child import Child
-from meshd_mps.errors import ImageRefused, WorkerError
-from meshd_mps.protocol.frames import Done, FrameError, Op
 
 log = structlog.get_logger("meshd_mps")
 
 
+class WorkerState(enum.Enum):
+    STARTING = "starting"  # spawned; no request answered yet
+    READY = "ready"  # answered: fit for requests (idle or running a kernel: see WorkerProc.running)
+    FAULTED = "faulted"  # a launch failed on its stream: the context is not fit for another image
+    UNFIT = "unfit"  # broke the protocol or missed a deadline: never asked again
+    RETIRING = "retiring"  # told to exit (QUIT, EOF) or killed by us
+    EXITED = "exited"  # its stdout closed: the process exited (or closed it)
 
-@dataclass(frozen=True)
-class Deadlines:
-    """Every wait on a worker, in seconds; the defaults are the seed's."""
 
-    load: float = 30.0  # a worker's first load also starts the MPS server (context creation)
-    ready: float = 30.0
-    launch: float = 2.0
-    start: float = 2.0  # LAUNCHED -> the program's STATE = RUNNING (the start check)
-    retire_quit: float = 2.0  # QUIT -> exit
-    retire_kill: float = 2.0  # SIGKILL -> reaped
-    cleanup_reap: float = 0.5  # one shared deadline for every worker at exit
+#: The moves WorkerProc.to allows; EXITED is reached from every state (a process can die any time).
+MOVES: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.STARTING: frozenset({WorkerState.READY, WorkerState.FAULTED, WorkerState.UNFIT, WorkerState.RETIRING}),
+    WorkerState.READY: frozenset({WorkerState.FAULTED, WorkerState.UNFIT, WorkerState.RETIRING}),
+    WorkerState.FAULTED: frozenset({WorkerState.UNFIT, WorkerState.RETIRING}),
+    WorkerState.UNFIT: frozenset({WorkerState.RETIRING}),
+    WorkerState.RETIRING: frozenset(),
+    WorkerState.EXITED: frozenset(),
+}
+#: Where a worker that may be asked can be.
+ASKABLE = frozenset({WorkerState.STARTING, WorkerState.READY, WorkerState.FAULTED})
 
 
 def _secs(s: float) -> str:
@@ -53,7 +65,7 @@ def _expire(fut: asyncio.Future[tuple[Op, bytes]]) -> None:
 
 
 class WorkerProc:
-    def __init__(self, process: Child, on_unfit: Callable[[WorkerProc], None], deadlines: Deadlines):
+    def __init__(self, process: Child, on_unfit: Callable[[WorkerProc], None], deadlines: Deadlines = DEFAULT):
         assert process.stdin is not None and process.stdout is not None
         self.process = process
         self.pid = process.pid
@@ -67,13 +79,37 @@ class WorkerProc:
         self.gen: dict[int, int] = {}  # module -> last launch's generation
         self.done: dict[int, int] = {}  # module -> last generation whose stream finished
         self._waiters: dict[tuple[int, int], asyncio.Future[Done]] = {}
+        self.state = WorkerState.STARTING
         self.err: str | None = None  # the first stream error, "worker N: ..."
-        self.unfit: str | None = None  # why it must not be used again
-        self.dead = False  # stdout closed: the process exited (or closed it)
+        self.unfit: str | None = None  # why it must not be used again (it broke the protocol or hung)
+        self.exited_from: WorkerState | None = None  # the state it was in when its stdout closed
         self.exited = asyncio.Event()
         self.device = 0  # the GPU its context is on (Mps sets it)
         self.exited_running_at = 0.0  # monotonic time it exited on its own with a kernel launched
-        self.killed = False  # SIGKILLed by us (a retire's or the cleanup's kill)
+
+    def to(self, state: WorkerState, why: str = "") -> bool:
+        """The one way the state changes; False if it is there already, StateError if the table
+        (MOVES) does not allow the move.  EXITED is reached from anywhere."""
+        if state == self.state:
+            return False
+        if state != WorkerState.EXITED and state not in MOVES[self.state]:
+            raise StateError(f"worker {self.pid}: {self.state.value} -> {state.value} is not a move a worker makes",
+                             what=f"worker {self.pid}", frm=self.state.value, to=state.value)
+        if state == WorkerState.EXITED:
+            self.exited_from = self.state
+        log.debug("worker state", pid=self.pid, frm=self.state.value, to=state.value, why=why)
+        self.state = state
+        return True
+
+    @property
+    def dead(self) -> bool:
+        """Its stdout closed: the process exited (or closed it)."""
+        return self.state == WorkerState.EXITED
+
+    @property
+    def killed(self) -> bool:
+        """Ended by us (a retire's QUIT or kill, the cleanup's kill), not on its own."""
+        return self.state == WorkerState.RETIRING or self.exited_from == WorkerState.RETIRING
 
     def __repr__(self) -> str:
         return f"<worker {self.pid}{' ' + self.program if self.program else ''}>"
@@ -88,14 +124,14 @@ class WorkerProc:
                         head = await self._stdout.readexactly(frames.HEADER.size)
                     except asyncio.IncompleteReadError as e:
                         if e.partial:
-                            raise FrameError(f"stdout closed inside a frame header ({len(e.partial)} bytes)") from None
+                            raise FrameError(f"stdout closed inside a frame header ({len(e.partial)} bytes)") from e
                         break
                     (n,) = frames.HEADER.unpack(head)
                     frames.check_length(n)
                     try:
                         rest = await self._stdout.readexactly(n)
                     except asyncio.IncompleteReadError as e:
-                        raise FrameError(f"stdout closed inside a frame ({len(e.partial)} of {n} bytes)") from None
+                        raise FrameError(f"stdout closed inside a frame ({len(e.partial)} of {n} bytes)") from e
                     self._frame(frames.check_op(rest[0]), rest[1:])
             except FrameError as e:
                 self.mark_unfit(f"worker {self.pid}: bad frame: {e}")
@@ -109,6 +145,8 @@ class WorkerProc:
             d = Done.decode(body)
             if not d.ok and self.err is None:
                 self.err = f"worker {self.pid}: {d.message}"
+                if self.state in (WorkerState.STARTING, WorkerState.READY):
+                    self.to(WorkerState.FAULTED, self.err)
             if d.gen > self.gen.get(d.module, 0):
                 raise FrameError(f"DONE for generation {d.gen} of module {d.module}, never launched")
             self.done[d.module] = d.gen
@@ -124,46 +162,60 @@ class WorkerProc:
         fut.set_result((op, body))
 
     def _closed(self) -> None:
-        self.dead = True
+        unfit = self.unfit
+        self.to(WorkerState.EXITED, unfit or "stdout closed")
         self.exited.set()
-        why = self.unfit or f"worker {self.pid} exited"
         if self._pending is not None and not self._pending.done():
-            self._pending.set_exception(WorkerError(why))
+            self._pending.set_exception(WorkerUnfit(unfit, pid=self.pid) if unfit
+                                        else WorkerGone(f"worker {self.pid} exited", pid=self.pid))
         for (_module, _gen), fut in self._waiters.items():
             if not fut.done():
-                fut.set_exception(WorkerError(self.err or f"worker {self.pid} exited while its kernel ran"))
+                fut.set_exception(WorkerGone(self.err or f"worker {self.pid} exited while its kernel ran", pid=self.pid))
         self._waiters.clear()
 
     def mark_unfit(self, why: str) -> None:
-        if self.unfit is None:
-            self.unfit = why
-            log.error("worker unfit", pid=self.pid, program=self.program, why=why)
-            if self._pending is not None and not self._pending.done():
-                self._pending.set_exception(WorkerError(why))
-            self._on_unfit(self)
+        if self.unfit is not None:
+            return
+        self.unfit = why
+        log.error("worker unfit", pid=self.pid, program=self.program, why=why)
+        if self.state in ASKABLE:
+            self.to(WorkerState.UNFIT, why)
+        if self._pending is not None and not self._pending.done():
+            self._pending.set_exception(WorkerUnfit(why, pid=self.pid))
+        self._on_unfit(self)
+
+    def retiring(self) -> None:
+        """Told to exit, or killed, by its owner: whatever it does next is not on its own."""
+        if self.state not in (WorkerState.RETIRING, WorkerState.EXITED):
+            self.to(WorkerState.RETIRING)
 
     # ---- writing ----------------------------------------------------------------------------
     async def send(self, op: Op, body: bytes = b"") -> None:
         if self._stdin.is_closing():
-            raise WorkerError(f"worker {self.pid}: stdin closed")
+            raise WorkerGone(f"worker {self.pid}: stdin closed", pid=self.pid)
         try:
             self._stdin.write(frames.encode(op, body))
             await self._stdin.drain()
         except (ConnectionError, OSError) as e:
-            raise WorkerError(f"worker {self.pid}: {e.strerror or e}") from None
+            raise WorkerGone(f"worker {self.pid}: {e.strerror or e}", pid=self.pid) from e
 
     def close_stdin(self) -> None:
         """EOF on the worker's stdin: an idle worker exits on it."""
         if not self._stdin.is_closing():
             self._stdin.close()
 
-    async def ask(self, op: Op, body: bytes, want: Op, within: float) -> bytes:
-        """Send a request, wait for its reply; the reply's payload, or WorkerError."""
+    async def ask(self, op: Op, body: bytes = b"") -> bytes:
+        """Send request ``op``, wait for its reply (``frames.REPLY``) within its deadline
+        (``Deadlines.reply``); the reply's payload.  WorkerGone if the worker is gone, WorkerUnfit
+        (NoReply) if it broke the protocol or missed the deadline, ImageRefused if the driver
+        refused an image, WorkerError for a request it refused."""
+        want = frames.REPLY[op]
+        within = self.deadlines.reply(op)
         async with self._ask_lock:
             if self.unfit:
-                raise WorkerError(self.unfit)
-            if self.dead:
-                raise WorkerError(f"worker {self.pid} exited")
+                raise WorkerUnfit(self.unfit, pid=self.pid)
+            if self.state not in ASKABLE:
+                raise WorkerGone(f"worker {self.pid} exited" if self.dead else f"worker {self.pid} is retiring", pid=self.pid)
             loop = asyncio.get_running_loop()
             fut: asyncio.Future[tuple[Op, bytes]] = loop.create_future()
             self._pending = fut
@@ -174,28 +226,30 @@ class WorkerProc:
                 await self.send(op, body)
                 try:
                     got, reply = await fut
-                except _NoReply:
+                except _NoReply as e:
                     why = f"worker {self.pid}: no reply in {_secs(within)}"
                     self.mark_unfit(why)  # a late reply would be taken for the next one's
-                    raise WorkerError(why) from None
+                    raise NoReply(why, pid=self.pid, within=within) from e
             finally:
                 timer.cancel()
                 self._pending = None
             if got != want:
                 why = f"worker {self.pid}: reply {got.name}, expected {want.name}"
                 self.mark_unfit(why)
-                raise WorkerError(why)
+                raise WorkerUnfit(why, pid=self.pid)
             try:
                 ok, payload = frames.split_reply(got, reply)
             except FrameError as e:
                 why = f"worker {self.pid}: bad frame: {e}"
                 self.mark_unfit(why)
-                raise WorkerError(why) from None
+                raise WorkerUnfit(why, pid=self.pid) from e
+            if self.state == WorkerState.STARTING:
+                self.to(WorkerState.READY)
             if ok == frames.REFUSED:
                 text = frames.reply_text(payload)
                 raise ImageRefused(f"worker {self.pid}: {text}", error=text)
             if ok != frames.OK:
-                raise WorkerError(f"worker {self.pid}: {frames.reply_text(payload)}")
+                raise WorkerError(f"worker {self.pid}: {frames.reply_text(payload)}", pid=self.pid)
             return payload
 
     # ---- launches ---------------------------------------------------------------------------
@@ -210,10 +264,10 @@ class WorkerProc:
     def query(self, module: int = 0) -> bool:
         """The last launch's stream finished; WorkerError on a stream error or a death."""
         if self.err:
-            raise WorkerError(self.err)
+            raise WorkerError(self.err, pid=self.pid)
         d = self.done.get(module, 0) == self.gen.get(module, 0)
         if not d and self.dead:
-            raise WorkerError(f"worker {self.pid} exited while its kernel ran")
+            raise WorkerGone(f"worker {self.pid} exited while its kernel ran", pid=self.pid)
         return d
 
     def running(self) -> bool:
@@ -222,6 +276,6 @@ class WorkerProc:
 
     def idle(self) -> bool:
         """Alive, fit, no stream error, nothing running: fit for another image."""
-        if self.dead or self.unfit or self.err:
+        if self.state not in (WorkerState.STARTING, WorkerState.READY):
             return False
         return all(self.done.get(m, 0) == g for m, g in self.gen.items())

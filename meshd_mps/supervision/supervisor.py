@@ -1,8 +1,12 @@
 """The owner of every worker process and of the tasks that serve them.
 
-One runner task holds an anyio task group for the supervisor's lifetime;
-each worker's reader task and each retirement run in it, so no task is
-fire-and-forget and close() ends them all.  Retire is the seed's: QUIT, 2 s
+The supervisor's anyio task group holds each worker's reader task, each
+retirement and every task its owners start (``start_soon``), so no task is
+fire-and-forget and close() ends them all.  The group lives in its owner's
+scope: ``async with Supervisor() as sup`` enters it in the owner's task, so
+that a task's failure reaches the owner.  A host that cannot nest
+(``b = await Backend.open()``) calls ``start()`` instead: the group then lives
+in one task of the supervisor's that ``close()`` awaits, re-raising what it raised.  Retire is the seed's: QUIT, 2 s
 to exit, SIGKILL, 2 s more, else "left behind".  Cleanup is the seed's too:
 idle workers get EOF, every worker SIGKILL, one shared 500 ms reap deadline.
 """
@@ -13,28 +17,29 @@ import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 import anyio
 import structlog
 from anyio.abc import TaskGroup
 
-from meshd_mps.supervision import child
-from meshd_mps.errors import MeshError, WorkerError
+from meshd_mps.deadlines import DEFAULT, Deadlines
+from meshd_mps.errors import MeshError, SpawnFailed, WorkerError
 from meshd_mps.protocol.frames import Op
-from meshd_mps.supervision.proc import Deadlines, WorkerProc
+from meshd_mps.supervision import child
+from meshd_mps.supervision.proc import WorkerProc
 
 log = structlog.get_logger("meshd_mps")
 
-#: After the shared 500 ms deadline, how long close() still waits for the late ones.
-CLEANUP_GRACE_S = 5.0
-
 
 class Supervisor:
-    def __init__(self, deadlines: Deadlines = Deadlines()) -> None:
+    def __init__(self, deadlines: Deadlines = DEFAULT) -> None:
         self.deadlines = deadlines
         self._tg: TaskGroup | None = None
+        self._group_cm: TaskGroup | None = None
         self._runner: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
+        self._scopes: set[anyio.CancelScope] = set()  # every task's own: close() cancels them
         self.workers: dict[int, WorkerProc] = {}  # live, not retiring: the seed's `workers`
         self._children: dict[int, WorkerProc] = {}  # every process not yet reaped
         self.closed = False
@@ -49,36 +54,65 @@ class Supervisor:
         #: outside, crashed): fault recovery names one as the culprit when it was no program's yet.
         self.exited_running: list[WorkerProc] = []
 
+    async def __aenter__(self) -> Supervisor:
+        """The task group entered in the owner's task: the structured form."""
+        self._group_cm = anyio.create_task_group()
+        self._tg = await self._group_cm.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        with anyio.CancelScope(shield=True):
+            await self.close()
+        assert self._group_cm is not None
+        return await self._group_cm.__aexit__(*exc)
+
     async def start(self) -> None:
+        """The task group in a task of the supervisor's own, for a host that cannot nest; close()
+        ends it and re-raises what its tasks raised."""
         started = asyncio.Event()
 
         async def run() -> None:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
+            async with self:
                 started.set()
                 await self._stop.wait()
-                tg.cancel_scope.cancel()
 
         self._runner = asyncio.create_task(run(), name="meshd-mps supervisor")
-        await started.wait()
+        done, _ = await asyncio.wait({self._runner, asyncio.ensure_future(started.wait())},
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if self._runner in done:
+            self._runner.result()
 
     def _group(self) -> TaskGroup:
         if self._tg is None or self.closed:
             raise WorkerError("supervisor closed")
         return self._tg
 
+    def _owned(self, fn: Callable[..., Awaitable[Any]], *args: Any, name: str) -> None:
+        """``fn(*args)`` as a task of the group, in a cancel scope of its own that close() cancels."""
+        scope = anyio.CancelScope()
+
+        async def run() -> None:
+            self._scopes.add(scope)
+            try:
+                with scope:
+                    await fn(*args)
+            finally:
+                self._scopes.discard(scope)
+
+        self._group().start_soon(run, name=name)
+
     async def spawn(self, argv: Sequence[str], env: Mapping[str, str], program: str | None = None) -> WorkerProc:
         """A new worker process with its reader task; stderr passes through to ours."""
-        tg = self._group()
+        self._group()
         try:
             process = await child.spawn(argv, env)
         except OSError as e:
-            raise WorkerError(f"mps worker: {argv[0]}: {e.strerror or e}") from None
+            raise SpawnFailed(f"mps worker: {argv[0]}: {e.strerror or e}") from e
         w = WorkerProc(process, self._unfit, self.deadlines)
         w.program = program
         self.workers[w.pid] = w
         self._children[w.pid] = w
-        tg.start_soon(self._read, w, name=f"reader {w.pid}")
+        self._owned(self._read, w, name=f"reader {w.pid}")
         log.debug("worker spawned", pid=w.pid)
         return w
 
@@ -93,9 +127,9 @@ class Supervisor:
                 self.exited_running = [*self.exited_running[-15:], w]
             self.retire(w)
 
-    def start_soon(self, fn, *args, name: str) -> None:  # type: ignore[no-untyped-def]
+    def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any, name: str) -> None:
         """Run a task owned by the supervisor's task group (cancelled at close)."""
-        self._group().start_soon(fn, *args, name=name)
+        self._owned(fn, *args, name=name)
 
     def _unfit(self, w: WorkerProc) -> None:
         """A worker that broke the protocol or hung is retired at once."""
@@ -111,7 +145,8 @@ class Supervisor:
             return  # already retiring
         if self.closed:
             return
-        self._group().start_soon(self._retire, w, before_exit, name=f"retire {w.pid}")
+        w.retiring()
+        self._owned(self._retire, w, before_exit, name=f"retire {w.pid}")
 
     async def _retire(self, w: WorkerProc, before_exit: bool = True) -> None:
         with structlog.contextvars.bound_contextvars(pid=w.pid, program=w.program):
@@ -121,7 +156,7 @@ class Supervisor:
                         await self.before_exit(w)
                 except MeshError as e:
                     log.warning(f"mps: worker {w.pid}: {e}; retiring it anyway")
-            if not w.dead and not w.unfit:
+            if w.unfit is None and not w.dead:
                 try:
                     with anyio.move_on_after(self.deadlines.retire_quit / 4):
                         await w.send(Op.QUIT)
@@ -170,7 +205,7 @@ class Supervisor:
         if late:
             # A process in the middle of a CUDA teardown exits a little later: reap it if it does
             # within a grace period, so that an embedding host is not left with zombies.
-            with anyio.move_on_after(CLEANUP_GRACE_S, shield=True):
+            with anyio.move_on_after(self.deadlines.cleanup_grace, shield=True):
                 for w in late:
                     await w.process.wait()
         for w in kids:
@@ -182,15 +217,18 @@ class Supervisor:
             log.info(f"mps: {sum(w.process.returncode is not None for w in late)} of {len(late)} late workers reaped after all")
         self.workers.clear()
         log.debug("workers reaped", n=len(kids), ms=round((time.monotonic() - t0) * 1e3, 1))
+        for scope in list(self._scopes):
+            scope.cancel()
         self._stop.set()
-        if self._runner is not None:
+        if self._runner is not None and self._runner is not asyncio.current_task():
             with anyio.CancelScope(shield=True):
-                await self._runner
+                await asyncio.wait({self._runner})
+            self._runner.result()  # what a task of the group raised
 
 
 def _kill(w: WorkerProc) -> None:
     if w.process.returncode is None:
-        w.killed = True
+        w.retiring()
         try:
             os.kill(w.pid, 9)
         except ProcessLookupError:

@@ -32,7 +32,7 @@ from meshd_mps.mps import standin
 from meshd_mps.mps import clients as mpsmod
 from meshd_mps.backend import Backend
 from meshd_mps.errors import MeshError, MpsError, NoDriver, WorkerError
-from meshd_mps.supervision.proc import Deadlines
+from meshd_mps.deadlines import Deadlines
 from meshd_mps.programs import Programs
 
 from .. import waits

@@ -17,7 +17,7 @@ import pytest
 from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend
 from meshd_mps.mps.control import LOG_ENV, PIPE_ENV
-from meshd_mps.errors import LimitError, MpsError, NoDriver
+from meshd_mps.errors import ClientLimit, MpsError, NoDriver
 from meshd_mps.programs import Programs
 
 from ..test_backend import beats, example
@@ -154,7 +154,7 @@ async def test_gpu_fault_is_survived():
 async def test_client_limit_is_counted():
     async with await Backend.open(isolation="mps", gpu="cuda", pool=48) as b:
         assert len(await b.mps.clients(b.mps.server)) == 48  # the server takes 48 (CUDA 13.0)
-        with pytest.raises(LimitError, match=r"48 clients already: the MPS server takes at most 48"):
+        with pytest.raises(ClientLimit, match=r"48 clients already: the MPS server takes at most 48"):
             await b.mps.spawn("one too many")
     assert mps_processes() == []
 

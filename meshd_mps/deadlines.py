@@ -1,0 +1,52 @@
+"""Every wait of meshd-mps, in seconds, in one table.
+
+A wait without a deadline is a hang waiting to happen (STYLE.md: uvicorn's unbounded join); a
+deadline defined where it is used is one nobody finds.  So every component takes its deadlines
+from a :class:`Deadlines` its owner hands it (``Backend.open(deadlines=...)``; tests shorten
+them), and the defaults are the seed's where the seed has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshd_mps.protocol.frames import Op
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    # ---- a worker's replies (the seed's) ----
+    load: float = 30.0  # LOAD -> LOADED; a worker's first load also starts the MPS server (context creation)
+    ready: float = 30.0  # READY -> READY: imported, context created
+    launch: float = 2.0  # LAUNCH -> LAUNCHED
+    start: float = 2.0  # LAUNCHED -> the program's STATE = RUNNING (the start check)
+    # ---- retiring workers (the seed's) ----
+    retire_quit: float = 2.0  # QUIT -> exit
+    retire_kill: float = 2.0  # SIGKILL -> reaped
+    cleanup_reap: float = 0.5  # one shared deadline for every worker at exit
+    cleanup_grace: float = 5.0  # after it, how long close() still waits for the late ones
+    # ---- programs ----
+    halt: float = 5.0  # HALT -> the program's DONE (an upgrade, an unload, a blink)
+    close_halt: float = 1.0  # the same at shutdown, every program at once
+    call: float = 5.0  # a ring request -> its response (the API's default; the request may ask longer)
+    call_max: float = 300.0  # the longest a request may ask for
+    stall: float = 5.0  # a running program's heartbeat still -> "stalled" (serve --stall-after)
+    fault_window: float = 2.0  # failures this close together are one fault; the server log is watched this long
+    recover: float = 30.0  # a fault -> the server takes new clients again
+    # ---- the MPS control daemon ----
+    control_command: float = 10.0  # one nvidia-cuda-mps-control command
+    control_start: float = 10.0  # -d -> it answers
+    control_quit: float = 5.0  # quit -> it has stopped its server
+    control_reap: float = 5.0  # -> the daemon's process reaped (then SIGKILL, and as long again)
+    # ---- the control API ----
+    http_head: float = 30.0  # to send the request line and headers
+    http_body: float = 120.0  # to send the body
+    http_grace: float = 10.0  # requests in flight at shutdown
+
+    def reply(self, op: Op) -> float:
+        """The deadline of the reply to request ``op`` (``WorkerProc.ask``)."""
+        return {Op.READY: self.ready, Op.LOAD: self.load, Op.LAUNCH: self.launch, Op.LIMIT: self.load}[op]
+
+
+#: The defaults, for components that are not handed a table of their own.
+DEFAULT = Deadlines()
