@@ -14,8 +14,7 @@ workers and pool are retired and only its programs relaunched.
 
 from __future__ import annotations
 
-import os
-import re
+import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,28 +23,55 @@ from typing import Any
 import anyio
 import structlog
 
+from meshd_mps import faults
+from meshd_mps.mps.serverlog import FatalLog
 from meshd_mps.protocol import abi, frames
 from meshd_mps.isolation import limits
 from meshd_mps.backend import Backend, Image, Kernel
 from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.errors import (AlreadyLoaded, CallTimeout, ConfigError, HaltTimeout, ManifestError, MeshError, NoFreeSlot,
-                              NotLoaded, NotRunning, NotStarted, UpgradeMismatch, WorkerError)
+                              NotLoaded, NotRunning, NotStarted, StateError, UpgradeMismatch, WorkerError)
 from meshd_mps.protocol.frames import Done
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.supervision.proc import WorkerProc
 
 log = structlog.get_logger("meshd_mps")
 
-# The culprit, as the H200's server logs it: "Client {PID: 968, Context: 1} encountered a fatal
-# GPU error."  (Its "error trigging process N" lines name every client torn down, not the culprit.)
-FATAL = re.compile(r"Client \{PID: (\d+)[^}]*\} encountered a fatal GPU error")
 
 
 def died_on_its_own(w: WorkerProc) -> bool:
-    """The worker's process ended by a signal that was not ours, or exited with its kernel
-    launched before it was told to."""
-    rc = w.process.returncode
-    return w.exited_running_at > 0 or (rc is not None and rc < 0 and not w.killed)
+    """The worker's process ended on its own (faults.died_on_its_own, from what its WorkerProc knows)."""
+    return faults.died_on_its_own(w.process.returncode, w.exited_running_at > 0, w.killed)
+
+
+class ProgramState(enum.Enum):
+    RUNNING = "running"
+    STALLED = "stalled"  # running, but its heartbeat has not advanced for stall_after
+    EXITED = "exited"  # its kernel returned by itself (or was halted), DONE ok
+    FAILED = "failed"  # its launch failed: an error on its stream, or its worker died
+    LOST = "lost"  # torn down by another program's GPU fault; a recovery relaunches or reports it
+    FAULTED = "faulted"  # it caused a GPU fault: not relaunched
+
+    @property
+    def shown(self) -> str:
+        """The state the API and ps show: a lost program is a failed one (``lost_to`` says whose
+        fault it was)."""
+        return "failed" if self is ProgramState.LOST else self.value
+
+
+#: The moves Program.to allows (supervisord's ProcessStates: one table, one transition method).
+PROGRAM_MOVES: dict[ProgramState, frozenset[ProgramState]] = {
+    ProgramState.RUNNING: frozenset({ProgramState.STALLED, ProgramState.EXITED, ProgramState.FAILED, ProgramState.LOST,
+                                     ProgramState.FAULTED}),
+    ProgramState.STALLED: frozenset({ProgramState.RUNNING, ProgramState.EXITED, ProgramState.FAILED, ProgramState.LOST,
+                                     ProgramState.FAULTED}),
+    ProgramState.FAILED: frozenset({ProgramState.LOST, ProgramState.FAULTED}),  # a recovery's verdict
+    ProgramState.LOST: frozenset({ProgramState.FAULTED}),  # named the culprit once its clients are gone
+    ProgramState.EXITED: frozenset(),
+    ProgramState.FAULTED: frozenset(),
+}
+#: States in which a program still has a kernel (its launch has not ended).
+LIVE = frozenset({ProgramState.RUNNING, ProgramState.STALLED})
 
 
 @dataclass
@@ -64,8 +90,9 @@ class Program:
     manifest: Manifest | None = None
     ptx: bytes = b""
     restarts: int = 0
-    faulted: str = ""  # the fault this program caused; it is not relaunched
-    lost_to: str = ""  # the program whose fault took this one down
+    phase: ProgramState = ProgramState.RUNNING  # changed only by to(), and by observe() when its launch ends
+    error: str = ""  # what the latest move to FAILED or FAULTED said
+    lost_to: str = ""  # LOST: the program whose fault took this one down, once named
     failed_at: float = 0.0  # monotonic time its launch was seen failing
     beat: int = -1  # the HEARTBEAT last seen (Programs.sample)
     beat_at: float = field(default_factory=time.monotonic)  # when it was last seen advancing
@@ -77,6 +104,44 @@ class Program:
         """The GPU it runs on."""
         return self.kernel.device
 
+    def to(self, state: ProgramState, error: str = "") -> bool:
+        """The one way the state changes: False if it is there already, StateError if
+        PROGRAM_MOVES does not allow the move."""
+        if state == self.phase:
+            return False
+        if state not in PROGRAM_MOVES[self.phase]:
+            raise StateError(f"program {self.name}: {self.phase.value} -> {state.value} is not a move a program makes",
+                             what=f"program {self.name}", frm=self.phase.value, to=state.value)
+        log.debug("program state", program=self.name, frm=self.phase.value, to=state.value)
+        self.phase = state
+        if error:
+            self.error = error
+        return True
+
+    def observe(self) -> ProgramState:
+        """The state, once the end of its launch (if it ended) is taken into it."""
+        if self.phase in LIVE and self.launch.finished():
+            f = self.launch.inner
+            if f.cancelled():
+                self.to(ProgramState.FAILED, "cancelled")
+            elif (e := f.exception()) is not None:
+                self.to(ProgramState.FAILED, str(e))
+            else:
+                d: Done = f.result()
+                self.to(ProgramState.EXITED) if d.ok else self.to(ProgramState.FAILED, d.message)
+        return self.phase
+
+    def kernel_error(self) -> str:
+        """The CUDA error its stream reported, if one did: a DONE that failed, or its worker's
+        first stream error (the evidence faults.py weighs above a worker's death)."""
+        w = self.kernel.worker
+        if w is not None and w.proc.err:
+            return w.proc.err
+        f = self.launch.inner
+        if f.done() and not f.cancelled() and f.exception() is None and not f.result().ok:
+            return str(f.result().message)
+        return ""
+
     def share(self) -> float:
         """The part of its GPU's resident blocks it holds while it runs (limits.py)."""
         return 0.0 if self.launch.finished() else limits.share(self.nodes, self.kernel.per_sm, self.kernel.sms)
@@ -86,27 +151,18 @@ class Program:
         return ((now or time.monotonic()) - self.beat_at) if self.beaten else None
 
     def state(self) -> tuple[str, str]:
-        """(running | stalled | exited | failed | faulted, the error text)."""
-        if self.faulted:
-            return "faulted", self.faulted
-        if not self.launch.finished():
-            if self.stalled_at:
-                return "stalled", f"no heartbeat for {self.beat_age() or 0:.1f}s"
-            return "running", ""
-        f = self.launch.inner
-        if f.cancelled():
-            return "failed", "cancelled"
-        e = f.exception()
-        if e is not None:
-            return "failed", str(e)
-        d: Done = f.result()
-        return ("exited", "") if d.ok else ("failed", d.message)
+        """(running | stalled | exited | failed | faulted, the error text), as the API shows it."""
+        st = self.observe()
+        if st is ProgramState.STALLED:
+            return st.shown, f"no heartbeat for {self.beat_age() or 0:.1f}s"
+        return st.shown, self.error if st not in LIVE else ""
 
 
 @dataclass
 class FaultReport:
     """What a GPU fault cost: who caused it, who was lost with it, who came back.  ``gpu_wide``:
-    every MPS client of GPU ``device`` was torn down (a fault, not one program's own failure)."""
+    every MPS client of GPU ``device`` was torn down (a fault, not one program's own failure);
+    ``by``: the evidence that named the culprit (faults.EVIDENCE)."""
 
     at: float
     error: str
@@ -118,6 +174,7 @@ class FaultReport:
     not_relaunched: dict[str, str] = field(default_factory=dict)
     ms: float = 0.0
     device: int = 0
+    by: str = ""
 
 
 class Programs:
@@ -139,8 +196,8 @@ class Programs:
         self.load_ms: list[float] = []
         self.faults: list[FaultReport] = []
         self._closing = False
-        self._log_at = self._server_log_size()
-        self._fatal: set[int] = set()  # pids the server logged as faulting, not yet taken by a recovery
+        d = backend.daemon
+        self._fatal = FatalLog(None if d is None else f"{d.log_dir}/server.log")
         self.b.sup.start_soon(self._beats, name="heartbeats")
 
     def _free_slot(self) -> int:
@@ -349,33 +406,6 @@ class Programs:
         raise CallTimeout(name, within)
 
     # ---- faults ---------------------------------------------------------------------------
-    def _server_log(self) -> str | None:
-        d = self.b.daemon
-        return None if d is None else f"{d.log_dir}/server.log"
-
-    def _server_log_size(self) -> int:
-        path = self._server_log()
-        try:
-            return 0 if path is None else os.path.getsize(path)
-        except OSError:
-            return 0
-
-    def _read_fatal(self) -> None:
-        """The pids the MPS server logged as having hit a fatal GPU error since the last look, kept
-        until the recovery of their GPU takes them (one server log serves every GPU)."""
-        path = self._server_log()
-        if path is None:
-            return
-        try:
-            with open(path, "rb") as f:
-                f.seek(self._log_at)
-                text = f.read()
-        except OSError:
-            return
-        end = text.rfind(b"\n") + 1
-        self._log_at += end
-        self._fatal.update(int(m) for m in FATAL.findall(text[:end].decode(errors="replace")))
-
     def _device_of_pid(self, pid: int) -> int | None:
         for q in self.by_name.values():
             if q.kernel.pid == pid:
@@ -384,12 +414,7 @@ class Programs:
         return None if mps is None else mps.device_of(pid)
 
     def _fatal_pids(self, device: int) -> list[int]:
-        """The logged culprits on GPU ``device`` (taken: a later look does not see them again).  A pid
-        that is none of ours (already gone from every list) counts for every GPU."""
-        self._read_fatal()
-        mine = sorted(p for p in self._fatal if self._device_of_pid(p) in (device, None))
-        self._fatal.difference_update(mine)
-        return mine
+        return self._fatal.take(device, self._device_of_pid)
 
     async def _watch(self, p: Program) -> None:
         """Await a program's end; a failure in MPS mode may be a fault that took every client."""
@@ -400,43 +425,52 @@ class Programs:
             failed = True
         if failed:
             p.failed_at = time.monotonic()
-        if failed and not self._closing and self.by_name.get(p.name) is p and not (p.faulted or p.lost_to):
+        if failed and not self._closing and self.by_name.get(p.name) is p and p.observe() is ProgramState.FAILED:
             await self._on_failure(p)
+
+    @staticmethod
+    def _suspect(q: Program, ended: bool = False) -> faults.Suspect:
+        w = q.kernel.worker
+        return faults.Suspect(q.name, q.kernel.pid, q.failed_at, ended=ended,
+                              died=w is not None and died_on_its_own(w.proc), error=q.state()[1],
+                              kernel_error=q.kernel_error())
 
     async def _on_failure(self, p: Program) -> None:
         async with self._lock:
-            if self._closing or self.by_name.get(p.name) is not p or p.faulted or p.lost_to:
+            if self._closing or self.by_name.get(p.name) is not p or p.observe() is not ProgramState.FAILED:
                 return  # a recovery already dealt with it
             t0 = time.perf_counter()
-            error = p.state()[1]
             pids: list[int] = []
-            others: list[Program] = []
+            together: list[faults.Suspect] = []
             if self.b.isolated:
                 # A fault of its GPU if the server logs a fatal fault there, or other programs of
                 # that GPU fail with this one (MPS tears down the clients of the faulting GPU only).
                 with anyio.move_on_after(self.d.fault_window):
                     while not (pids := self._fatal_pids(p.device)):
                         await anyio.sleep(0.02)  # the server writes its log line within milliseconds
-                others = [q for q in self.on_device(p.device)
-                          if q is not p and q.failed_at and not (q.faulted or q.lost_to)
-                          and abs(q.failed_at - p.failed_at) < self.d.fault_window]
-            if not pids and not others:
-                self.faults.append(FaultReport(time.time(), error, p.name, p.kernel.pid, False, device=p.device))
+                others = [self._suspect(q) for q in self.on_device(p.device)
+                          if q is not p and q.observe() is ProgramState.FAILED]
+                together = faults.failed_together(self._suspect(p), others, self.d.fault_window)
+            if not faults.is_gpu_fault(pids, together):
+                error = p.state()[1]
+                self.faults.append(FaultReport(time.time(), error, p.name, p.kernel.pid, False, device=p.device, by="own"))
                 log.error(f"program {p.name} failed: {error}", program=p.name, pid=p.kernel.pid, device=p.device)
                 return
-            await self._recover(p, pids, error, t0)
+            await self._recover(p, pids, t0)
 
-    async def _recover(self, first: Program, pids: list[int], error: str, t0: float) -> None:
+    async def _recover(self, first: Program, pids: list[int], t0: float) -> None:
         """Every MPS client of ``first``'s GPU was torn down: retire them all (that GPU's pool's
-        too), name the culprit, wait until the server takes clients there again, refill that
-        pool, relaunch the lost programs (not the culprit).  Other GPUs are not touched."""
+        too), name the culprit (faults.name_culprit), wait until the server takes clients there
+        again, refill that pool, relaunch the lost programs (not the culprit).  Other GPUs are
+        not touched."""
         mps = self.b.mps
         assert mps is not None
         gpu = first.device
+        first_seen = self._suspect(first)
         # Every client of that GPU goes down with it: the ones still running fail within ms.
-        hit = [q for q in self.on_device(gpu) if q.state()[0] in ("running", "stalled", "failed")]
+        hit = [q for q in self.on_device(gpu) if q.observe() in (*LIVE, ProgramState.FAILED)]
         for q in hit:
-            q.lost_to = "?"  # their watchers leave them to this recovery
+            q.to(ProgramState.LOST)  # their watchers leave them to this recovery
         torn = [q.kernel.worker.proc for q in self.on_device(gpu) if q.kernel.worker is not None]
         torn += mps.pools[gpu].drain()
         log.info(f"mps: GPU {gpu}: retiring its {len(torn)} workers after a fault", device=gpu)
@@ -445,46 +479,30 @@ class Programs:
         with anyio.move_on_after(self.d.recover):
             for w in torn:
                 await w.process.wait()
-        # A worker that exited on its own with its kernel running (killed from outside, crashed)
-        # faulted the others (H200: the server then names one of *them*); the torn-down ones
-        # lived until retired, and exit at QUIT.  Whichever was seen first, its end says it.
-        died = [q for q in hit if q.kernel.worker is not None and died_on_its_own(q.kernel.worker.proc)]
         if not pids:  # the server may name the culprit only once its clients are gone
             with anyio.move_on_after(self.d.fault_window):
                 while not (pids := self._fatal_pids(gpu)):
                     await anyio.sleep(0.02)
-        # Which one faulted is not always the one the server names first (seen on the H200:
-        # one run in two named an innocent).  A program that ran to its end (STATE = EXITED)
-        # and still failed faulted itself; a torn-down resident one was stopped while RUNNING.
-        ended = [q for q in hit if self.b.mailbox.u32(q.slot, abi.STATE) == abi.EXITED]
-        culprit = ended[0] if len(ended) == 1 else died[0] if len(died) == 1 else None
-        # A worker of that GPU that exited on its own with its kernel launched, in a load's LAUNCH
-        # (no program yet): every program there is innocent.
         ours = {q.kernel.pid for q in hit}
-        stray = [] if culprit else [w for w in self.b.sup.exited_running if w.device == gpu and w.pid not in ours
-                                    and abs(w.exited_running_at - (first.failed_at or time.monotonic())) < self.d.fault_window]
-        if culprit is None and not stray:
-            culprit = next((q for q in hit if q.kernel.pid in pids), None)
-            if culprit is None:  # no word from the server: the first program seen failing
-                culprit = min(hit or [first], key=lambda q: q.failed_at or float("inf"))
-                log.info("mps: the server log names no culprit; the first program seen failing is taken for it",
-                         program=culprit.name)
-        if culprit is not None:
-            own = culprit.state()[1]  # its worker may be torn down before its own DONE arrives
-            culprit.faulted = (own if culprit in died and own else
-                               next((e for e in (own, error) if "CUDA_ERROR" in e), own or error or "fatal GPU error"))
-            culprit.lost_to = ""
-            name, pid, why = culprit.name, culprit.kernel.pid, culprit.faulted
-        else:
-            w = stray[-1]
-            self.b.sup.exited_running.remove(w)  # taken: a later fault does not name it again
-            name, pid, why = w.program or f"worker {w.pid}", w.pid, f"worker {w.pid} exited while its kernel ran"
-        lost = [q for q in hit if q is not culprit]
+        strays = [faults.Stray(w.pid, w.program, w.exited_running_at) for w in self.b.sup.exited_running
+                  if w.device == gpu and w.pid not in ours]
+        suspects = [self._suspect(q, ended=self.b.mailbox.u32(q.slot, abi.STATE) == abi.EXITED) for q in hit]
+        v = faults.name_culprit(suspects, first_seen, pids, strays, first.failed_at or time.monotonic(),
+                                self.d.fault_window)
+        named = {q.name: q for q in [first, *hit]}
+        if v.program is not None:
+            named[v.program.name].to(ProgramState.FAULTED, v.why)
+        if v.by == "first failure":
+            log.info("mps: the server log names no culprit; the first program seen failing is taken for it",
+                     program=v.culprit)
+        if v.stray is not None:  # taken: a later fault does not name it again
+            self.b.sup.exited_running = [w for w in self.b.sup.exited_running if w.pid != v.stray.pid]
+        lost = [named[q.name] for q in v.lost]
         for q in lost:
-            q.lost_to = name
-        r = FaultReport(time.time(), why, name, pid, True, [q.name for q in lost], device=gpu)
-        log.error(f"mps: GPU fault on GPU {gpu} in program {name} (worker {pid}): {why}; "
-                  f"lost with it: {', '.join(r.lost) or 'none'}", program=name, device=gpu)
+            q.lost_to = v.culprit
+        r = FaultReport(time.time(), v.why, v.culprit, v.pid, True, [q.name for q in lost], device=gpu, by=v.by)
+        log.error(f"mps: GPU fault on GPU {gpu} in program {v.culprit} (worker {v.pid}): {v.why}; "
+                  f"lost with it: {', '.join(r.lost) or 'none'}", program=v.culprit, device=gpu)
         try:
             with anyio.fail_after(self.d.recover):
                 # The lost programs' new workers and a full pool, in one batch.
@@ -549,12 +567,15 @@ class Programs:
                 p.beat, p.beat_at = hb, now
             ended = p.launch.finished()
             if p.stalled_at and (ended or p.beat_at > p.stalled_at):
+                if not ended:
+                    p.to(ProgramState.RUNNING)
                 how = f"it ended ({p.state()[0]})" if ended else "it beats again"
                 log.info(f"program {p.name} no longer stalled after {now - p.stalled_at + self.stall_after:.1f}s: {how}",
                          program=p.name, slot=p.slot)
                 p.stalled_at = 0.0
             elif p.beaten and not p.stalled_at and not ended and now - p.beat_at >= self.stall_after:
                 p.stalled_at = now
+                p.to(ProgramState.STALLED)
                 log.warning(f"program {p.name} stalled: its heartbeat has not advanced for {now - p.beat_at:.1f}s",
                             program=p.name, slot=p.slot, heartbeat=hb)
 
