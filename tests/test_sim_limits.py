@@ -2,29 +2,27 @@
 grid resident at once, STATE = RUNNING at start, and images refused in the driver's words.
 
 The sim worker is driven directly over its pipes (``python -m meshd_mps worker --gpu sim``),
-frame by frame, with a mailbox of the test's own; no supervisor, no MPS daemon (the worker's
-CUDA_MPS_PIPE_DIRECTORY is an empty directory, so its context is a plain one).  A kernel that
-must *not* start is checked while the others beat a given number of times more: the wait is on
-their progress, never a fixed sleep.  Modules are loaded before anything is launched: in one
-context a module load waits for every kernel (the blink premise, simulated too).
+frame by frame (tests/worker_rig.py, the GPU tests' rig too), with a mailbox of the test's own;
+no supervisor, no MPS daemon (the worker's CUDA_MPS_PIPE_DIRECTORY is an empty directory, so its
+context is a plain one).  A kernel that must *not* start is checked while the others beat a given
+number of times more: the wait is on their progress, never a fixed sleep.  Modules are loaded
+before anything is launched: in one context a module load waits for every kernel (the blink
+premise, simulated too).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import subprocess
 import sys
 import tempfile
-import threading
-from pathlib import Path
+from contextlib import ExitStack
 
 import pytest
 
-from meshd_mps.protocol import abi, frames
 from meshd_mps.gpu.compiler import cuda_to_ptx, ptx_to_cubin
-from meshd_mps.protocol.frames import Done, Launch, Load, Loaded, Op
+from meshd_mps.protocol import abi, frames
+from meshd_mps.protocol.frames import Load
 from meshd_mps.protocol.mailbox import Mailbox
 from workers import warm
 from workers.gpu import GpuError, Streams
@@ -33,112 +31,18 @@ from workers.warm import QUEUES_ENV
 
 from .conftest import sim
 from .waits import poll
+from .worker_rig import ROOT, Worker
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
 #: What the H200's driver says for a cubin without the entry (cuGetErrorString of CUDA_ERROR_NOT_FOUND).
 DRIVER_NO_ENTRY = "cuModuleGetFunction(mesh_main): CUDA_ERROR_NOT_FOUND (named symbol not found)"
 HEARTBEAT = sim(kernel="heartbeat")
 
 
-class SimWorker:
-    """One sim worker process: replies in order, DONEs and stderr's JSON log lines on the side."""
-
-    def __init__(self, mailbox: Mailbox, pipe_dir: str, *args: str):
-        env = {k: v for k, v in os.environ.items()
-               if k not in (QUEUES_ENV, "MESHD_MPS_SIM_STARTUP", "MESHD_MPS_WORKER_INJECT")}
-        env.update(CUDA_MPS_PIPE_DIRECTORY=pipe_dir, MESHD_MPS_LOG_LEVEL="debug")
-        argv = [sys.executable, "-m", "meshd_mps", "worker", "--mailbox", mailbox.path, "--gpu", "sim", *args]
-        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  pass_fds=(mailbox.fd,), cwd=ROOT, env=env)
-        self.replies: queue.Queue[tuple[Op, bytes] | None] = queue.Queue()
-        self.dones: dict[tuple[int, int], Done] = {}
-        self.logs: list[dict] = []
-        self._threads = [threading.Thread(target=self._read, daemon=True), threading.Thread(target=self._err, daemon=True)]
-        for t in self._threads:
-            t.start()
-
-    def _read(self) -> None:
-        out = self.p.stdout
-        assert out is not None
-        while len(head := out.read(frames.HEADER.size)) == frames.HEADER.size:
-            (n,) = frames.HEADER.unpack(head)
-            rest = out.read(n)
-            if len(rest) < n:
-                break
-            op, body = Op(rest[0]), rest[1:]
-            if op == Op.DONE:
-                d = Done.decode(body)
-                self.dones[(d.module, d.gen)] = d
-            else:
-                self.replies.put((op, body))
-        self.replies.put(None)
-
-    def _err(self) -> None:
-        assert self.p.stderr is not None
-        for line in self.p.stderr:
-            try:
-                self.logs.append(json.loads(line))
-            except ValueError:
-                self.logs.append({"msg": line.decode(errors="replace")})
-
-    def ask(self, op: Op, body: bytes, want: Op) -> tuple[int, bytes]:
-        """The reply's ok word and payload (or error text)."""
-        assert self.p.stdin is not None
-        self.p.stdin.write(frames.encode(op, body))
-        self.p.stdin.flush()
-        try:
-            got = self.replies.get(timeout=20)
-        except queue.Empty:
-            raise AssertionError(f"no {want.name} within 20 s") from None
-        assert got is not None, f"the worker closed stdout (exit {self.p.poll()}) instead of {want.name}"
-        assert got[0] == want, got
-        return frames.split_reply(got[0], got[1])
-
-    def load(self, module: int, cubin: bytes, name: str = "prog") -> tuple[int, str]:
-        """A LOAD's ok word and its error text ("" when it loaded)."""
-        ok, payload = self.ask(Op.LOAD, Load(module, 32, 0, 0, name, cubin).encode(), Op.LOADED)
-        return ok, "" if ok == frames.OK else frames.reply_text(payload)
-
-    def loaded(self, module: int, cubin: bytes = HEARTBEAT, name: str = "prog") -> Loaded:
-        ok, payload = self.ask(Op.LOAD, Load(module, 32, 0, 0, name, cubin).encode(), Op.LOADED)
-        assert ok == frames.OK, frames.reply_text(payload)
-        return Loaded.decode_ok(payload)
-
-    def launch(self, module: int, gen: int, slot: int, nodes: int = 1) -> None:
-        ok, payload = self.ask(Op.LAUNCH, Launch(module, gen, slot, nodes).encode(), Op.LAUNCHED)
-        assert ok == frames.OK, frames.reply_text(payload)
-
-    def unload(self, module: int) -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.write(frames.encode(Op.UNLOAD, frames.unload_body(module)))
-        self.p.stdin.flush()
-
-    def done(self, module: int, gen: int) -> Done:
-        return poll(lambda: self.dones.get((module, gen)), 10, f"the DONE of module {module} gen {gen}")
-
-    def logged(self, **fields) -> dict:
-        return poll(lambda: next((e for e in list(self.logs) if fields.items() <= e.items()), None), 10,
-                    f"a log line with {fields}")
-
-    def close(self) -> None:
-        try:
-            assert self.p.stdin is not None
-            self.p.stdin.write(frames.encode(Op.QUIT))
-            self.p.stdin.close()
-        except OSError:
-            pass  # it exited already
-        try:
-            self.p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-        for t in self._threads:
-            t.join(timeout=5)
-        for f in (self.p.stdout, self.p.stderr):
-            if f is not None:
-                f.close()
+def image(module: int, cubin: bytes = HEARTBEAT, name: str = "prog") -> Load:
+    """A LOAD of one warp, no shared memory, no scratch."""
+    return Load(module, 32, 0, 0, name, cubin)
 
 
 @pytest.fixture
@@ -150,20 +54,21 @@ def mailbox():
 
 @pytest.fixture
 def worker(mailbox):
-    """worker(*args): a sim worker on the test's mailbox; every one is halted and quit afterwards."""
-    made: list[SimWorker] = []
-    with tempfile.TemporaryDirectory(prefix="meshd-nompsd-") as pipe_dir:
+    """worker(*args): a sim worker on the test's mailbox, its JSON logs read; every one is halted
+    and quit afterwards."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in (QUEUES_ENV, "MESHD_MPS_SIM_STARTUP", "MESHD_MPS_WORKER_INJECT")}
+    with tempfile.TemporaryDirectory(prefix="meshd-nompsd-") as pipe_dir, ExitStack() as made:
+        env.update(CUDA_MPS_PIPE_DIRECTORY=pipe_dir, MESHD_MPS_LOG_LEVEL="debug")
 
-        def start(*args: str) -> SimWorker:
-            w = SimWorker(mailbox, pipe_dir, *args)
-            made.append(w)
+        def start(*args: str) -> Worker:
+            w = Worker(mailbox, "sim", *args, env=env, logs=True, reply_within=20)
+            made.callback(w.close)
             return w
 
         yield start
         for s in range(64):
             mailbox.halt(s)
-        for w in made:
-            w.close()
 
 
 def states(mb: Mailbox, slots) -> list[int]:
@@ -171,14 +76,16 @@ def states(mb: Mailbox, slots) -> list[int]:
 
 
 def running(mb: Mailbox, slots, what: str) -> None:
-    poll(lambda: all(st == abi.RUNNING for st in states(mb, slots)), 20, f"{what}: STATE = RUNNING in slots {list(slots)}")
+    poll(lambda: all(st == abi.RUNNING for st in states(mb, slots)), 20,
+         f"{what}: STATE = RUNNING in slots {list(slots)}")
 
 
 def beat_meanwhile(mb: Mailbox, slots, beats: int = 100) -> None:
     """Until every one of ``slots`` has beaten ``beats`` times more: time in which a kernel that may
     start has started (the simulation starts one within a millisecond)."""
     start = {s: mb.heartbeat(s) for s in slots}
-    poll(lambda: all(mb.heartbeat(s) >= start[s] + beats for s in slots), 30, f"{beats} more beats in slots {list(slots)}")
+    poll(lambda: all(mb.heartbeat(s) >= start[s] + beats for s in slots), 30,
+         f"{beats} more beats in slots {list(slots)}")
 
 
 # ---- the stream allocation both GPUs share -----------------------------------------------------
@@ -186,7 +93,8 @@ def beat_meanwhile(mb: Mailbox, slots, beats: int = 100) -> None:
 def test_streams_give_the_lowest_free_queue_and_name_the_limit():
     s = Streams(list("ABCDEFGH"))
     assert [s.take() for _ in range(8)] == list(enumerate("ABCDEFGH"))
-    with pytest.raises(GpuError, match=r"^cuStreamCreate: all 8 hardware work queues of this context hold a module;") as e:
+    full = r"^cuStreamCreate: all 8 hardware work queues of this context hold a module;"
+    with pytest.raises(GpuError, match=full) as e:
         s.take()
     assert not e.value.refused  # the GPU is full; the image is fine
     s.give(5)
@@ -202,9 +110,8 @@ def test_one_queue_per_resident_kernel(worker, mailbox, args, n):
     resident kernel on a held queue starts only once the kernel holding it has ended."""
     w = worker(*args)
     for i in range(n):
-        w.loaded(i + 1, name=f"hb{i}")
-    ok, text = w.load(n + 1, HEARTBEAT, f"hb{n}")
-    assert ok == frames.FAILED, (ok, text)
+        w.load(image(i + 1, name=f"hb{i}"))
+    text = w.load_error(image(n + 1, HEARTBEAT, f"hb{n}"), frames.FAILED)
     assert text.startswith(f"cuStreamCreate: all {n} hardware work queues of this context hold a module;"), text
     for i in range(n):
         w.launch(i + 1, 1, slot=i)
@@ -225,7 +132,7 @@ def test_queues_stay_distinct_through_churn(worker, mailbox):
     seven (a queue handed out by creation order would be the 9th, A's, and J would never start)."""
     w = worker()
     for i, name in enumerate("ABCDEFGH"):
-        w.loaded(i + 1, name=name)
+        w.load(image(i + 1, name=name))
     for i in range(8):
         w.launch(i + 1, 1, slot=i)
     running(mailbox, range(8), "A..H")
@@ -233,7 +140,7 @@ def test_queues_stay_distinct_through_churn(worker, mailbox):
         mailbox.halt(s)
     assert all(w.done(i + 1, 1).ok for i in range(8))
     w.unload(3)
-    w.loaded(10, name="J")
+    w.load(image(10, name="J"))
     assert w.logged(msg="simulated module", program="J")["queue"] == 2
     others = [0, 1, 3, 4, 5, 6, 7]
     for s in others:
@@ -252,9 +159,9 @@ def test_a_grid_waits_until_all_of_it_fits(worker, mailbox):
     3/8) fill it exactly and run; B (1 per SM, 8 blocks: all of it) waits while either runs, and
     runs alone."""
     w = worker("--sms", "8")
-    assert w.loaded(1, sim(kernel="heartbeat", per_sm=2), "A").sms == 8
-    w.loaded(2, sim(kernel="heartbeat", per_sm=1), "C")
-    w.loaded(3, sim(kernel="heartbeat", per_sm=1), "B")
+    assert w.load(image(1, sim(kernel="heartbeat", per_sm=2), "A")).sms == 8
+    w.load(image(2, sim(kernel="heartbeat", per_sm=1), "C"))
+    w.load(image(3, sim(kernel="heartbeat", per_sm=1), "B"))
     w.launch(1, 1, slot=0, nodes=10)
     w.launch(2, 1, slot=1, nodes=3)
     running(mailbox, [0, 1], "A and C, which fill the context exactly")
@@ -279,7 +186,7 @@ def test_every_kind_writes_running_at_start_unless_told_not_to(worker, mailbox):
              sim(kernel="echo")]
     kinds += [sim(kernel="sleep", start=False), sim(kernel="heartbeat", start=False)]
     for i, cubin in enumerate(kinds):
-        w.loaded(i + 1, cubin)
+        w.load(image(i + 1, cubin))
     for i in range(6):
         w.launch(i + 1, 1, slot=i)
     running(mailbox, range(6), "sleep, fail, spin, hang, heartbeat, echo")
@@ -295,7 +202,7 @@ def test_every_kind_writes_running_at_start_unless_told_not_to(worker, mailbox):
 
 def test_exit_writes_running_before_it_exits(worker, mailbox):
     w = worker()
-    w.loaded(1, sim(kernel="exit"))
+    w.load(image(1, sim(kernel="exit")))
     w.launch(1, 1, slot=0)
     assert w.p.wait(timeout=10) == 4
     assert mailbox.u32(0, abi.STATE) == abi.RUNNING
@@ -314,7 +221,7 @@ def cubins() -> dict[str, bytes]:
 
 def test_an_example_cubin_runs_as_the_example_and_says_so(worker, mailbox, cubins):
     w = worker()
-    w.loaded(1, cubins["heartbeat"], "heartbeat-7")
+    w.load(image(1, cubins["heartbeat"], "heartbeat-7"))
     w.logged(level="warning",
              msg="simulated GPU: heartbeat-7 runs as the example 'heartbeat': the simulation does not run GPU code")
     w.launch(1, 1, slot=0)
@@ -323,19 +230,18 @@ def test_an_example_cubin_runs_as_the_example_and_says_so(worker, mailbox, cubin
 
 def test_images_the_simulation_cannot_run_are_refused(worker, cubins):
     w = worker()
-    ok, text = w.load(1, cubins["heartbeat"], "mything")
-    assert ok == frames.REFUSED, (ok, text)
+    text = w.load_error(image(1, cubins["heartbeat"], "mything"), frames.REFUSED)
     assert text.startswith("simulated GPU: mything is a real cubin, and the simulation does not run GPU code"), text
-    assert w.load(2, cubins["no-entry"], "heartbeat") == (frames.REFUSED, DRIVER_NO_ENTRY)
-    assert w.load(3, sim(kernel="heartbeat", entry=False)) == (frames.REFUSED, DRIVER_NO_ENTRY)
-    ok, text = w.load(4, b"\x00not an image")
-    assert ok == frames.REFUSED and text.startswith("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE"), (ok, text)
-    ok, text = w.load(5, b"MESHSIM1{not json")
-    assert ok == frames.REFUSED and "bad script" in text, (ok, text)
+    assert w.load_error(image(2, cubins["no-entry"], "heartbeat"), frames.REFUSED) == DRIVER_NO_ENTRY
+    assert w.load_error(image(3, sim(kernel="heartbeat", entry=False)), frames.REFUSED) == DRIVER_NO_ENTRY
+    text = w.load_error(image(4, b"\x00not an image"), frames.REFUSED)
+    assert text.startswith("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE"), text
+    text = w.load_error(image(5, b"MESHSIM1{not json"), frames.REFUSED)
+    assert "bad script" in text, text
     # A failure that is not the image's stays a plain one (ok word 0); the worker serves on.
-    assert w.load(6, sim(load="error:CUDA_ERROR_OUT_OF_MEMORY: out of memory")) == (
-        frames.FAILED, "CUDA_ERROR_OUT_OF_MEMORY: out of memory")
-    w.loaded(7)
+    oom = image(6, sim(load="error:CUDA_ERROR_OUT_OF_MEMORY: out of memory"))
+    assert w.load_error(oom, frames.FAILED) == "CUDA_ERROR_OUT_OF_MEMORY: out of memory"
+    w.load(image(7))
 
 
 def test_cuda_refusals_are_by_error_code():
@@ -364,7 +270,8 @@ def test_cuda_refusals_are_by_error_code():
 @pytest.mark.parametrize("value", ["33", "-1", "eight"])
 def test_queues_out_of_range_is_refused(mailbox, value):
     r = subprocess.run([sys.executable, "-m", "meshd_mps", "worker", "--mailbox", mailbox.path, "--gpu", "sim",
-                        "--queues", value], cwd=ROOT, capture_output=True, text=True, timeout=30, pass_fds=(mailbox.fd,))
+                        "--queues", value], cwd=ROOT, capture_output=True, text=True, timeout=30,
+                       pass_fds=(mailbox.fd,))
     assert r.returncode == 2, r
     assert "argument --queues: " in r.stderr, r.stderr
     if value == "33":

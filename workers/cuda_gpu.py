@@ -31,12 +31,13 @@ import ctypes
 import queue
 import threading
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import structlog
 
-from meshd_mps.protocol import abi
 from meshd_mps.gpu.device import error_name, is_no_driver
+from meshd_mps.protocol import abi
 from meshd_mps.protocol.frames import Done, Load, Loaded
 from meshd_mps.protocol.mailbox import Mailbox
 
@@ -211,7 +212,9 @@ class CudaGpu:
                 made.append(check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate"))
         finally:
             self._streams = Streams(made)  # close destroys what was made, even after a failure
-        log.info("GPU opened", device=self.device, sms=self.sms, green=bool(sms), mailbox_dev=hex(self.dev), queues=len(made))
+        log.info(
+            "GPU opened", device=self.device, sms=self.sms, green=bool(sms), mailbox_dev=hex(self.dev), queues=len(made)
+        )
 
     def _open_green(self, dev: Any, sms: int, total: int) -> None:
         SM = cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
@@ -277,7 +280,10 @@ class CudaGpu:
                 )
             regs = int(check(cu.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_NUM_REGS, m.fn), "cuFuncGetAttribute(NUM_REGS)"))
             local = int(
-                check(cu.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, m.fn), "cuFuncGetAttribute(LOCAL_SIZE_BYTES)")
+                check(
+                    cu.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, m.fn),
+                    "cuFuncGetAttribute(LOCAL_SIZE_BYTES)",
+                )
             )
             per_sm = int(
                 check(
@@ -307,7 +313,9 @@ class CudaGpu:
             raise
         with self._lock:
             self._modules[req.module] = m
-        return Loaded(rt_abi=rt_abi, regs=regs, per_sm=per_sm, local=local, sms=self.sms, dev=self.dev, scratch=m.scratch_bytes)
+        return Loaded(
+            rt_abi=rt_abi, regs=regs, per_sm=per_sm, local=local, sms=self.sms, dev=self.dev, scratch=m.scratch_bytes
+        )
 
     def _global(self, mod: Any, name: str, size: int) -> Any:
         """A module global's device address (None where the module has no such symbol)."""
@@ -326,11 +334,11 @@ class CudaGpu:
             m.waits.put(None)
             m.waiter.join(5)
             m.waiter = None
-        steps = [("cuEventDestroy", lambda ev=ev: cu.cuEventDestroy(ev)) for ev in m.events]
+        steps = [("cuEventDestroy", partial(cu.cuEventDestroy, ev)) for ev in m.events]
         m.events = []
         if m.scratch:
-            steps.append(("cuMemFree(scratch)", lambda: cu.cuMemFree(m.scratch)))
-        steps.append(("cuModuleUnload", lambda: cu.cuModuleUnload(m.mod)))
+            steps.append(("cuMemFree(scratch)", partial(cu.cuMemFree, m.scratch)))
+        steps.append(("cuModuleUnload", partial(cu.cuModuleUnload, m.mod)))
         for call, f in steps:
             try:
                 check(f(), call)

@@ -24,6 +24,7 @@ tests/gpu/test_faults_real.py); meshd-mps itself never does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import struct
 import threading
@@ -31,9 +32,9 @@ import time
 
 import structlog
 
+from meshd_mps.log import setup_logging
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Done, FrameError, Launch, Load, Op
-from meshd_mps.log import setup_logging
 from meshd_mps.protocol.mailbox import Mailbox
 
 from .gpu import Gpu, GpuError
@@ -147,10 +148,8 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
         return _misbehave(ch, gpu.misbehaviour(phase), op, reply)
 
     def on_done(d: Done) -> None:
-        try:
+        with contextlib.suppress(OSError):  # the supervisor is gone; stdin EOF ends the loop
             ch.write(Op.DONE, d.encode())
-        except OSError:
-            pass  # the supervisor is gone; stdin EOF ends the loop
 
     while True:
         try:
@@ -169,8 +168,8 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
             return 0
         if gpu is None:
             if op in (Op.READY, Op.LOAD, Op.LAUNCH, Op.LIMIT):
-                reply = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT}[op]
-                ch.write(reply, frames.error_reply(open_error or "no GPU"))
+                reply_op = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT}[op]
+                ch.write(reply_op, frames.error_reply(open_error or "no GPU"))
             continue
         try:
             if op == Op.READY:
@@ -178,20 +177,21 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
                 if not misbehave("ready", Op.READY, reply):
                     ch.write(Op.READY, reply)
             elif op == Op.LOAD:
-                req = Load.decode(body)
+                load = Load.decode(body)
                 try:
                     t0 = time.monotonic()
-                    info = gpu.load(req)
-                    log.info("module loaded", program=req.name, module=req.module, ms=round((time.monotonic() - t0) * 1e3, 2))
+                    info = gpu.load(load)
+                    ms = round((time.monotonic() - t0) * 1e3, 2)
+                    log.info("module loaded", program=load.name, module=load.module, ms=ms)
                     reply = info.encode()
                 except GpuError as e:
                     reply = frames.error_reply(str(e), refused=e.refused)
                 if not misbehave("load", Op.LOADED, reply):
                     ch.write(Op.LOADED, reply)
             elif op == Op.LAUNCH:
-                req = Launch.decode(body)
+                launch = Launch.decode(body)
                 try:
-                    gpu.launch(req.module, req.gen, req.slot, req.nodes, on_done)
+                    gpu.launch(launch.module, launch.gen, launch.slot, launch.nodes, on_done)
                     reply = frames.ok_reply()
                 except GpuError as e:
                     reply = frames.error_reply(str(e))
@@ -229,18 +229,24 @@ def _queues(v: str) -> int:
         raise argparse.ArgumentTypeError(f"{v!r} is not a count of hardware work queues")
     n = int(v)
     if n > MAX_QUEUES:
-        raise argparse.ArgumentTypeError(f"{n}: the driver takes at most {MAX_QUEUES} hardware work queues ({QUEUES_ENV})")
+        raise argparse.ArgumentTypeError(
+            f"{n}: the driver takes at most {MAX_QUEUES} hardware work queues ({QUEUES_ENV})"
+        )
     return n
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The worker's options.  No abbreviations: warm.py reads --gpu, --sms, --device and --queues
     from argv itself (before this module is imported), and must read the same."""
-    ap = argparse.ArgumentParser(prog="meshd-mps worker", description="One MPS client process of meshd-mps (started by the daemon).",
-                                 allow_abbrev=False)
+    ap = argparse.ArgumentParser(
+        prog="meshd-mps worker", description="One MPS client process of meshd-mps (started by the daemon).",
+        allow_abbrev=False,
+    )
     ap.add_argument("--mailbox", required=True, help="path of the mailbox memfd (/proc/PID/fd/N)")
     ap.add_argument("--sms", type=int, default=0, help="a green context of this many SMs (0: the whole device)")
-    ap.add_argument("--gpu", choices=("cuda", "sim"), default="cuda", help="the real GPU, or the CPU simulation for tests")
+    ap.add_argument(
+        "--gpu", choices=("cuda", "sim"), default="cuda", help="the real GPU, or the CPU simulation for tests"
+    )
     ap.add_argument("--device", type=int, default=0, help="the GPU's CUDA ordinal (default 0)")
     ap.add_argument("--queues", type=_queues, default=0, metavar="N",
                     help=f"hardware work queues of the context ({QUEUES_ENV}, set before cuInit; at most {MAX_QUEUES};"
@@ -269,9 +275,8 @@ def main(argv: list[str] | None = None) -> int:
 
             gpu = SimGpu(mailbox, args.sms, args.device)
         else:
-            from .cuda_gpu import CudaGpu
-
             from . import warm
+            from .cuda_gpu import CudaGpu
 
             gpu = CudaGpu(mailbox, args.sms, warm.take(), args.device)
     except Exception as e:  # any failure to come up is reported on the first request

@@ -49,6 +49,7 @@ them down per device, and its mailbox's "device address" differs per GPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -57,6 +58,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import structlog
 
@@ -74,17 +76,22 @@ SIM_SMS = 132
 FAKE_DEV = 0x7F00_0000_0000  # a recognisable "device address" of the mailbox
 STARTUP_ENV = "MESHD_MPS_SIM_STARTUP"
 #: What the H200's driver said to an idle client's call once its control daemon was killed.
-RPC_FAILURE = "CUDA_ERROR_MPS_RPC_FAILURE (the remote procedural call between the MPS server and the MPS client failed; simulated)"
+RPC_FAILURE = (
+    "CUDA_ERROR_MPS_RPC_FAILURE (the remote procedural call between the MPS server and the MPS client failed;"
+    " simulated)"
+)
 #: The examples a real cubin can run as, by its name's prefix.
 EXAMPLES = ("heartbeat", "echo", "spin", "fault")
 #: cuModuleGetFunction's text on the H200 for an image without the entry.
 NO_ENTRY = f"cuModuleGetFunction({abi.ENTRY}): CUDA_ERROR_NOT_FOUND (named symbol not found)"
+#: An image's script: decoded JSON, each value checked, or converted, where it is read.
+Script = dict[str, Any]
 
 
 @dataclass
 class _Module:
     name: str
-    script: dict[str, object]
+    script: Script
     threads: int
     scratch: int
     queue: int  # its hardware work queue
@@ -101,16 +108,20 @@ class _Kernel:
     started: bool = False
 
 
-def _script_of(req: Load) -> tuple[dict[str, object], str | None]:
+def _script_of(req: Load) -> tuple[Script, str | None]:
     """The image's script, and the example a real cubin runs as (None for a script); GpuError,
     refused, for an image the simulation (or the driver) would not run."""
     if req.cubin.startswith(MAGIC):
         try:
             s = json.loads(req.cubin[len(MAGIC) :])
         except ValueError as e:
-            raise GpuError(f"cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (simulated: bad script: {e})", refused=True) from None
+            raise GpuError(
+                f"cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (simulated: bad script: {e})", refused=True
+            ) from None
         if not isinstance(s, dict):
-            raise GpuError("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (simulated: script is not an object)", refused=True)
+            raise GpuError(
+                "cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (simulated: script is not an object)", refused=True
+            )
         if s.get("entry", True) is False:
             raise GpuError(NO_ENTRY, refused=True)
         return s, None
@@ -142,7 +153,9 @@ class SimGpu:
             raise GpuError(f"cuDeviceGet: CUDA_ERROR_INVALID_DEVICE (simulated: device {device}; {n} GPUs, 0-{n - 1})")
         self.device = device
         if sms < 0 or sms > SIM_SMS:
-            raise GpuError(f"cuDevSmResourceSplitByCount: CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION ({sms} of {SIM_SMS} SMs)")
+            raise GpuError(
+                f"cuDevSmResourceSplitByCount: CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION ({sms} of {SIM_SMS} SMs)"
+            )
         self.sms = -(-sms // 8) * 8 if sms else SIM_SMS  # green contexts come in multiples of 8 SMs
         self._client: socket.socket | None = None
         self._modules: dict[int, _Module] = {}
@@ -199,7 +212,9 @@ class SimGpu:
                 if line == b"FAULT":
                     self._poisoned("CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered (simulated)")
                 elif line == b"TERMINATED":
-                    self._poisoned("CUDA_ERROR_MPS_CLIENT_TERMINATED: the MPS client has been terminated by the server (simulated)")
+                    self._poisoned(
+                        "CUDA_ERROR_MPS_CLIENT_TERMINATED: the MPS client has been terminated by the server (simulated)"
+                    )
                 elif line == b"PONG":
                     self._pong.set()
 
@@ -241,15 +256,17 @@ class SimGpu:
             raise GpuError(f"module {req.module} is already loaded")
         script, example = _script_of(req)
         if example is not None:
-            log.warning(f"simulated GPU: {req.name} runs as the example {example!r}: the simulation does not run GPU code",
-                        program=req.name, module=req.module)
+            log.warning(
+                f"simulated GPU: {req.name} runs as the example {example!r}: the simulation does not run GPU code",
+                program=req.name, module=req.module,
+            )
         how = script.get("load")
         if isinstance(how, str) and how.startswith("error:"):
             raise GpuError(how[len("error:") :])
         # The blink premise, simulated: a load in one context waits for its kernels, queued ones too.
         with self._cv:
             self._cv.wait_for(lambda: not any(m.launched for m in self._modules.values()))
-        time.sleep(float(script.get("load_ms", 0)) / 1e3)  # type: ignore[arg-type]
+        time.sleep(float(script.get("load_ms", 0)) / 1e3)
 
         def num(k: str, d: int) -> int:
             v = script.get(k, d)
@@ -284,8 +301,10 @@ class SimGpu:
         if nodes < 1:
             raise GpuError(f"cuLaunchKernel: CUDA_ERROR_INVALID_VALUE (a grid of {nodes} blocks)")
         if m.per_sm < 1:
-            raise GpuError(f"cuLaunchKernel: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (too many resources requested for launch;"
-                           f" simulated: {m.name} reports {m.per_sm} blocks per SM)")
+            raise GpuError(
+                "cuLaunchKernel: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (too many resources requested for launch;"
+                f" simulated: {m.name} reports {m.per_sm} blocks per SM)"
+            )
         k = _Kernel(m, Fraction(nodes, m.per_sm * self.sms))
         with self._cv:
             m.launched += 1
@@ -336,10 +355,8 @@ class SimGpu:
             self._on_gpu += n
             say = b"RUNNING\n" if n > 0 and self._on_gpu == 1 else b"IDLE\n" if self._on_gpu == 0 else b""
             if say and self._client is not None:
-                try:
+                with contextlib.suppress(OSError):  # the server is gone: the client is poisoned already
                     self._client.sendall(say)
-                except OSError:
-                    pass  # the server is gone: the client is poisoned already
 
     def launched(self) -> None:
         """After LAUNCHED is written: a kernel that kills its process must not race its reply."""
@@ -351,9 +368,10 @@ class SimGpu:
         kind = m.script.get("kernel", "sleep")
         mb = self.mailbox
         if kind in ("sleep", "fail"):
-            time.sleep(float(m.script.get("ms", 0)) / 1e3)  # type: ignore[arg-type]
+            time.sleep(float(m.script.get("ms", 0)) / 1e3)
             if kind == "fail":
-                return False, str(m.script.get("message", "CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure (simulated)"))
+                default = "CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure (simulated)"
+                return False, str(m.script.get("message", default))
             return True, ""
         if kind == "hang":
             threading.Event().wait()
@@ -375,7 +393,7 @@ class SimGpu:
             return True, ""
         return False, f"simulated kernel {kind!r} is unknown"
 
-    def _resident(self, slot: int, echo: bool, pause: dict[str, object]) -> None:
+    def _resident(self, slot: int, echo: bool, pause: Script) -> None:
         """A resident program: beat (and serve the ring) until the host writes HALT.  A stall, on
         script: after ``pause_after`` beats no beat for ``pause_ms`` (0: until HALT), HALT still seen."""
         mb = self.mailbox

@@ -32,11 +32,11 @@ from typing import Any
 
 import anyio.to_thread
 
-from meshd_mps.protocol import abi
-from meshd_mps.serving.client import parse_json
+from meshd_mps.errors import CompileError, HashMismatch, LimitError, ManifestError
 from meshd_mps.gpu.device import DeviceInfo
 from meshd_mps.names import check_name
-from meshd_mps.errors import CompileError, HashMismatch, LimitError, ManifestError
+from meshd_mps.protocol import abi
+from meshd_mps.serving.client import parse_json
 
 #: The device-side header's folder, passed to NVRTC with -I (a source checkout only).
 INCLUDE_DIR = Path(__file__).resolve().parents[2] / "examples" / "include"
@@ -151,9 +151,13 @@ def check_hash(name: str, what: str, hash: int, expect: int | None) -> None:
 def check_limits(info: DeviceInfo, m: Manifest) -> None:
     """LimitError for a block the device cannot run."""
     if m.threads > info.max_threads:
-        raise LimitError(f"{m.name}: {m.threads} threads per block ({m.warps} warps), the device allows {info.max_threads}")
+        raise LimitError(
+            f"{m.name}: {m.threads} threads per block ({m.warps} warps), the device allows {info.max_threads}"
+        )
     if m.smem > info.max_shared:
-        raise LimitError(f"{m.name}: {m.smem} bytes of shared memory per block, the device allows {info.max_shared} (opt-in)")
+        raise LimitError(
+            f"{m.name}: {m.smem} bytes of shared memory per block, the device allows {info.max_shared} (opt-in)"
+        )
 
 
 def reg_cap(info: DeviceInfo, warps: int) -> int:
@@ -334,7 +338,9 @@ class Compiler:
         h, arch, cap = key
         return self.cache_dir / f"{h:016x}-{arch}-r{cap}.cubin"
 
-    def check(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, expect: int | None = None) -> tuple[Manifest, int, int]:
+    def check(
+        self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, expect: int | None = None
+    ) -> tuple[Manifest, int, int]:
         """The checks without the JIT: (manifest, hash, reg cap)."""
         m = manifest if isinstance(manifest, Manifest) else Manifest.parse(manifest)
         h = image_hash(ptx, m.param)
@@ -382,7 +388,9 @@ class Compiler:
         self._store_disk(key, cubin)
         return cubin, False, ms
 
-    async def prepare(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, expect: int | None = None) -> Prepared:
+    async def prepare(
+        self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, expect: int | None = None
+    ) -> Prepared:
         """Check and compile one image (the seed's c_prepare); a second prepare of the same
         image for the same arch and cap comes from the cache (``cached`` True)."""
         m, h, cap = self.check(manifest, ptx, expect)
@@ -395,9 +403,9 @@ class Compiler:
             async with entry[0]:  # two prepares of one image run one JIT
                 t0 = time.perf_counter()
                 with self._mem_lock:
-                    cubin = self._mem.get(key)
-                if cubin is not None:
-                    cached, ms = True, (time.perf_counter() - t0) * 1e3
+                    hit = self._mem.get(key)
+                if hit is not None:
+                    cubin, cached, ms = hit, True, (time.perf_counter() - t0) * 1e3
                 else:
                     cubin, cached, ms = await anyio.to_thread.run_sync(self._build, ptx, key)
                     with self._mem_lock:
@@ -406,4 +414,7 @@ class Compiler:
             entry[1] -= 1
             if entry[1] == 0:
                 del self._inflight[key]
-        return Prepared(manifest=m, hash=h, cubin=cubin, compile_ms=ms, cached=cached, reg_cap=cap, threads=m.threads, arch=self.info.arch)
+        return Prepared(
+            manifest=m, hash=h, cubin=cubin, compile_ms=ms, cached=cached, reg_cap=cap, threads=m.threads,
+            arch=self.info.arch,
+        )

@@ -25,6 +25,7 @@ import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, SupportsInt
 
 from meshd_mps.errors import ConfigError, DeviceError, NoDriver
 
@@ -113,7 +114,7 @@ def is_no_driver(e: BaseException) -> bool:
     return type(e).__name__ in ("DynamicLibNotFoundError", "DynamicLibNotAvailableError")
 
 
-def error_name(err: object) -> tuple[str, str]:
+def error_name(err: SupportsInt) -> tuple[str, str]:
     """A CUresult's (name, description), e.g. ("CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid").
 
     Asks the driver (cuGetErrorName / cuGetErrorString) and falls back on the
@@ -121,7 +122,7 @@ def error_name(err: object) -> tuple[str, str]:
     """
     from cuda.bindings import driver as cu
 
-    code = int(err)  # type: ignore[call-overload]
+    code = int(err)
     try:
         enum = cu.CUresult(code)
     except ValueError:
@@ -139,13 +140,13 @@ def error_name(err: object) -> tuple[str, str]:
     return name, text
 
 
-def describe_error(err: object) -> str:
+def describe_error(err: SupportsInt) -> str:
     """``NAME (description)`` for a CUresult."""
     name, text = error_name(err)
     return f"{name} ({text})" if text else name
 
 
-def _driver():  # type: ignore[no-untyped-def]
+def _driver() -> Any:
     try:
         from cuda.bindings import driver as cu
     except ImportError as e:
@@ -153,7 +154,7 @@ def _driver():  # type: ignore[no-untyped-def]
     return cu
 
 
-def _ck(call: str, r):  # type: ignore[no-untyped-def]
+def _ck(call: str, r: Any) -> Any:
     """A driver call's (err, *values): the value(s), or DeviceError naming the call and the error."""
     err, *vals = r if isinstance(r, tuple) else (r,)
     if int(err) != 0:
@@ -203,7 +204,8 @@ def query_device(ordinal: int = 0) -> DeviceInfo:
         A = cu.CUdevice_attribute
 
         def attr(a: str) -> int:
-            return int(ck(f"cuDeviceGetAttribute({a})", cu.cuDeviceGetAttribute(getattr(A, "CU_DEVICE_ATTRIBUTE_" + a), dev)))
+            got = cu.cuDeviceGetAttribute(getattr(A, "CU_DEVICE_ATTRIBUTE_" + a), dev)
+            return int(ck(f"cuDeviceGetAttribute({a})", got))
 
         return DeviceInfo(
             name=name,

@@ -1,7 +1,8 @@
 """The CUDA worker on a real GPU: ``python -m meshd_mps worker --gpu cuda`` spoken to frame by frame.
 
 No supervisor and no MPS: the test process creates the mailbox, starts
-workers with raw pipes, and checks what the examples do in the mailbox.  The
+workers with raw pipes (tests/worker_rig.py, the sim tests' rig too), and
+checks what the examples do in the mailbox.  The
 examples are compiled here, from CUDA C, with this machine's NVRTC and
 nvJitLink (PTX from a newer NVRTC would be refused by an older nvJitLink).
 Skipped, with the reason, where there is no NVIDIA driver.
@@ -13,27 +14,25 @@ runs last, in its own worker, since it poisons its context.
 from __future__ import annotations
 
 import os
-import queue
-import subprocess
 import sys
-import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from meshd_mps.protocol import abi, frames
+from meshd_mps.errors import NoDriver
 from meshd_mps.gpu.compiler import Manifest, cuda_to_ptx, ptx_to_cubin, reg_cap
 from meshd_mps.gpu.device import DeviceInfo, query_device
-from meshd_mps.errors import NoDriver
-from meshd_mps.protocol.frames import Done, Launch, Load, Loaded, Op
+from meshd_mps.protocol import abi, frames
+from meshd_mps.protocol.frames import Load, Loaded, Op
 from meshd_mps.protocol.mailbox import Mailbox
 
 from .. import waits
+from ..worker_rig import ROOT, Worker
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parent.parent.parent
 EXAMPLES = ["heartbeat", "echo", "spin", "fault"]
 
 # A test-only program: no mesh_rt_abi (rt_abi 0), scratch through mesh_scratch, 64 KiB of
@@ -104,127 +103,6 @@ def images(info: DeviceInfo) -> dict[str, Image]:
     return out
 
 
-class Worker:
-    """One worker process and its frames: replies in order, DONEs collected on the side."""
-
-    def __init__(self, mailbox: Mailbox, sms: int = 0, queues: int = 0):
-        args = [sys.executable, "-m", "meshd_mps", "worker", "--mailbox", mailbox.path, "--gpu", "cuda"]
-        if sms:
-            args += ["--sms", str(sms)]
-        if queues:
-            args += ["--queues", str(queues)]
-        self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(mailbox.fd,), cwd=ROOT)
-        self.replies: queue.Queue[tuple[Op, bytes] | None] = queue.Queue()
-        self.dones: dict[tuple[int, int], Done] = {}
-        self.cv = threading.Condition()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        out = self.p.stdout
-        assert out is not None
-        try:
-            while True:
-                head = out.read(frames.HEADER.size)
-                if len(head) < frames.HEADER.size:
-                    break
-                (n,) = frames.HEADER.unpack(head)
-                rest = out.read(n)
-                if len(rest) < n:
-                    break
-                op, body = Op(rest[0]), rest[1:]
-                if op == Op.DONE:
-                    d = Done.decode(body)
-                    with self.cv:
-                        self.dones[(d.module, d.gen)] = d
-                        self.cv.notify_all()
-                else:
-                    self.replies.put((op, body))
-        except Exception as e:  # reported by the test waiting for a reply
-            self.replies.put((Op.QUIT, f"reader: {e!r}".encode()))
-        self.replies.put(None)
-
-    def send(self, op: Op, body: bytes = b"") -> None:
-        assert self.p.stdin is not None
-        self.p.stdin.write(frames.encode(op, body))
-        self.p.stdin.flush()
-
-    def ask(self, op: Op, body: bytes, want: Op, timeout: float = 60) -> tuple[bool, bytes]:
-        ok, payload = self.ask_word(op, body, want, timeout)
-        return ok == frames.OK, payload
-
-    def ask_word(self, op: Op, body: bytes, want: Op, timeout: float = 60) -> tuple[int, bytes]:
-        """The reply's ok word itself (LOADED has three) and its payload."""
-        self.send(op, body)
-        try:
-            got = self.replies.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"no {want.name} within {timeout} s") from None
-        assert got is not None, f"the worker closed stdout (exit {self.p.poll()}) instead of {want.name}"
-        rop, rbody = got
-        assert rop == want, f"{rop.name} {rbody!r} instead of {want.name}"
-        return frames.split_reply(rop, rbody)
-
-    def ready(self) -> int:
-        ok, payload = self.ask(Op.READY, b"", Op.READY)
-        assert ok, frames.reply_text(payload)
-        return frames.ready_pid(payload)
-
-    def load(self, req: Load) -> Loaded:
-        ok, payload = self.ask(Op.LOAD, req.encode(), Op.LOADED)
-        assert ok, frames.reply_text(payload)
-        return Loaded.decode_ok(payload)
-
-    def load_error(self, req: Load, word: int = frames.FAILED) -> str:
-        """The text of a LOAD that fails with ok word ``word`` (REFUSED: the image's fault)."""
-        ok, payload = self.ask_word(Op.LOAD, req.encode(), Op.LOADED)
-        assert ok == word, f"LOADED ok word {ok}, expected {word}: {frames.reply_text(payload)}"
-        return frames.reply_text(payload)
-
-    def launch(self, module: int, gen: int, slot: int, nodes: int = 1) -> None:
-        ok, payload = self.ask(Op.LAUNCH, Launch(module, gen, slot, nodes).encode(), Op.LAUNCHED)
-        assert ok, frames.reply_text(payload)
-
-    def done(self, module: int, gen: int, timeout: float = 10) -> Done:
-        end = time.monotonic() + timeout
-        with self.cv:
-            while (module, gen) not in self.dones:
-                left = end - time.monotonic()
-                assert left > 0, f"no DONE for module {module} gen {gen} within {timeout} s"
-                self.cv.wait(left)
-            return self.dones[(module, gen)]
-
-    def quit(self, timeout: float = 20) -> int:
-        try:
-            self.send(Op.QUIT)
-        except OSError:
-            pass
-        try:
-            rc = self.p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-            raise AssertionError(f"the worker did not exit within {timeout} s of QUIT") from None
-        finally:
-            self.close_pipes()
-        return rc
-
-    def close_pipes(self) -> None:
-        for f in (self.p.stdin, self.p.stdout):
-            try:
-                if f is not None:
-                    f.close()
-            except OSError:
-                pass
-        self.reader.join(timeout=5)
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-            self.p.wait()
-        self.close_pipes()
-
-
 def wait_for(what: str, cond, timeout: float = 10.0, every: float = 0.001):
     return waits.poll(cond, timeout, what, every)
 
@@ -249,16 +127,10 @@ def halt_all(mb: Mailbox) -> None:
 
 @pytest.fixture(scope="module")
 def worker(info: DeviceInfo, mailbox: Mailbox):
-    w = Worker(mailbox)
+    w = Worker(mailbox, "cuda")
     yield w
     halt_all(mailbox)
-    if w.p.poll() is None:
-        try:
-            w.quit()
-        finally:
-            w.kill()
-    else:
-        w.close_pipes()
+    w.close()
 
 
 # Modules of the module-scoped worker; slots are the same numbers minus one.
@@ -317,7 +189,7 @@ def test_probe_scratch_and_big_smem(worker: Worker, mailbox: Mailbox) -> None:
 
 
 def test_unload_and_load_again(worker: Worker, images: dict[str, Image]) -> None:
-    worker.send(Op.UNLOAD, frames.unload_body(PROBE_ID))
+    worker.unload(PROBE_ID)
     again = worker.load(images["probe"].load(PROBE_ID))  # the id is free again
     assert again.scratch == 4096 and again.regs == LOADED[PROBE_ID].regs
 
@@ -359,7 +231,7 @@ def test_echo_answers_the_ring(worker: Worker, mailbox: Mailbox) -> None:
         msg = msg[: abi.ENTRY_PAYLOAD]
         seq = mailbox.post(slot, msg)
         assert seq == i
-        got = wait_for(f"the response to request {i}", lambda: mailbox.response(slot, seq), timeout=5)
+        got = wait_for(f"the response to request {i}", partial(mailbox.response, slot, seq), timeout=5)
         assert got == msg
     assert mailbox.heartbeat(slot) > 0
 
@@ -406,13 +278,13 @@ def test_relaunch_after_halt_and_quit(worker: Worker, mailbox: Mailbox) -> None:
     mailbox.halt(slot)
     assert worker.done(HB, 2).ok
     for m in (HB, ECHO, SPIN, PROBE_ID):
-        worker.send(Op.UNLOAD, frames.unload_body(m))
+        worker.unload(m)
     assert worker.quit() == 0
 
 
 @pytest.mark.parametrize("sms, want", [(16, 16), (12, 16)])
 def test_green_context(info: DeviceInfo, images: dict[str, Image], mailbox: Mailbox, sms: int, want: int) -> None:
-    w = Worker(mailbox, sms=sms)
+    w = Worker(mailbox, "cuda", "--sms", str(sms))
     slot = 10
     try:
         w.ready()
@@ -432,7 +304,7 @@ def test_green_context(info: DeviceInfo, images: dict[str, Image], mailbox: Mail
 
 
 def test_sms_over_the_device(info: DeviceInfo, mailbox: Mailbox) -> None:
-    w = Worker(mailbox, sms=info.sms_total + 1)
+    w = Worker(mailbox, "cuda", "--sms", str(info.sms_total + 1))
     try:
         ok, payload = w.ask(Op.READY, b"", Op.READY)
         assert not ok
@@ -442,12 +314,14 @@ def test_sms_over_the_device(info: DeviceInfo, mailbox: Mailbox) -> None:
         w.kill()
 
 
-def test_32_queues_hold_32_residents_through_churn(info: DeviceInfo, images: dict[str, Image], mailbox: Mailbox) -> None:
+def test_32_queues_hold_32_residents_through_churn(
+    info: DeviceInfo, images: dict[str, Image], mailbox: Mailbox
+) -> None:
     """``--queues 32``: 32 heartbeats beat at once; a 33rd module finds no queue (with 8 queues and
     a stream made per module, a 9th module's kernel never started, nor, once that module was
     unloaded, the next one's: H200, 2026-12-03); after a blink's churn (all halted, two unloaded,
     two others loaded, all launched again) the new ones take the freed queues and all 32 beat."""
-    w = Worker(mailbox, queues=32)
+    w = Worker(mailbox, "cuda", "--queues", "32")
     hb = images["heartbeat"]
     slot = {m: 100 + m for m in [*range(1, 33), 40, 41]}  # the module-scoped tests use slots under 32
     try:
@@ -470,7 +344,7 @@ def test_32_queues_hold_32_residents_through_churn(info: DeviceInfo, images: dic
         for m in mods:
             assert w.done(m, 1).ok
         for m in (3, 17):
-            w.send(Op.UNLOAD, frames.unload_body(m))
+            w.unload(m)
         for m in (40, 41):
             w.load(hb.load(m))
         mods = [m for m in mods if m not in (3, 17)] + [40, 41]
@@ -480,7 +354,7 @@ def test_32_queues_hold_32_residents_through_churn(info: DeviceInfo, images: dic
         for m in mods:
             assert w.done(m, 2).ok
         for m in mods:
-            w.send(Op.UNLOAD, frames.unload_body(m))
+            w.unload(m)
         assert w.quit() == 0
     finally:
         for s in slot.values():
@@ -490,7 +364,7 @@ def test_32_queues_hold_32_residents_through_churn(info: DeviceInfo, images: dic
 
 def test_fault_is_an_illegal_address(info: DeviceInfo, images: dict[str, Image], mailbox: Mailbox) -> None:
     """Last, and in a worker of its own: the fault poisons its context."""
-    w = Worker(mailbox)
+    w = Worker(mailbox, "cuda")
     slot = 20
     try:
         w.ready()
