@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Backend", "Programs", "Launch", "Deadlines", "MeshError", "__version__"]
+__all__ = ["Backend", "Deadlines", "Launch", "MeshError", "Programs", "__version__"]
 
 if TYPE_CHECKING:
     from meshd_mps.backend import Backend
+    from meshd_mps.deadlines import Deadlines
     from meshd_mps.errors import MeshError
     from meshd_mps.isolation.launch import Launch
-    from meshd_mps.deadlines import Deadlines
     from meshd_mps.programs import Programs
 
 _WHERE = {"Backend": "backend", "Programs": "programs", "Launch": "isolation.launch", "Deadlines": "deadlines",

@@ -210,7 +210,7 @@ class CapacityError(Conflict):
     ``limit`` names the limit (e.g. ``hardware queues``), ``have`` its value, ``asked`` what the
     load would need.  The request is fine, the GPU is full."""
 
-    FIELDS = ("limit", "have", "asked")
+    FIELDS: ClassVar[tuple[str, ...]] = ("limit", "have", "asked")
 
     def __init__(self, message: str, *, limit: str, have: int, asked: int):
         super().__init__(message)
@@ -292,7 +292,7 @@ class WorkerError(MeshError):
     """A worker process failed: it died, hung, lied or broke the frame protocol.  ``pid`` is the
     worker's (0 where no process was started)."""
 
-    FIELDS = ("pid",)
+    FIELDS: ClassVar[tuple[str, ...]] = ("pid",)
 
     def __init__(self, message: str, *, pid: int = 0):
         super().__init__(message)

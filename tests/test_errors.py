@@ -49,7 +49,7 @@ def _instance(cls: type[E.MeshError]) -> E.MeshError:
     return cls(*args, **kw)
 
 
-@pytest.mark.parametrize("cls", sorted(EXPECTED, key=lambda c: c.__name__), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", sorted(EXPECTED, key=str), ids=lambda c: getattr(c, "__name__", repr(c)))
 def test_status_and_fields(cls):
     e = _instance(cls)
     assert status_of(e) == EXPECTED[cls]

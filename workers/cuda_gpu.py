@@ -152,8 +152,8 @@ class CudaGpu:
         except Exception as e:
             self.close()
             if is_no_driver(e):
-                raise GpuError(f"no NVIDIA driver: {e}") from None
-            raise GpuError(f"opening the GPU: {type(e).__name__}: {e}") from None
+                raise GpuError(f"no NVIDIA driver: {e}") from e
+            raise GpuError(f"opening the GPU: {type(e).__name__}: {e}") from e
 
     # ---- the context ------------------------------------------------------------------
     def _open(self, sms: int) -> None:

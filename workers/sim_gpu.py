@@ -117,7 +117,7 @@ def _script_of(req: Load) -> tuple[Script, str | None]:
         except ValueError as e:
             raise GpuError(
                 f"cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (simulated: bad script: {e})", refused=True
-            ) from None
+            ) from e
         if not isinstance(s, dict):
             raise GpuError(
                 "cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (simulated: script is not an object)", refused=True
@@ -148,7 +148,7 @@ class SimGpu:
         try:
             n = simulated_count()
         except Exception as e:  # ConfigError: a bad MESHD_MPS_SIM_GPUS
-            raise GpuError(f"cuInit: CUDA_ERROR_NO_DEVICE (simulated: {e})") from None
+            raise GpuError(f"cuInit: CUDA_ERROR_NO_DEVICE (simulated: {e})") from e
         if not 0 <= device < n:
             raise GpuError(f"cuDeviceGet: CUDA_ERROR_INVALID_DEVICE (simulated: device {device}; {n} GPUs, 0-{n - 1})")
         self.device = device
@@ -186,9 +186,9 @@ class SimGpu:
         try:
             self._client = connect_client(pipe, os.getpid(), device=self.device)
         except StandinRefused as e:
-            raise GpuError(f"cuCtxCreate: CUDA_ERROR_MPS_MAX_CLIENTS_REACHED ({e})") from None
+            raise GpuError(f"cuCtxCreate: CUDA_ERROR_MPS_MAX_CLIENTS_REACHED ({e})") from e
         except OSError as e:
-            raise GpuError(f"cuCtxCreate: CUDA_ERROR_MPS_CONNECTION_FAILED ({e})") from None
+            raise GpuError(f"cuCtxCreate: CUDA_ERROR_MPS_CONNECTION_FAILED ({e})") from e
         log.debug("simulated context", mps=self._client is not None, sms=self.sms, device=self.device)
 
     def _listen(self, sock: socket.socket) -> None:

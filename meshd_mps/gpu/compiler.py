@@ -274,7 +274,7 @@ def ptx_to_cubin(ptx: bytes, arch: str, reg_cap: int) -> bytes:
     try:
         h = nvjitlink.create(len(opts), opts)
     except nvjitlink.nvJitLinkError as e:
-        raise CompileError(f"jit: nvJitLinkCreate({' '.join(opts)}): {e}") from None
+        raise CompileError(f"jit: nvJitLinkCreate({' '.join(opts)}): {e}") from e
     try:
         try:
             nvjitlink.add_data(h, nvjitlink.InputType.PTX, data, len(data), "program.ptx")
@@ -291,7 +291,7 @@ def ptx_to_cubin(ptx: bytes, arch: str, reg_cap: int) -> bytes:
             why = _lines(log) or str(e)
             if "Unsupported .version" in log:
                 why += " | (PTX from a newer NVRTC/nvcc than this nvJitLink)"
-            raise CompileError(f"jit: {why}") from None
+            raise CompileError(f"jit: {why}") from e
         n = nvjitlink.get_linked_cubin_size(h)
         out = bytearray(n)
         nvjitlink.get_linked_cubin(h, out)

@@ -150,7 +150,7 @@ def _driver() -> Any:
     try:
         from cuda.bindings import driver as cu
     except ImportError as e:
-        raise DeviceError(f"cuda-python is not installed: {e}") from None
+        raise DeviceError(f"cuda-python is not installed: {e}") from e
     return cu
 
 
@@ -172,8 +172,8 @@ def _driver_errors(what: str) -> Iterator[None]:
         raise
     except Exception as e:
         if is_no_driver(e):
-            raise NoDriver(f"no NVIDIA driver: {e}") from None
-        raise DeviceError(f"{what}: {type(e).__name__}: {e}") from None
+            raise NoDriver(f"no NVIDIA driver: {e}") from e
+        raise DeviceError(f"{what}: {type(e).__name__}: {e}") from e
 
 
 def device_count() -> int:

@@ -9,12 +9,14 @@ code drives the real binary and the stand-in that tests put first on PATH.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
 import signal
 import stat
 import time
+from collections.abc import Callable
 
 import anyio
 import structlog
@@ -40,7 +42,7 @@ def become_subreaper() -> None:
         raise MpsError(f"mps: prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
 
 
-def _children_where(match) -> set[int]:  # type: ignore[no-untyped-def]
+def _children_where(match: Callable[[list[str], str], bool]) -> set[int]:
     """Our direct children (zombies too) for which ``match(argv, comm)`` holds."""
     me = os.getpid()
     return {p.pid for p in processes() if p.ppid == me and match(p.argv, p.comm)}
@@ -101,7 +103,8 @@ class ControlDaemon:
         try:
             proc = await child.spawn([self.binary, *args], env, stdin=stdin is not None, merge_stderr=True)
         except OSError as e:  # out of fds or processes: the command's own error, not a bare OSError
-            raise MpsError(f"mps: {' '.join(args) or (stdin or '').strip()}: cannot start {self.binary}: {e.strerror or e}") from e
+            what = " ".join(args) or (stdin or "").strip()
+            raise MpsError(f"mps: {what}: cannot start {self.binary}: {e.strerror or e}") from e
         assert proc.stdout is not None
         out = b""
         try:
@@ -136,7 +139,8 @@ class ControlDaemon:
     async def start(self) -> None:
         self.binary = shutil.which(CONTROL)
         if self.binary is None:
-            raise MpsError(f"mps: {CONTROL} not found on PATH (install the NVIDIA driver's MPS binaries); refusing --isolation mps")
+            raise MpsError(f"mps: {CONTROL} not found on PATH (install the NVIDIA driver's MPS binaries);"
+                           " refusing --isolation mps")
         _make_private_dir(self.dir)
         _make_private_dir(self.pipe_dir)
         _make_private_dir(self.log_dir)
@@ -158,7 +162,8 @@ class ControlDaemon:
                         break
                     await anyio.sleep(0.01)  # the daemon is coming up: poll its socket
         except TimeoutError as e:
-            raise MpsError(f"mps: the control daemon did not answer within {self.deadlines.control_start:g}s: {out.strip()}") from e
+            within = self.deadlines.control_start
+            raise MpsError(f"mps: the control daemon did not answer within {within:g}s: {out.strip()}") from e
         with anyio.move_on_after(2.0):  # the daemonized process is re-parented to us soon after -d
             while not (pids := _children_running(CONTROL) - before):
                 await anyio.sleep(0.005)
@@ -223,10 +228,8 @@ class ControlDaemon:
                 left = {p for p in left if not _reap_now(p)}
         for p in left:
             log.error(f"mps: process {p} outlived its daemon; killing it")
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         with anyio.move_on_after(self.deadlines.control_reap):
             while left:
                 await anyio.sleep(0.01)
@@ -246,10 +249,8 @@ class ControlDaemon:
             if not await self._reap(self.deadlines.control_reap):
                 log.error(f"mps: control daemon {self.pid} did not exit {self.deadlines.control_reap:g}s after quit; killing it")
                 if self.pid is not None:
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(self.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
                 if not await self._reap(self.deadlines.control_reap):
                     log.error(f"mps: control daemon {self.pid} not reaped; left behind")
             await self._reap_orphans()

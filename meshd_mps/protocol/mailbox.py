@@ -7,6 +7,7 @@ so that a resident kernel and the host talk through plain loads and stores.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -48,10 +49,8 @@ class Mailbox:
     def close(self) -> None:
         if self.fd < 0:
             return
-        try:
+        with contextlib.suppress(BufferError):  # still exported (registered with the GPU): unmapped at exit
             self.mm.close()
-        except BufferError:
-            pass  # still exported (registered with the GPU); unmapped at exit
         os.close(self.fd)
         self.fd = -1
 

@@ -18,6 +18,7 @@ The object answers to what callers used of ``asyncio.subprocess.Process``:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -87,10 +88,8 @@ class Child:
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -110,8 +109,11 @@ async def spawn(argv: Sequence[str], env: Mapping[str, str], *, stdin: bool = Tr
     """Start ``argv`` with a pipe on its stdout, and on its stdin (else /dev/null); its stderr is
     ours, or with ``merge_stderr`` its stdout's pipe.  OSError if it cannot start."""
     loop = asyncio.get_running_loop()
-    popen = subprocess.Popen(list(argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT if merge_stderr else None, env=dict(env), close_fds=True, bufsize=0)
+    # Popen, not create_subprocess_exec, on purpose: see the module's docstring (the pipes join
+    # the loop directly).  Its fork is the same one asyncio would make, in this thread.
+    popen = subprocess.Popen(  # noqa: ASYNC220
+        list(argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else None, env=dict(env), close_fds=True, bufsize=0)
     child = Child(popen, loop)
     try:
         await child._connect()

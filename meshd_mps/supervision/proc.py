@@ -150,9 +150,9 @@ class WorkerProc:
             if d.gen > self.gen.get(d.module, 0):
                 raise FrameError(f"DONE for generation {d.gen} of module {d.module}, never launched")
             self.done[d.module] = d.gen
-            fut = self._waiters.pop((d.module, d.gen), None)
-            if fut is not None and not fut.done():
-                fut.set_result(d)
+            waiter = self._waiters.pop((d.module, d.gen), None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(d)
             return
         if op not in frames.REPLIES and op != Op.LIMIT:
             raise FrameError(f"op {op.name} is not a worker's frame")

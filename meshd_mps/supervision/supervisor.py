@@ -14,6 +14,7 @@ idle workers get EOF, every worker SIGKILL, one shared 500 ms reap deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -229,7 +230,5 @@ class Supervisor:
 def _kill(w: WorkerProc) -> None:
     if w.process.returncode is None:
         w.retiring()
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(w.pid, 9)
-        except ProcessLookupError:
-            pass
