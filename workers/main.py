@@ -254,10 +254,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+#: A worker's oom_score_adj: the OOM killer takes ordinary processes (0) before a resident
+#: program's worker, whose death ends the program (and, under MPS with its kernel running, faults
+#: the GPU's other clients).  Not -1000 (never): a runaway worker must still be killable.
+OOM_SCORE_ADJ = -500
+
+
+def protect_from_oom(path: str = "/proc/self/oom_score_adj") -> str:
+    """Lower this process's oom_score_adj to OOM_SCORE_ADJ where that is permitted (lowering needs
+    CAP_SYS_RESOURCE); what happened, in words, for the log."""
+    try:
+        with open(path, "w") as f:
+            f.write(str(OOM_SCORE_ADJ))
+    except OSError as e:
+        return f"oom_score_adj not lowered ({e.strerror}): the OOM killer treats this worker as any process"
+    return f"oom_score_adj {OOM_SCORE_ADJ}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)  # --queues is in the environment already: warm.start put it there, before cuInit
     setup_logging(component="worker")
     structlog.contextvars.bind_contextvars(pid=os.getpid(), device=args.device)
+    log.debug("worker up", oom=protect_from_oom())
     try:
         inject = parse_inject(os.environ.get(INJECT_ENV))
     except ValueError as e:

@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
 
 import anyio
 import structlog
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import MpsError
-from meshd_mps.supervision import child
+from meshd_mps.supervision import child, procfs
 from meshd_mps.supervision.procfs import processes
 
 log = structlog.get_logger("meshd_mps")
@@ -75,6 +77,64 @@ def _make_private_dir(path: str) -> None:
     if st.st_uid != os.getuid():
         raise MpsError(f"mps: {path} belongs to uid {st.st_uid}, not to us; refusing")
     os.chmod(path, 0o700)
+
+
+#: The marker a control daemon's directory holds while a meshd-mps runs it (``Owner``).
+MARKER = "meshd-mps.owner.json"
+#: The prefix of a default (temporary) MPS directory: ``tempfile.mkdtemp(prefix=...)``.
+TEMP_PREFIX = "meshd-mps."
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who runs the control daemon of a directory, written there once the daemon is up and removed
+    at its quit.  A process is named by its pid and start time (a pid alone can be reused), within
+    one boot.  After a SIGKILL or an OOM kill of meshd-mps the daemon and its server live on; the
+    next start finds this marker, sees its meshd-mps gone, and quits them first."""
+
+    meshd_pid: int
+    meshd_start: int
+    daemon_pid: int | None
+    daemon_start: int | None
+    boot: str
+    temporary: bool
+
+    @classmethod
+    def me(cls, daemon_pid: int | None, temporary: bool) -> Owner:
+        me = os.getpid()
+        return cls(me, procfs.starttime(me) or 0, daemon_pid, None if daemon_pid is None else procfs.starttime(daemon_pid),
+                   procfs.boot_id(), temporary)
+
+    def write(self, dir: str) -> None:
+        """Atomically (a torn marker would read as "not ours"): a temp file, fsync, rename."""
+        path = os.path.join(dir, MARKER)
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, json.dumps(asdict(self)).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    @classmethod
+    def read(cls, dir: str) -> Owner | None:
+        """The marker of ``dir``; None if there is none or it is not one of ours."""
+        try:
+            with open(os.path.join(dir, MARKER), "rb") as f:
+                return cls(**json.loads(f.read()))
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def this_boot(self) -> bool:
+        return self.boot == procfs.boot_id()
+
+    def meshd_alive(self) -> bool:
+        return self.this_boot() and procfs.alive(self.meshd_pid, self.meshd_start)
+
+    def daemon_alive(self) -> bool:
+        return (self.this_boot() and self.daemon_pid is not None and self.daemon_start is not None
+                and procfs.alive(self.daemon_pid, self.daemon_start))
 
 
 class ControlDaemon:
@@ -144,9 +204,17 @@ class ControlDaemon:
         _make_private_dir(self.dir)
         _make_private_dir(self.pipe_dir)
         _make_private_dir(self.log_dir)
+        if self.temporary:
+            await sweep(os.path.dirname(self.dir), self.deadlines, but=self.dir)
         rc, out = await self._run([], "get_server_list\n", self.deadlines.control_command)
         if rc == 0:
-            raise MpsError(f"mps: a control daemon already runs on {self.pipe_dir} and it is not ours; refusing")
+            owner = Owner.read(self.dir)
+            if owner is None or not owner.this_boot():
+                raise MpsError(f"mps: a control daemon already runs on {self.pipe_dir} and it is not ours (no {MARKER}"
+                               " of this boot in its directory); refusing")
+            if owner.meshd_alive():
+                raise MpsError(f"mps: meshd-mps {owner.meshd_pid} runs the control daemon of {self.dir}; refusing")
+            await self._quit_left(owner)
         become_subreaper()
         before = _children_running(CONTROL)
         t0 = time.monotonic()
@@ -170,6 +238,7 @@ class ControlDaemon:
         self.pid = min(pids) if pids else None
         if self.pid is None:
             log.warning("mps: the control daemon's pid was not found among our children; it is reaped at quit by name")
+        Owner.me(self.pid, self.temporary).write(self.dir)
         log.info(
             f"mps: control daemon {self.pid} ready in {(time.monotonic() - t0) * 1e3:.0f} ms",
             pipe=self.pipe_dir,
@@ -235,6 +304,12 @@ class ControlDaemon:
                 await anyio.sleep(0.01)
                 left = {p for p in left if not _reap_now(p)}
 
+    async def _quit_left(self, owner: Owner) -> None:
+        """The control daemon (and its server) that an earlier meshd-mps left running in this
+        directory when it died: ``quit``, then killed if it lingers, so that the fresh start owns
+        the directory (its clients, that meshd-mps's workers, exited at its death)."""
+        await quit_left(owner, self.dir, self._run, self.deadlines)
+
     async def quit(self) -> None:
         """``quit``, then the daemon reaped (killed if it lingers); the directory removed if ours."""
         if self.started:
@@ -254,6 +329,85 @@ class ControlDaemon:
                 if not await self._reap(self.deadlines.control_reap):
                     log.error(f"mps: control daemon {self.pid} not reaped; left behind")
             await self._reap_orphans()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.dir, MARKER))
             log.info(f"mps: control daemon quit in {(time.monotonic() - t0) * 1e3:.0f} ms")
         if self.temporary:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+Runner = Callable[[list[str], "str | None", float], Awaitable[tuple[int, str]]]
+
+
+async def quit_left(owner: Owner, dir: str, run: Runner, deadlines: Deadlines) -> None:
+    """Quit a control daemon left by a dead meshd-mps (``owner``), and its server; nothing of it
+    is our child, so each is watched by (pid, start time) until it is gone."""
+    daemon = owner.daemon_pid
+    servers = {(p.pid, procfs.starttime(p.pid)) for p in processes() if daemon and p.ppid == daemon}
+    log.warning(f"mps: control daemon {daemon} in {dir} was left by meshd-mps {owner.meshd_pid}, which is gone;"
+                " quitting it before the fresh start", dir=dir, daemon_pid=daemon, servers=sorted(p for p, _ in servers))
+    try:
+        await run([], "quit\n", deadlines.control_quit)
+    except MpsError as e:
+        log.error(str(e))
+    left = [(daemon, owner.daemon_start)] if daemon and owner.daemon_start and owner.daemon_alive() else []
+    left += [(p, t) for p, t in servers if t is not None]
+    for kill in (False, True):
+        with anyio.move_on_after(deadlines.control_reap):
+            while left := [(p, t) for p, t in left if procfs.alive(p, t)]:
+                await anyio.sleep(0.01)  # not our children: no pidfd wait without a race on reuse
+        if not left or kill:
+            break
+        for p, _ in left:
+            log.error(f"mps: process {p} left by meshd-mps {owner.meshd_pid} did not quit; killing it")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+    for p, _ in left:
+        log.error(f"mps: process {p} left by meshd-mps {owner.meshd_pid} is still there after SIGKILL")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(dir, MARKER))
+
+
+def _left_dirs(tmp: str, but: str | None) -> list[tuple[str, Owner | None]]:
+    """The default MPS directories in ``tmp`` that a dead meshd-mps of this user left, with their
+    markers (None: a directory without one, whose meshd-mps, named in it, is gone and where no
+    control daemon socket was ever made)."""
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith(TEMP_PREFIX)]
+    except OSError:
+        return []
+    out: list[tuple[str, Owner | None]] = []
+    for n in names:
+        d = os.path.join(tmp, n)
+        try:
+            st = os.lstat(d)
+        except OSError:
+            continue
+        if d == but or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        owner = Owner.read(d)
+        if owner is not None:
+            if owner.temporary and not owner.meshd_alive():
+                out.append((d, owner))
+            continue
+        pid = n[len(TEMP_PREFIX):].split(".", 1)[0]
+        if pid.isdigit() and procfs.starttime(int(pid)) is None and not os.path.exists(os.path.join(d, "pipe", "control")):
+            out.append((d, None))
+    return out
+
+
+async def sweep(tmp: str, deadlines: Deadlines = DEFAULT, but: str | None = None) -> list[str]:
+    """Clean what dead meshd-mps runs of this user left in their default MPS directories
+    (``_left_dirs``): each one's control daemon and server quit (each is a context and GPU memory
+    held, one per crash), the directory removed.  Returns the directories removed."""
+    removed: list[str] = []
+    binary = shutil.which(CONTROL)
+    for d, owner in _left_dirs(tmp, but):
+        if owner is not None and owner.daemon_alive() and binary is not None:
+            left = ControlDaemon(d, temporary=True, deadlines=deadlines)
+            left.binary = binary
+            await quit_left(owner, d, left._run, deadlines)
+        shutil.rmtree(d, ignore_errors=True)
+        log.info(f"mps: removed {d}, left by a meshd-mps that is gone", dir=d)
+        removed.append(d)
+    return removed

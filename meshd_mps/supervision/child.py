@@ -106,14 +106,17 @@ class Child:
 
 
 async def spawn(argv: Sequence[str], env: Mapping[str, str], *, stdin: bool = True, merge_stderr: bool = False) -> Child:
-    """Start ``argv`` with a pipe on its stdout, and on its stdin (else /dev/null); its stderr is
-    ours, or with ``merge_stderr`` its stdout's pipe.  OSError if it cannot start."""
+    """Start ``argv`` in a process group of its own, with a pipe on its stdout, and on its stdin
+    (else /dev/null); its stderr is ours, or with ``merge_stderr`` its stdout's pipe.  OSError if
+    it cannot start."""
     loop = asyncio.get_running_loop()
     # Popen, not create_subprocess_exec, on purpose: see the module's docstring (the pipes join
     # the loop directly).  Its fork is the same one asyncio would make, in this thread.
+    # process_group=0: a process group of its own, so that a terminal's signals (Ctrl-C, the
+    # shell's kill %1, a hang-up) reach only the daemon, which halts the programs in order.
     popen = subprocess.Popen(  # noqa: ASYNC220
         list(argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT if merge_stderr else None, env=dict(env), close_fds=True, bufsize=0)
+        stderr=subprocess.STDOUT if merge_stderr else None, env=dict(env), close_fds=True, bufsize=0, process_group=0)
     child = Child(popen, loop)
     try:
         await child._connect()

@@ -28,3 +28,36 @@ def processes() -> Iterator[Proc]:
             continue  # gone meanwhile
         fields = s[s.rindex(")") + 2 :].split()
         yield Proc(int(d), int(fields[1]), s[s.index("(") + 1 : s.rindex(")")], fields[0], argv)
+
+
+def starttime(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (/proc/PID/stat field 22); None if it is
+    gone.  With the pid, it names one process for the life of the boot: a pid can be reused, a
+    (pid, start time) pair cannot."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            s = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return int(s[s.rindex(")") + 2 :].split()[19])
+
+
+def boot_id() -> str:
+    """This boot's id: a start time read before a reboot means nothing after it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def alive(pid: int, start: int) -> bool:
+    """The process (``pid``, ``start``) still runs (and is not a zombie)."""
+    if starttime(pid) != start:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            s = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return s[s.rindex(")") + 2 :].split()[0] != "Z"

@@ -217,7 +217,8 @@ class Supervisor:
         if late:
             log.info(f"mps: {sum(w.process.returncode is not None for w in late)} of {len(late)} late workers reaped after all")
         self.workers.clear()
-        log.debug("workers reaped", n=len(kids), ms=round((time.monotonic() - t0) * 1e3, 1))
+        log.debug("workers reaped", n=len(kids), ms=round((time.monotonic() - t0) * 1e3, 1),
+                  statuses={w.pid: w.process.returncode for w in kids})
         for scope in list(self._scopes):
             scope.cancel()
         self._stop.set()
