@@ -1,4 +1,5 @@
-"""The CUDA backend in either mode, for an asyncio host: ``await Backend.open()``.
+"""The CUDA backend in either mode, for an asyncio host: ``await Backend.open()``, or
+``async with Backend.open() as b``.
 
 Its surface mirrors the seed's backend ops: caps, isolated / isolation, the
 mailbox, prepare (compile and, in MPS mode, preload), load, launch with an
@@ -17,7 +18,7 @@ the GPU named, else on the least loaded one.  ``info``, ``caps`` and
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, Literal
 
 import anyio
@@ -40,11 +41,57 @@ from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
 
-__all__ = ["Backend", "Image", "Kernel"]
+__all__ = ["Backend", "Image", "Kernel", "Opening"]
 
 log = structlog.get_logger("meshd_mps")
 
 IsolationName = Literal["blink", "mps"]
+
+
+class Opening:
+    """What ``Backend.open`` returns.  Awaited: the open backend, its supervisor's task group in a
+    task of its own (for a host that cannot nest; ``close`` ends it).  ``async with``: the group
+    entered in the caller's task, so that a failure of one of its tasks reaches the caller, and the
+    backend closed at the block's end.  Either way a failed open leaves nothing behind."""
+
+    def __init__(self, make: Callable[[], Backend]):
+        self._make = make
+        self._b: Backend | None = None
+
+    def __await__(self) -> Generator[Any, None, Backend]:
+        return self._detached().__await__()
+
+    async def _detached(self) -> Backend:
+        b = self._make()
+        try:
+            await b.sup.start()
+            await b._open()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await b.close()
+            raise
+        return b
+
+    async def __aenter__(self) -> Backend:
+        b = self._b = self._make()
+        await b.sup.__aenter__()
+        try:
+            await b._open()
+        except BaseException as e:
+            await self.__aexit__(type(e), e, e.__traceback__)
+            raise
+        return b
+
+    async def __aexit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool | None:
+        assert self._b is not None
+        with anyio.CancelScope(shield=True):
+            await self._b.close()
+        if isinstance(exc, Exception):
+            # The block's own error (or the open's) is raised as it is, not inside the group's
+            # ExceptionGroup; a failure of the group's tasks still is (with it as the context).
+            await self._b.sup.__aexit__(None, None, None)
+            return False
+        return await self._b.sup.__aexit__(typ, exc, tb)
 
 
 class Backend:
@@ -75,22 +122,19 @@ class Backend:
         self._closed = False
 
     @classmethod
-    async def open(cls, *, isolation: IsolationName = "blink", sms: int = 0, mps_dir: str | None = None, pool: int = 0,
-                   gpu: str = "cuda", cache_dir: str | None = None, deadlines: Deadlines = Deadlines(),
-                   max_clients: int = MAX_CLIENTS, devices: Sequence[int] | None = None) -> Backend:
+    def open(cls, *, isolation: IsolationName = "blink", sms: int = 0, mps_dir: str | None = None, pool: int = 0,
+             gpu: str = "cuda", cache_dir: str | None = None, deadlines: Deadlines = Deadlines(),
+             max_clients: int = MAX_CLIENTS, devices: Sequence[int] | None = None) -> Opening:
         """Start the backend: in MPS mode the private daemon and the pools first.  ``devices``: the
-        GPUs to drive (CUDA ordinals; None: every visible one); ``pool`` idle workers per GPU."""
-        if not structlog.is_configured():
-            setup_logging()  # structlog's default is stdout: a host's output is not ours to fill
-        b = cls(isolation, sms, mps_dir, pool, gpu, cache_dir, deadlines, max_clients, devices)
-        try:
-            await b.sup.start()
-            await b._open()
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await b.close()
-            raise
-        return b
+        GPUs to drive (CUDA ordinals; None: every visible one); ``pool`` idle workers per GPU.
+        ``await`` it, or enter it with ``async with`` (:class:`Opening`)."""
+
+        def make() -> Backend:
+            if not structlog.is_configured():
+                setup_logging()  # structlog's default is stdout: a host's output is not ours to fill
+            return cls(isolation, sms, mps_dir, pool, gpu, cache_dir, deadlines, max_clients, devices)
+
+        return Opening(make)
 
     async def __aenter__(self) -> Backend:
         return self

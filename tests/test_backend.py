@@ -199,6 +199,39 @@ async def test_failed_upgrade_restores_the_old_version(backend, monkeypatch):
     await progs.close()
 
 
+async def test_open_as_a_context_runs_the_supervisor_in_our_task(standin_on_path):
+    """``async with Backend.open()``: the supervisor's task group is entered in the caller's task
+    (no task of its own), and a failure of one of its tasks reaches the caller; at the block's end
+    the backend is closed.  ``await Backend.open()`` (every other test) runs the group in a task."""
+    for iso in ("blink", "mps"):
+        async with Backend.open(isolation=iso, gpu="sim", pool=1, deadlines=TEST_DEADLINES) as b:
+            assert b.sup._runner is None and not b.sup.closed
+            k = await b.load(await b.prepare(*example("spin")))
+            b.mailbox.reset_slot(2)
+            with anyio.fail_after(10):
+                assert (await (await b.launch(k, 2))).ok  # spin: 100 ms, then it returns
+            await b.unload(k)
+            pids = b.sup.live()
+        assert b.sup.closed and b.sup.children() == [] and pids
+
+    async def fails() -> None:
+        raise RuntimeError("a task of the supervisor's failed")
+
+    with pytest.raises(ExceptionGroup) as e:
+        async with Backend.open(gpu="sim", deadlines=TEST_DEADLINES) as b:
+            b.sup.start_soon(fails, name="fails")
+            await anyio.sleep(30)  # cancelled: the failure reaches us
+    assert e.group_contains(RuntimeError, match="failed") and b.sup.children() == []
+
+
+@pytest.mark.usefixtures("no_leaks")
+async def test_a_failed_open_as_a_context_leaves_nothing(standin_on_path):
+    for iso in ("blink", "mps"):
+        with pytest.raises(ConfigError, match="^--sms 200: the device has 132$"):
+            async with Backend.open(isolation=iso, gpu="sim", sms=200):
+                pytest.fail("opened")
+
+
 async def test_teardown_and_refill(backend):
     """After a fault of a GPU: ``teardown`` retires every worker of it (MPS: the programs' and the
     pool's; blink: the context) and their launches fail; ``refill`` brings the pool (with ``extra``
@@ -225,3 +258,9 @@ async def test_teardown_and_refill(backend):
         assert (await rerun).ok
     await backend.unload(again)
 
+
+async def test_an_error_in_the_block_is_raised_as_it_is(standin_on_path):
+    with pytest.raises(NotServedHere):
+        async with Backend.open(gpu="sim", deadlines=TEST_DEADLINES) as b:
+            b.device_or_first(3)
+    assert b.sup.closed and b.sup.children() == []
