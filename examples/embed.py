@@ -22,7 +22,7 @@ def example(name: str) -> tuple[dict, bytes]:
 
 
 async def main(gpu: str, isolation: str) -> None:
-    async with await Backend.open(isolation=isolation, gpu=gpu, pool=2) as backend:
+    async with Backend.open(isolation=isolation, gpu=gpu, pool=2) as backend:  # the supervisor runs in this task
         print("device:", backend.caps.name, "isolation:", backend.isolation)
         programs = Programs(backend)
         hb = await programs.load(*example("heartbeat"))

@@ -1,8 +1,11 @@
-"""The CUDA backend in either mode, for an asyncio host: ``await Backend.open()``.
+"""The CUDA backend in either mode, for an asyncio host: ``await Backend.open()``, or
+``async with Backend.open() as b``.
 
-Its surface mirrors the seed's backend ops: caps, isolated / resident /
-isolation, the mailbox, prepare (compile and, in MPS mode, preload), load,
-launch with an awaitable completion, query, unload, module scope, close.
+Its surface mirrors the seed's backend ops: caps, isolated / isolation, the
+mailbox, prepare (compile and, in MPS mode, preload), load, launch with an
+awaitable completion, query, unload, close.  Each op is that of its GPU's
+:class:`~meshd_mps.isolation.base.Isolation` (blink or MPS, chosen once at
+open): the backend finds the GPU and delegates.
 
 Several GPUs (``devices``, default every visible one): in MPS mode one control
 daemon for the host and a pool per GPU; in blink mode one context per GPU.
@@ -14,120 +17,54 @@ the GPU named, else on the least loaded one.  ``info``, ``caps`` and
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import os
-import tempfile
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, Literal
 
 import anyio
 import structlog
 
-from meshd_mps.protocol import abi, frames
-from meshd_mps.isolation import limits
-from meshd_mps.protocol.frames import Done, Loaded, Op
-from meshd_mps.isolation.blink import BlinkContext, Module
-from meshd_mps.gpu.compiler import Compiler, Manifest, Prepared
-from meshd_mps.mps.control import PIPE_ENV, ControlDaemon
+from meshd_mps.deadlines import Deadlines
+from meshd_mps.errors import ConfigError, MailboxError, NotServedHere, Unavailable
+from meshd_mps.gpu.compiler import Compiler, Manifest
 from meshd_mps.gpu.device import (Caps, DeviceInfo, caps_of, check_sms, check_unique, choose_devices, device_count, ordinals_text,
-                     query_device, simulated_count, simulated_device)
-from meshd_mps.errors import (AbiMismatch, ConfigError, DeviceError, MailboxError, MeshError, NotServedHere, Unavailable,
-                              WorkerError)
+                                  query_device, simulated_count, simulated_device)
+from meshd_mps.isolation import limits
+from meshd_mps.isolation.base import Admit, Image, Isolation, Kernel, Mode
+from meshd_mps.isolation.blink import Blink, BlinkIsolation, last_blink_ms
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.log import setup_logging
+from meshd_mps.mps.clients import MAX_CLIENTS, Mps
+from meshd_mps.mps.control import ControlDaemon
+from meshd_mps.protocol import abi
 from meshd_mps.protocol.mailbox import Mailbox
-from meshd_mps.mps.clients import MAX_CLIENTS, Mps, Worker
-from meshd_mps.mps.clients import launch as mps_launch
-from meshd_mps.mps.clients import query as mps_query
-from meshd_mps.deadlines import Deadlines
+from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
+
+__all__ = ["Backend", "Image", "Kernel", "Opening"]
 
 log = structlog.get_logger("meshd_mps")
 
-Isolation = Literal["blink", "mps"]
+IsolationName = Literal["blink", "mps"]
 
 
-@dataclass
-class Image:
-    """A checked, compiled image (the seed's mesh_prepared); in MPS mode already
-    loaded in a worker, so that ``load`` only hands it over."""
+class Opening:
+    """What ``Backend.open`` returns.  Awaited: the open backend, its supervisor's task group in a
+    task of its own (for a host that cannot nest; ``close`` ends it).  ``async with``: the group
+    entered in the caller's task, so that a failure of one of its tasks reaches the caller, and the
+    backend closed at the block's end.  Either way a failed open leaves nothing behind."""
 
-    prepared: Prepared
-    worker: Worker | None = None
-    device: int | None = None  # the GPU it is for (None: the backend's first)
+    def __init__(self, make: Callable[[], Backend]):
+        self._make = make
+        self._b: Backend | None = None
 
-    @property
-    def name(self) -> str:
-        return self.prepared.manifest.name
+    def __await__(self) -> Generator[Any, None, Backend]:
+        return self._detached().__await__()
 
-
-@dataclass
-class Kernel:
-    """A loaded program: its worker (MPS) or its module in the blink context."""
-
-    name: str
-    manifest: Manifest
-    regs: int
-    local: int
-    per_sm: int
-    scratch: int
-    rt_abi: int
-    worker: Worker | None = None
-    module: Module | None = None
-    launch: Launch | None = None
-    context_pid: int = 0  # blink mode: the one context's worker
-    device: int = 0  # the GPU it runs on
-    sms: int = 0  # the SMs of its context (a green context's, else the device's)
-
-    @property
-    def pid(self) -> int:
-        """The process the kernel runs in."""
-        if self.worker is not None:
-            return self.worker.proc.pid
-        return self.context_pid
-
-
-class Backend:
-    def __init__(self, isolation: Isolation, sms: int, mps_dir: str | None, pool: int, gpu: str,
-                 cache_dir: str | None, deadlines: Deadlines, max_clients: int, devices: Sequence[int] | None = None):
-        if isolation not in ("blink", "mps"):
-            raise ConfigError(f"--isolation {isolation}: expected blink or mps")
-        if gpu not in ("cuda", "sim"):
-            raise ConfigError(f"--gpu {gpu}: expected cuda or sim")
-        if sms < 0 or pool < 0:
-            raise ConfigError("--sms and --pool must not be negative")
-        self._asked = None if devices is None else check_unique(devices)  # that they exist: at open
-        self.isolation: Isolation = isolation
-        self.sms = sms
-        self.gpu = gpu
-        self._mps_dir = mps_dir
-        self._pool_n = pool
-        self._cache_dir = cache_dir
-        self._max_clients = max_clients
-        self.sup = Supervisor(deadlines)
-        self.mailbox = Mailbox.create()
-        self.mps: Mps | None = None
-        self.blinks: dict[int, BlinkContext] = {}  # blink mode: the context of each GPU
-        self.daemon: ControlDaemon | None = None
-        self.devices: tuple[int, ...] = ()  # the GPUs driven, ascending (known once open)
-        self.infos: dict[int, DeviceInfo] = {}
-        self.device_caps: dict[int, Caps] = {}
-        self.compilers: dict[int, Compiler] = {}
-        self._saved_pipe_env: str | None = None
-        self._closed = False
-
-    @classmethod
-    async def open(cls, *, isolation: Isolation = "blink", sms: int = 0, mps_dir: str | None = None, pool: int = 0,
-                   gpu: str = "cuda", cache_dir: str | None = None, deadlines: Deadlines = Deadlines(),
-                   max_clients: int = MAX_CLIENTS, devices: Sequence[int] | None = None) -> Backend:
-        """Start the backend: in MPS mode the private daemon and the pools first.  ``devices``: the
-        GPUs to drive (CUDA ordinals; None: every visible one); ``pool`` idle workers per GPU."""
-        if not structlog.is_configured():
-            setup_logging()  # structlog's default is stdout: a host's output is not ours to fill
-        b = cls(isolation, sms, mps_dir, pool, gpu, cache_dir, deadlines, max_clients, devices)
+    async def _detached(self) -> Backend:
+        b = self._make()
         try:
+            await b.sup.start()
             await b._open()
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -136,10 +73,86 @@ class Backend:
         return b
 
     async def __aenter__(self) -> Backend:
+        b = self._b = self._make()
+        await b.sup.__aenter__()
+        try:
+            await b._open()
+        except BaseException as e:
+            await self.__aexit__(type(e), e, e.__traceback__)
+            raise
+        return b
+
+    async def __aexit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool | None:
+        assert self._b is not None
+        with anyio.CancelScope(shield=True):
+            await self._b.close()
+        if isinstance(exc, Exception):
+            # The block's own error (or the open's) is raised as it is, not inside the group's
+            # ExceptionGroup; a failure of the group's tasks still is (with it as the context).
+            await self._b.sup.__aexit__(None, None, None)
+            return False
+        return await self._b.sup.__aexit__(typ, exc, tb)
+
+
+class Backend:
+    def __init__(self, isolation: IsolationName, sms: int, mps_dir: str | None, pool: int, gpu: str,
+                 cache_dir: str | None, deadlines: Deadlines, max_clients: int, devices: Sequence[int] | None = None):
+        if isolation not in ("blink", "mps"):
+            raise ConfigError(f"--isolation {isolation}: expected blink or mps")
+        if gpu not in ("cuda", "sim"):
+            raise ConfigError(f"--gpu {gpu}: expected cuda or sim")
+        if sms < 0 or pool < 0:
+            raise ConfigError("--sms and --pool must not be negative")
+        self._asked = None if devices is None else check_unique(devices)  # that they exist: at open
+        self.isolation: IsolationName = isolation
+        self.sms = sms
+        self.gpu = gpu
+        self._mps_dir = mps_dir
+        self._pool_n = pool
+        self._cache_dir = cache_dir
+        self._max_clients = max_clients
+        self.sup = Supervisor(deadlines)
+        self.mailbox = Mailbox.create()
+        #: The mode's host-wide part, which holds each GPU's isolation (made at open).
+        self.mode: Mode | None = None
+        self.devices: tuple[int, ...] = ()  # the GPUs driven, ascending (known once open)
+        self.infos: dict[int, DeviceInfo] = {}
+        self.device_caps: dict[int, Caps] = {}
+        self.compilers: dict[int, Compiler] = {}
+        self._closed = False
+
+    @classmethod
+    def open(cls, *, isolation: IsolationName = "blink", sms: int = 0, mps_dir: str | None = None, pool: int = 0,
+             gpu: str = "cuda", cache_dir: str | None = None, deadlines: Deadlines = Deadlines(),
+             max_clients: int = MAX_CLIENTS, devices: Sequence[int] | None = None) -> Opening:
+        """Start the backend: in MPS mode the private daemon and the pools first.  ``devices``: the
+        GPUs to drive (CUDA ordinals; None: every visible one); ``pool`` idle workers per GPU.
+        ``await`` it, or enter it with ``async with`` (:class:`Opening`)."""
+
+        def make() -> Backend:
+            if not structlog.is_configured():
+                setup_logging()  # structlog's default is stdout: a host's output is not ours to fill
+            return cls(isolation, sms, mps_dir, pool, gpu, cache_dir, deadlines, max_clients, devices)
+
+        return Opening(make)
+
+    async def __aenter__(self) -> Backend:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    def _choose(self) -> Mode:
+        """The one place the mode is chosen: its host-wide part, which makes every GPU's isolation."""
+        if self.isolation == "mps":
+            return Mps.under(self._mps_dir, self.sup, self.mailbox.path, self.sms, self.gpu, self._pool_n, self._max_clients)
+        return Blink(self.sup, self.mailbox, self.sms, self.gpu)
+
+    async def _open(self) -> None:
+        self.mode = self._choose()
+        await self.mode.start()
+        await self._devices()
+        await self.mode.open(self.devices)
 
     async def _devices(self) -> None:
         """Which GPUs (checked against those visible), their figures, caps and compilers."""
@@ -162,32 +175,30 @@ class Backend:
                  + ", ".join(f"{d}: {self.infos[d].name} ({self.infos[d].arch}, {self.infos[d].sms_total} SMs)"
                              for d in self.devices))
 
-    async def _open(self) -> None:
-        await self.sup.start()
-        if self.isolation == "mps":
-            temporary = self._mps_dir is None
-            d = self._mps_dir or tempfile.mkdtemp(prefix=f"meshd-mps.{os.getpid()}.")
-            self.daemon = ControlDaemon(d, temporary)
-            await self.daemon.start()
-            # meshd-mps's own cuInit (device attributes, no context) must join no daemon.
-            self._saved_pipe_env = os.environ.get(PIPE_ENV)
-            os.environ[PIPE_ENV] = os.path.join(self.daemon.dir, "none")
-            await self._devices()
-            self.mps = Mps(self.daemon, self.sup, self.mailbox.path, self.sms, self.gpu, self._pool_n, self._max_clients,
-                           self.devices)
-            log.info(f"mps: mailbox {abi.MAILBOX_BYTES} bytes in a memfd ({self.mailbox.path}); workers run --gpu {self.gpu}")
-            mps = self.mps
-            try:  # every GPU's pool at once: contexts on different GPUs do not wait for each other
-                async with anyio.create_task_group() as tg:
-                    for g in self.devices:
-                        tg.start_soon(mps.prewarm, self._pool_n, g)
-            except ExceptionGroup as e:
-                raise e.exceptions[0] from e
-        else:
-            await self._devices()
-            for g in self.devices:
-                self.blinks[g] = BlinkContext(self.sup, self.mailbox, self.sms, self.gpu, device=g)
-                await self.blinks[g].open()
+    # ---- each GPU's isolation -------------------------------------------------------------
+    @property
+    def isolations(self) -> dict[int, Isolation]:
+        """Each GPU's isolation, by ordinal (none before open)."""
+        return self.mode.gpus if self.mode is not None else {}
+
+    def _on(self, device: int | None) -> Isolation:
+        return self.isolations[self.device_or_first(device)]
+
+    @property
+    def mps(self) -> Mps | None:
+        """MPS mode's host-wide part (the daemon, client checks, each GPU's pool); None in blink mode."""
+        return self.mode if isinstance(self.mode, Mps) else None
+
+    @property
+    def daemon(self) -> ControlDaemon | None:
+        """MPS mode: the private control daemon."""
+        mps = self.mps
+        return None if mps is None else mps.daemon
+
+    @property
+    def blinks(self) -> dict[int, BlinkIsolation]:
+        """Blink mode: each GPU's context (its isolation); empty in MPS mode."""
+        return {d: g for d, g in self.isolations.items() if isinstance(g, BlinkIsolation)}
 
     # ---- the first GPU's, for one-GPU callers ----------------------------------------------
     @property
@@ -210,11 +221,6 @@ class Backend:
             if self.compilers[d] is old:
                 self.compilers[d] = c
 
-    @property
-    def blink(self) -> BlinkContext | None:
-        """Blink mode: the first GPU's context."""
-        return self.blinks.get(self.devices[0]) if self.devices else None
-
     # ---- placement ------------------------------------------------------------------------
     def device_or_first(self, device: int | None) -> int:
         """``device`` checked to be one of ours; None: the first."""
@@ -229,10 +235,8 @@ class Backend:
 
     def load_of(self, device: int) -> int:
         """Images on ``device``: MPS, its workers that are not idle in the pool; blink, its context's modules."""
-        if self.mps is not None:
-            return len(self.mps.workers_on(device)) - len(self.mps.pools[device])
-        ctx = self.blinks.get(device)
-        return len(ctx.modules) if ctx is not None else 0
+        g = self.isolations.get(device)
+        return g.load_count() if g is not None else 0
 
     def least_loaded(self, load: Mapping[int, int] | None = None) -> int:
         """The GPU with the least ``load`` (default: ``load_of``); ties go to the lowest ordinal."""
@@ -249,30 +253,13 @@ class Backend:
     def mailbox_dev(self, device: int | None = None) -> int:
         """The mailbox's device address in GPU ``device``'s shared context (default: the first);
         0 in MPS mode (each worker has its own)."""
-        if self.isolated or not self.blinks:
-            return 0
-        return self.blinks[self.device_or_first(device)].dev
+        return self._on(device).mailbox_dev() if self.isolations else 0
 
     async def stack_limit(self, set_to: int | None = None, device: int | None = None) -> int | None:
         """GPU ``device``'s shared context's stack limit in bytes per thread (set first if asked;
-        default: the first GPU); None in MPS mode, where each worker's context is its own (the
-        seed's SIZE_MAX, set a no-op)."""
-        if not self.blinks:
-            return None
-        blink = self.blinks[self.device_or_first(device)]
-        p = blink._p()
-
-        async def ask() -> int:
-            try:
-                payload = await p.ask(Op.LIMIT, frames.limit_body(set_to))
-                return frames.limit_value(payload)
-            except frames.FrameError as e:
-                raise e.prefixed(f"stack limit: worker {p.pid}") from e
-
-        if set_to is None:
-            return await ask()
-        # Setting it waits for every running kernel, as a module load does: a blink.
-        return await blink._blink(f"stack limit {set_to}", ask)
+        default: the first GPU; setting it is a blink); None in MPS mode, where each worker's
+        context is its own (the seed's SIZE_MAX, set a no-op)."""
+        return await self._on(device).stack_limit(set_to)
 
     def _compiler(self, device: int) -> Compiler:
         c = self.compilers.get(device)
@@ -288,11 +275,7 @@ class Backend:
             raise Unavailable("backend closed")
         d = self.least_loaded() if device is None else self.device_or_first(device)
         p = await self._compiler(d).prepare(manifest, ptx, expect)
-        img = Image(p, device=d)
-        if self.mps is not None:
-            m = p.manifest
-            img.worker = await self.mps.preload(m.name, p.cubin, m.threads, m.smem, m.scratch, d)
-        return img
+        return await self.isolations[d].prepare(p)
 
     def admit(self, device: int, name: str, nodes: int, used: float, new: bool = True) -> None:
         """Before anything changes: CapacityError if GPU ``device`` cannot take a program of
@@ -300,84 +283,34 @@ class Backend:
         ``new``: one more program (an upgrade or relaunch takes its predecessor's place)."""
         d = self.device_or_first(device)
         if new:
-            if self.mps is not None:
-                self.mps.check_room(name, d)
-            else:
-                self.blinks[d].check_room(name)
+            self.isolations[d].check_room(name)
         info = self.infos[d]
         limits.check_nodes(name, nodes, info, info.sms_total, used)
 
     def not_started_why(self, device: int) -> str:
         """The likely reasons a launched kernel does not start, in this mode, in words."""
-        if self.mps is not None:
-            return (f"its blocks wait for SMs that the other resident programs of GPU {device} hold, or the program"
-                    " does not set STATE = RUNNING when it starts (docs/program-abi.md)")
-        ctx = self.blinks[device]
-        return (f"its stream shares a hardware work queue with a resident kernel ({len(ctx.modules)} programs in a context"
-                f" of {ctx.queues} queues), its blocks wait for SMs that resident programs hold, or the program does not"
-                " set STATE = RUNNING when it starts (docs/program-abi.md)")
+        return self._on(device).not_started_why()
 
-    async def load(self, img: Image, admit: Callable[[Loaded], None] | None = None) -> Kernel:
+    async def load(self, img: Image, admit: Admit | None = None) -> Kernel:
         """The image's module, ready to launch.  ``admit`` sees what the worker reported (its
         occupancy, its context's SMs) and raises to refuse it; a refused module is unloaded (in
         blink mode within the load's own blink)."""
-        p, m = img.prepared, img.prepared.manifest
-        if self.mps is not None:
-            if img.worker is None:
-                raise MeshError("internal: an image prepared for the other isolation mode")
-            w, img.worker = img.worker, None
-            i = w.info
-            k = Kernel(m.name, m, i.regs, i.local, i.per_sm, i.scratch, i.rt_abi, worker=w, device=w.device, sms=i.sms)
-            if admit is not None:
-                try:
-                    admit(i)
-                except BaseException:
-                    with anyio.CancelScope(shield=True):
-                        await self.unload(k)
-                    raise
-        else:
-            d = self.device_or_first(img.device)
-            ctx = self.blinks[d]
-            mod = await ctx.load(m.name, p.cubin, m.threads, m.smem, m.scratch, admit)
-            i = mod.info
-            k = Kernel(m.name, m, i.regs, i.local, i.per_sm, i.scratch, i.rt_abi, module=mod,
-                       context_pid=ctx.proc.pid if ctx.proc else 0, device=d, sms=i.sms)
-        if k.rt_abi != abi.RT_ABI:
-            await self.unload(k)
-            raise AbiMismatch(f"{m.name}: {abi.RT_ABI_SYMBOL} is {k.rt_abi}, this meshd-mps runs program ABI {abi.RT_ABI}",
-                              program=m.name, abi=k.rt_abi, expected=abi.RT_ABI)
-        if self.sms and self.blinks and k.module and k.module.info.sms != self.sms:
-            await self.unload(k)
-            raise DeviceError(f"load: the context's green context has {k.module.info.sms} SMs, not {self.sms}")
-        return k
+        return await self._on(img.device).load(img, admit)
 
     async def launch(self, k: Kernel, slot: int, nodes: int = 1) -> Launch:
         """``mesh_main(mailbox_dev, slot)`` on ``nodes`` blocks; await the result for its DONE."""
         if not 0 <= slot < abi.SLOTS:
             raise MailboxError(f"{k.name}: slot {slot} out of range 0..{abi.SLOTS - 1}")
         self.mailbox.run(slot)
-        if k.worker is not None:
-            k.launch = Launch(k.name, slot, nodes, await mps_launch(k.worker, slot, nodes))
-        else:
-            assert k.module is not None
-            k.launch = await self.blinks[k.device].launch(k.module, slot, nodes)
-        return k.launch
+        return await k.isolation.launch(k, slot, nodes)
 
     def query(self, k: Kernel) -> bool:
         """The last launch finished; WorkerError (naming the program) on a stream error or a death."""
-        if k.worker is not None:
-            return mps_query(k.worker)
-        assert k.module is not None
-        return self.blinks[k.device].query(k.module)
+        return k.isolation.query(k)
 
     async def unload(self, k: Kernel) -> None:
         """MPS: the worker back to the pool (UNLOAD) or retired; blink: the module unloaded (a blink)."""
-        if k.worker is not None and self.mps is not None:
-            w, k.worker = k.worker, None
-            await self.mps.drop(w)
-        elif k.module is not None and self.blinks:
-            mod, k.module = k.module, None
-            await self.blinks[k.device].unload(mod)
+        await k.isolation.unload(k)
 
     async def abandon(self, k: Kernel, slot: int) -> None:
         """A launch given up before its kernel started: HALT on its slot, so that it returns at
@@ -385,26 +318,28 @@ class Backend:
         is retired (the server ends its context first); blink: in one blink, which halts the
         kernels it may be queued behind."""
         self.mailbox.halt(slot)
-        if k.worker is not None and self.mps is not None:
-            run = k.launch
-            if run is not None and not run.finished():
-                with anyio.move_on_after(self.sup.deadlines.launch):
-                    try:
-                        await run.wait()
-                    except WorkerError:
-                        pass
-                if not run.finished():
-                    self.sup.retire(k.worker.proc)
-            await self.unload(k)
-        elif k.module is not None and self.blinks:
-            mod, k.module = k.module, None
-            await self.blinks[k.device].discard(mod)
+        await k.isolation.abandon(k, slot)
 
     async def drop(self, img: Image) -> None:
         """An image prepared but never loaded: its worker goes back."""
-        if img.worker is not None and self.mps is not None:
-            w, img.worker = img.worker, None
-            await self.mps.drop(w)
+        await self._on(img.device).drop(img)
+
+    def retire_stuck(self, k: Kernel) -> bool:
+        """A kernel that did not halt: True if its worker was retired for it (MPS), False if it
+        cannot be (blink: the context is every program's)."""
+        return k.isolation.retire_stuck(k)
+
+    # ---- a fault of one GPU ---------------------------------------------------------------
+    async def teardown(self, device: int) -> list[WorkerProc]:
+        """After a fault of GPU ``device``: every worker of it retired (MPS: its programs' and its
+        pool's; blink: its context), awaited within ``recover``; the workers retired."""
+        return await self._on(device).teardown()
+
+    async def refill(self, device: int, extra: int = 0) -> bool:
+        """After ``teardown``, once GPU ``device`` takes workers again: its pool (MPS) or its
+        context (blink) again, and ``extra`` fresh workers more for the lost programs, within
+        ``recover``; False if not (logged)."""
+        return await self._on(device).refill(extra)
 
     # ---- state ----------------------------------------------------------------------------
     def device_status(self, d: int) -> dict[str, Any]:
@@ -412,19 +347,14 @@ class Backend:
         caps = self.device_caps.get(d)
         s: dict[str, Any] = {"device": d, "name": caps.name if caps else None,
                              "caps": caps.__dict__ if caps else None, "images": self.load_of(d)}
-        if self.mps is not None:
-            pool = self.mps.pools[d]
-            s.update(workers=self.mps.workers_on(d), pool=pool.pids(), pool_cap=pool.cap)
-        ctx = self.blinks.get(d)
-        if ctx is not None:
-            pid = ctx.proc.pid if ctx.proc else None
-            s.update(workers=[pid] if pid else [], blinks=ctx.blinks, last_blink_ms=ctx.last_blink_ms, context_pid=pid)
+        g = self.isolations.get(d)
+        if g is not None:
+            s.update(g.status())
         return s
 
     def last_blink_ms(self) -> float | None:
         """Blink mode: the length of the latest blink on any GPU (None before the first)."""
-        done = [c for c in self.blinks.values() if c.last_blink_ms is not None]
-        return max(done, key=lambda c: c.last_blink_at).last_blink_ms if done else None
+        return last_blink_ms(self.blinks.values())
 
     def status(self) -> dict[str, Any]:
         """The first GPU's caps and context at the top (as on a one-GPU host), every GPU's under ``devices``;
@@ -437,15 +367,8 @@ class Backend:
             "retired": self.sup.retired,
             "devices": [self.device_status(d) for d in self.devices],
         }
-        if self.mps is not None:
-            s.update(pool=sorted(p for pool in self.mps.pools.values() for p in pool.pids()),
-                     pool_cap=sum(pool.cap for pool in self.mps.pools.values()), server=self.mps.server,
-                     mps_dir=self.mps.daemon.dir, daemon_died=self.mps.daemon.lost(),  # first: a status poll notices a death
-                     daemon_pid=self.mps.daemon.pid)
-        blink = self.blink
-        if blink is not None:
-            s.update(blinks=sum(c.blinks for c in self.blinks.values()), last_blink_ms=self.last_blink_ms(),
-                     context_pid=blink.proc.pid if blink.proc else None)
+        if self.mode is not None:
+            s.update(self.mode.status())
         return s
 
     async def close(self) -> None:
@@ -453,18 +376,14 @@ class Backend:
         if self._closed:
             return
         self._closed = True
-        with anyio.CancelScope(shield=True):
-            if self.mps is not None:
-                await self.mps.close()
-            else:
-                await self.sup.close()
-                if self.daemon is not None:
-                    await self.daemon.quit()
-            if self.daemon is not None:
-                if self._saved_pipe_env is None:
-                    os.environ.pop(PIPE_ENV, None)
-                else:
-                    os.environ[PIPE_ENV] = self._saved_pipe_env
-        self.mailbox.close()
-
-
+        try:
+            with anyio.CancelScope(shield=True):
+                for g in self.isolations.values():
+                    await g.close()
+                try:
+                    await self.sup.close()  # re-raises what a task of its group raised
+                finally:
+                    if self.mode is not None:
+                        await self.mode.close()
+        finally:
+            self.mailbox.close()

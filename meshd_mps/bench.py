@@ -15,7 +15,8 @@ the backend's nvJitLink); nothing ships as PTX.  Rows (issue 6):
     the blink is estimated from (HEARTBEAT, BEAT_TIME) samples taken by the
     host: the time between two samples less the beats between them at the
     idle beat rate.
-(b) ask: WorkerProc.ask round trip of a LAUNCH until its LAUNCHED, for a
+(b) ask: the launch path's round trip (Module.start: a LAUNCH through
+    WorkerProc.ask) until its LAUNCHED, for a
     kernel that returns at once (``heartbeat`` whose slot already says HALT),
     its DONE awaited before the next ask; one worker alone, then 32 (8 with
     --quick) workers asking concurrently.  Baseline: a raw pipe ping-pong of
@@ -24,7 +25,7 @@ the backend's nvJitLink); nothing ships as PTX.  Rows (issue 6):
     the host's HALT write on a running ``heartbeat`` to its Launch resolving.
     Baseline: HALT write to STATE = EXITED seen by a host spin on the slot
     (the kernel's end itself, without the DONE path).
-(d) pool: Mps.prewarm of 1, 8, 32 workers (spawn to every READY and the
+(d) pool: MpsIsolation.prewarm of 1, 8, 32 workers (spawn to every READY and the
     client check), and VmRSS per worker, against as many bare clients
     started under the same daemon: python + import cuda.bindings + cuInit +
     primary context + one 1 MiB alloc (probe/pool.py's child); with --gpu sim
@@ -79,7 +80,9 @@ from meshd_mps.errors import CapacityError
 from meshd_mps.protocol.frames import Launch as LaunchReq, Op
 from meshd_mps.isolation.limits import BLINK_QUEUES
 from meshd_mps.log import setup_logging
-from meshd_mps.mps.clients import MAX_CLIENTS, Worker
+from meshd_mps.isolation.base import Module
+from meshd_mps.isolation.mps import MpsIsolation
+from meshd_mps.mps.clients import MAX_CLIENTS
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.programs import Programs
@@ -220,36 +223,36 @@ async def timed(n: int, f: Any, warm: int = 10) -> list[float]:
     return out
 
 
-async def launch_sync(w: Worker, slot: int, ask_only: bool = False) -> float:
-    """LAUNCH of w's kernel through WorkerProc.ask, then its DONE: seconds to LAUNCHED (ask_only) or to DONE."""
-    p = w.proc
-    gen, done = p.next_gen(w.module)
+async def launch_sync(w: Module, slot: int, ask_only: bool = False) -> float:
+    """LAUNCH of w's kernel (the launch path: Module.start), then its DONE: seconds to LAUNCHED (ask_only) or to DONE."""
     t0 = time.perf_counter()
-    try:
-        await p.ask(Op.LAUNCH, LaunchReq(w.module, gen, slot, 1).encode())
-    except BaseException:
-        done.cancel()
-        raise
+    done = await w.start(slot, 1)
     t1 = time.perf_counter()
     d = await done  # no scope of its own (it would cost the concurrent row loop time): the section's deadline holds
     if not d.ok:
-        raise RuntimeError(f"{w.name} on worker {p.pid}: DONE says {d.message}")
+        raise RuntimeError(f"{w.name} on worker {w.proc.pid}: DONE says {d.message}")
     return t1 - t0 if ask_only else time.perf_counter() - t0
 
 
-async def returning_worker(bench: Bench, b: Backend, slot: int) -> Worker:
+def mps_gpu(b: Backend) -> MpsIsolation:
+    """The MPS backend's one GPU (the bench drives GPU 0 only)."""
+    g = b.isolations[0]
+    assert isinstance(g, MpsIsolation)
+    return g
+
+
+async def returning_worker(bench: Bench, b: Backend, slot: int) -> Module:
     """A pooled worker with ``heartbeat`` loaded and its slot set to HALT: each launch returns at once."""
     img = await b.prepare(*await bench.src(b, "heartbeat"))
-    assert img.worker is not None
+    assert img.preloaded is not None
     b.mailbox.reset_slot(slot)
     b.mailbox.halt(slot)
-    return img.worker
+    return img.preloaded
 
 
 async def retire_idle(b: Backend) -> None:
     """Empty the pool: its workers retired and reaped."""
-    assert b.mps is not None
-    idle = b.mps.pool.drain()
+    idle = mps_gpu(b).pool.drain()
     for w in idle:
         b.sup.retire(w)
     pids = {w.pid for w in idle}
@@ -338,7 +341,7 @@ async def sec_stall(bench: Bench) -> list[Row]:
                     for _ in range(reps):
                         if case == "fresh":
                             await retire_idle(b)
-                        elif case == "pooled" and b.mps is not None and not len(b.mps.pool):
+                        elif case == "pooled" and not len(mps_gpu(b).pool):
                             raise RuntimeError("no pooled worker left for the pooled case")
                         g, i, e = await stall_window(b, progs, hb.slot, echo, sampled=case == "blink")
                         gap, idle, beside = max(gap, g), max(idle, i), max(beside, e)
@@ -418,9 +421,7 @@ async def sec_ask(bench: Bench) -> list[Row]:
         dones = []
         for i, w in enumerate(ws):  # each runs heartbeat, busy until halted
             b.mailbox.reset_slot(100 + i)
-            gen, done = w.proc.next_gen(w.module)
-            await w.proc.ask(Op.LAUNCH, LaunchReq(w.module, gen, 100 + i, 1).encode())
-            dones.append(done)
+            dones.append(await w.start(100 + i, 1))
         await until(lambda: all(b.mailbox.u64(100 + i, abi.HEARTBEAT) > 0 for i in range(nw)), 10, "busy heartbeats")
         busy_one = await timed(n1, lambda: launch_sync(asked, 99, ask_only=True))
         for i in range(nw):
@@ -502,8 +503,8 @@ async def sec_done(bench: Bench) -> list[Row]:
 # ---- (d) pool ----------------------------------------------------------------------------------
 async def bare_clients(bench: Bench, b: Backend, n: int) -> tuple[float, float, int | None]:
     """n bare clients under b's daemon: (all ready s, median VmRSS MiB, how many are in the client list)."""
-    assert b.daemon is not None and b.mps is not None
-    env = {**os.environ, **b.daemon.env}
+    mps = mps_gpu(b).mps
+    env = {**os.environ, **mps.daemon.env}
     code = BARE_CUDA if bench.gpu == "cuda" else BARE_SIM
     procs: list[child.Child] = []
     t0 = time.perf_counter()
@@ -520,8 +521,8 @@ async def bare_clients(bench: Bench, b: Backend, n: int) -> tuple[float, float, 
         rss = statistics.median(vmrss_mib(p.pid) for p in procs)
         seen = None
         if bench.gpu == "cuda":
-            server = await b.mps.server_pid()
-            listed = set(await b.mps.clients(server)) if server else set()
+            server = await mps.server_pid()
+            listed = set(await mps.clients(server)) if server else set()
             seen = sum(p.pid in listed for p in procs)
         return t, rss, seen
     finally:
@@ -544,18 +545,18 @@ async def sec_pool(bench: Bench) -> list[Row]:
     bare = ("bare clients: python + cuda.bindings + cuInit + primary context + 1 MiB alloc" if bench.gpu == "cuda"
             else "sim: bare clients are python importing cuda.bindings only")
     async with await bench.backend("mps", pool=0) as b:
-        assert b.mps is not None
+        gpu = mps_gpu(b)
         # The MPS server starts with the first client of a daemon: paid by neither side's timing.
         first, _, _ = await bare_clients(bench, b, 1)
         bare += f"; the MPS server started beforehand by one bare client ({first * 1e3:.0f} ms)"
         for n in (1, 8) if bench.quick else (1, 8, 32):
             t0 = time.perf_counter()
-            await b.mps.prewarm(n)
+            await gpu.prewarm(n)
             tw = time.perf_counter() - t0
             t1 = time.perf_counter()
-            await b.mps.check_clients(b.mps.pool.pids())  # the check alone, once more, for the note
+            await gpu.mps.check_clients(gpu.pool.pids())  # the check alone, once more, for the note
             tc = time.perf_counter() - t1
-            rw = statistics.median(vmrss_mib(p) for p in b.mps.pool.pids())
+            rw = statistics.median(vmrss_mib(p) for p in gpu.pool.pids())
             await retire_idle(b)
             tb, rb, seen = await bare_clients(bench, b, n)
             listed = f"; {seen}/{n} bare clients in the server's client list" if seen is not None else ""
@@ -689,7 +690,7 @@ async def sec_limits(bench: Bench) -> list[Row]:
                     await progs.upgrade("heartbeat-0", named(0), ptx)
                     rows.append(Row("h", f"limits: blink at {n}, an upgrade halts every program for", "ms",
                                     b.last_blink_ms(), two_blink, "the same with 2 programs", "-", None,
-                                    "the blink's halt, reload and relaunch (BlinkContext.last_blink_ms)"))
+                                    "the blink's halt, reload and relaunch (BlinkIsolation.last_blink_ms)"))
                 else:
                     await beat(b, nb.slot, reset=True)
                     t0 = time.perf_counter()

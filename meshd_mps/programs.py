@@ -330,9 +330,8 @@ class Programs:
             except WorkerError:
                 pass
             return
-        if p.kernel.worker is not None:
+        if self.b.retire_stuck(p.kernel):
             log.error(f"program {p.name} did not halt in {within:g}s; retiring its worker", pid=p.kernel.pid)
-            self.b.sup.retire(p.kernel.worker.proc)
             return
         raise HaltTimeout(f"program {p.name} did not halt within {within:g}s", programs=(p.name,), within=within)
 

@@ -163,6 +163,8 @@ async def worker(n: int, gpu: str) -> list[float]:
     """WorkerProc.ask LAUNCH to a real worker process (no MPS), heartbeat with HALT preset, DONE awaited."""
     from meshd_mps.protocol.mailbox import Mailbox
     from meshd_mps.mps.clients import worker_argv
+    from meshd_mps.isolation.base import Module
+    from meshd_mps.protocol.frames import Loaded
     from meshd_mps.supervision.proc import WorkerProc
 
     mb = Mailbox.create()
@@ -175,14 +177,13 @@ async def worker(n: int, gpu: str) -> list[float]:
     else:
         from meshd_mps.protocol.frames import Load
         req = Load(1, 32, 0, 0, "heartbeat", b"\x7fELF heartbeat")
-    await w.ask(Op.LOAD, req.encode())
+    m = Module("heartbeat", w, 1, Loaded.decode_ok(await w.ask(Op.LOAD, req.encode())))
     mb.reset_slot(3)
     mb.halt(3)
     out = []
     for i in range(n + 100):
-        gen, done = w.next_gen(1)
         t = time.perf_counter()
-        await w.ask(Op.LAUNCH, Launch(1, gen, 3, 1).encode())
+        done = await m.start(3, 1)  # the launch path: a LAUNCH through WorkerProc.ask
         dt = time.perf_counter() - t
         await asyncio.wait_for(done, 5)
         if i >= 100:

@@ -70,7 +70,7 @@ async def case(name: str) -> None:
             server = await b.mps.server_pid()
             print(f"  terminate_client: {await b.daemon.control(f'terminate_client {server} {pid}')!r}")
         elif name == "eof-running":
-            vic.worker.proc.close_stdin()
+            vic.proc.close_stdin()
         elif name == "daemon-killed":
             server = await b.mps.server_pid()
             os.kill(b.daemon.pid, signal.SIGKILL)
@@ -104,7 +104,7 @@ async def orphan_server() -> None:
         by_run = await b.launch(by, BY)
         await asyncio.sleep(0.3)
         server = int(await b.mps.server_pid())
-        print(f"orphan-server: pool {b.mps.pool.pids()}, server {server}, bystander {by.pid}")
+        print(f"orphan-server: pool {b.isolations[0].pool.pids()}, server {server}, bystander {by.pid}")
         t0 = time.monotonic()
         os.kill(b.daemon.pid, signal.SIGKILL)
         await asyncio.sleep(3)
@@ -117,14 +117,14 @@ async def orphan_server() -> None:
                     async def unchecked(want):  # noqa: ANN001, ANN202
                         print(f"  (the client check of {want} skipped)")
                     b.mps.check_clients = unchecked  # type: ignore[method-assign]
-                    for p in b.mps.pool.drain():
+                    for p in b.isolations[0].pool.drain():
                         b.sup.retire(p)
                 t1 = time.monotonic()
                 img = await b.prepare(*example("spin"))
                 k = await b.load(img)
                 b.mailbox.reset_slot(VIC)
                 d = await asyncio.wait_for((await b.launch(k, VIC)).wait(), 10)
-                print(f"  {what} worker {k.pid} (fresh={k.worker.fresh}): spin DONE {d}"
+                print(f"  {what} worker {k.pid} (fresh={k.module.fresh}): spin DONE {d}"
                       f" in {(time.monotonic() - t1) * 1e3:.0f} ms")
                 await b.unload(k)
             except BaseException as e:  # noqa: BLE001
@@ -136,7 +136,7 @@ async def orphan_server() -> None:
             print(f"  bystander halt: {e!r}; STATE {b.mailbox.u32(BY, abi.STATE)} (EXITED={abi.EXITED}),"
                   f" beats in the next 1 s: {await beating(b, BY, 1.0)}")
         await b.unload(by)
-        for p in list(b.mps.pool.drain()):
+        for p in list(b.isolations[0].pool.drain()):
             b.sup.retire(p)
         t2 = time.monotonic()
         while b.sup.children() and time.monotonic() - t2 < 10:

@@ -16,6 +16,7 @@ import pytest
 from meshd_mps.mps import standin
 from meshd_mps.mps.control import ControlDaemon, become_subreaper
 from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.isolation.mps import MpsIsolation
 from meshd_mps.mps.clients import Mps
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.supervision.supervisor import Supervisor
@@ -75,30 +76,35 @@ TEST_DEADLINES = Deadlines(retire_quit=1.0, retire_kill=2.0)
 
 
 class Rig:
-    def __init__(self, deadlines=TEST_DEADLINES, pool_cap=4, max_clients=48, sms=0):
+    """MPS mode's host-wide part on a fresh stand-in daemon, and GPU ``devices[0]``'s isolation
+    (as ``async with``), its pool empty: each test prewarms what it needs."""
+
+    def __init__(self, deadlines=TEST_DEADLINES, pool_cap=4, max_clients=48, sms=0, devices=(0,)):
         self.mailbox = Mailbox.create()
         # A short path: MPS's sockets live in it and AF_UNIX paths stop at 108 bytes.
         self.daemon = ControlDaemon(tempfile.mkdtemp(prefix="meshd-test-"), temporary=True)
         self.sup = Supervisor(deadlines)
-        self.pool_cap, self.max_clients, self.sms = pool_cap, max_clients, sms
-        self.mps: Mps | None = None
+        self.mps = Mps(self.daemon, self.sup, self.mailbox.path, sms, "sim", pool_cap, max_clients)
+        self.devices = devices
 
-    async def __aenter__(self) -> Mps:
-        await self.daemon.start()
+    async def __aenter__(self) -> MpsIsolation:
+        await self.mps.start()
         await self.sup.start()
-        self.mps = Mps(self.daemon, self.sup, self.mailbox.path, self.sms, "sim", self.pool_cap, self.max_clients)
-        return self.mps
+        for d in self.devices:
+            self.mps.add(d)
+        return self.mps.gpus[self.devices[0]]
 
     async def __aexit__(self, *exc) -> None:
-        if self.mps is not None:
-            await self.mps.close()
-        else:
+        try:
+            for g in self.mps.gpus.values():
+                await g.close()
             await self.sup.close()
-            await self.daemon.quit()
-        self.mailbox.close()
+        finally:
+            await self.mps.close()
+            self.mailbox.close()
 
 
 @pytest.fixture
 def rig(standin_on_path):
-    """Rig(...) as an async context manager: the Mps of a fresh stand-in daemon."""
+    """Rig(...) as an async context manager: GPU 0's MpsIsolation, on a fresh stand-in daemon."""
     return lambda **kw: Rig(**kw)

@@ -12,7 +12,7 @@ import pytest
 from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend, Image
 from meshd_mps.gpu.compiler import Prepared, cuda_to_ptx
-from meshd_mps.errors import ConfigError, MeshError, NoDriver
+from meshd_mps.errors import ConfigError, MeshError, NoDriver, WorkerError
 from meshd_mps.errors import AlreadyLoaded, NotLoaded, NotServedHere
 from meshd_mps.programs import Programs
 
@@ -82,7 +82,7 @@ async def test_programs_load_call_upgrade_unload(backend):
     await progs.unload("heartbeat")
     assert progs.list() == []
     if backend.isolation == "blink":
-        assert backend.blink is not None and backend.blink.blinks >= 2
+        assert backend.isolations[0].blinks >= 2
 
 
 async def test_blink_halts_and_relaunches_running_programs(standin_on_path):
@@ -90,10 +90,11 @@ async def test_blink_halts_and_relaunches_running_programs(standin_on_path):
         progs = Programs(b)
         hb = await progs.load(*example("heartbeat"))
         await beats(b, hb.slot, 10)
-        gen_before = b.blink.proc.gen[hb.kernel.module.module]
+        ctx = b.isolations[0]
+        gen_before = ctx.proc.gen[hb.kernel.module.module]
         await progs.load(*example("spin"))
-        assert b.blink.blinks == 1 and b.blink.last_blink_ms is not None
-        assert b.blink.proc.gen[hb.kernel.module.module] == gen_before + 1  # relaunched
+        assert ctx.blinks == 1 and ctx.last_blink_ms is not None
+        assert ctx.proc.gen[hb.kernel.module.module] == gen_before + 1  # relaunched
         assert not hb.launch.finished()  # the caller never saw the blink as an ending
         n = b.mailbox.heartbeat(hb.slot)
         await beats(b, hb.slot, n)
@@ -102,7 +103,7 @@ async def test_blink_halts_and_relaunches_running_programs(standin_on_path):
 
 async def test_blink_refuses_when_a_program_does_not_halt(standin_on_path):
     async with await Backend.open(gpu="sim", deadlines=TEST_DEADLINES) as b:
-        b.blink.halt_s = 0.5
+        b.isolations[0].halt_s = 0.5
         man, _ = example("spin")
         stuck = await b.load(Image(Prepared(man_parse(man, "stuck"), 1, sim(kernel="hang"), 0, False, 64, 32)))
         run = await b.launch(stuck, 3)
@@ -119,9 +120,7 @@ def man_parse(man: dict, name: str):
 
 async def test_rt_abi_mismatch_is_refused(backend):
     man, _ = example("spin")
-    img = Image(Prepared(man_parse(man, "old"), 1, sim(rt_abi=7), 0, False, 64, 32))
-    if backend.mps is not None:
-        img.worker = await backend.mps.preload("old", img.prepared.cubin, 32, 0, 0)
+    img = await backend.isolations[0].prepare(Prepared(man_parse(man, "old"), 1, sim(rt_abi=7), 0, False, 64, 32))
     with pytest.raises(MeshError, match="old: mesh_rt_abi is 7, this meshd-mps runs program ABI 1"):
         await backend.load(img)
 
@@ -136,10 +135,10 @@ async def test_green_context_sm_count_is_checked(standin_on_path):
     async with await Backend.open(isolation="mps", gpu="sim", sms=16, pool=1) as b:
         assert b.caps.sms == 16 and b.caps.green
         k = await b.load(await b.prepare(*example("spin")))
-        assert k.worker.info.sms == 16
+        assert k.sms == k.module.info.sms == 16
         await b.unload(k)
         with pytest.raises(MeshError, match="load: the worker's green context has 8 SMs, not 16"):
-            await b.mps.preload("liar", sim(sms=8), 32, 0, 0)
+            await b.isolations[0].preload("liar", sim(sms=8), 32, 0, 0)
 
 
 async def test_no_driver_is_a_plain_error(standin_on_path):
@@ -173,7 +172,7 @@ async def test_native_client_check(standin_on_path, monkeypatch):
         with pytest.raises(MeshError, match=r"mps: worker 1 is not among server \d+'s clients"):
             await b.mps.check_native(1)  # pid 1 is nobody's MPS client
         assert 1 not in b.mps.native  # forgotten after the failed check
-        pooled = b.mps.pool.pids()[0]
+        pooled = b.isolations[0].pool.pids()[0]
         b.mps.native.add(pooled)  # a native worker that is a client passes and is remembered
         await b.mps.check_native(pooled)
         assert pooled in b.mps.native
@@ -198,3 +197,70 @@ async def test_failed_upgrade_restores_the_old_version(backend, monkeypatch):
     assert again.slot == echo.slot and again.state()[0] == "running"
     assert await progs.call("echo", b"still here") == b"still here"
     await progs.close()
+
+
+async def test_open_as_a_context_runs_the_supervisor_in_our_task(standin_on_path):
+    """``async with Backend.open()``: the supervisor's task group is entered in the caller's task
+    (no task of its own), and a failure of one of its tasks reaches the caller; at the block's end
+    the backend is closed.  ``await Backend.open()`` (every other test) runs the group in a task."""
+    for iso in ("blink", "mps"):
+        async with Backend.open(isolation=iso, gpu="sim", pool=1, deadlines=TEST_DEADLINES) as b:
+            assert b.sup._runner is None and not b.sup.closed
+            k = await b.load(await b.prepare(*example("spin")))
+            b.mailbox.reset_slot(2)
+            with anyio.fail_after(10):
+                assert (await (await b.launch(k, 2))).ok  # spin: 100 ms, then it returns
+            await b.unload(k)
+            pids = b.sup.live()
+        assert b.sup.closed and b.sup.children() == [] and pids
+
+    async def fails() -> None:
+        raise RuntimeError("a task of the supervisor's failed")
+
+    with pytest.raises(ExceptionGroup) as e:
+        async with Backend.open(gpu="sim", deadlines=TEST_DEADLINES) as b:
+            b.sup.start_soon(fails, name="fails")
+            await anyio.sleep(30)  # cancelled: the failure reaches us
+    assert e.group_contains(RuntimeError, match="failed") and b.sup.children() == []
+
+
+@pytest.mark.usefixtures("no_leaks")
+async def test_a_failed_open_as_a_context_leaves_nothing(standin_on_path):
+    for iso in ("blink", "mps"):
+        with pytest.raises(ConfigError, match="^--sms 200: the device has 132$"):
+            async with Backend.open(isolation=iso, gpu="sim", sms=200):
+                pytest.fail("opened")
+
+
+async def test_teardown_and_refill(backend):
+    """After a fault of a GPU: ``teardown`` retires every worker of it (MPS: the programs' and the
+    pool's; blink: the context) and their launches fail; ``refill`` brings the pool (with ``extra``
+    workers more) or a new context back, and loads work again."""
+    k = await backend.load(await backend.prepare(*example("heartbeat")))
+    run = await backend.launch(k, 4)
+    await beats(backend, 4, 10)
+    before = backend.sup.live()
+    torn = await backend.teardown(0)
+    assert sorted(w.pid for w in torn) == before and k.pid in before
+    assert all(w.process.returncode is not None for w in torn) and backend.sup.live() == []
+    with pytest.raises(WorkerError), anyio.fail_after(10):
+        await run
+    assert await backend.refill(0, extra=1)
+    assert not set(backend.sup.live()) & set(before)
+    if backend.isolated:
+        assert len(backend.isolations[0].pool) == 3  # the pool of 2, and one for the lost program
+    await backend.unload(k)  # its worker went with the fault: nothing left to do
+    again = await backend.load(await backend.prepare(*example("heartbeat")))
+    rerun = await backend.launch(again, 4)
+    await beats(backend, 4, backend.mailbox.heartbeat(4))
+    backend.mailbox.halt(4)
+    with anyio.fail_after(10):
+        assert (await rerun).ok
+    await backend.unload(again)
+
+
+async def test_an_error_in_the_block_is_raised_as_it_is(standin_on_path):
+    with pytest.raises(NotServedHere):
+        async with Backend.open(gpu="sim", deadlines=TEST_DEADLINES) as b:
+            b.device_or_first(3)
+    assert b.sup.closed and b.sup.children() == []

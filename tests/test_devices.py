@@ -20,7 +20,7 @@ from meshd_mps.gpu.device import SIM_GPUS_ENV, choose_devices, parse_devices, si
 from meshd_mps.errors import ClientLimit, ConfigError, LimitError, WorkerError
 from meshd_mps.protocol.frames import Op
 from meshd_mps.isolation.limits import MPS_QUEUES
-from meshd_mps.mps.clients import Mps, worker_argv
+from meshd_mps.mps.clients import worker_argv
 from meshd_mps.errors import AlreadyLoaded, NotLoaded, NotServedHere
 from meshd_mps.programs import Programs
 from workers import warm
@@ -130,11 +130,11 @@ async def test_one_gpu_by_default(standin_on_path, monkeypatch):
 @pytest.mark.usefixtures("no_leaks")
 async def test_a_pool_per_gpu_each_worker_a_client_of_its_gpu(two_gpus):
     async with await Backend.open(isolation="mps", gpu="sim", pool=2, deadlines=TEST_DEADLINES) as b:
-        assert b.devices == (0, 1) and set(b.mps.pools) == {0, 1}
-        assert all(len(p) == 2 for p in b.mps.pools.values())
+        assert b.devices == (0, 1) and set(b.isolations) == {0, 1}
+        assert all(len(g.pool) == 2 for g in b.isolations.values())
         on = await gpu_of_clients(b)
         for d in (0, 1):
-            assert {on[p] for p in b.mps.pools[d].pids()} == {f"GPU-standin-{d}"}
+            assert {on[p] for p in b.isolations[d].pool.pids()} == {f"GPU-standin-{d}"}
         # Caps and status per GPU; the first GPU's at the top, as on a one-GPU host.
         assert b.infos[1].ordinal == 1 and b.info.ordinal == 0 and b.device_caps[1].sms_total == 132
         assert b.compilers[0] is b.compilers[1]  # GPUs of one kind share the compiler and its cache
@@ -148,7 +148,7 @@ async def test_a_pool_per_gpu_each_worker_a_client_of_its_gpu(two_gpus):
 async def test_placement_named_and_least_loaded(two_gpus):
     async with await Backend.open(isolation="mps", gpu="sim", pool=2, deadlines=TEST_DEADLINES) as b:
         progs = Programs(b)
-        pool0, pool1 = set(b.mps.pools[0].pids()), set(b.mps.pools[1].pids())
+        pool0, pool1 = set(b.isolations[0].pool.pids()), set(b.isolations[1].pool.pids())
         hb = await progs.load(*example("heartbeat"))  # 0 and 0: the tie goes to GPU 0
         echo = await progs.load(*example("echo"))  # 1 and 0: GPU 1
         spin = await progs.load(*example("spin"), device=1)  # named
@@ -177,28 +177,21 @@ async def test_placement_named_and_least_loaded(two_gpus):
 
 async def test_client_limit_is_per_gpu(standin_on_path, monkeypatch):
     monkeypatch.setenv(SIM_GPUS_ENV, "2")
-
-    class TwoGpus(Rig):
-        async def __aenter__(self) -> Mps:
-            await self.daemon.start()
-            await self.sup.start()
-            self.mps = Mps(self.daemon, self.sup, self.mailbox.path, 0, "sim", self.pool_cap, self.max_clients, (0, 1))
-            return self.mps
-
-    async with TwoGpus(pool_cap=0, max_clients=2) as m:
-        a = await m.preload("a", sim(), 32, 0, 0, device=0)
-        b = await m.preload("b", sim(), 32, 0, 0)  # the first GPU by default
+    r = Rig(pool_cap=0, max_clients=2, devices=(0, 1))
+    async with r as gpu0:
+        m, gpu1 = r.mps, r.mps.gpus[1]
+        a = await gpu0.preload("a", sim(), 32, 0, 0)
+        b = await gpu0.preload("b", sim(), 32, 0, 0)
         with pytest.raises(ClientLimit, match=r"^mps: 2 clients already: the MPS server takes at most 2 \(CUDA 13.0\) per GPU,"
                                              r" and GPU 0 has them all; refusing another worker for c$"):
-            await m.preload("c", sim(), 32, 0, 0, device=0)
-        c = await m.preload("c", sim(), 32, 0, 0, device=1)  # GPU 1 has room
-        d = await m.preload("d", sim(), 32, 0, 0, device=1)
+            await gpu0.preload("c", sim(), 32, 0, 0)
+        c = await gpu1.preload("c", sim(), 32, 0, 0)  # GPU 1 has room
+        d = await gpu1.preload("d", sim(), 32, 0, 0)
         assert (a.device, b.device, c.device, d.device) == (0, 0, 1, 1)
         assert m.workers_on(1) == sorted([c.proc.pid, d.proc.pid]) and m.device_of(a.proc.pid) == 0
-        with pytest.raises(NotServedHere, match=r"GPU 2 is not one of this backend's \(--devices 0,1\)"):
-            await m.spawn("e", device=2)
-        for w in (a, b, c, d):
-            await m.drop(w)
+        assert set(m.gpus) == {0, 1}  # a GPU not served has no isolation (Backend.device_or_first refuses it)
+        for w, g in ((a, gpu0), (b, gpu0), (c, gpu1), (d, gpu1)):
+            await g.give_back(w)
         # A worker told a GPU the simulation does not have is refused as cuDeviceGet refuses it.
         p = await m.sup.spawn(worker_argv(m.mailbox, 0, "sim", 5), {**os.environ, **m.worker_env}, "nowhere")
         with pytest.raises(WorkerError, match=r"cuDeviceGet: CUDA_ERROR_INVALID_DEVICE \(simulated: device 5; 2 GPUs"):
@@ -219,7 +212,7 @@ async def test_a_fault_on_gpu_1_leaves_gpu_0_running(two_gpus):
         for p in (hb0, hb1):
             await beats(b, p.slot, 10)
         run0, pids0 = hb0.launch, (hb0.kernel.pid, echo0.kernel.pid)
-        pool0, pool1 = set(b.mps.pools[0].pids()), set(b.mps.pools[1].pids())
+        pool0, pool1 = set(b.isolations[0].pool.pids()), set(b.isolations[1].pool.pids())
         old1 = hb1.kernel.pid
         before = b.mailbox.heartbeat(hb0.slot)
         await progs.load(*example("fault"), device=1)
@@ -230,8 +223,8 @@ async def test_a_fault_on_gpu_1_leaves_gpu_0_running(two_gpus):
         # GPU 0: the same programs, launches and workers, never stopped nor relaunched.
         assert progs.by_name["heartbeat"] is hb0 and progs.by_name["echo"] is echo0
         assert hb0.launch is run0 and not run0.finished() and hb0.restarts == 0 and echo0.restarts == 0
-        assert (hb0.kernel.pid, echo0.kernel.pid) == pids0 and hb0.kernel.worker.proc.gen[0] == 1
-        assert set(b.mps.pools[0].pids()) == pool0
+        assert (hb0.kernel.pid, echo0.kernel.pid) == pids0 and hb0.kernel.proc.gen[0] == 1
+        assert set(b.isolations[0].pool.pids()) == pool0
         assert b.mailbox.u32(hb0.slot, abi.STATE) == abi.RUNNING
         assert set(pids0) <= set(await b.mps.clients(b.mps.server))
         await beats(b, hb0.slot, max(before, b.mailbox.heartbeat(hb0.slot)))  # still beating after it all
@@ -241,7 +234,7 @@ async def test_a_fault_on_gpu_1_leaves_gpu_0_running(two_gpus):
         assert states["fault"]["state"] == "faulted" and states["fault"]["device"] == 1
         new1 = progs.by_name["heartbeat-1"]
         assert new1.device == 1 and new1.restarts == 1 and new1.kernel.pid != old1
-        assert len(b.mps.pools[1]) == 1 and not set(b.mps.pools[1].pids()) & pool1
+        assert len(b.isolations[1].pool) == 1 and not set(b.isolations[1].pool.pids()) & pool1
         await beats(b, new1.slot, b.mailbox.heartbeat(new1.slot))
         on = await gpu_of_clients(b)
         assert on[new1.kernel.pid] == "GPU-standin-1" and on[hb0.kernel.pid] == "GPU-standin-0"
@@ -252,26 +245,27 @@ async def test_a_fault_on_gpu_1_leaves_gpu_0_running(two_gpus):
 @pytest.mark.usefixtures("no_leaks")
 async def test_a_blink_on_one_gpu_does_not_blink_the_other(two_gpus):
     async with await Backend.open(gpu="sim", deadlines=TEST_DEADLINES) as b:  # blink mode
-        assert set(b.blinks) == {0, 1} and b.blinks[0].proc.pid != b.blinks[1].proc.pid  # a context per GPU
+        ctx = b.isolations
+        assert set(ctx) == {0, 1} and ctx[0].proc.pid != ctx[1].proc.pid  # a context per GPU
         progs = Programs(b)
         hb0 = await progs.load(*example("heartbeat"))
         hb1 = await progs.load(*renamed("heartbeat", "heartbeat-1"))
         assert (hb0.device, hb1.device) == (0, 1)
-        assert (hb0.kernel.pid, hb1.kernel.pid) == (b.blinks[0].proc.pid, b.blinks[1].proc.pid)
+        assert (hb0.kernel.pid, hb1.kernel.pid) == (ctx[0].proc.pid, ctx[1].proc.pid)
         assert b.mailbox_dev(0) != b.mailbox_dev(1)  # the mailbox is registered in each GPU's context
         for p in (hb0, hb1):
             await beats(b, p.slot, 10)
-        gen0 = b.blinks[0].proc.gen[hb0.kernel.module.module]
-        gen1 = b.blinks[1].proc.gen[hb1.kernel.module.module]
-        assert b.blinks[0].blinks == b.blinks[1].blinks == 0  # each load found its GPU idle
+        gen0 = ctx[0].proc.gen[hb0.kernel.module.module]
+        gen1 = ctx[1].proc.gen[hb1.kernel.module.module]
+        assert ctx[0].blinks == ctx[1].blinks == 0  # each load found its GPU idle
         await progs.load(*example("spin"), device=1)  # halts GPU 1's programs, not GPU 0's
-        assert b.blinks[1].blinks == 1 and b.blinks[0].blinks == 0
-        assert b.blinks[1].proc.gen[hb1.kernel.module.module] == gen1 + 1  # relaunched
-        assert b.blinks[0].proc.gen[hb0.kernel.module.module] == gen0  # untouched
+        assert ctx[1].blinks == 1 and ctx[0].blinks == 0
+        assert ctx[1].proc.gen[hb1.kernel.module.module] == gen1 + 1  # relaunched
+        assert ctx[0].proc.gen[hb0.kernel.module.module] == gen0  # untouched
         assert not hb0.launch.finished() and not hb1.launch.finished()
         s = b.status()
         assert [d["blinks"] for d in s["devices"]] == [0, 1] and s["blinks"] == 1
-        assert s["last_blink_ms"] == b.blinks[1].last_blink_ms
+        assert s["last_blink_ms"] == ctx[1].last_blink_ms
         for p in (hb0, hb1):
             await beats(b, p.slot, b.mailbox.heartbeat(p.slot))
         await progs.close()

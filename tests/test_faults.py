@@ -33,7 +33,7 @@ async def test_fault_is_survived_and_innocents_relaunched(standin_on_path, resta
         hb = await progs.load(*example("heartbeat"))
         await progs.load(*example("echo"))
         await beats(b, hb.slot, 10)
-        old_pids = {p.kernel.pid for p in progs.by_name.values()} | set(b.mps.pool.pids())
+        old_pids = {p.kernel.pid for p in progs.by_name.values()} | set(b.isolations[0].pool.pids())
         await progs.load(*example("fault"))
         await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
         r = progs.faults[-1]
@@ -49,7 +49,7 @@ async def test_fault_is_survived_and_innocents_relaunched(standin_on_path, resta
             n = b.mailbox.heartbeat(hb.slot)
             await beats(b, hb.slot, n)
             assert await progs.call("echo", b"after the fault") == b"after the fault"
-            assert len(b.mps.pool) == 2  # refilled
+            assert len(b.isolations[0].pool) == 2  # refilled
         else:
             assert r.relaunched == [] and set(r.not_relaunched) == {"echo", "heartbeat"}
             assert states["heartbeat"]["state"] == "failed"
@@ -68,7 +68,7 @@ async def test_a_retired_worker_stays_local(standin_on_path):
         hb = await progs.load(*example("heartbeat"))
         victim = await progs.load(*example("echo"))  # resident: it runs until halted, or until its worker dies
         pid = victim.kernel.pid
-        b.sup.retire(victim.kernel.worker.proc)
+        b.sup.retire(victim.kernel.proc)
         await wait_for(lambda: progs.faults)
         r = progs.faults[-1]
         assert not r.gpu_wide and r.faulted == "echo" and r.pid == pid and r.lost == [] and r.relaunched == []
@@ -80,9 +80,10 @@ async def test_a_retired_worker_stays_local(standin_on_path):
         await beats(b, hb.slot, n)  # the other program never stopped
         assert progs.by_name["heartbeat"].kernel.pid == hb.kernel.pid
         await wait_for(lambda: pid not in b.sup.children() and pid not in b.sup.live() and not os.path.exists(f"/proc/{pid}"))
-        await b.mps.prewarm(b.mps.pool.cap - len(b.mps.pool))  # the pool refills ...
+        pool = b.isolations[0].pool
+        await b.isolations[0].prewarm(pool.cap - len(pool))  # the pool refills ...
         spin = await progs.load(*example("spin"))  # ... and serves the next load
-        assert not spin.kernel.worker.fresh
+        assert not spin.kernel.module.fresh
         with anyio.fail_after(10):
             assert (await spin.launch.wait()).ok  # spin: 100 ms, then it returns
         await progs.unload("echo")
@@ -125,7 +126,7 @@ async def test_a_worker_killed_in_a_loads_launch_is_a_gpu_fault(standin_on_path,
         assert list(rows) == ["heartbeat"] and rows["heartbeat"]["state"] == "running"
         await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot))
         echo = await progs.load(*example("echo"))  # the load works again
-        assert await progs.call("echo", b"again") == b"again" and not echo.kernel.worker.fresh
+        assert await progs.call("echo", b"again") == b"again" and not echo.kernel.module.fresh
         await progs.close()
 
 
@@ -160,7 +161,7 @@ async def test_a_worker_killed_with_its_kernel_running_is_a_gpu_fault(standin_on
         assert rows["heartbeat"]["state"] == "running" and rows["heartbeat"]["restarts"] == 1
         assert progs.by_name["heartbeat"].kernel.pid != hb_pid
         await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot))
-        assert len(b.mps.pool) == 2  # refilled
+        assert len(b.isolations[0].pool) == 2  # refilled
         await progs.unload("echo")
         await wait_for(lambda: not os.path.exists(f"/proc/{pid}") and not os.path.exists(f"/proc/{hb_pid}"))
         await progs.close()

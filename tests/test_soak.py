@@ -16,7 +16,6 @@ import time
 
 import pytest
 
-from meshd_mps.mps import clients as mpsmod
 from meshd_mps.errors import WorkerError
 
 from .conftest import sim
@@ -47,7 +46,7 @@ async def test_soak_with_random_kills(rig):
                     if kill:
                         counts["faults injected"] += 1
                         os.kill(w.proc.pid, 9)
-                    done = await mpsmod.launch(w, rnd.randrange(256), 1)
+                    done = await w.start(rnd.randrange(256), 1)
                     d = await asyncio.wait_for(done, 10)
                     if not d.ok:
                         counts["programs lost"] += 1
@@ -59,7 +58,7 @@ async def test_soak_with_random_kills(rig):
                 else:
                     if kill:
                         counts["programs lost"] += 1  # a killed worker cannot have run it
-                await m.drop(w)
+                await m.give_back(w)
                 counts["cycles"] += 1
 
         per, extra = divmod(CYCLES, LANES)

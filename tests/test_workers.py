@@ -35,7 +35,7 @@ async def start_bystander(r, m):
     """A heartbeat on slot BYSTANDER in its own worker, beating: (its Worker, its DONE's future)."""
     by = await preload(m, "bystander", kernel="heartbeat")
     r.mailbox.run(BYSTANDER)
-    by_done = await mpsmod.launch(by, BYSTANDER, 1)
+    by_done = await by.start(BYSTANDER, 1)
     await beating(r.mailbox, BYSTANDER)
     return by, by_done
 
@@ -50,11 +50,11 @@ async def test_prewarm_load_launch_done_and_reuse(rig):
         w = await preload(m, kernel="sleep", ms=20)
         assert w.proc.pid in pooled and not w.fresh
         assert w.info.sms == 132 and w.info.rt_abi == 1
-        done = await mpsmod.launch(w, slot=3, nodes=1)
-        assert not mpsmod.query(w) or done.done()
+        done = await w.start(slot=3, nodes=1)
+        assert not w.query() or done.done()
         d = await asyncio.wait_for(done, 10)
-        assert d.ok and d.gen == 1 and mpsmod.query(w)
-        assert await m.drop(w)
+        assert d.ok and d.gen == 1 and w.query()
+        assert await m.give_back(w)
         assert w.proc.pid in m.pool.pids()
         again = await preload(m, kernel="sleep")
         assert again.proc.pid in pooled  # the same process serves the next image
@@ -63,17 +63,17 @@ async def test_prewarm_load_launch_done_and_reuse(rig):
 async def test_fresh_worker_is_verified_as_client(rig):
     async with rig(pool_cap=0) as m:
         w = await preload(m, "fresh")
-        assert w.fresh and m.server is not None
-        assert w.proc.pid in await m.clients(m.server)
-        assert not await m.drop(w)  # cap 0: retired, not kept
+        assert w.fresh and m.mps.server is not None
+        assert w.proc.pid in await m.mps.clients(m.mps.server)
+        assert not await m.give_back(w)  # cap 0: retired, not kept
 
 
 async def test_pool_cap_keeps_one_retires_other(rig):
     async with rig(pool_cap=1) as m:
         a = await preload(m, "a")
         b = await preload(m, "b")
-        assert await m.drop(a)
-        assert not await m.drop(b)
+        assert await m.give_back(a)
+        assert not await m.give_back(b)
         assert m.pool.pids() == [a.proc.pid]
         with anyio.fail_after(10):
             await b.proc.exited.wait()
@@ -113,18 +113,18 @@ async def test_worker_dies_at_startup(rig, monkeypatch):
 async def test_stream_error_is_reported_and_worker_not_reused(rig):
     async with rig() as m:
         w = await preload(m, "bad", kernel="fail", message="CUDA_ERROR_LAUNCH_FAILED: oops")
-        d = await asyncio.wait_for(await mpsmod.launch(w, 0, 1), 10)
+        d = await asyncio.wait_for(await w.start(0, 1), 10)
         assert not d.ok and d.message == "CUDA_ERROR_LAUNCH_FAILED: oops"
         with pytest.raises(WorkerError, match=r"^bad: worker \d+: CUDA_ERROR_LAUNCH_FAILED: oops$"):
-            mpsmod.query(w)
-        assert not await m.drop(w)
+            w.query()
+        assert not await m.give_back(w)
         assert w.proc.pid not in m.pool.pids()
 
 
 async def test_unsolicited_reply_makes_worker_unfit(rig):
     async with rig() as m:
         w = await preload(m, "chatty", launch="unsolicited")
-        done = await mpsmod.launch(w, 0, 1)  # answered, then a READY nobody asked for
+        done = await w.start(0, 1)  # answered, then a READY nobody asked for
         with anyio.fail_after(10):
             await w.proc.exited.wait()  # retired at once
         assert w.proc.unfit == f"worker {w.proc.pid}: bad frame: unsolicited reply READY"
@@ -136,7 +136,7 @@ async def test_worker_ignoring_quit_is_killed(rig):
     async with rig(deadlines=Deadlines(retire_quit=0.5, retire_kill=2.0), pool_cap=0) as m:
         w = await preload(m, "stubborn", quit="ignore")
         with capture_logs() as logs:
-            assert not await m.drop(w)
+            assert not await m.give_back(w)
             with anyio.fail_after(10):
                 await w.proc.process.wait()
             with anyio.fail_after(5):
@@ -151,7 +151,7 @@ async def test_cleanup_kills_everything_within_its_deadline(rig):
     async with r as m:
         await m.prewarm(2)
         busy = await preload(m, "busy", kernel="hang", quit="ignore")
-        await mpsmod.launch(busy, 0, 1)
+        await busy.start(0, 1)
         pids = r.sup.children()
         assert len(pids) == 2
         t0 = time.monotonic()
@@ -289,7 +289,7 @@ async def kill_when_asked(m, spawned: list, phase: str, mailbox=None) -> None:
             if w is not None and w._pending is not None:
                 if phase == "launch" and w.gen and mailbox.u32(VICTIM, abi.STATE) == abi.RUNNING:
                     break
-                if phase == "load" and not w.gen and m.server and w.pid in await m.clients(m.server):
+                if phase == "load" and not w.gen and m.mps.server and w.pid in await m.mps.clients(m.mps.server):
                     break
             await anyio.sleep(0.005)
     os.kill(w.pid, signal.SIGKILL)
@@ -302,7 +302,7 @@ async def victim(m, case: Fault) -> MeshError | None:
     except MeshError as e:
         return e
     try:
-        done = await mpsmod.launch(w, VICTIM, 1)
+        done = await w.start(VICTIM, 1)
         if case.kill == "kernel":
             os.kill(w.proc.pid, signal.SIGKILL)
         with anyio.fail_after(10):
@@ -310,8 +310,8 @@ async def victim(m, case: Fault) -> MeshError | None:
     except MeshError as e:
         if case.kill == "kernel":  # polled, it says the same, naming the program
             with pytest.raises(WorkerError, match=f"^victim: {re.escape(str(e))}$"):
-                mpsmod.query(w)
-        assert not await m.drop(w)  # retired, never pooled
+                w.query()
+        assert not await m.give_back(w)  # retired, never pooled
         return e
     return None
 
@@ -350,14 +350,14 @@ async def test_a_fault_stays_with_its_worker(rig, monkeypatch, case):
         nxt = await preload(m, "next", kernel="sleep", ms=1)
         assert not nxt.fresh
         with anyio.fail_after(10):
-            d = await (await mpsmod.launch(nxt, VICTIM, 1))
-        assert d.ok and await m.drop(nxt) and len(m.pool) == m.pool.cap
+            d = await (await nxt.start(VICTIM, 1))
+        assert d.ok and await m.give_back(nxt) and len(m.pool) == m.pool.cap
 
         r.mailbox.halt(BYSTANDER)
         with anyio.fail_after(10):
             d = await by_done
         assert d.ok, d.message
-        await m.drop(by)
+        await m.give_back(by)
 
 
 #: A SIGKILL from outside while the victim's kernel is on the GPU: during its LAUNCH (the kernel
@@ -401,13 +401,13 @@ async def test_a_kill_with_its_kernel_running_faults_its_gpu(rig, monkeypatch, c
         with pytest.raises(WorkerError, match=rf"^load: worker {pooled.pid}: cuModuleLoadData: CUDA_ERROR_ILLEGAL_ADDRESS: "):
             await preload(m, "after")  # the torn-down pooled worker: refused, and retired
 
-        assert not await m.drop(by)  # its stream failed: retired
+        assert not await m.give_back(by)  # its stream failed: retired
         await until(lambda: m.sup.children() == [], lambda: f"the torn-down workers reaped, not {m.sup.children()}")
         nxt = await preload(m, "next", kernel="sleep", ms=1)
         assert nxt.fresh
         with anyio.fail_after(10):
-            assert (await (await mpsmod.launch(nxt, VICTIM, 1))).ok
-        await m.drop(nxt)
+            assert (await (await nxt.start(VICTIM, 1))).ok
+        await m.give_back(nxt)
 
 
 async def test_a_dead_worker_is_retired_at_once(rig):
@@ -417,14 +417,14 @@ async def test_a_dead_worker_is_retired_at_once(rig):
         a = await preload(m, "a", kernel="exit")
         with pytest.raises(WorkerError, match=r"^worker \d+ exited while its kernel ran$"):
             with anyio.fail_after(10):
-                await (await mpsmod.launch(a, 0, 1))
+                await (await a.start(0, 1))
         await until(lambda: m.sup.live() == [] and m.sup.children() == [],
                     lambda: f"the dead worker forgotten: live {m.sup.live()}, children {m.sup.children()}")
         b = await preload(m, "b")
         c = await preload(m, "c")  # the limit's two clients: b and c, not the dead a
-        assert not await m.drop(a)  # its program unloaded later: nothing left to do
-        await m.drop(b)
-        await m.drop(c)
+        assert not await m.give_back(a)  # its program unloaded later: nothing left to do
+        await m.give_back(b)
+        await m.give_back(c)
 
 
 async def test_out_of_fds_to_verify_a_fresh_worker(rig, monkeypatch):
@@ -432,21 +432,21 @@ async def test_out_of_fds_to_verify_a_fresh_worker(rig, monkeypatch):
     naming the command and the cause, not a bare OSError; the worker is retired, not pooled; the
     next load works."""
     async with rig(pool_cap=1) as m:
-        check = m.check_clients
+        check = m.mps.check_clients
 
         async def starved(want):
             with fds_exhausted(0):
                 return await check(want)
 
-        monkeypatch.setattr(m, "check_clients", starved)
+        monkeypatch.setattr(m.mps, "check_clients", starved)
         with pytest.raises(MpsError, match=r"^mps: get_server_list: cannot start .*/nvidia-cuda-mps-control: Too many open files$"):
             await preload(m, "victim")
         assert m.pool.pids() == []
         await until(lambda: m.sup.children() == [], lambda: f"the victim reaped, not {m.sup.children()}")
         monkeypatch.undo()
         w = await preload(m, "after")
-        assert w.fresh and w.proc.pid in await m.clients(m.server)
-        await m.drop(w)
+        assert w.fresh and w.proc.pid in await m.mps.clients(m.mps.server)
+        await m.give_back(w)
 
 
 async def test_out_of_fds_for_the_pidfd(rig, monkeypatch):
@@ -462,8 +462,8 @@ async def test_out_of_fds_for_the_pidfd(rig, monkeypatch):
         monkeypatch.undo()
         assert w.proc.process._pidfd == -1 and w.proc.process._poll is not None
         with anyio.fail_after(10):
-            assert (await (await mpsmod.launch(w, 0, 1))).ok
-        assert not await m.drop(w)
+            assert (await (await w.start(0, 1))).ok
+        assert not await m.give_back(w)
         with anyio.fail_after(10):
             assert await w.proc.process.wait() == 0  # QUIT obeyed, the exit seen through the poll
         await until(lambda: m.sup.children() == [], lambda: f"the worker reaped, not {m.sup.children()}")
@@ -481,7 +481,7 @@ async def test_a_worker_that_failed_verification_is_never_pooled(rig, monkeypatc
         try:
             assert m.pool.pids() == [], "a worker that failed verification was pooled"
         finally:
-            await m.drop(held)
+            await m.give_back(held)
 
 
 DAEMON_DIED = (r"^mps: the MPS control daemon \d+ died \(killed by SIGKILL\): no new worker can be verified as a"
@@ -514,16 +514,16 @@ async def test_daemon_killed_underneath(rig):
         def server_reaped() -> bool:  # it exits with its daemon; the next refusal reaps it
             with pytest.raises(MpsError, match=DAEMON_DIED):
                 r.daemon.check_alive()
-            return not os.path.exists(f"/proc/{m.server}")
+            return not os.path.exists(f"/proc/{m.mps.server}")
 
-        await until(server_reaped, lambda: f"the server {m.server} reaped, not left a zombie till close")
+        await until(server_reaped, lambda: f"the server {m.mps.server} reaped, not left a zombie till close")
         await beating(r.mailbox, BYSTANDER)
         assert not by_done.done()
         await beating(r.mailbox, BYSTANDER)  # still, well after the daemon went
         r.mailbox.halt(BYSTANDER)
         await until(lambda: r.mailbox.u32(BYSTANDER, abi.STATE) == abi.EXITED, "the bystander's kernel ended at HALT")
         assert not by_done.done()  # ... unseen by its worker
-        assert not await m.drop(by)  # retired: its DONE never came
+        assert not await m.give_back(by)  # retired: its DONE never came
         await until(lambda: m.sup.children() == [m.pool.pids()[0]], lambda: f"the bystander reaped, not {m.sup.children()}")
 
 
@@ -550,8 +550,8 @@ async def test_mps_dir_removed_underneath(rig):
         r.mailbox.halt(BYSTANDER)
         with anyio.fail_after(10):
             assert (await by_done).ok
-        await m.drop(a)
-        await m.drop(by)
+        await m.give_back(a)
+        await m.give_back(by)
     assert not os.path.exists(r.daemon.dir)
 
 

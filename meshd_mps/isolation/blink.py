@@ -1,4 +1,4 @@
-"""Blink mode: every program is a kernel of one CUDA context.
+"""Blink mode: every program of a GPU is a kernel of its one CUDA context.
 
 The context lives in one worker process (so the event loop never blocks on
 CUDA).  In one context a module load or unload waits for every running
@@ -16,29 +16,33 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import anyio
 import structlog
 
-from meshd_mps.protocol import frames
-from meshd_mps.errors import CapacityError, FrameError, HaltTimeout, StillRunning, Unavailable, WorkerError
-from meshd_mps.protocol.frames import Launch as LaunchReq, Load, Loaded, Op
+from meshd_mps.errors import CapacityError, DeviceError, FrameError, HaltTimeout, MeshError, StillRunning, Unavailable, WorkerError
+from meshd_mps.gpu.compiler import Prepared
+from meshd_mps.isolation.base import Admit, Image, Isolation, Kernel, Mode, Module
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.isolation.limits import BLINK_QUEUES
+from meshd_mps.protocol import frames
+from meshd_mps.protocol.frames import Load, Loaded, Op
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
 
 log = structlog.get_logger("meshd_mps")
 
+T = TypeVar("T")
 
-@dataclass
-class Module:
-    name: str
-    module: int
-    info: Loaded
+
+@dataclass(eq=False)
+class BlinkModule(Module):
+    """A module of the context, with its launches (a blink halts and relaunches the running ones)."""
+
     runs: list[Launch] = field(default_factory=list)
 
     def running(self) -> list[Launch]:
@@ -46,17 +50,20 @@ class Module:
         return self.runs
 
 
-class BlinkContext:
+class BlinkIsolation(Isolation):
+    """One GPU's context, in one worker process: every program of the GPU a module of it."""
+
+    isolated = False
+
     def __init__(self, sup: Supervisor, mailbox: Mailbox, sms: int, gpu: str, device: int = 0):
-        self.sup = sup
-        self.device = device
+        super().__init__(sup, device)
         self.mailbox = mailbox
         self.sms = sms
         self.gpu = gpu
         #: How long a resident program may take to see HALT and return (tests shorten it).
         self.halt_s = sup.deadlines.halt
         self.proc: WorkerProc | None = None
-        self.modules: dict[int, Module] = {}
+        self.modules: dict[int, BlinkModule] = {}
         self._next = 1
         self._lock = anyio.Lock()  # one blink at a time
         self.dev = 0
@@ -71,6 +78,7 @@ class BlinkContext:
 
         argv = worker_argv(self.mailbox.path, self.sms, self.gpu, self.device, queues=self.queues)
         self.proc = await self.sup.spawn(argv, dict(os.environ), f"blink context (GPU {self.device})")
+        self.proc.device = self.device
         await self.proc.ask(Op.READY)
 
     def _p(self) -> WorkerProc:
@@ -106,11 +114,11 @@ class BlinkContext:
                 continue
             self.mailbox.run(r.slot)
             try:
-                r.relaunched(await self._start(m, r.slot, r.nodes))
+                r.relaunched(await m.start(r.slot, r.nodes))
             except WorkerError as e:
                 r.relaunch_failed(e)
 
-    async def _blink(self, what: str, work, drop: Module | None = None):  # type: ignore[no-untyped-def]
+    async def _blink(self, what: str, work: Callable[[], Awaitable[T]], drop: BlinkModule | None = None) -> T:
         """Every running program halted, ``work`` done, the halted ones relaunched (``drop``'s not)."""
         async with self._lock:
             t0 = time.perf_counter()
@@ -142,18 +150,22 @@ class BlinkContext:
                 " (use --isolation mps for more programs)", limit="hardware queues", have=self.queues,
                 asked=len(self.modules) + 1)
 
-    async def load(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int,
-                   admit: Callable[[Loaded], None] | None = None) -> Module:
+    async def prepare(self, prepared: Prepared) -> Image:
+        return Image(prepared, self.device)
+
+    async def load(self, img: Image, admit: Admit | None = None) -> Kernel:
         """The module loaded, in one blink; ``admit`` (raising to refuse it) sees what the worker
         reported before anything is relaunched, and a refused module is unloaded in the same blink."""
-        self.check_room(name)
+        m = img.prepared.manifest
+        self.check_room(m.name)
         module = self._next
         self._next += 1
-        req = Load(module, threads, smem, scratch, name, cubin)
+        req = Load(module, m.threads, m.smem, m.scratch, m.name, img.prepared.cubin)
 
-        async def work() -> Module:
+        async def work() -> BlinkModule:
+            p = self._p()
             try:
-                payload = await self._p().ask(Op.LOAD, req.encode())
+                payload = await p.ask(Op.LOAD, req.encode())
                 info = Loaded.decode_ok(payload)
             except (FrameError, WorkerError) as e:
                 raise e.prefixed("load") from e
@@ -162,25 +174,32 @@ class BlinkContext:
                 try:
                     admit(info)
                 except BaseException:
-                    await self._p().send(Op.UNLOAD, frames.unload_body(module))
+                    await p.send(Op.UNLOAD, frames.unload_body(module))
                     raise
-            m = self.modules[module] = Module(name, module, info)
-            return m
+            mod = self.modules[module] = BlinkModule(m.name, p, module, info)
+            return mod
 
-        return await self._blink(f"load {name}", work)
+        mod = await self._blink(f"load {m.name}", work)
+        k = Kernel(m.name, m, mod, self)
+        await self._check_abi(k)
+        if self.sms and mod.info.sms != self.sms:
+            await self.unload(k)
+            raise DeviceError(f"load: the context's green context has {mod.info.sms} SMs, not {self.sms}")
+        return k
 
-    async def discard(self, m: Module) -> None:
-        """A module whose launch is given up (it never started): in one blink every program is
-        halted, so that a kernel queued behind one of them runs, sees HALT and returns; the
-        module is unloaded and the others relaunched."""
+    def _launched(self, k: Kernel, run: Launch) -> None:
+        assert isinstance(k.module, BlinkModule)
+        k.module.runs.append(run)
 
-        async def work() -> None:  # every launch of m returned: _halt_all refuses otherwise
-            self.modules.pop(m.module, None)
-            await self._p().send(Op.UNLOAD, frames.unload_body(m.module))
+    def _gone(self, m: Module) -> bool:
+        """A module of a context torn down since (``teardown``): it went with it."""
+        return m.proc is not self.proc
 
-        await self._blink(f"discard {m.name}", work, drop=m)
-
-    async def unload(self, m: Module) -> None:
+    async def _unload(self, k: Kernel) -> None:
+        m = k.module
+        assert isinstance(m, BlinkModule)
+        if self._gone(m):
+            return
         if m.running():
             raise StillRunning(f"blink: {m.name} still runs; halt it before unloading", program=m.name)
 
@@ -190,27 +209,116 @@ class BlinkContext:
 
         await self._blink(f"unload {m.name}", work)
 
-    async def _start(self, m: Module, slot: int, nodes: int):  # type: ignore[no-untyped-def]
+    async def _abandon(self, k: Kernel, slot: int) -> None:
+        """In one blink every program is halted, so that a kernel queued behind one of them runs,
+        sees HALT and returns; the module is unloaded and the others relaunched."""
+        m = k.module
+        assert isinstance(m, BlinkModule)
+        if self._gone(m):
+            return
+
+        async def work() -> None:  # every launch of m returned: _halt_all refuses otherwise
+            self.modules.pop(m.module, None)
+            await self._p().send(Op.UNLOAD, frames.unload_body(m.module))
+
+        await self._blink(f"discard {m.name}", work, drop=m)
+
+    def retire_stuck(self, k: Kernel) -> bool:
+        return False
+
+    def not_started_why(self) -> str:
+        return (f"its stream shares a hardware work queue with a resident kernel ({len(self.modules)} programs in a context"
+                f" of {self.queues} queues), its blocks wait for SMs that resident programs hold, or the program does not"
+                " set STATE = RUNNING when it starts (docs/program-abi.md)")
+
+    async def stack_limit(self, set_to: int | None = None) -> int | None:
+        """Setting it waits for every running kernel, as a module load does: a blink."""
         p = self._p()
-        gen, done = p.next_gen(m.module)
+
+        async def ask() -> int:
+            try:
+                payload = await p.ask(Op.LIMIT, frames.limit_body(set_to))
+                return frames.limit_value(payload)
+            except frames.FrameError as e:
+                raise e.prefixed(f"stack limit: worker {p.pid}") from e
+
+        if set_to is None:
+            return await ask()
+        return await self._blink(f"stack limit {set_to}", ask)
+
+    def mailbox_dev(self) -> int:
+        return self.dev
+
+    def load_count(self) -> int:
+        return len(self.modules)
+
+    def status(self) -> dict[str, Any]:
+        pid = self.proc.pid if self.proc else None
+        return {"workers": [pid] if pid else [], "blinks": self.blinks, "last_blink_ms": self.last_blink_ms,
+                "context_pid": pid}
+
+    # ---- a fault of the context -------------------------------------------------------------
+    async def teardown(self) -> list[WorkerProc]:
+        """The context's worker retired, and every module with it: a fault in one context is every
+        program's of the GPU."""
+        p, self.proc = self.proc, None
+        self.modules.clear()
+        if p is None:
+            return []
+        log.info(f"blink: GPU {self.device}: retiring its context after a fault", device=self.device, pid=p.pid)
+        self.sup.retire(p, before_exit=False)
+        with anyio.move_on_after(self.sup.deadlines.recover):
+            await p.process.wait()
+        return [p]
+
+    async def refill(self, extra: int = 0) -> bool:
+        """A new context (``extra`` is moot: one context takes every program); False if none came
+        up within ``recover`` (logged)."""
+        if self.proc is not None:
+            return True
+        within = self.sup.deadlines.recover
         try:
-            await p.ask(Op.LAUNCH, LaunchReq(m.module, gen, slot, nodes).encode())
-        except WorkerError as e:
-            done.cancel()
-            raise e.prefixed(m.name, "{what} ({message})") from e
-        return done
+            with anyio.fail_after(within):
+                await self.open()
+            return True
+        except TimeoutError:
+            why = f"not within {within:g}s"
+        except MeshError as e:
+            why = str(e)
+        log.error(f"blink: GPU {self.device}: no new context after the fault: {why}", device=self.device)
+        if self.proc is not None:
+            self.sup.retire(self.proc)
+            self.proc = None
+        return False
 
-    async def launch(self, m: Module, slot: int, nodes: int) -> Launch:
-        r = Launch(m.name, slot, nodes, await self._start(m, slot, nodes))
-        m.runs.append(r)
-        return r
 
-    def query(self, m: Module) -> bool:
-        try:
-            return self._p().query(m.module)
-        except WorkerError as e:
-            raise e.prefixed(m.name) from e
+class Blink(Mode):
+    """Blink mode's host-wide part: nothing but every GPU's context, and their blinks added up."""
 
+    gpus: dict[int, BlinkIsolation]  # type: ignore[assignment]
+
+    def __init__(self, sup: Supervisor, mailbox: Mailbox, sms: int, gpu: str):
+        super().__init__(sup)
+        self.mailbox = mailbox
+        self.sms = sms
+        self.gpu = gpu
+
+    def _make(self, device: int) -> BlinkIsolation:
+        return BlinkIsolation(self.sup, self.mailbox, self.sms, self.gpu, device)
+
+    def status(self) -> dict[str, Any]:
+        """Every GPU's blinks, the latest one's length, and the first GPU's context (as on a one-GPU host)."""
+        if not self.gpus:
+            return {}
+        first = self.gpus[min(self.gpus)]
+        return {"blinks": sum(c.blinks for c in self.gpus.values()), "last_blink_ms": last_blink_ms(self.gpus.values()),
+                "context_pid": first.proc.pid if first.proc else None}
+
+
+def last_blink_ms(contexts: Iterable[BlinkIsolation]) -> float | None:
+    """The length of the latest blink of any of ``contexts`` (None before the first)."""
+    done = [c for c in contexts if c.last_blink_ms is not None]
+    return max(done, key=lambda c: c.last_blink_at).last_blink_ms if done else None
 
 
 def _halted_cleanly(r: Launch) -> bool:

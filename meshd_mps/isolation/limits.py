@@ -8,7 +8,7 @@ Every figure was measured on the H200 (driver 580, CUDA 13.0; docs/operations.md
   the most, 32 (``BLINK_QUEUES``), gives each module a stream of its own queue, and the context
   takes at most that many programs.  An MPS worker runs one program: ``MPS_QUEUES``.
 - **MPS clients.** The server takes 48 (``mps.MAX_CLIENTS``); the pool's idle workers are clients
-  too, so the programs of one GPU are at most 48 less the pool (``Mps.room``).
+  too, so the programs of one GPU are at most 48 less the pool (``MpsIsolation.check_room``).
 - **Co-residency.** A resident kernel never returns, so every block of it must be on the GPU at
   once: at most its occupancy per SM (``per_sm``, known once the module is loaded) times its
   context's SMs.  Programs that run at once share those blocks, so the *shares*

@@ -202,10 +202,11 @@ async def test_a_fault_stays_with_its_worker(monkeypatch, case):
         await still_beating(b, by_run)
 
         # The pool refills and serves the next load.
-        await b.mps.prewarm(b.mps.pool.cap - len(b.mps.pool))
-        assert len(b.mps.pool) == b.mps.pool.cap
+        gpu = b.isolations[0]
+        await gpu.prewarm(gpu.pool.cap - len(gpu.pool))
+        assert len(gpu.pool) == gpu.pool.cap
         img = await b.prepare(*example("spin"))
-        assert not img.worker.fresh
+        assert not img.preloaded.fresh
         k = await b.load(img)
         b.mailbox.reset_slot(VICTIM)
         with anyio.fail_after(30):
@@ -245,9 +246,9 @@ async def test_control_daemon_killed():
             with pytest.raises(MpsError, match=DAEMON_DIED):
                 await b.prepare(*example("spin"))
             with pytest.raises(MpsError, match=DAEMON_DIED):
-                await b.mps.prewarm(1)
+                await b.isolations[0].prewarm(1)
         assert b.daemon.died == f"the MPS control daemon {daemon} died (killed by SIGKILL)"
-        assert len(b.mps.pool) == 1 and b.status()["daemon_died"] == b.daemon.died
+        assert len(b.isolations[0].pool) == 1 and b.status()["daemon_died"] == b.daemon.died
         await still_beating(b, by_run)
         print(f"the server after its daemon died: {proc_state(server)}", file=sys.stderr)  # H200: Z (zombie)
         b.mailbox.halt(BYSTANDER)
@@ -324,7 +325,7 @@ async def test_mps_dir_removed():
         by_k, by_run = await start_bystander(b)
         shutil.rmtree(b.daemon.dir)
         img = await b.prepare(*example("spin"))
-        assert not img.worker.fresh
+        assert not img.preloaded.fresh
         k = await b.load(img)
         b.mailbox.reset_slot(VICTIM)
         with anyio.fail_after(30):

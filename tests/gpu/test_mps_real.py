@@ -75,7 +75,7 @@ async def test_pool_cycles_no_stall_and_clean_exit():
     d = tempfile.mkdtemp(prefix="meshd-gpu-")
     os.rmdir(d)
     async with await Backend.open(isolation="mps", gpu="cuda", pool=2, mps_dir=d) as b:
-        assert b.mps.server is not None and len(b.mps.pool) == 2
+        assert b.mps.server is not None and len(b.isolations[0].pool) == 2
         assert (os.stat(d).st_mode & 0o777) == 0o700
         progs = Programs(b)
         hb = await progs.load(*example("heartbeat"))
@@ -83,7 +83,7 @@ async def test_pool_cycles_no_stall_and_clean_exit():
         idle_gap, _ = await gap_while(b, hb.slot, lambda: anyio.sleep(0.2))
         pooled_gap, echo = await gap_while(b, hb.slot, lambda: progs.load(*example("echo")))
         print(f"heartbeat max gap: idle {idle_gap:.1f} us, during a pooled load {pooled_gap:.1f} us", file=sys.stderr)
-        assert not echo.kernel.worker.fresh
+        assert not echo.kernel.module.fresh
         assert pooled_gap < max(10 * idle_gap, 200.0)  # measured 3 us on the H200 (probe)
         assert await progs.call("echo", b"real GPU") == b"real GPU"
         clients = await b.mps.clients(b.mps.server)
@@ -155,7 +155,7 @@ async def test_client_limit_is_counted():
     async with await Backend.open(isolation="mps", gpu="cuda", pool=48) as b:
         assert len(await b.mps.clients(b.mps.server)) == 48  # the server takes 48 (CUDA 13.0)
         with pytest.raises(ClientLimit, match=r"48 clients already: the MPS server takes at most 48"):
-            await b.mps.spawn("one too many")
+            await b.mps.spawn("one too many", 0)
     assert mps_processes() == []
 
 
@@ -165,8 +165,8 @@ async def test_blink_mode_real():
         hb = await progs.load(*example("heartbeat"))
         await beats(b, hb.slot, 1000)
         await progs.load(*example("echo"))
-        assert b.blink.blinks == 1
-        print(f"blink: {b.blink.last_blink_ms:.2f} ms", file=sys.stderr)
+        assert b.isolations[0].blinks == 1
+        print(f"blink: {b.isolations[0].last_blink_ms:.2f} ms", file=sys.stderr)
         limit = await b.stack_limit()
         assert limit > 0 and await b.stack_limit(limit * 2) == limit * 2  # cuCtxSet/GetLimit in the context
         n = b.mailbox.heartbeat(hb.slot)

@@ -61,7 +61,7 @@ def renamed(name: str, new: str) -> tuple[dict, bytes]:
 async def test_each_gpu_runs_and_a_fault_on_one_leaves_the_others(two_real_gpus, real_mps):
     async with await Backend.open(isolation="mps", gpu="cuda", pool=1) as b:
         assert b.devices == tuple(range(two_real_gpus))
-        assert all(len(b.mps.pools[d]) == 1 for d in b.devices)
+        assert all(len(b.isolations[d].pool) == 1 for d in b.devices)
         progs = Programs(b)
         hbs = {d: await progs.load(*renamed("heartbeat", f"heartbeat-{d}"), device=d) for d in b.devices}
         echo0 = await progs.load(*example("echo"), device=0)
@@ -76,7 +76,7 @@ async def test_each_gpu_runs_and_a_fault_on_one_leaves_the_others(two_real_gpus,
         assert col.get(echo0.kernel.pid) == uuid[0] and len(set(uuid.values())) == len(uuid), uuid  # one device each
 
         hb0 = hbs[0]
-        keep = (hb0.kernel.pid, echo0.kernel.pid, hb0.launch, set(b.mps.pools[0].pids()))
+        keep = (hb0.kernel.pid, echo0.kernel.pid, hb0.launch, set(b.isolations[0].pool.pids()))
         idle_gap, _ = await gap_while(b, hb0.slot, lambda: anyio.sleep(0.2))
 
         async def fault_on_1() -> None:
@@ -92,7 +92,7 @@ async def test_each_gpu_runs_and_a_fault_on_one_leaves_the_others(two_real_gpus,
         assert r.gpu_wide and r.device == 1 and r.faulted == "fault" and "ILLEGAL_ADDRESS" in r.error
         assert r.lost == ["heartbeat-1"] and r.relaunched == ["heartbeat-1"], r.not_relaunched
         # GPU 0 (and any other): the same workers and launches, never torn down or relaunched.
-        assert (hb0.kernel.pid, echo0.kernel.pid, hb0.launch, set(b.mps.pools[0].pids())) == keep
+        assert (hb0.kernel.pid, echo0.kernel.pid, hb0.launch, set(b.isolations[0].pool.pids())) == keep
         assert not hb0.launch.finished() and hb0.restarts == 0 and echo0.restarts == 0
         for d, p in hbs.items():
             if d != 1:
@@ -117,8 +117,8 @@ async def test_a_blink_on_one_gpu_does_not_halt_the_other(two_real_gpus):
         idle_gap, _ = await gap_while(b, hb0.slot, lambda: anyio.sleep(0.2))
         load_gap, _ = await gap_while(b, hb0.slot, lambda: progs.load(*example("echo"), device=1))
         print(f"GPU 0's heartbeat max gap: idle {idle_gap:.1f} us, during a blink on GPU 1 {load_gap:.1f} us "
-              f"(GPU 1's blink: {b.blinks[1].last_blink_ms:.2f} ms)", file=sys.stderr)
-        assert b.blinks[1].blinks == 1 and b.blinks[0].blinks == 0
+              f"(GPU 1's blink: {b.isolations[1].last_blink_ms:.2f} ms)", file=sys.stderr)
+        assert b.isolations[1].blinks == 1 and b.isolations[0].blinks == 0
         assert load_gap < max(10 * idle_gap, 200.0)
         assert await progs.call("echo", b"GPU 1") == b"GPU 1"
         await beats(b, hb1.slot, b.mailbox.heartbeat(hb1.slot) + 100)  # relaunched after its blink

@@ -1,0 +1,271 @@
+"""One GPU's isolation, the one interface both modes implement; and a mode's host-wide part.
+
+``Backend`` chooses the mode once, at open, and from then on only delegates: to the
+:class:`Isolation` of an image's or a kernel's GPU.  Blink (blink.py) runs every program of
+a GPU as a module of its one CUDA context; MPS (mps.py) runs each in a worker process of
+its own, an MPS client.  What a mode needs across GPUs (MPS: the control daemon, the client
+checks and counts) is its :class:`Mode`, which makes the GPUs' isolations.
+
+A program is launched one way in both modes, :meth:`Module.start`: the only difference is
+the worker process its module is in (the GPU's context, or the program's own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import anyio
+
+from meshd_mps.errors import AbiMismatch, WorkerError
+from meshd_mps.gpu.compiler import Manifest, Prepared
+from meshd_mps.isolation.launch import Launch
+from meshd_mps.protocol import abi, frames
+from meshd_mps.protocol.frames import Done, Loaded, Op
+from meshd_mps.supervision.proc import WorkerProc
+from meshd_mps.supervision.supervisor import Supervisor
+
+#: ``admit``: sees what the worker reported of a loaded module, and raises to refuse it.
+Admit = Callable[[Loaded], None]
+
+
+@dataclass(eq=False)
+class Module:
+    """A module loaded in a worker process, as its LOADED reported it: all that a launch needs."""
+
+    name: str
+    proc: WorkerProc
+    module: int  # its number in that worker's context
+    info: Loaded
+
+    async def start(self, slot: int, nodes: int) -> asyncio.Future[Done]:
+        """LAUNCH of a new generation on ``nodes`` blocks (the one launch path of both modes);
+        the future its DONE resolves."""
+        p = self.proc
+        gen, done = p.next_gen(self.module)
+        try:
+            await p.ask(Op.LAUNCH, frames.Launch(self.module, gen, slot, nodes).encode())
+        except WorkerError as e:
+            done.cancel()
+            raise e.prefixed(self.name, "{what} ({message})") from e
+        return done
+
+    def query(self) -> bool:
+        """The last launch's stream finished; WorkerError (naming the program) otherwise."""
+        try:
+            return self.proc.query(self.module)
+        except WorkerError as e:
+            raise e.prefixed(self.name) from e
+
+
+@dataclass
+class Image:
+    """A checked, compiled image (the seed's mesh_prepared) for GPU ``device``; in MPS mode
+    already loaded in a worker, so that ``load`` only hands it over."""
+
+    prepared: Prepared
+    device: int | None = None  # the GPU it is for (None: the backend's first)
+    preloaded: Module | None = None  # MPS: its worker's module, until load takes it or drop gives it back
+
+    @property
+    def name(self) -> str:
+        return self.prepared.manifest.name
+
+
+@dataclass(eq=False)
+class Kernel:
+    """A loaded program: its module, in the process it runs in (MPS: a worker of its own; blink:
+    its GPU's context), and the isolation that loaded it, which every later operation is."""
+
+    name: str
+    manifest: Manifest
+    module: Module
+    isolation: Isolation = field(repr=False)
+    launch: Launch | None = None
+    unloaded: bool = False  # unloaded or abandoned: a second time is nothing to do
+    # What its worker reported at LOADED:
+    regs: int = field(init=False)
+    local: int = field(init=False)
+    per_sm: int = field(init=False)
+    scratch: int = field(init=False)
+    rt_abi: int = field(init=False)
+    sms: int = field(init=False)  # the SMs of its context (a green context's, else the device's)
+
+    def __post_init__(self) -> None:
+        i = self.module.info
+        self.regs, self.local, self.per_sm, self.scratch, self.rt_abi, self.sms = (
+            i.regs, i.local, i.per_sm, i.scratch, i.rt_abi, i.sms)
+
+    @property
+    def device(self) -> int:
+        """The GPU it runs on."""
+        return self.isolation.device
+
+    @property
+    def proc(self) -> WorkerProc:
+        """The process it runs in."""
+        return self.module.proc
+
+    @property
+    def pid(self) -> int:
+        return self.module.proc.pid
+
+    @property
+    def worker(self) -> Module | None:
+        """Compat, for programs.py's fault recovery: the program's own worker (MPS), None in blink
+        mode or once unloaded.  ``proc``, and the isolation's ``teardown``, say it in both modes."""
+        return None if self.unloaded or not self.isolation.isolated else self.module
+
+
+class Isolation(ABC):
+    """One GPU's isolation mode: prepare, load, launch, query, unload, status; and, for a fault of
+    the GPU, teardown and refill.  Made by its :class:`Mode`, opened by the backend."""
+
+    #: Each program in a worker process (a CUDA context) of its own.
+    isolated: ClassVar[bool]
+
+    def __init__(self, sup: Supervisor, device: int):
+        self.sup = sup
+        self.device = device
+
+    @abstractmethod
+    async def open(self) -> None:
+        """Its workers started (blink: the context; MPS: the pool)."""
+
+    @abstractmethod
+    async def prepare(self, prepared: Prepared) -> Image:
+        """The image for this GPU; MPS: preloaded into a pooled worker, else a fresh one."""
+
+    @abstractmethod
+    def check_room(self, name: str) -> None:
+        """CapacityError unless this GPU takes one more program (the mode's own count)."""
+
+    @abstractmethod
+    async def load(self, img: Image, admit: Admit | None = None) -> Kernel:
+        """The image's module, ready to launch; ``admit`` sees what the worker reported and raises
+        to refuse it, and a refused module is unloaded (blink: within the load's own blink)."""
+
+    async def launch(self, k: Kernel, slot: int, nodes: int) -> Launch:
+        """``mesh_main`` on ``nodes`` blocks, its slot set to RUN already; the Launch its DONE ends."""
+        assert not k.unloaded, f"{k.name}: launched once unloaded"
+        k.launch = Launch(k.name, slot, nodes, await k.module.start(slot, nodes))
+        self._launched(k, k.launch)
+        return k.launch
+
+    def _launched(self, k: Kernel, run: Launch) -> None:
+        """A launch begun (blink keeps it, to halt and relaunch it around each blink)."""
+
+    def query(self, k: Kernel) -> bool:
+        """The last launch finished; WorkerError (naming the program) on a stream error or a death."""
+        return k.module.query()
+
+    async def unload(self, k: Kernel) -> None:
+        """MPS: the worker back to the pool (UNLOAD) or retired; blink: the module unloaded (a blink)."""
+        if k.unloaded:
+            return
+        k.unloaded = True
+        await self._unload(k)
+
+    @abstractmethod
+    async def _unload(self, k: Kernel) -> None: ...
+
+    async def abandon(self, k: Kernel, slot: int) -> None:
+        """A launch given up before its kernel started (HALT is on its slot already): its module
+        unloaded.  MPS: a worker whose kernel does not return is retired; blink: in one blink,
+        which halts the kernels it may be queued behind."""
+        if k.unloaded:
+            return
+        k.unloaded = True
+        await self._abandon(k, slot)
+
+    @abstractmethod
+    async def _abandon(self, k: Kernel, slot: int) -> None: ...
+
+    async def drop(self, img: Image) -> None:
+        """An image prepared but never loaded: what it holds goes back."""
+
+    @abstractmethod
+    def retire_stuck(self, k: Kernel) -> bool:
+        """A kernel that did not halt: True if its process was retired for it (MPS: it would never
+        be fit again), False if it cannot be (blink: the context is every program's)."""
+
+    @abstractmethod
+    def not_started_why(self) -> str:
+        """The likely reasons a launched kernel does not start, in this mode, in words."""
+
+    async def stack_limit(self, set_to: int | None = None) -> int | None:
+        """The shared context's stack limit in bytes per thread (set first if asked); None where each
+        program's context is its own (MPS; the seed's SIZE_MAX, set a no-op)."""
+        return None
+
+    def mailbox_dev(self) -> int:
+        """The mailbox's device address in the GPU's shared context; 0 where each worker has its own."""
+        return 0
+
+    @abstractmethod
+    def load_count(self) -> int:
+        """Images loaded or prepared here."""
+
+    @abstractmethod
+    def status(self) -> dict[str, Any]:
+        """This GPU's part of the status: its workers, and its pool or its context and blinks."""
+
+    @abstractmethod
+    async def teardown(self) -> list[WorkerProc]:
+        """After a fault of this GPU: every worker of it retired, and awaited within ``recover``."""
+
+    @abstractmethod
+    async def refill(self, extra: int = 0) -> bool:
+        """After ``teardown``, once the GPU takes workers again: what ``open`` starts, and ``extra``
+        fresh workers more (MPS: the lost programs' next ones), within ``recover``; False if not."""
+
+    async def close(self) -> None:
+        """Before the supervisor kills every worker (MPS: the idle ones get EOF first)."""
+
+    async def _check_abi(self, k: Kernel) -> None:
+        """A module built for another program ABI is unloaded and refused."""
+        if k.rt_abi != abi.RT_ABI:
+            await self.unload(k)
+            raise AbiMismatch(f"{k.name}: {abi.RT_ABI_SYMBOL} is {k.rt_abi}, this meshd-mps runs program ABI {abi.RT_ABI}",
+                              program=k.name, abi=k.rt_abi, expected=abi.RT_ABI)
+
+
+class Mode(ABC):
+    """An isolation mode's host-wide part, and the maker of its GPUs' isolations (``gpus``)."""
+
+    def __init__(self, sup: Supervisor):
+        self.sup = sup
+        self.gpus: dict[int, Isolation] = {}
+
+    async def start(self) -> None:
+        """Before the GPUs are looked at (MPS: the daemon)."""
+
+    @abstractmethod
+    def _make(self, device: int) -> Isolation: ...
+
+    def add(self, device: int) -> Isolation:
+        """GPU ``device``'s isolation, made and kept (not opened)."""
+        g = self.gpus[device] = self._make(device)
+        return g
+
+    async def open(self, devices: Sequence[int]) -> None:
+        """Every GPU's isolation made and opened, all at once: contexts on different GPUs do not
+        wait for each other."""
+        for d in devices:
+            self.add(d)
+        try:
+            async with anyio.create_task_group() as tg:
+                for g in self.gpus.values():
+                    tg.start_soon(g.open)
+        except ExceptionGroup as e:
+            raise e.exceptions[0] from e
+
+    @abstractmethod
+    def status(self) -> dict[str, Any]:
+        """The host-wide part of the backend's status (every GPU's, added up)."""
+
+    async def close(self) -> None:
+        """After every worker is gone (MPS: the daemon quit)."""

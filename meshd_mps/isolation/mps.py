@@ -1,0 +1,262 @@
+"""MPS mode on one GPU: each program in a worker process of its own, an MPS client of the
+host's private daemon (:class:`~meshd_mps.mps.clients.Mps`, shared by every GPU).
+
+Creating an MPS client stalls every running client once and takes ~120 ms, a load into an
+existing one stalls nobody: so each GPU keeps a pool of idle workers, started before any
+program runs (``prewarm``), and ``prepare`` loads an image into one of them (``preload``)
+while the programs already there go on running.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+
+from meshd_mps.errors import CapacityError, DeviceError, FrameError, ImageRefused, MeshError, WorkerError, WorkerGone
+from meshd_mps.gpu.compiler import Prepared
+from meshd_mps.isolation.base import Admit, Image, Isolation, Kernel, Module
+from meshd_mps.mps.clients import Mps, pids_debug
+from meshd_mps.protocol import frames
+from meshd_mps.protocol.frames import Load, Loaded, Op
+from meshd_mps.supervision.pool import Pool
+from meshd_mps.supervision.proc import WorkerProc
+
+log = structlog.get_logger("meshd_mps")
+
+
+@dataclass(eq=False)
+class Worker(Module):
+    """One image in its own MPS client process (its one module, 0)."""
+
+    fresh: bool = False  # spawned for it, not taken from the pool
+
+    @property
+    def device(self) -> int:
+        """The GPU its context is on."""
+        return self.proc.device
+
+
+class MpsIsolation(Isolation):
+    """One GPU's pool of idle workers, and the programs' own workers there."""
+
+    isolated = True
+
+    def __init__(self, mps: Mps, device: int):
+        super().__init__(mps.sup, device)
+        self.mps = mps
+        self.pool = Pool(mps.pool_cap, mps.sup.retire)
+
+    async def open(self) -> None:
+        await self.prewarm(self.pool.cap)
+
+    # ---- workers ----------------------------------------------------------------------------
+    async def prewarm(self, n: int) -> None:
+        """Spawn n, READY all, verify them as our clients, then pool them; all or none."""
+        if n == 0:
+            return
+        d = self.device
+        self.mps.daemon.check_alive()
+        t0 = time.monotonic()
+        procs: list[WorkerProc] = []
+        try:
+            for _ in range(n):
+                procs.append(await self.mps.spawn(None, d))
+            async with anyio.create_task_group() as tg:
+                for p in procs:
+                    tg.start_soon(_ready, p)
+            await self.mps.check_clients([p.pid for p in procs])
+        except BaseException as e:
+            for p in procs:
+                self.sup.retire(p)
+            if isinstance(e, ExceptionGroup):
+                raise e.exceptions[0] from e
+            raise
+        for p in procs:
+            self.pool.add(p)
+        log.info(f"mps: pool of {n} idle workers {pids_debug([p.pid for p in procs])} on GPU {d}"
+                 f" ready in {(time.monotonic() - t0) * 1e3:.0f} ms")
+
+    async def preload(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int) -> Worker:
+        """The image's module loaded in a pooled worker if one is fit, else in a fresh one."""
+        d = self.device
+        self.mps.daemon.check_alive()  # a pooled worker would fail its LOAD, a fresh one its check
+        t0 = time.monotonic()
+        req = Load(0, threads, smem, scratch, name, cubin)
+        while True:
+            p = self.pool.take()
+            fresh = p is None
+            if p is None:
+                p = await self.mps.spawn(name, d)
+            p.program = name
+            try:
+                payload = await p.ask(Op.LOAD, req.encode())
+                info = Loaded.decode_ok(payload)
+                break
+            except ImageRefused as e:
+                # The image's fault, not the worker's: a pooled one (verified, still fit) goes back.
+                p.program = None
+                if fresh or len(self.pool) >= self.pool.cap:
+                    self.sup.retire(p)
+                else:
+                    self.pool.add(p)
+                raise e.prefixed("load") from e
+            except (WorkerError, FrameError) as e:
+                self.sup.retire(p)
+                if fresh or not isinstance(e, WorkerGone):
+                    raise e.prefixed("load") from e
+                # A pooled worker that died while idle (not yet seen dead): try the next one.  One
+                # that is alive but misbehaved (no reply, garbage) is not retried: a hang would
+                # cost the caller a second load deadline.
+                log.info(f"mps: pooled worker {p.pid} was gone ({e}); taking another", pid=p.pid)
+        w = Worker(name, p, 0, info, fresh)
+        try:
+            if self.mps.sms and self.mps.sms != info.sms:
+                raise DeviceError(f"load: the worker's green context has {info.sms} SMs, not {self.mps.sms}")
+            if fresh:
+                await self.mps.check_clients([p.pid])
+        except BaseException:
+            # Not verified as our client, or not the context asked for: retired, never pooled, so
+            # that no later load takes it unchecked.
+            self.sup.retire(p)
+            raise
+        log.info(
+            f"mps: worker {p.pid} ({'new' if fresh else 'pooled'}) on GPU {d} for {name}: module loaded, mailbox at device"
+            f" 0x{info.dev:x}, {info.sms} SMs, in {(time.monotonic() - t0) * 1e3:.1f} ms",
+            pid=p.pid,
+            program=name,
+        )
+        return w
+
+    async def give_back(self, w: Module) -> bool:
+        """Back to the pool with UNLOAD, unless unfit or the pool is full (then retired); True if kept."""
+        return await self.pool.give_back(w.proc, w.module)
+
+    # ---- the isolation ----------------------------------------------------------------------
+    def check_room(self, name: str) -> None:
+        """CapacityError unless this GPU takes one more program: the server's clients less the
+        pool's (kept for the next loads and upgrades), the native clients' and the programs'."""
+        m, d = self.mps, self.device
+        busy = self.load_count()
+        have = m.max_clients - self.pool.cap - len(m.native)
+        if busy >= have:
+            gpu = "" if len(m.gpus) <= 1 else f" of GPU {d}"
+            raise CapacityError(
+                f"{name}: the MPS server{gpu} takes {m.max_clients} clients (CUDA 13.0); {busy} programs,"
+                f" {len(m.native)} native clients and a pool of {self.pool.cap} leave no room for another",
+                limit="MPS clients", have=have, asked=busy + 1)
+
+    async def prepare(self, prepared: Prepared) -> Image:
+        m = prepared.manifest
+        return Image(prepared, self.device, await self.preload(m.name, prepared.cubin, m.threads, m.smem, m.scratch))
+
+    async def load(self, img: Image, admit: Admit | None = None) -> Kernel:
+        """The preloaded worker handed over."""
+        w, img.preloaded = img.preloaded, None
+        if w is None:
+            raise MeshError("internal: an image prepared for the other isolation mode")
+        k = Kernel(img.name, img.prepared.manifest, w, self)
+        if admit is not None:
+            try:
+                admit(w.info)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self.unload(k)
+                raise
+        await self._check_abi(k)
+        return k
+
+    async def _unload(self, k: Kernel) -> None:
+        await self.give_back(k.module)
+
+    async def _abandon(self, k: Kernel, slot: int) -> None:
+        """A worker whose kernel does not return is retired (the server ends its context first)."""
+        run = k.launch
+        if run is not None and not run.finished():
+            with anyio.move_on_after(self.sup.deadlines.launch):
+                try:
+                    await run.wait()
+                except WorkerError:
+                    pass
+            if not run.finished():
+                self.sup.retire(k.proc)
+        await self._unload(k)
+
+    async def drop(self, img: Image) -> None:
+        w, img.preloaded = img.preloaded, None
+        if w is not None:
+            await self.give_back(w)
+
+    def retire_stuck(self, k: Kernel) -> bool:
+        if k.unloaded:
+            return False
+        self.sup.retire(k.proc)
+        return True
+
+    def not_started_why(self) -> str:
+        return (f"its blocks wait for SMs that the other resident programs of GPU {self.device} hold, or the program"
+                " does not set STATE = RUNNING when it starts (docs/program-abi.md)")
+
+    def load_count(self) -> int:
+        """Its workers that are not idle in the pool."""
+        return len(self.mps.workers_on(self.device)) - len(self.pool)
+
+    def status(self) -> dict[str, Any]:
+        return {"workers": self.mps.workers_on(self.device), "pool": self.pool.pids(), "pool_cap": self.pool.cap}
+
+    # ---- a fault of the GPU -----------------------------------------------------------------
+    async def teardown(self) -> list[WorkerProc]:
+        """MPS tore every client of this GPU down: every worker of it retired, the pool's too,
+        without terminate_client (they are torn down already: on the H200 a terminate_client then
+        hung and the server's teardown never ended), and awaited within ``recover``."""
+        d = self.device
+        torn = self.pool.drain()
+        torn += [w for w in self.mps.spawned_on(d) if w not in torn]
+        log.info(f"mps: GPU {d}: retiring its {len(torn)} workers after a fault", device=d)
+        for w in torn:
+            self.sup.retire(w, before_exit=False)
+        with anyio.move_on_after(self.sup.deadlines.recover):
+            for w in torn:
+                await w.process.wait()
+        return torn
+
+    async def refill(self, extra: int = 0) -> bool:
+        """A full pool and ``extra`` workers more, in one batch, once the server takes clients on this
+        GPU again (after the torn-down ones exited), retried within ``recover``; False if not (logged)."""
+        d, within = self.device, self.sup.deadlines.recover
+        want = max(0, min(self.pool.cap + extra, self.mps.max_clients) - len(self.pool))
+        try:
+            with anyio.fail_after(within):
+                while True:
+                    try:
+                        await self.prewarm(want)
+                        return True
+                    except MeshError as e:
+                        log.info(f"mps: after the fault, GPU {d}'s pool does not come up yet: {e}")
+                        await anyio.sleep(0.2)
+        except TimeoutError:
+            log.error(f"mps: the server took no new clients on GPU {d} within {within:g}s of the fault")
+            return False
+
+    async def close(self) -> None:
+        """The idle workers see EOF first (then the supervisor kills every worker)."""
+        for w in self.pool.drain():
+            w.close_stdin()
+
+
+async def _ready(p: WorkerProc) -> None:
+    try:
+        payload = await p.ask(Op.READY)
+    except WorkerError as e:
+        raise e.prefixed("mps: pool") from e
+    try:
+        pid = frames.ready_pid(payload)
+    except FrameError as e:
+        p.mark_unfit(f"worker {p.pid}: bad READY: {e}")
+        raise WorkerError(f"mps: pool: worker {p.pid}: bad READY: {e}", pid=p.pid) from e
+    if pid != p.pid:
+        p.mark_unfit(f"worker {p.pid}: READY says pid {pid}")
+        raise WorkerError(f"mps: pool: worker {p.pid}: READY says pid {pid}", pid=p.pid)
