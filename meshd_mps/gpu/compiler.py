@@ -33,7 +33,7 @@ from typing import Any
 import anyio.to_thread
 
 from meshd_mps.protocol import abi
-from meshd_mps.serving.client import parse_json
+from meshd_mps.strictjson import parse_json
 from meshd_mps.gpu.device import DeviceInfo
 from meshd_mps.names import check_name
 from meshd_mps.errors import CompileError, HashMismatch, LimitError, ManifestError
