@@ -6,6 +6,7 @@ socket's directory and owner, and the stall columns.  Most tests share one ``--g
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
@@ -18,8 +19,10 @@ import tempfile
 import threading
 import time
 import warnings
+from datetime import datetime, timezone
 from pathlib import Path
 
+import anyio
 import pytest
 
 from meshd_mps.serving import client as client_mod, server
@@ -239,37 +242,110 @@ def test_client_refuses_a_deep_answer(tmp):
 
 
 def raw_http(sock: str, data: bytes) -> tuple[int, dict]:
+    """One request as bytes; its answer's status and JSON, read by its Content-Length (the
+    connection may stay open: keep-alive)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(30)
         s.connect(sock)
         s.sendall(data)
         got = b""
-        while chunk := s.recv(65536):
+        while b"\r\n\r\n" not in got and (chunk := s.recv(65536)):
             got += chunk
-    assert got.startswith(b"HTTP/1.1 "), got[:200]  # answered, not a dropped connection
-    head, _, body = got.partition(b"\r\n\r\n")
+        head, _, body = got.partition(b"\r\n\r\n")
+        m = re.search(rb"(?im)^content-length: *(\d+)\r?$", head)
+        while m and len(body) < int(m[1]) and (chunk := s.recv(65536)):
+            body += chunk
+    # Answered, not a dropped connection (a head aiohttp cannot parse is answered as HTTP/1.0).
+    assert re.match(rb"HTTP/1\.[01] ", got), got[:200]
     return int(head.split(b" ")[1]), json.loads(body)
 
 
+H = "Host: x\r\n"  # HTTP/1.1 requires it (RFC 9112 3.2: a 400 without it, as aiohttp answers)
+
+
 @pytest.mark.parametrize("data, status, words", [
-    ("POST /v1/programs/echo/call HTTP/1.1\r\nContent-Length: \u00b2\r\n\r\nxx", 400, "Content-Length '²': not a number"),
-    ("POST /v1/programs/echo/call HTTP/1.1\r\nContent-Length: \u0661\r\n\r\nx", 400, "not a number"),
-    ("POST /v1/programs/echo/call HTTP/1.1\r\nContent-Length: " + "9" * 5000 + "\r\n\r\n", 413,
+    # Heads the parser (aiohttp's, llhttp) refuses: a 400 in its words, after "request head: ".
+    (f"POST /v1/programs/echo/call HTTP/1.1\r\n{H}Content-Length: \u00b2\r\n\r\nxx", 400, "Content-Length"),
+    (f"POST /v1/programs/echo/call HTTP/1.1\r\n{H}Content-Length: \u0661\r\n\r\nx", 400, "Content-Length"),
+    (f"POST /v1/programs/echo/call HTTP/1.1\r\n{H}Content-Length: -1\r\n\r\n", 400, "Content-Length"),
+    # beyond 2**64: the parser's overflow (400); within, but over 64 MiB: 413 (below)
+    (f"POST /v1/programs/echo/call HTTP/1.1\r\n{H}Content-Length: " + "9" * 5000 + "\r\n\r\n", 400, "Content-Length"),
+    (f"POST /v1/programs/echo/call HTTP/1.1\r\n{H}Content-Length: 1\r\nContent-Length: 2\r\n\r\n", 400,
+     "Duplicate"),
+    (f"GET http://[/v1/status HTTP/1.1\r\n{H}\r\n", 400, "request head: http://[/v1/status"),
+    (f"GET /v1/status HTTP/1.1\r\n{H} continued: header\r\n\r\n", 400, " continued: header"),
+    ("GET /v1/status HTTP/1.1\r\n\r\n", 400, "Missing 'Host' header"),
+    (f"GET /v1/status HTTP/1.1\r\n{H}X: " + "a" * (65 << 10) + "\r\n\r\n", 431, "request head: "),
+    (f"GET /v1/status HTTP/1.1\r\n{H}" + "".join(f"X{i}: 1\r\n" for i in range(101)) + "\r\n", 400,
+     "Too many headers"),
+    # Heads the parser takes, refused by the daemon.
+    (f"POST /v1/programs/echo/call HTTP/1.1\r\n{H}Content-Length: 67108865\r\n\r\n", 413,
      "is over the limit of 67108864 bytes"),
-    ("POST /v1/programs/echo/call HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400, "not a number"),
-    ("POST /v1/programs/echo/call HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400, "conflicting"),
-    ("GET http://[/v1/status HTTP/1.1\r\n\r\n", 400, "request target 'http://[/v1/status'"),
-    ("GET http://x/v1/status HTTP/1.1\r\n\r\n", 200, ""),
-    ("GET /v1/status HTTP/1.1\r\n continued: header\r\n\r\n", 400, "bad header line"),
-    ("GET /v1/programs/%ff HTTP/1.1\r\n\r\n", 400, "not UTF-8"),
+    (f"GET http://x/v1/status HTTP/1.1\r\n{H}\r\n", 200, ""),
+    (f"GET /v1/programs/%ff HTTP/1.1\r\n{H}\r\n", 400, "not UTF-8"),
 ])
 def test_odd_heads_are_answered(daemon, data, status, words):
     before, errors = snapshot(daemon.client), internal_errors(daemon)
     st, ans = raw_http(daemon.sock, data.encode("utf-8" if "\u0661" in data else "latin-1"))
     assert st == status, ans
     assert words in ans.get("error", ""), ans
+    if status == 400 and words != "not UTF-8":
+        assert ans["error"].startswith("request head: ") and len(ans["error"]) < 400, ans
     assert snapshot(daemon.client) == before
     assert internal_errors(daemon) == errors and "connection failed" not in daemon.log()
+    assert "Traceback" not in daemon.log()
+
+
+class AnswerCount:
+    """What the API's connections need of Metrics: the count of answers by status."""
+
+    def __init__(self):
+        self.http_codes: dict[int, int] = {}
+
+    def answered(self, status: int) -> None:
+        self.http_codes[status] = self.http_codes.get(status, 0) + 1
+
+
+async def test_no_request_in_time_is_a_408(tmp):
+    """No head within Deadlines.http_head (nothing sent, or half a head), or no body within
+    http_body: a 408 naming the deadline, and the connection closed.  On the API's own connection
+    handler in this process (no daemon), with deadlines of 0.3 s."""
+    from aiohttp import web
+
+    from meshd_mps.deadlines import Deadlines
+    from meshd_mps.serving.api import Api
+
+    count = AnswerCount()
+    api = Api(None, None, count, socket_path="", versions={}, started=datetime.now(timezone.utc), t0=0.0,  # type: ignore[arg-type]
+              deadlines=Deadlines(http_head=0.3, http_body=0.3))
+    runner = web.AppRunner(api.app())
+    await runner.setup()
+    path = os.path.join(tmp, "s.sock")
+    listener = await asyncio.get_running_loop().create_unix_server(api.protocols(runner.server), path=path)
+
+    async def ask(data: bytes) -> tuple[bytes, dict]:
+        reader, writer = await asyncio.open_unix_connection(path)
+        try:
+            writer.write(data)
+            with anyio.fail_after(5):
+                got = await reader.read()  # to the end: the daemon closes
+        finally:
+            writer.close()
+        head, _, body = got.partition(b"\r\n\r\n")
+        return head.split(b"\r\n")[0], json.loads(body)
+
+    try:
+        t0 = time.monotonic()
+        assert await ask(b"") == (b"HTTP/1.1 408 Request Timeout", {"ok": False, "error": "no request in 0.3s", "within": 0.3})
+        assert 0.25 < time.monotonic() - t0 < 3
+        assert (await ask(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n"))[0] == b"HTTP/1.1 408 Request Timeout"
+        line, ans = await ask(b"POST /v1/programs HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{")
+        assert (line, ans) == (b"HTTP/1.1 408 Request Timeout", {"ok": False, "error": "body not received in 0.3s",
+                                                                 "within": 0.3})
+        assert count.http_codes == {408: 3}
+    finally:
+        listener.close()
+        await runner.cleanup()
 
 
 # ---- 3. typed errors ---------------------------------------------------------------------------
@@ -293,16 +369,39 @@ def test_typed_errors_by_type():
                 likely="its queue is taken"), 409, {"program": "p", "within": 5.0, "likely": "its queue is taken"}),
     (ImageRefused("load: worker 7: cuModuleGetFunction(mesh_main): CUDA_ERROR_NOT_FOUND", error="e"), 400, {"error": "e"}),
 ])
-async def test_typed_errors_through_dispatch(error, status, fields):
-    d = server.Daemon(server.Config(socket="/nonexistent/meshd-mps.sock"))
+async def test_typed_errors_through_the_middleware(error, status, fields):
+    """What a route raises is answered by the API's middleware: a MeshError with status_of(e) and
+    its fields, anything else with a 500 that says only where the traceback is (the log)."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+    from structlog.testing import capture_logs
 
-    async def handler(req):
+    from meshd_mps.deadlines import DEFAULT
+    from meshd_mps.serving.api import Api
+
+    api = Api(None, None, None, socket_path="/nonexistent/meshd-mps.sock", versions={},  # type: ignore[arg-type]
+              started=datetime.now(timezone.utc), t0=0.0, deadlines=DEFAULT)
+
+    async def handler(request):
         raise error
 
-    d._route = lambda req: (handler, ())  # type: ignore[method-assign]
-    resp = await d._dispatch(server.Request("POST", "/v1/programs", "/v1/programs", ["v1", "programs"], {}))
-    assert resp.status == status
-    assert json.loads(resp.body) == {"ok": False, "error": str(error), **fields}
+    async def bug(request):
+        raise RuntimeError("a bug")
+
+    app = web.Application(middlewares=[api.checked])
+    app.router.add_post("/v1/programs", handler)
+    app.router.add_post("/v1/bug", bug)
+    async with TestClient(TestServer(app)) as client:
+        resp = await client.post("/v1/programs")
+        assert resp.status == status
+        assert json.loads(await resp.read()) == {"ok": False, "error": str(error), **fields}
+        with capture_logs() as logs:
+            resp = await client.post("/v1/bug")
+            assert resp.status == 500
+            assert json.loads(await resp.read()) == {"ok": False, "error": "internal error (the daemon's log has the traceback)"}
+    errors = [e for e in logs if e["log_level"] == "error"]
+    assert [e["event"] for e in errors] == ["POST /v1/bug: internal error"] and "RuntimeError: a bug" in errors[0]["traceback"]
+    assert api.busy == set()
 
 
 def check_image_refused(c: Client) -> None:

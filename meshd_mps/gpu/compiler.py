@@ -36,7 +36,7 @@ from meshd_mps.errors import CompileError, HashMismatch, LimitError, ManifestErr
 from meshd_mps.gpu.device import DeviceInfo
 from meshd_mps.names import check_name
 from meshd_mps.protocol import abi
-from meshd_mps.serving.client import parse_json
+from meshd_mps.strictjson import parse_json
 
 #: The device-side header's folder, passed to NVRTC with -I (a source checkout only).
 INCLUDE_DIR = Path(__file__).resolve().parents[2] / "examples" / "include"

@@ -216,7 +216,7 @@ def _client(args: argparse.Namespace) -> int:
                 try:
                     data: bytes | str = bytes.fromhex(args.data)
                 except ValueError as e:
-                    raise ClientError(f"DATA: not hex: {e}") from None
+                    raise ClientError(f"DATA: not hex: {e}") from e
             else:
                 data = args.data
             ans = c.call(args.name, data, args.timeout)

@@ -8,7 +8,8 @@ The daemon takes PTX only: CUDA C is compiled here, by the client, with the
 user's own rights (``#include`` reads the user's files, never the daemon's),
 for the oldest GPU the daemon serves (its ``GET /v1/status``).
 
-JSON read here and by the daemon goes through :func:`parse_json`: at most
+JSON read here and by the daemon goes through :func:`parse_json` (from
+:mod:`meshd_mps.strictjson`, re-exported here for the CLI): at most
 ``MAX_JSON_DEPTH`` levels of nesting, checked by a scan before ``json.loads``
 runs (so that it never recurses deeply).
 """
@@ -17,9 +18,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import math
 import os
-import re
 import socket
 import stat
 import struct
@@ -28,13 +27,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# Re-exported (``X as X``): the CLI and its users read JSON through the client module.
+from meshd_mps.strictjson import MAX_INT_DIGITS as MAX_INT_DIGITS
+from meshd_mps.strictjson import MAX_JSON_DEPTH as MAX_JSON_DEPTH
+from meshd_mps.strictjson import JSONRefused as JSONRefused
+from meshd_mps.strictjson import json_deeper_than as json_deeper_than
+from meshd_mps.strictjson import parse_json
+
 SOCKET_ENV = "MESHD_MPS_SOCKET"
 #: The daemon refuses bodies over this (413); the client does not send them.
 MAX_BODY = 64 << 20
-#: Arrays and objects nested deeper than this are refused (the API's bodies, manifests, answers).
-MAX_JSON_DEPTH = 32
-#: Integers in JSON input with more digits than this are refused (u64's largest has 20).
-MAX_INT_DIGITS = 64
 #: The default socket's directory for root (without $XDG_RUNTIME_DIR); the daemon creates it 0700.
 RUN_DIR = "/run/meshd-mps"
 #: Where other users' default socket directory, ``meshd-mps-$UID``, is made (0700, by the daemon).
@@ -62,109 +64,6 @@ def default_socket() -> str:
     if xdg:
         return os.path.join(xdg, SOCKET_NAME)
     return os.path.join(private_dirs()[0], SOCKET_NAME)
-
-
-# ---- JSON input -------------------------------------------------------------------------------
-
-
-class JSONRefused(ValueError):
-    """JSON text refused: too deep, not UTF-8, NaN, a duplicate key, ... (the message says which)."""
-
-
-#: A JSON string (its escaped quotes and backslashes already removed), or a run of anything but
-#: brackets and quotes: what the depth scan drops, leaving only the brackets outside strings.
-_NOT_BRACKETS = re.compile(r'"[^"]*"?|[^\[\]{}"]+')
-_PARENS = str.maketrans("[{]}", "(())")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def json_deeper_than(text: str, limit: int) -> bool:
-    """Whether JSON ``text`` nests arrays and objects more than ``limit`` deep, found without
-    parsing it and without recursion, in a few passes of C-speed string operations: escaped
-    backslashes and quotes dropped (so that no quote inside a string ends it), then every string
-    and everything but brackets; what is left is brackets only.  Each pass then removes every
-    innermost pair ``()`` at once, one level; a balanced text of depth d is gone in d passes.
-    Brackets left unmatched (invalid JSON) count as open levels (an upper bound, never less than
-    what ``json.loads`` would recurse into before finding the error)."""
-    if "\\" in text:
-        text = text.replace("\\\\", "").replace('\\"', "")
-    s = _NOT_BRACKETS.sub("", text).translate(_PARENS)
-    for levels in range(limit + 1):
-        t = s.replace("()", "")
-        if len(t) == len(s):
-            return levels + max(0, s.count("(") - s.count(")")) > limit
-        s = t
-    return True
-
-
-def _refuse_constant(name: str) -> Any:
-    raise JSONRefused(f"{name} is not a JSON number (RFC 8259: numbers are finite)")
-
-
-def _finite(text: str) -> float:
-    v = float(text)
-    if not math.isfinite(v):
-        raise JSONRefused(f"the number {text[:40]} is out of range (a finite double expected)")
-    return v
-
-
-def _bounded_int(text: str) -> int:
-    digits = len(text) - (text[0] == "-")
-    if digits > MAX_INT_DIGITS:
-        raise JSONRefused(f"an integer of {digits} digits (at most {MAX_INT_DIGITS})")
-    return int(text)
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise JSONRefused(f"the key {k[:80]!r} appears twice in one object")
-        out[k] = v
-    return out
-
-
-def _check_strings(obj: Any) -> None:
-    todo = [obj]  # at most MAX_JSON_DEPTH deep, walked without recursion all the same
-    while todo:
-        v = todo.pop()
-        if isinstance(v, str):
-            if _SURROGATE.search(v):
-                raise JSONRefused("a string with a lone surrogate escape (\\ud800-\\udfff): not Unicode text")
-        elif isinstance(v, dict):
-            todo.extend(v)
-            todo.extend(v.values())
-        elif isinstance(v, list):
-            todo.extend(v)
-
-
-def parse_json(data: bytes | str, *, strict: bool = True, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """JSON text as meshd-mps reads it; JSONRefused (a ValueError) says what is wrong.  Always:
-    UTF-8 (bytes), at most ``max_depth`` levels of arrays and objects (checked before parsing).
-    ``strict`` (input: bodies, manifests) also refuses NaN and Infinity, numbers out of a double's
-    range, integers over ``MAX_INT_DIGITS`` digits, a key twice in one object and lone surrogates."""
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        try:
-            text = bytes(data).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise JSONRefused(f"not UTF-8 (byte {e.start}: {bytes(data)[e.start:e.start + 1]!r})") from None
-    else:
-        text = data
-    if json_deeper_than(text, max_depth):
-        raise JSONRefused(f"nested deeper than the limit of {max_depth} levels of arrays and objects")
-    try:
-        if not strict:
-            return json.loads(text)
-        obj = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite, parse_int=_bounded_int,
-                         object_pairs_hook=_unique)
-    except RecursionError:  # not reached (the scan comes first): a JSON error all the same
-        raise JSONRefused(f"nested deeper than the limit of {max_depth} levels of arrays and objects") from None
-    except JSONRefused:
-        raise
-    except ValueError as e:
-        raise JSONRefused(str(e)) from None
-    _check_strings(obj)
-    return obj
 
 
 # ---- the client ---------------------------------------------------------------------------------
@@ -294,7 +193,7 @@ class Client:
         try:
             ans = parse_json(data, strict=False)
         except ValueError as e:
-            raise ClientError(f"HTTP {status}: not JSON ({e}): {data[:200]!r}", status) from None
+            raise ClientError(f"HTTP {status}: not JSON ({e}): {data[:200]!r}", status) from e
         if not isinstance(ans, dict):
             raise ClientError(f"HTTP {status}: a JSON object expected", status)
         if not ans.get("ok") or status >= 400:
@@ -357,19 +256,19 @@ def compile_cuda(source: bytes, name: str, arch: str, include: list[str] | None 
         from meshd_mps.gpu.compiler import cuda_to_ptx
         from meshd_mps.errors import CompileError
     except ImportError as e:
-        raise ClientError(f"{name}: compiling CUDA C needs meshd-mps's compiler: {e}") from None
+        raise ClientError(f"{name}: compiling CUDA C needs meshd-mps's compiler: {e}") from e
     try:
         ptx = cuda_to_ptx(source, name, arch, include)
     except CompileError as e:
-        raise ClientError(str(e)) from None
+        raise ClientError(str(e)) from e
     except ImportError as e:  # cuda.bindings is imported by the call
-        raise ClientError(f"{name}: compiling CUDA C needs NVRTC (the cuda-bindings package): {e}") from None
+        raise ClientError(f"{name}: compiling CUDA C needs NVRTC (the cuda-bindings package): {e}") from e
     except Exception as e:  # NVRTC's library missing or broken: said in one line, not a traceback
-        raise ClientError(f"{name}: NVRTC failed: {type(e).__name__}: {e}") from None
+        raise ClientError(f"{name}: NVRTC failed: {type(e).__name__}: {e}") from e
     try:
         return ptx.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ClientError(f"{name}: NVRTC's PTX is not UTF-8 text: {e}") from None
+        raise ClientError(f"{name}: NVRTC's PTX is not UTF-8 text: {e}") from e
 
 
 def program_body(dir: str | None = None, manifest: str | None = None, ptx: str | None = None, cuda: str | None = None,
@@ -407,21 +306,21 @@ def program_body(dir: str | None = None, manifest: str | None = None, ptx: str |
     try:
         mtext = mpath.read_bytes()
     except OSError as e:
-        raise ClientError(f"{mpath}: {e.strerror or e}") from None
+        raise ClientError(f"{mpath}: {e.strerror or e}") from e
     try:
         mobj = parse_json(mtext)
     except ValueError as e:
-        raise ClientError(f"{mpath}: not JSON: {e}") from None
+        raise ClientError(f"{mpath}: not JSON: {e}") from e
     src = Path(ptx if ptx is not None else cuda)  # type: ignore[arg-type]
     try:
         raw = src.read_bytes()
     except OSError as e:
-        raise ClientError(f"{src}: {e.strerror or e}") from None
+        raise ClientError(f"{src}: {e.strerror or e}") from e
     if ptx is not None:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ClientError(f"{src}: not UTF-8 text: {e}") from None
+            raise ClientError(f"{src}: not UTF-8 text: {e}") from e
     else:
         name = mobj.get("name") if isinstance(mobj, dict) and isinstance(mobj.get("name"), str) else src.stem
         target = arch() if callable(arch) else (arch or DEFAULT_ARCH)

@@ -1,158 +1,219 @@
-"""A tiny metrics registry and the Prometheus text exposition format 0.0.4.
+"""The daemon's Prometheus metrics, exposed with prometheus_client.
 
-No prometheus_client: a family is a name, a help line, a type and a function
-that returns its samples when scraped (so most metrics are read from the live
-objects, never kept twice); a :class:`Histogram` keeps its own buckets.
+Most metrics are read from the live objects when scraped, never kept twice: one collector
+(:class:`Live`) walks a table of families (name, type, help, labels, a reader) and asks the
+Backend and Programs for each value.  What only the daemon sees is kept here: the load-time
+histogram (a prometheus_client ``Histogram``), the answers by status code, and the faults and
+worker deaths counted by :meth:`Metrics.scan`.  Each daemon has its own ``CollectorRegistry``
+(never the process-global one), so that two daemons in one process, or tests, do not share them.
 """
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
-_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+from meshd_mps.errors import WorkerError
+
+if TYPE_CHECKING:
+    from meshd_mps.backend import Backend
+    from meshd_mps.programs import Programs
+
+log = structlog.get_logger("meshd_mps")
+
+#: What GET /metrics answers with.
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+#: The load-time histogram's buckets (seconds): a cached load is milliseconds, a JIT and an MPS
+#: worker's first context seconds.
+LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: Program states the metrics always list (each 0 when no program is in it).
+STATES = ("running", "stalled", "exited", "failed", "faulted")
+FAILED = ("failed", "faulted")
 
 Labels = Mapping[str, str]
-Sample = tuple[Labels, float]
-#: What a collector returns: one value (no labels) or (labels, value) pairs.
-Collected = float | int | None | Iterable[Sample]
+#: What a reader returns: one value (None: no sample), or (labels, value) pairs.
+Read = float | int | None | Iterable[tuple[Labels, float]]
 
 
-def format_value(v: float) -> str:
-    """A sample value as the text format writes it: integers without a point, NaN, +Inf, -Inf."""
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    if isinstance(v, int):
-        return str(v)
-    if math.isnan(v):
-        return "NaN"
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if v.is_integer() and abs(v) < 1e15:
-        return str(int(v))
-    return repr(v)
-
-
-def escape_label(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def escape_help(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def format_labels(labels: Labels) -> str:
-    if not labels:
-        return ""
-    for k in labels:
-        if not _LABEL.match(k) or k.startswith("__"):
-            raise ValueError(f"metrics: bad label name {k!r}")
-    return "{" + ",".join(f'{k}="{escape_label(str(v))}"' for k, v in labels.items()) + "}"
-
-
-@dataclass
+@dataclass(frozen=True)
 class Family:
-    name: str
-    help: str
-    type: str  # counter | gauge | summary | histogram | untyped
-    collect: Callable[[], Collected]
-
-    def samples(self) -> list[tuple[str, Labels, float]]:
-        got = self.collect()
-        if got is None:
-            return []
-        if isinstance(got, (int, float)):
-            return [(self.name, {}, got)]
-        return [(self.name, labels, value) for labels, value in got]
-
-    def render(self) -> str:
-        lines = [f"# HELP {self.name} {escape_help(self.help)}", f"# TYPE {self.name} {self.type}"]
-        for name, labels, value in self.samples():
-            lines.append(f"{name}{format_labels(labels)} {format_value(value)}")
-        return "\n".join(lines) + "\n"
-
-
-DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-@dataclass
-class Histogram:
-    """A histogram without labels: cumulative buckets, ``_sum`` and ``_count``."""
+    """One metric family and the function that reads its samples from the live objects."""
 
     name: str
+    kind: str  # "counter" | "gauge"
     help: str
-    buckets: Sequence[float] = DEFAULT_BUCKETS
-    _counts: list[int] = field(default_factory=list)
-    sum: float = 0.0
-    count: int = 0
-    type: str = "histogram"
+    read: Callable[[], Read]
+    labels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if list(self.buckets) != sorted(self.buckets):
-            raise ValueError("metrics: histogram buckets must be sorted")
-        self._counts = [0] * len(self.buckets)
+        if self.kind == "counter" and not self.name.endswith("_total"):
+            raise ValueError(f"metrics: counter {self.name} must end in _total")  # its sample's name is its own
 
-    def observe(self, v: float) -> None:
-        for i, le in enumerate(self.buckets):
-            if v <= le:
-                self._counts[i] += 1
-        self.sum += v
-        self.count += 1
-
-    def render(self) -> str:
-        lines = [f"# HELP {self.name} {escape_help(self.help)}", f"# TYPE {self.name} histogram"]
-        for le, n in zip(self.buckets, self._counts):
-            lines.append(f'{self.name}_bucket{{le="{format_value(float(le))}"}} {n}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{self.name}_sum {format_value(self.sum)}")
-        lines.append(f"{self.name}_count {self.count}")
-        return "\n".join(lines) + "\n"
+    def collect(self) -> Metric:
+        make = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
+        got = self.read()
+        if not self.labels:
+            assert got is None or isinstance(got, (int, float)), f"{self.name}: one value expected"
+            return make(self.name, self.help) if got is None else make(self.name, self.help, value=got)
+        assert got is not None and not isinstance(got, (int, float)), f"{self.name}: samples with labels expected"
+        m = make(self.name, self.help, labels=self.labels)
+        for labels, value in got:
+            m.add_metric([labels[k] for k in self.labels], value)
+        return m
 
 
-class Registry:
-    """Families in registration order; ``render()`` is the whole exposition."""
+class Live(Collector):
+    """The families read when scraped; one that fails is left out (and logged), never the others."""
 
-    def __init__(self) -> None:
-        self._families: dict[str, Family | Histogram] = {}
+    def __init__(self, families: list[Family]):
+        self.families = families
 
-    def _add(self, f: Family | Histogram) -> None:
-        if not _NAME.match(f.name):
-            raise ValueError(f"metrics: bad metric name {f.name!r}")
-        if f.name in self._families:
-            raise ValueError(f"metrics: {f.name} registered twice")
-        self._families[f.name] = f
-
-    def counter(self, name: str, help: str, collect: Callable[[], Collected]) -> Family:
-        if not name.endswith("_total"):
-            raise ValueError(f"metrics: counter {name} must end in _total")
-        f = Family(name, help, "counter", collect)
-        self._add(f)
-        return f
-
-    def gauge(self, name: str, help: str, collect: Callable[[], Collected]) -> Family:
-        f = Family(name, help, "gauge", collect)
-        self._add(f)
-        return f
-
-    def histogram(self, name: str, help: str, buckets: Sequence[float] = DEFAULT_BUCKETS) -> Histogram:
-        h = Histogram(name, help, tuple(buckets))
-        self._add(h)
-        return h
-
-    def names(self) -> list[str]:
-        return list(self._families)
-
-    def render(self) -> str:
-        """The text format: every family, a failing collector skipped with a comment."""
-        out = []
-        for f in self._families.values():
+    def collect(self) -> Iterator[Metric]:
+        for f in self.families:
             try:
-                out.append(f.render())
-            except Exception as e:  # one broken collector must not hide the others
-                out.append(f"# {f.name}: collector failed: {escape_help(f'{type(e).__name__}: {e}')}\n")
-        return "".join(out)
+                m = f.collect()
+            except Exception:
+                log.error(f"metrics: {f.name}: collector failed", metric=f.name, traceback=traceback.format_exc())
+                continue
+            yield m
+
+
+def new_registry() -> CollectorRegistry:
+    """A registry of one's own, never the process-global one.  Without ``_created`` series: the
+    classic text format has no such thing (prometheus_client would add one to every histogram as
+    a gauge of its own), and the exposition keeps the names it always had.  That switch is
+    prometheus_client's, for the whole process."""
+    disable_created_metrics()
+    return CollectorRegistry(auto_describe=False)
+
+
+class Metrics:
+    """One daemon's registry over its Backend and Programs."""
+
+    def __init__(self, backend: Backend, programs: Programs, version: str, t0: float):
+        self.b, self.ps, self.version, self.t0 = backend, programs, version, t0
+        self.registry = new_registry()
+        self.load_seconds = Histogram(
+            "meshd_mps_load_seconds", "Time of each successful load or upgrade (checks, JIT or cache, preload, launch).",
+            buckets=LOAD_BUCKETS, registry=self.registry)
+        self.registry.register(Live(self.families()))
+        self.http_codes: dict[int, int] = {}
+        self.faults = 0
+        self.deaths = 0
+        self._seen: dict[tuple[str, float], str] = {}  # (name, start) -> last state seen
+
+    def answered(self, status: int) -> None:
+        """Counts one answer of the control API."""
+        self.http_codes[status] = self.http_codes.get(status, 0) + 1
+
+    def loaded(self) -> None:
+        """After a successful load or upgrade: its time into the histogram."""
+        if self.ps.load_ms:
+            self.load_seconds.observe(self.ps.load_ms[-1] / 1e3)
+
+    def exposition(self) -> bytes:
+        self.scan()
+        return generate_latest(self.registry)
+
+    def scan(self) -> None:
+        """Count programs that failed or faulted since the last look (deaths: their worker died).
+        Programs logs the failures itself; this only counts them, once each."""
+        current = {}
+        for p in self.ps.by_name.values():
+            key = (p.name, p.started)
+            state, _error = p.state()
+            current[key] = state
+            before = self._seen.get(key)
+            # Newly failed (failed -> faulted is one fault); any other state (running, exited,
+            # stalled, ...) is not a failure.
+            if state in FAILED and before not in FAILED:
+                self.faults += 1
+                f = p.launch.inner
+                if f.done() and not f.cancelled() and isinstance(f.exception(), WorkerError):
+                    self.deaths += 1
+        self._seen = current
+
+    def families(self) -> list[Family]:
+        b, ps = self.b, self.ps
+        assert b.caps is not None
+        caps = b.caps
+
+        def by_state() -> list[tuple[Labels, float]]:
+            n = dict.fromkeys(STATES, 0)
+            for p in ps.by_name.values():
+                st = ps.describe(p)["state"]  # "stalled" included (its heartbeat stopped)
+                n[st] = n.get(st, 0) + 1
+            return [({"state": k}, v) for k, v in n.items()]
+
+        def beat_ages() -> list[tuple[Labels, float]]:
+            ages = [(p.name, ps.describe(p).get("beat_age_s")) for p in ps.by_name.values()]
+            return [({"program": name}, age) for name, age in ages if age is not None]  # never beat: no sample
+
+        def by_device(value: Callable[[int], float]) -> Callable[[], list[tuple[Labels, float]]]:
+            return lambda: [({"device": str(d)}, value(d)) for d in b.devices]
+
+        out = [
+            Family("meshd_mps_info", "gauge", "This daemon: version, isolation mode, GPU kind and device (always 1).",
+                   lambda: [({"version": self.version, "isolation": b.isolation, "gpu": b.gpu, "device": caps.name}, 1)],
+                   ("version", "isolation", "gpu", "device")),
+            Family("meshd_mps_uptime_seconds", "gauge", "Seconds since the daemon started.",
+                   lambda: round(time.monotonic() - self.t0, 3)),
+            Family("meshd_mps_loads_total", "counter", "Successful loads and upgrades.", lambda: ps.loads),
+            Family("meshd_mps_programs", "gauge", "Loaded programs, by state.", by_state, ("state",)),
+            Family("meshd_mps_faults_total", "counter",
+                   "Programs seen failed or faulted (a launch error, a GPU fault, a worker death).", lambda: self.faults),
+            Family("meshd_mps_gpu_faults_total", "counter",
+                   "GPU faults that took every MPS client down (MPS mode; each one recovered).",
+                   lambda: sum(1 for f in getattr(ps, "faults", []) if getattr(f, "gpu_wide", False))),
+            Family("meshd_mps_worker_deaths_total", "counter", "Programs that ended because their worker process died.",
+                   lambda: self.deaths),
+            Family("meshd_mps_workers", "gauge", "Live worker processes (MPS clients, or the blink context).",
+                   lambda: len(b.sup.live())),
+            Family("meshd_mps_workers_retired_total", "counter",
+                   "Worker processes retired and reaped (pool overflow, unfit, dead).", lambda: b.sup.retired),
+            Family("meshd_mps_pool_idle", "gauge", "Idle pooled workers, every GPU's (MPS mode).",
+                   lambda: b.mps.idle() if b.mps else 0),
+            Family("meshd_mps_pool_capacity", "gauge", "The pools' capacity: --pool per GPU.",
+                   lambda: sum(p.cap for p in b.mps.pools.values()) if b.mps else 0),
+            Family("meshd_mps_device_info", "gauge", "Each GPU served, by CUDA ordinal and name (always 1).",
+                   lambda: [({"device": str(d), "name": b.device_caps[d].name}, 1) for d in b.devices], ("device", "name")),
+            Family("meshd_mps_device_programs", "gauge", "Loaded programs on each GPU.",
+                   by_device(lambda d: len(ps.on_device(d))), ("device",)),
+            Family("meshd_mps_device_pool_idle", "gauge", "Idle pooled workers on each GPU (MPS mode).",
+                   by_device(lambda d: len(b.mps.pools[d]) if b.mps else 0), ("device",)),
+        ]
+        if b.blinks:
+            def last_blink() -> float | None:
+                ms = b.last_blink_ms()
+                return None if ms is None else ms / 1e3
+
+            out += [
+                Family("meshd_mps_blinks_total", "counter",
+                       "Blinks: module changes that halted and relaunched running programs.",
+                       lambda: sum(c.blinks for c in b.blinks.values())),
+                Family("meshd_mps_device_blinks_total", "counter", "Blinks on each GPU (each GPU's context blinks alone).",
+                       lambda: [({"device": str(d)}, c.blinks) for d, c in sorted(b.blinks.items())], ("device",)),
+                Family("meshd_mps_last_blink_seconds", "gauge",
+                       "Length of the last blink on any GPU (absent before the first).", last_blink),
+            ]
+        out += [
+            Family("meshd_mps_program_heartbeat", "gauge",
+                   "Each program's heartbeat counter (its mailbox slot's HEARTBEAT word).",
+                   lambda: [({"program": p.name}, b.mailbox.heartbeat(p.slot)) for p in ps.by_name.values()],
+                   ("program",)),
+            Family("meshd_mps_program_beat_age_seconds", "gauge",
+                   "Seconds since each program's heartbeat was last seen advancing (no sample for one that never beat).",
+                   beat_ages, ("program",)),
+            Family("meshd_mps_sms", "gauge", "SMs a program may use (--sms, else the device's).", lambda: caps.sms),
+            Family("meshd_mps_http_requests_total", "counter", "Control API requests answered, by status code.",
+                   lambda: [({"code": str(k)}, v) for k, v in sorted(self.http_codes.items())], ("code",)),
+        ]
+        return out

@@ -3,16 +3,89 @@
 An error's status is that of the nearest class in its MRO that the table names; an error the
 table does not name (a failure of a worker, the MPS daemon, the device, or a bug) is a 500, and
 its message says which.  Nothing here reads a message.
+
+The few errors only HTTP has (no such route, a method the route lacks, a body's framing, a head
+the parser refused, a request not sent in time) are types here too, on the branches of
+``meshd_mps.errors``, so that every refusal is answered through this one table.
 """
 
 from __future__ import annotations
 
 from meshd_mps import errors as E
 
+
+class NoRoute(E.NotFound):
+    """No route has this path."""
+
+
+class MethodNotAllowed(E.BadRequest):
+    """The route has no such method; ``allowed`` goes into the ``Allow`` header too."""
+
+    FIELDS = ("allowed",)
+
+    def __init__(self, message: str, *, allowed: tuple[str, ...]):
+        super().__init__(message)
+        self.allowed = allowed
+
+
+class LengthRequired(E.BadRequest):
+    """A body without a Content-Length (chunked): the daemon takes only bodies whose size it can
+    refuse before it reads them."""
+
+
+class BodyTooLarge(E.BadRequest):
+    """A body over ``limit`` bytes, refused on its Content-Length before any of it is read."""
+
+    FIELDS = ("size", "limit")
+
+    def __init__(self, message: str, *, size: int, limit: int):
+        super().__init__(message)
+        self.size = size
+        self.limit = limit
+
+
+class BadBody(E.BadRequest):
+    """A body outside its route's schema; ``field`` names the field (None: the body as a whole)."""
+
+    FIELDS = ("field",)
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class HeadRefused(E.BadRequest):
+    """A request line or headers that HTTP's parser refused (in the parser's words)."""
+
+
+class HeadTooLarge(HeadRefused):
+    """A request line or a header line over the limit."""
+
+
+class VersionNotSupported(E.BadRequest):
+    """A request of another HTTP than 1.x (the parser takes any ``HTTP/d.d``)."""
+
+
+class RequestTimeout(E.Timeout):
+    """A request whose head or body did not arrive within ``within`` seconds."""
+
+    FIELDS = ("within",)
+
+    def __init__(self, message: str, *, within: float):
+        super().__init__(message)
+        self.within = within
+
+
 STATUS: dict[type[BaseException], int] = {
-    E.BadRequest: 400,  # ConfigError, ManifestError, BadName, CompileError, LimitError, ImageRefused, ...
+    MethodNotAllowed: 405,
+    LengthRequired: 411,
+    BodyTooLarge: 413,
+    HeadTooLarge: 431,
+    RequestTimeout: 408,
+    VersionNotSupported: 505,
+    E.BadRequest: 400,  # ConfigError, ManifestError, BadName, CompileError, LimitError, ImageRefused, BadBody, ...
     E.MailboxError: 400,  # a slot or an entry out of the layout
-    E.NotFound: 404,  # NotLoaded
+    E.NotFound: 404,  # NotLoaded, NoRoute
     E.Conflict: 409,  # AlreadyLoaded, CapacityError, ClientLimit, NotStarted, NotRunning, HaltTimeout, RingFull, ...
     E.Unavailable: 503,  # starting, shutting down, closed
     E.Timeout: 504,  # CallTimeout

@@ -1,0 +1,375 @@
+"""The control API: an aiohttp ``web.Application`` over one daemon's Backend and Programs.
+
+Routes: GET /v1/status, GET/POST /v1/programs, GET/PUT/DELETE /v1/programs/{name},
+POST /v1/programs/{name}/call, GET /metrics (docs/operations.md, "The control API").  Every answer
+but the metrics is JSON: ``{"ok": true, ...}``, or ``{"ok": false, "error": "...", **fields}`` for a refusal,
+answered by its type through the one table (``status.status_of``) in one middleware
+(:meth:`Api.checked`); anything else is a 500 whose traceback goes to the log only.  A bad
+request changes nothing: its body is checked whole (``schemas``) and Programs and Backend make
+their own typed checks before they change anything.
+
+:class:`Protocol` is aiohttp's connection handler with what aiohttp has no hook for
+(aio-libs/aiohttp#3287): a head its parser refuses is answered like every other refusal (JSON, by
+type, counted, no traceback in the log), and a connection's first head that does not come in
+``Deadlines.http_head`` gets a 408 (aiohttp's keep-alive timer would only close the connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import traceback
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
+from http import HTTPStatus
+from typing import Any
+
+import anyio
+import structlog
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+
+from meshd_mps.backend import Backend
+from meshd_mps.deadlines import Deadlines
+from meshd_mps.errors import MeshError, NotServedHere, Unavailable, UpgradeMismatch
+from meshd_mps.names import check_name
+from meshd_mps.programs import Program, Programs
+from meshd_mps.serving import schemas
+from meshd_mps.serving.client import MAX_BODY
+from meshd_mps.serving.metrics import CONTENT_TYPE as METRICS_TYPE, Metrics
+from meshd_mps.serving.status import (HeadRefused, HeadTooLarge, MethodNotAllowed, NoRoute, RequestTimeout,
+                                      VersionNotSupported, status_of)
+
+log = structlog.get_logger("meshd_mps")
+
+#: The request line, and each header line, at most (431 beyond); headers at most (400 beyond).
+MAX_HEAD = 64 << 10
+MAX_HEADERS = 100
+#: How long an answered request's unread body is still taken before the connection is closed
+#: (so that a client still sending it reads the answer).
+LINGER_S = 2.0
+#: One trailing slash names the same route.
+SLASH = "{slash:/?}"
+#: On every answer of ours: which server, without aiohttp's and Python's versions.
+SERVER = {"Server": "meshd-mps"}
+INTERNAL = "internal error (the daemon's log has the traceback)"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _body(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj, default=str) + "\n").encode()
+
+
+def answer(status: int, obj: dict[str, Any]) -> web.Response:
+    return web.Response(status=status, body=_body(obj), content_type="application/json", charset="utf-8",
+                        headers=SERVER)
+
+
+def _refused(e: MeshError | None) -> tuple[int, dict[str, Any]]:
+    """An error's status and answer (None: an internal error, said in generic words)."""
+    if e is None:
+        return 500, {"ok": False, "error": INTERNAL}
+    return status_of(e), {"ok": False, "error": str(e), **e.fields()}
+
+
+def _path(request: web.BaseRequest) -> str:
+    return request.rel_url.raw_path
+
+
+def check_path(request: web.BaseRequest) -> None:
+    """Before the route: no '.' or '..' segment (a client or proxy may resolve it to another
+    program's path: ``DELETE /v1/programs/echo/../other``), every segment UTF-8 once decoded."""
+    path = _path(request)
+    for raw in path[1:].split("/"):
+        try:
+            seg = urllib.parse.unquote(raw, errors="strict")
+        except UnicodeDecodeError as e:
+            raise HeadRefused(f"path {path[:80]!r}: not UTF-8") from e
+        if seg in (".", ".."):
+            raise HeadRefused(f"path {path[:80]!r}: '.' and '..' segments are refused")
+
+
+def _name(request: web.Request) -> str:
+    return check_name(request.match_info["name"])
+
+
+def _fault(f: Any) -> dict[str, Any]:
+    """A FaultReport as JSON (its fields, the time in ISO 8601)."""
+    d = dict(getattr(f, "__dict__", {}))
+    if isinstance(d.get("at"), (int, float)):
+        d["at"] = datetime.fromtimestamp(d["at"], timezone.utc).isoformat()
+    return d
+
+
+class Api:
+    """The routes over one daemon's live objects, and the requests in flight (for the drain)."""
+
+    def __init__(self, backend: Backend, programs: Programs, metrics: Metrics, *, socket_path: str,
+                 versions: dict[str, str], started: datetime, t0: float, deadlines: Deadlines):
+        self.b, self.ps, self.metrics = backend, programs, metrics
+        self.socket_path, self.versions, self.started, self.t0 = socket_path, versions, started, t0
+        self.deadlines = deadlines
+        self.stopping = False
+        self.busy: set[asyncio.Task[Any]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self.checked])
+        routes: list[tuple[str, dict[str, Handler]]] = [
+            ("/v1/status", {"GET": self.get_status}),
+            ("/v1/programs", {"GET": self.get_programs, "POST": self.post_program}),
+            ("/v1/programs/{name}", {"GET": self.get_program, "PUT": self.put_program, "DELETE": self.delete_program}),
+            ("/v1/programs/{name}/call", {"POST": self.post_call}),
+            ("/metrics", {"GET": self.get_metrics}),
+        ]
+        for path, methods in routes:
+            for method, handler in methods.items():
+                app.router.add_route(method, path + SLASH, handler)
+        return app
+
+    def protocols(self, server: web.Server) -> Callable[[], Protocol]:
+        """The factory of connection handlers for ``loop.create_server`` (``server``: the runner's)."""
+        loop = asyncio.get_running_loop()
+        head = self.deadlines.http_head
+        # keepalive_timeout: after an answer, the next request's head has as long.
+        return lambda: Protocol(server, self, loop=loop, keepalive_timeout=head, tcp_keepalive=False, access_log=None,
+                                max_line_size=MAX_HEAD, max_field_size=MAX_HEAD, max_headers=MAX_HEADERS,
+                                lingering_time=LINGER_S)
+
+    # ---- every request ----------------------------------------------------------------------
+    @web.middleware
+    async def checked(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every refusal answered by its type; in-flight requests counted for the drain."""
+        if isinstance(request.protocol, Protocol):
+            request.protocol.heard = True
+        task = asyncio.current_task()
+        assert task is not None
+        self.busy.add(task)
+        self._idle.clear()
+        t0 = time.perf_counter()
+        try:
+            resp = await self._checked(request, handler)
+        except ConnectionError:
+            raise  # the client is gone: nobody to answer
+        except MeshError as e:
+            resp = self.refusal(request, e)
+        except Exception:
+            log.error(f"{request.method} {_path(request)}: internal error", traceback=traceback.format_exc())
+            resp = self.refusal(request, None)
+        finally:
+            self.busy.discard(task)
+            if not self.busy:
+                self._idle.set()
+        log.debug(f"http {request.method} {_path(request)} {resp.status}", ms=round((time.perf_counter() - t0) * 1e3, 2))
+        return resp
+
+    async def _checked(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.version.major != 1:
+            v = request.version
+            raise VersionNotSupported(f"HTTP/{v.major}.{v.minor}: only HTTP/1.x is served")
+        check_path(request)
+        schemas.check_framing(request)
+        if self.stopping:
+            raise Unavailable("meshd-mps is shutting down")
+        try:
+            return await handler(request)
+        except web.HTTPNotFound as e:
+            raise NoRoute(f"no route {request.method} {_path(request)[:200]}") from e
+        except web.HTTPMethodNotAllowed as e:
+            allowed = tuple(sorted(e.allowed_methods))
+            raise MethodNotAllowed(f"{request.method} {_path(request)}: method not allowed (allowed: {', '.join(allowed)})",
+                                   allowed=allowed) from e
+
+    def refusal(self, request: web.BaseRequest, e: MeshError | None) -> web.Response:
+        status, obj = _refused(e)
+        if e is not None and status >= 500:
+            log.error(f"{request.method} {_path(request)}: {e}")
+        resp = answer(status, obj)
+        if isinstance(e, MethodNotAllowed):
+            resp.headers["Allow"] = ", ".join(e.allowed)
+        if not request.content.is_eof():
+            resp.force_close()  # a body refused unread (413, 411, 408) is not read after the answer either
+        return resp
+
+    async def drain(self) -> None:
+        """At shutdown: new requests get 503; those in flight get ``Deadlines.http_grace`` to
+        finish, then are cancelled."""
+        self.stopping = True
+        if not self.busy:
+            return
+        grace = self.deadlines.http_grace
+        log.info(f"shutdown: waiting up to {grace:g}s for {len(self.busy)} requests")
+        with anyio.move_on_after(grace):
+            await self._idle.wait()
+            return
+        for t in list(self.busy):
+            t.cancel()
+
+    # ---- routes -----------------------------------------------------------------------------
+    async def _json(self, request: web.Request) -> dict[str, Any]:
+        return await schemas.json_body(request, self.deadlines.http_body)
+
+    def _describe(self, p: Program) -> dict[str, Any]:
+        d = self.ps.describe(p)
+        d["worker_pid"] = d["pid"]
+        d["started"] = datetime.fromtimestamp(p.started_wall, timezone.utc).isoformat()
+        d["compile_ms"] = round(p.compile_ms, 3)
+        d["cached"] = p.cached
+        return d
+
+    async def get_status(self, request: web.Request) -> web.Response:
+        b, ps = self.b, self.ps
+        s = b.status()
+        out: dict[str, Any] = {
+            "ok": True,
+            "pid": os.getpid(),
+            "socket": self.socket_path,
+            "isolation": b.isolation,
+            "gpu": b.gpu,
+            "device": b.caps.name if b.caps else None,
+            "sms": b.sms,
+            "caps": s["caps"],
+            "pool": {"idle": s.get("pool", []), "capacity": s.get("pool_cap", 0)},
+            "workers": s["workers"],
+            "retired": s["retired"],
+            "server_pid": None,
+            "clients": None,
+            "daemon_pid": s.get("daemon_pid"),
+            "daemon_died": s.get("daemon_died"),
+            "mps_dir": s.get("mps_dir"),
+            "programs": len(ps.by_name),
+            "stalled": sum(1 for p in ps.by_name.values() if ps.describe(p)["state"] == "stalled"),
+            "devices": [{**d, "programs": len(ps.on_device(d["device"]))} for d in s["devices"]],
+            "loads": ps.loads,
+            "requests_in_flight": len(self.busy),  # this one included
+            "faults": [_fault(f) for f in getattr(ps, "faults", [])[-10:]],
+            "uptime_s": round(time.monotonic() - self.t0, 3),
+            "started": self.started.isoformat(),
+            "versions": self.versions,
+        }
+        if b.mps is not None:
+            try:
+                server = await b.mps.server_pid()
+                out["server_pid"] = int(server) if server and server.isdigit() else server
+                out["clients"] = await b.mps.clients(server) if server else []
+            except MeshError as e:
+                out["clients_error"] = str(e)
+        else:
+            out.update(blinks=s.get("blinks", 0), last_blink_ms=s.get("last_blink_ms"), context_pid=s.get("context_pid"))
+        return answer(200, out)
+
+    async def get_programs(self, request: web.Request) -> web.Response:
+        self.metrics.scan()
+        programs = sorted(self.ps.by_name.values(), key=lambda p: p.slot)
+        return answer(200, {"ok": True, "programs": [self._describe(p) for p in programs]})
+
+    async def get_program(self, request: web.Request) -> web.Response:
+        return answer(200, {"ok": True, "program": self._describe(self.ps.get(_name(request)))})
+
+    def _loaded(self, p: Program, status: int, what: str) -> web.Response:
+        self.metrics.loaded()
+        return answer(status, {"ok": True, what: p.name, "program": self._describe(p)})
+
+    async def post_program(self, request: web.Request) -> web.Response:
+        img = schemas.image(await self._json(request))
+        try:
+            p = await self.ps.load(img.manifest, img.text.encode(), img.expect, img.nodes or 1, img.device)
+        except NotServedHere as e:  # Backend's check, said in the body's terms
+            raise NotServedHere(f"field 'device' {e.device}: this daemon serves GPU {', '.join(map(str, e.devices))}"
+                                " (--devices)", device=e.device, devices=e.devices) from e
+        return self._loaded(p, 201, "loaded")
+
+    async def put_program(self, request: web.Request) -> web.Response:
+        name = _name(request)
+        img = schemas.image(await self._json(request))
+        if img.nodes is not None or img.device is not None:
+            # What an upgrade keeps; Programs.upgrade takes neither (the manifest's name it checks itself).
+            old = self.ps.get(name)
+            if img.nodes is not None and img.nodes != old.nodes:
+                raise UpgradeMismatch(f"field 'nodes' {img.nodes}: an upgrade keeps the program's {old.nodes} (unload"
+                                      " and load to change it)", program=name, field="nodes")
+            if img.device is not None and img.device != old.device:
+                raise UpgradeMismatch(f"field 'device' {img.device}: an upgrade keeps the program on its GPU"
+                                      f" {old.device} (unload and load to move it)", program=name, field="device")
+        p = await self.ps.upgrade(name, img.manifest, img.text.encode(), img.expect)
+        return self._loaded(p, 200, "upgraded")
+
+    async def delete_program(self, request: web.Request) -> web.Response:
+        name = _name(request)
+        p = self.ps.get(name)
+        await self.ps.unload(name)
+        return answer(200, {"ok": True, "unloaded": name, "slot": p.slot})
+
+    async def post_call(self, request: web.Request) -> web.Response:
+        name = _name(request)
+        c = schemas.call(await self._json(request), self.deadlines)
+        t0 = time.perf_counter()
+        got = await self.ps.call(name, c.payload, c.within)
+        return answer(200, {"ok": True, "program": name, "data": got.decode("utf-8", "replace"), "hex": got.hex(),
+                            "bytes": len(got), "ms": round((time.perf_counter() - t0) * 1e3, 3)})
+
+    async def get_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(), headers={**SERVER, "Content-Type": METRICS_TYPE})
+
+
+class Protocol(web.RequestHandler):
+    """One connection: aiohttp's handler, with a refused head answered like every other refusal
+    and a deadline for the first head (see the module's docstring)."""
+
+    def __init__(self, manager: web.Server, api: Api, **kw: Any):
+        super().__init__(manager, **kw)
+        self.api = api
+        self.heard = False  # a request's head arrived (set by Api.checked)
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Armed before aiohttp's own keep-alive timer, which it arms here as long: this one answers
+        # 408 where that one would only close.
+        self._head_timer = asyncio.get_running_loop().call_later(self.api.deadlines.http_head, self._head_late)
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _head_late(self) -> None:
+        """No request in time: a 408, unasked for (RFC 9110 allows it), and the connection closed.
+        Written to the transport as it is, since there is no request to answer through aiohttp."""
+        if self.heard or self.transport is None:
+            return
+        within = self.api.deadlines.http_head
+        status, obj = _refused(RequestTimeout(f"no request in {within:g}s", within=within))
+        body = _body(obj)
+        head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json; charset=utf-8\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\nServer: {SERVER['Server']}\r\n\r\n")
+        self.transport.write(head.encode("latin-1") + body)
+        self.api.metrics.answered(status)
+        log.debug(f"http - {status}")
+        self.force_close()
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """aiohttp's answer to a head its parser refused (and to an error a handler let escape)."""
+        if request.writer.output_size > 0:
+            raise ConnectionError("the answer was begun; no other can be sent")
+        e: MeshError | None = None
+        if isinstance(exc, HttpProcessingError):
+            words = " ".join((exc.message or str(exc)).split())[:300]
+            e = HeadTooLarge(f"request head: {words}") if isinstance(exc, LineTooLong) else HeadRefused(f"request head: {words}")
+        elif not isinstance(exc, ConnectionError):  # the client gone: nothing to log
+            tb = "".join(traceback.format_exception(exc)) if exc is not None else f"status {status}: {message}"
+            log.error(f"{request.method} {_path(request)}: internal error", traceback=tb)
+        resp = self.api.refusal(request, e)
+        resp.force_close()
+        log.debug(f"http - {resp.status}")
+        return resp
+
+    def log_access(self, request: web.BaseRequest, response: web.StreamResponse, started: float | None) -> None:
+        """Every answer sent, counted (meshd_mps_http_requests_total); aiohttp's access log is off."""
+        self.api.metrics.answered(response.status)

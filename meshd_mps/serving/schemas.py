@@ -1,0 +1,174 @@
+"""The control API's request bodies, each checked whole before anything is touched.
+
+A body is read only once its route is known and its framing is fine (a Content-Length of at most
+``client.MAX_BODY``, never chunked: :func:`check_framing`), within ``Deadlines.http_body``, and
+parsed as strict JSON (``strictjson.parse_json``: UTF-8, at most 32 levels, no NaN, no key
+twice, ...).  The schemas here check a body's own shape (fields, types, the obvious ranges);
+what a value means for the GPU or the running programs (a GPU ordinal served here, a name that is
+free, blocks that fit) is checked once, where that concept lives (Backend, Programs, limits), and
+raised there as a typed error.  The daemon takes PTX only: it never compiles CUDA C (the CLI does,
+as its user), so that no request makes it read a file (``#include``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from aiohttp import web
+
+from meshd_mps.deadlines import Deadlines
+from meshd_mps.gpu.compiler import Manifest
+from meshd_mps.serving.client import MAX_BODY
+from meshd_mps.serving.status import BadBody, BodyTooLarge, LengthRequired, RequestTimeout
+from meshd_mps.strictjson import parse_json
+
+LOAD_FIELDS = ("manifest", "ptx", "hash", "nodes", "device")
+CALL_FIELDS = ("data", "hex", "timeout")
+#: The answer to a body with CUDA C: the daemon never compiles it (an ``#include`` would read any
+#: file the daemon can read, and the compile log would echo it to the client).
+PTX_ONLY = ("field 'cuda': this daemon takes PTX only; it does not compile CUDA C (an #include would read files as"
+            " the daemon's user). The CLI compiles CUDA C itself, as you, and sends PTX: meshd-mps load DIR (with a"
+            " .cu file), or meshd-mps load --manifest FILE --cuda FILE")
+
+
+def check_framing(request: web.BaseRequest) -> None:
+    """Before the route: a body the daemon can refuse by its size before reading any of it."""
+    if "Transfer-Encoding" in request.headers:
+        raise LengthRequired("chunked bodies are not supported: send Content-Length")
+    n = request.content_length  # the parser took only digits
+    if n is not None and n > MAX_BODY:
+        raise BodyTooLarge(f"body of {n} bytes is over the limit of {MAX_BODY} bytes (64 MiB)", size=n, limit=MAX_BODY)
+
+
+async def json_body(request: web.BaseRequest, within: float) -> dict[str, Any]:
+    """The body as a JSON object, received within ``within`` seconds (RequestTimeout otherwise)."""
+    try:
+        with anyio.fail_after(within):
+            data = await request.read()
+    except TimeoutError as e:
+        raise RequestTimeout(f"body not received in {within:g}s", within=within) from e
+    except web.HTTPRequestEntityTooLarge as e:  # check_framing refuses it first; aiohttp's client_max_size as well
+        raise BodyTooLarge(f"body over the limit of {MAX_BODY} bytes (64 MiB)", size=MAX_BODY + 1, limit=MAX_BODY) from e
+    if not data.strip():
+        raise BadBody("body: a JSON object expected, got an empty body")
+    try:
+        obj = parse_json(data)
+    except ValueError as e:
+        raise BadBody(f"body: not JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise BadBody(f"body: a JSON object expected, got {_jtype(obj)}")
+    return obj
+
+
+def _jtype(v: Any) -> str:
+    """A JSON value's type, in JSON's words."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    return {int: "integer", float: "number", str: "string", list: "array", dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _show(v: Any, n: int = 80) -> str:
+    """A value as an error message quotes it: its repr, cut to ``n`` characters."""
+    r = repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def check_fields(obj: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    for k in obj:
+        if k not in allowed:
+            raise BadBody(f"unknown field {_show(k)} (expected {', '.join(allowed)})", field=k[:80])
+
+
+def _int_field(obj: dict[str, Any], key: str) -> int | None:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadBody(f"field {key!r}: an integer expected, got {_jtype(v)}", field=key)
+    return v
+
+
+def _string_field(obj: dict[str, Any], key: str) -> str:
+    v = obj[key]
+    if not isinstance(v, str):
+        raise BadBody(f"field {key!r}: a string expected, got {_jtype(v)}", field=key)
+    return v
+
+
+@dataclass
+class Image:
+    """A load or upgrade request, checked."""
+
+    manifest: Manifest
+    text: str  # PTX
+    expect: int | None
+    nodes: int | None
+    device: int | None = None
+
+
+def image(obj: dict[str, Any]) -> Image:
+    """A load/upgrade body.  ``device`` is only an integer here: Backend says whether it is a GPU
+    served here; ``nodes`` at least 1: Programs says whether it fits the GPU (409)."""
+    if "cuda" in obj:
+        raise BadBody(PTX_ONLY, field="cuda")
+    check_fields(obj, LOAD_FIELDS)
+    if "manifest" not in obj:
+        raise BadBody("field 'manifest' is missing", field="manifest")
+    raw = obj["manifest"]
+    if isinstance(raw, str):  # a manifest's JSON text: read as strictly as the body
+        try:
+            raw = parse_json(raw)
+        except ValueError as e:
+            raise BadBody(f"field 'manifest': not JSON: {e}", field="manifest") from e
+    if not isinstance(raw, dict):
+        raise BadBody(f"field 'manifest': a JSON object expected, got {_jtype(raw)}", field="manifest")
+    m = Manifest.parse(raw)  # ManifestError (the name rule's BadName too) names the field: 400
+    if "ptx" not in obj:
+        raise BadBody("field 'ptx' (the program's PTX text) is missing", field="ptx")
+    text = _string_field(obj, "ptx")
+    if not text.strip():
+        raise BadBody("field 'ptx' is empty", field="ptx")
+    expect = None
+    if obj.get("hash") is not None:
+        h = obj["hash"]
+        if not isinstance(h, str) or len(h) != 16 or any(c not in "0123456789abcdefABCDEF" for c in h):
+            raise BadBody(f"field 'hash' {_show(h)}: 16 hex digits expected", field="hash")
+        expect = int(h, 16)
+    nodes = _int_field(obj, "nodes")
+    if nodes is not None and nodes < 1:
+        raise BadBody(f"field 'nodes' {nodes}: at least 1", field="nodes")
+    return Image(m, text, expect, nodes, _int_field(obj, "device"))
+
+
+@dataclass
+class Call:
+    """A call request, checked: the bytes for the ring and how long to wait for the answer."""
+
+    payload: bytes
+    within: float
+
+
+def call(obj: dict[str, Any], deadlines: Deadlines) -> Call:
+    """A call body.  The payload's size is the mailbox's to check (a ring entry's, PayloadTooLarge)."""
+    check_fields(obj, CALL_FIELDS)
+    if ("data" in obj) == ("hex" in obj):
+        raise BadBody("one of the fields 'data' (text) or 'hex' (bytes in hex) is needed")
+    if "data" in obj:
+        payload = _string_field(obj, "data").encode()
+    else:
+        try:
+            payload = bytes.fromhex(_string_field(obj, "hex"))
+        except ValueError as e:
+            raise BadBody(f"field 'hex': {e}", field="hex") from e
+    within = deadlines.call
+    if obj.get("timeout") is not None:
+        t = obj["timeout"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= deadlines.call_max:
+            raise BadBody(f"field 'timeout' {_show(t)}: seconds, more than 0 and at most {deadlines.call_max:g}",
+                          field="timeout")
+        within = float(t)
+    return Call(payload, within)
