@@ -462,22 +462,13 @@ class Programs:
         too), name the culprit (faults.name_culprit), wait until the server takes clients there
         again, refill that pool, relaunch the lost programs (not the culprit).  Other GPUs are
         not touched."""
-        mps = self.b.mps
-        assert mps is not None
         gpu = first.device
         first_seen = self._suspect(first)
         # Every client of that GPU goes down with it: the ones still running fail within ms.
         hit = [q for q in self.on_device(gpu) if q.observe() in (*LIVE, ProgramState.FAILED)]
         for q in hit:
             q.to(ProgramState.LOST)  # their watchers leave them to this recovery
-        torn = [q.kernel.worker.proc for q in self.on_device(gpu) if q.kernel.worker is not None]
-        torn += mps.pools[gpu].drain()
-        log.info(f"mps: GPU {gpu}: retiring its {len(torn)} workers after a fault", device=gpu)
-        for w in torn:
-            self.b.sup.retire(w, before_exit=False)  # torn down already: nothing to terminate
-        with anyio.move_on_after(self.d.recover):
-            for w in torn:
-                await w.process.wait()
+        await self.b.teardown(gpu)  # every worker of that GPU retired and awaited
         if not pids:  # the server may name the culprit only once its clients are gone
             with anyio.move_on_after(self.d.fault_window):
                 while not (pids := self._fatal_pids(gpu)):
@@ -502,19 +493,9 @@ class Programs:
         r = FaultReport(time.time(), v.why, v.culprit, v.pid, True, [q.name for q in lost], device=gpu, by=v.by)
         log.error(f"mps: GPU fault on GPU {gpu} in program {v.culprit} (worker {v.pid}): {v.why}; "
                   f"lost with it: {', '.join(r.lost) or 'none'}", program=v.culprit, device=gpu)
-        try:
-            with anyio.fail_after(self.d.recover):
-                # The lost programs' new workers and a full pool, in one batch.
-                want = min(mps.pools[gpu].cap + (len(lost) if self.restart else 0), mps.max_clients)
-                while True:  # the server takes clients there again once the torn-down ones exited
-                    try:
-                        await mps.prewarm(want, gpu)
-                        break
-                    except MeshError as e:
-                        log.info(f"mps: after the fault, GPU {gpu}'s pool does not come up yet: {e}")
-                        await anyio.sleep(0.2)
-        except TimeoutError:
-            log.error(f"mps: the server took no new clients on GPU {gpu} within {self.d.recover:g}s of the fault")
+        # The lost programs' new workers and a full pool, in one batch, once the server takes
+        # clients there again (refill logs it if it does not within Deadlines.recover).
+        await self.b.refill(gpu, len(lost) if self.restart else 0)
         for q in lost:
             if not self.restart:
                 r.not_relaunched[q.name] = "restart policy off"
