@@ -71,21 +71,22 @@ from typing import Any
 
 import anyio
 
-from meshd_mps.protocol import abi, frames
-from meshd_mps.supervision import child
 from meshd_mps import eventloop
 from meshd_mps.backend import Backend
-from meshd_mps.gpu.compiler import Compiler, cuda_to_ptx, nvjitlink_version
-from meshd_mps.errors import CapacityError
-from meshd_mps.protocol.frames import Launch as LaunchReq, Op
-from meshd_mps.isolation.limits import BLINK_QUEUES
-from meshd_mps.log import setup_logging
-from meshd_mps.isolation.base import Module
-from meshd_mps.isolation.mps import MpsIsolation
-from meshd_mps.mps.clients import MAX_CLIENTS
 from meshd_mps.deadlines import Deadlines
-from meshd_mps.supervision.proc import WorkerProc
+from meshd_mps.errors import CapacityError
+from meshd_mps.gpu.compiler import Compiler, cuda_to_ptx, nvjitlink_version
+from meshd_mps.isolation.base import Module
+from meshd_mps.isolation.limits import BLINK_QUEUES
+from meshd_mps.isolation.mps import MpsIsolation
+from meshd_mps.log import setup_logging
+from meshd_mps.mps.clients import MAX_CLIENTS
 from meshd_mps.programs import Programs
+from meshd_mps.protocol import abi, frames
+from meshd_mps.protocol.frames import Launch as LaunchReq
+from meshd_mps.protocol.frames import Op
+from meshd_mps.supervision import child
+from meshd_mps.supervision.proc import WorkerProc
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 BARE_CUDA = r"""
@@ -750,7 +751,7 @@ def run_bench(bench: Bench, only: str | None = None) -> list[Row]:
 
     async def again(b: Bench) -> list[Row]:  # (b) once more on the plain asyncio loop, for comparison
         return [dataclasses.replace(r, name=f"{r.name} [asyncio]", target="-", ok=None) for r in await sec_ask(b)
-                if "1 worker" in r.name or "at once" in r.name or "busy" in r.name and "p99" in r.name]
+                if "1 worker" in r.name or "at once" in r.name or ("busy" in r.name and "p99" in r.name)]
 
     extra = eventloop.run(lambda: run_all(bench, [("b", "ask [asyncio]", again)]), other)
     last_b = max(i for i, r in enumerate(rows) if r.id == "b")
@@ -775,7 +776,7 @@ def _driver() -> str:
 
 
 def header(bench: Bench, argv: list[str]) -> dict[str, str]:
-    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+    return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
             "device": bench.device or "unknown (no backend opened)",
             "driver": _try(_driver) if bench.gpu == "cuda" else "none: the simulated GPU (--gpu sim)",
             "cuda-bindings": _try(lambda: metadata.version("cuda-bindings")),

@@ -24,15 +24,28 @@ import anyio
 import structlog
 
 from meshd_mps import faults
+from meshd_mps.backend import Backend, Image, Kernel
+from meshd_mps.errors import (
+    AlreadyLoaded,
+    CallTimeout,
+    ConfigError,
+    HaltTimeout,
+    ManifestError,
+    MeshError,
+    NoFreeSlot,
+    NotLoaded,
+    NotRunning,
+    NotStarted,
+    StateError,
+    UpgradeMismatch,
+    WorkerError,
+)
+from meshd_mps.gpu.compiler import Manifest
+from meshd_mps.isolation import limits
+from meshd_mps.isolation.launch import Launch
 from meshd_mps.mps.serverlog import FatalLog
 from meshd_mps.protocol import abi, frames
-from meshd_mps.isolation import limits
-from meshd_mps.backend import Backend, Image, Kernel
-from meshd_mps.gpu.compiler import Manifest
-from meshd_mps.errors import (AlreadyLoaded, CallTimeout, ConfigError, HaltTimeout, ManifestError, MeshError, NoFreeSlot,
-                              NotLoaded, NotRunning, NotStarted, StateError, UpgradeMismatch, WorkerError)
 from meshd_mps.protocol.frames import Done
-from meshd_mps.isolation.launch import Launch
 from meshd_mps.supervision.proc import WorkerProc
 
 log = structlog.get_logger("meshd_mps")
@@ -371,7 +384,7 @@ class Programs:
         try:
             await self._relaunch(old)
             log.info(f"program {old.name}: upgrade failed; the old version runs again", program=old.name)
-        except BaseException as e:  # noqa: BLE001 - reported, and the upgrade's own error is raised
+        except BaseException as e:
             self.by_name.pop(old.name, None)
             log.error(f"program {old.name}: upgrade failed and the old version did not restart: {e}", program=old.name)
 

@@ -9,12 +9,11 @@ import pathlib
 import anyio
 import pytest
 
-from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend, Image
+from meshd_mps.errors import AlreadyLoaded, ConfigError, MeshError, NoDriver, NotLoaded, NotServedHere, WorkerError
 from meshd_mps.gpu.compiler import Prepared, cuda_to_ptx
-from meshd_mps.errors import ConfigError, MeshError, NoDriver, WorkerError
-from meshd_mps.errors import AlreadyLoaded, NotLoaded, NotServedHere
 from meshd_mps.programs import Programs
+from meshd_mps.protocol import abi
 
 from .conftest import TEST_DEADLINES, sim
 

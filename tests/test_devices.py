@@ -13,16 +13,15 @@ import re
 import anyio
 import pytest
 
-from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend
-from meshd_mps.serving.client import ClientError, program_body
+from meshd_mps.errors import ClientLimit, ConfigError, NotServedHere, WorkerError
 from meshd_mps.gpu.device import SIM_GPUS_ENV, choose_devices, parse_devices, simulated_count
-from meshd_mps.errors import ClientLimit, ConfigError, LimitError, WorkerError
-from meshd_mps.protocol.frames import Op
 from meshd_mps.isolation.limits import MPS_QUEUES
 from meshd_mps.mps.clients import worker_argv
-from meshd_mps.errors import AlreadyLoaded, NotLoaded, NotServedHere
 from meshd_mps.programs import Programs
+from meshd_mps.protocol import abi
+from meshd_mps.protocol.frames import Op
+from meshd_mps.serving.client import ClientError, program_body
 from workers import warm
 from workers.main import parse_args
 

@@ -65,7 +65,8 @@ def tmp():
     shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.mark.parametrize("isolation, sig", [("mps", signal.SIGINT), ("mps", signal.SIGTERM), ("blink", signal.SIGINT)])
+@pytest.mark.parametrize("isolation, sig", [("mps", signal.SIGINT), ("mps", signal.SIGTERM), ("mps", signal.SIGHUP),
+                                            ("blink", signal.SIGINT), ("blink", signal.SIGHUP)])
 def test_a_signal_to_the_process_group_reaches_only_the_daemon(tmp, isolation, sig):
     s = GroupServe(tmp, isolation, os.path.join(tmp, "s.sock"), "--log-level", "debug",
                    *(["--pool", "1"] if isolation == "mps" else []))
@@ -74,7 +75,7 @@ def test_a_signal_to_the_process_group_reaches_only_the_daemon(tmp, isolation, s
         s.client.load(program_body(str(EXAMPLES / "heartbeat")))
         workers = s.client.status()["workers"]
         assert workers and all(os.getpgid(w) == w for w in workers), "each worker leads a process group of its own"
-        os.killpg(s.proc.pid, sig)  # what Ctrl-C (SIGINT) or the shell's kill -TERM %1 does
+        os.killpg(s.proc.pid, sig)  # what Ctrl-C (SIGINT), the shell's kill -TERM %1 or a hang-up does
         assert s.proc.wait(60) == 0, s.log()
         text = s.log()
         assert "Traceback" not in text and "KeyboardInterrupt" not in text, text

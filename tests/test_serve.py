@@ -24,6 +24,7 @@ import pytest
 
 from meshd_mps.mps import standin
 from meshd_mps.serving.client import MAX_BODY, Client, ClientError, NoDaemon, program_body
+
 from . import waits
 
 pytestmark = pytest.mark.timeout(120)
@@ -556,8 +557,8 @@ def test_sigint_during_idle_is_clean(serve):
 
 
 def test_no_driver_is_plain(tmp):
-    from meshd_mps.gpu.device import query_device
     from meshd_mps.errors import NoDriver
+    from meshd_mps.gpu.device import query_device
 
     try:
         query_device()

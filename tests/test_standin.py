@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from meshd_mps.mps.standin import BIN_DIR, CLIENT_SOCKET, StandinRefused, connect_client
+
 from . import waits
 
 BIN = "nvidia-cuda-mps-control"

@@ -16,10 +16,10 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from meshd_mps.protocol import abi
-from meshd_mps.mps import clients as mpsmod
-from meshd_mps.errors import ClientLimit, MeshError, MpsError, WorkerError
 from meshd_mps.deadlines import Deadlines
+from meshd_mps.errors import ClientLimit, MeshError, MpsError, WorkerError
+from meshd_mps.mps import clients as mpsmod
+from meshd_mps.protocol import abi
 
 from .conftest import sim
 from .procs import alive, fds_exhausted
@@ -563,9 +563,8 @@ async def test_a_pooled_worker_that_hangs_on_load_is_not_retried(rig):
         await m.prewarm(2)
         pooled = m.pool.pids()
         t0 = time.monotonic()
-        with capture_logs() as logs:
-            with pytest.raises(WorkerError, match=r"^load: worker (\d+): no reply in 1s$") as e:
-                await preload(m, "hangs", load="hang")
+        with capture_logs() as logs, pytest.raises(WorkerError, match=r"^load: worker (\d+): no reply in 1s$") as e:
+            await preload(m, "hangs", load="hang")
         took = time.monotonic() - t0
         hung = int(re.match(r"^load: worker (\d+)", str(e.value)).group(1))
         assert hung in pooled

@@ -152,10 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = parser().parse_args(argv)
     if args.cmd == "serve":
-        from meshd_mps.serving import server
-
-        from meshd_mps.gpu.device import parse_devices
         from meshd_mps.errors import ConfigError
+        from meshd_mps.gpu.device import parse_devices
+        from meshd_mps.serving import server
 
         if args.pool is not None and args.pool < 0:
             print("meshd-mps: --pool must not be negative", file=sys.stderr)

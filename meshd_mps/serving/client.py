@@ -253,8 +253,8 @@ def compile_cuda(source: bytes, name: str, arch: str, include: list[str] | None 
     examples' ``mesh_program.h`` on the include path): ClientError with NVRTC's log, never a
     traceback."""
     try:
-        from meshd_mps.gpu.compiler import cuda_to_ptx
         from meshd_mps.errors import CompileError
+        from meshd_mps.gpu.compiler import cuda_to_ptx
     except ImportError as e:
         raise ClientError(f"{name}: compiling CUDA C needs meshd-mps's compiler: {e}") from e
     try:

@@ -5,12 +5,15 @@ Start: the socket is bound first (in a directory only the daemon's user can writ
 ``BACKLOG``), so that a client connecting during start-up waits for its answer; then the Backend
 and Programs open, and the control API (``api.py``, on aiohttp) serves on that socket.
 
-Signals: SIGTERM or SIGINT shuts down cleanly (stop accepting, the in-flight requests get
+Signals: SIGTERM, SIGINT or SIGHUP shuts down cleanly (stop accepting, the in-flight requests get
 ``Deadlines.http_grace`` to finish, every program halted and unloaded, the backend closed, the
 socket removed; exit status 0).  A second signal during that forces the exit: every descendant
 process is killed and reaped (``reaper.py``), the socket and a temporary MPS directory removed,
 and the process exits with 128 + the signal's number.  The signal handlers only record the
-signal; a task of the loop acts on it.
+signal; a task of the loop acts on it.  SIGHUP is a hang-up (the terminal closed): a clean stop,
+as SIGTERM, never the default's death without cleanup; it does not reload anything.  Workers lead
+process groups of their own (``supervision/child.py``), so a signal sent to the daemon's group
+(Ctrl-C, the shell's ``kill %1``) reaches only the daemon.
 
 Every task of the daemon (the signal watcher, the monitor) lives in the one task group of
 :meth:`Daemon.run`; the start-up runs in its own cancel scope, which the first signal cancels.
@@ -31,7 +34,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import anyio
@@ -63,7 +66,7 @@ SUN_PATH_MAX = 107  # AF_UNIX: 108 bytes with the NUL
 #: clients).  The kernel caps it at net.core.somaxconn (4096 on Linux 5.4+).  Passed to
 #: ``create_server`` too, which listens again with its own default (100) otherwise.
 BACKLOG = 1024
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: The forced exit's deadline to kill and reap every child.
 REAP_S = 3.0
 
@@ -172,7 +175,7 @@ class Daemon:
         self._starting: anyio.CancelScope | None = None  # the start-up's scope, cancelled by the first signal
         self._sock_id: tuple[int, int] | None = None
         self.t0 = time.monotonic()
-        self.started = datetime.now(timezone.utc)
+        self.started = datetime.now(UTC)
         self.versions: dict[str, str] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------

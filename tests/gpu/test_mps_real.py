@@ -14,11 +14,11 @@ import tempfile
 import anyio
 import pytest
 
-from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend
-from meshd_mps.mps.control import LOG_ENV, PIPE_ENV
 from meshd_mps.errors import ClientLimit, MpsError, NoDriver
+from meshd_mps.mps.control import LOG_ENV, PIPE_ENV
 from meshd_mps.programs import Programs
+from meshd_mps.protocol import abi
 
 from ..test_backend import beats, example
 
