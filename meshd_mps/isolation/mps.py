@@ -49,6 +49,10 @@ class MpsIsolation(Isolation):
         super().__init__(mps.sup, device)
         self.mps = mps
         self.pool = Pool(mps.pool_cap, mps.sup.retire)
+        self._replacing = False  # a task refills the pool after pooled workers died
+        self._last_client = 0.0  # monotonic time the last replacement client was started
+        self._closing = False
+        mps.sup.exit_hooks.append(self._exited)
 
     async def open(self) -> None:
         await self.prewarm(self.pool.cap)
@@ -241,8 +245,38 @@ class MpsIsolation(Isolation):
             log.error(f"mps: the server took no new clients on GPU {d} within {within:g}s of the fault")
             return False
 
+    # ---- a pooled worker's death --------------------------------------------------------------
+    def _exited(self, w: WorkerProc) -> None:
+        """A worker's stdout ended on its own: a pooled one is dropped from the pool at once (it
+        is no longer counted in status, ps or the metrics) and replaced, paced."""
+        if self._closing or not self.pool.remove(w):
+            return
+        log.warning(f"mps: pooled worker {w.pid} on GPU {self.device} died while idle; replacing it", pid=w.pid,
+                    device=self.device)
+        if not self._replacing:
+            self._replacing = True
+            self.sup.start_soon(self._replace, name=f"pool refill GPU {self.device}")
+
+    async def _replace(self) -> None:
+        """New workers until the pool is full again, one at a time, at most one per
+        ``Deadlines.pool_pace``: each new MPS client stalls the running ones once."""
+        try:
+            while not self._closing and len(self.pool) < self.pool.cap:
+                wait = self._last_client + self.sup.deadlines.pool_pace - time.monotonic()
+                if wait > 0:
+                    await anyio.sleep(wait)
+                self._last_client = time.monotonic()
+                try:
+                    await self.prewarm(1)
+                except MeshError as e:
+                    log.error(f"mps: GPU {self.device}: a pooled worker was not replaced: {e}", device=self.device)
+                    return
+        finally:
+            self._replacing = False
+
     async def close(self) -> None:
         """The idle workers see EOF first (then the supervisor kills every worker)."""
+        self._closing = True
         for w in self.pool.drain():
             w.close_stdin()
 

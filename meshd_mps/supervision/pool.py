@@ -35,6 +35,13 @@ class Pool:
         """An idle worker in; over the cap only for a moment (a batch about to be taken)."""
         self._idle.append(w)
 
+    def remove(self, w: WorkerProc) -> bool:
+        """``w`` out of the pool (it died while idle); True if it was in it."""
+        if w in self._idle:
+            self._idle.remove(w)
+            return True
+        return False
+
     def take(self) -> WorkerProc | None:
         """A fit idle worker, or None; unfit ones met on the way are retired."""
         while self._idle:

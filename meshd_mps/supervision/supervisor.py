@@ -54,6 +54,9 @@ class Supervisor:
         #: The latest workers (16) that exited on their own with a kernel launched (killed from
         #: outside, crashed): fault recovery names one as the culprit when it was no program's yet.
         self.exited_running: list[WorkerProc] = []
+        #: Called with each worker whose stdout ended on its own (not at close): the pool drops a
+        #: pooled worker that died while idle at once, so that status and metrics never count it.
+        self.exit_hooks: list[Callable[[WorkerProc], None]] = []
 
     async def __aenter__(self) -> Supervisor:
         """The task group entered in the owner's task: the structured form."""
@@ -127,6 +130,8 @@ class Supervisor:
                 w.exited_running_at = time.monotonic()
                 self.exited_running = [*self.exited_running[-15:], w]
             self.retire(w)
+            for hook in self.exit_hooks:
+                hook(w)
 
     def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any, name: str) -> None:
         """Run a task owned by the supervisor's task group (cancelled at close)."""

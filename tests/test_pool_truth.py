@@ -1,0 +1,64 @@
+"""The pool tells the truth (issue 16, point 5): a pooled worker that dies while idle is dropped at
+once (status, the devices' images and the metrics agree) and replaced, paced."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+
+import anyio
+import pytest
+
+from meshd_mps.backend import Backend
+
+from .conftest import TEST_DEADLINES
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def until(cond, within: float = 20.0, what: str = "the condition"):
+    with anyio.fail_after(within):
+        while not (got := cond()):
+            await anyio.sleep(0.01)  # the pool changes from the loop's own tasks: nothing to await but them
+    return got
+
+
+async def test_a_dead_pooled_worker_is_dropped_at_once_and_replaced(standin_on_path):
+    d = dataclasses.replace(TEST_DEADLINES, pool_pace=0.3)
+    async with Backend.open(isolation="mps", gpu="sim", pool=2, deadlines=d) as b:
+        pool = b.isolations[b.devices[0]].pool
+        first = pool.pids()
+        assert len(first) == 2
+        victim = first[0]
+        os.kill(victim, signal.SIGKILL)
+        # Dropped as soon as its exit is seen, before any load comes to take it.
+        await until(lambda: victim not in pool.pids() and victim not in b.sup.live(), what="the dead worker dropped")
+        s = b.status()
+        assert victim not in s["pool"] and victim not in s["workers"]
+        full = await until(lambda: len(pool.pids()) == 2 and pool.pids(), what="the pool refilled")
+        assert victim not in full and first[1] in full
+        assert sorted(b.status()["pool"]) == sorted(full) and b.device_status(b.devices[0])["images"] == 0
+
+
+async def test_replacements_are_paced(standin_on_path):
+    d = dataclasses.replace(TEST_DEADLINES, pool_pace=0.4)
+    async with Backend.open(isolation="mps", gpu="sim", pool=3, deadlines=d) as b:
+        pool = b.isolations[b.devices[0]].pool
+        old = set(pool.pids())
+        t0 = time.monotonic()
+        for p in old:
+            os.kill(p, signal.SIGKILL)
+        seen: dict[int, float] = {}
+
+        def refilled() -> bool:
+            for p in pool.pids():
+                seen.setdefault(p, time.monotonic())
+            return len(set(pool.pids()) - old) == 3
+
+        await until(refilled, within=30.0, what="three replacements")
+        times = sorted(t for p, t in seen.items() if p not in old)
+        # One at a time, at least pool_pace apart (not three new MPS clients at once).
+        assert all(b1 - a1 >= 0.4 * 0.9 for a1, b1 in zip(times, times[1:], strict=False)), times
+        assert times[-1] - t0 >= 0.8 * 0.9
