@@ -27,8 +27,19 @@ import structlog
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import ConfigError, MailboxError, NotServedHere, Unavailable
 from meshd_mps.gpu.compiler import Compiler, Manifest
-from meshd_mps.gpu.device import (Caps, DeviceInfo, caps_of, check_sms, check_unique, choose_devices, device_count, ordinals_text,
-                                  query_device, simulated_count, simulated_device)
+from meshd_mps.gpu.device import (
+    Caps,
+    DeviceInfo,
+    caps_of,
+    check_sms,
+    check_unique,
+    choose_devices,
+    device_count,
+    ordinals_text,
+    query_device,
+    simulated_count,
+    simulated_device,
+)
 from meshd_mps.isolation import limits
 from meshd_mps.isolation.base import Admit, Image, Isolation, Kernel, Mode
 from meshd_mps.isolation.blink import Blink, BlinkIsolation, last_blink_ms

@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshd_mps.protocol import abi  # noqa: E402
 from meshd_mps.backend import Backend  # noqa: E402
+from meshd_mps.protocol import abi  # noqa: E402
 from tests.test_backend import example  # noqa: E402
 
 BY, VIC = 7, 9
@@ -91,7 +91,7 @@ async def case(name: str) -> None:
         if vic_run.finished():
             try:
                 print(f"  victim DONE: {await vic_run.wait()}  ({time.monotonic() - t0:.2f} s)")
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 print(f"  victim: {e!r}")
         new = log.read_bytes()[size:].decode(errors="replace") if log.exists() else ""
         print("  server log:\n" + "".join(f"    {line}\n" for line in new.splitlines()[:20]))
@@ -114,7 +114,7 @@ async def orphan_server() -> None:
         for what in ("pooled", "fresh, unverified"):
             try:  # a pooled worker (verified before the kill), then a fresh one (nobody to ask)
                 if what != "pooled":
-                    async def unchecked(want):  # noqa: ANN001, ANN202
+                    async def unchecked(want):
                         print(f"  (the client check of {want} skipped)")
                     b.mps.check_clients = unchecked  # type: ignore[method-assign]
                     for p in b.isolations[0].pool.drain():
@@ -127,12 +127,12 @@ async def orphan_server() -> None:
                 print(f"  {what} worker {k.pid} (fresh={k.module.fresh}): spin DONE {d}"
                       f" in {(time.monotonic() - t1) * 1e3:.0f} ms")
                 await b.unload(k)
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 print(f"  {what} worker: {e!r}")
         b.mailbox.halt(BY)
         try:
             print(f"  bystander halted: DONE {await asyncio.wait_for(by_run.wait(), 10)}")
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             print(f"  bystander halt: {e!r}; STATE {b.mailbox.u32(BY, abi.STATE)} (EXITED={abi.EXITED}),"
                   f" beats in the next 1 s: {await beating(b, BY, 1.0)}")
         await b.unload(by)
@@ -162,7 +162,7 @@ async def main() -> None:
     for name in sys.argv[1:] or ["kill-running", "kill-idle", "terminate", "eof-running", "daemon-killed"]:
         try:
             await case(name)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             print(f"{name}: {e!r}")
 
 

@@ -19,18 +19,28 @@ import tempfile
 import threading
 import time
 import warnings
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import anyio
 import pytest
 
+from meshd_mps.errors import CapacityError, ClientLimit, ImageRefused, LimitError, NotStarted, WorkerError
 from meshd_mps.serving import client as client_mod, server
 from meshd_mps.serving.cli import ps_table, status_table
-from meshd_mps.serving.client import (MAX_JSON_DEPTH, Client, ClientError, UnixHTTPConnection, default_socket, json_deeper_than,
-                              oldest_arch, parse_json, program_body)
-from meshd_mps.errors import CapacityError, ClientLimit, ImageRefused, LimitError, NotStarted, WorkerError
+from meshd_mps.serving.client import (
+    MAX_JSON_DEPTH,
+    Client,
+    ClientError,
+    UnixHTTPConnection,
+    default_socket,
+    json_deeper_than,
+    oldest_arch,
+    parse_json,
+    program_body,
+)
 from meshd_mps.serving.status import status_of
+
 from .test_serve import EXAMPLES, NOBODY, Serve, cli, manifest, parse_metrics, ptx_of
 
 pytestmark = pytest.mark.timeout(120)
@@ -316,7 +326,7 @@ async def test_no_request_in_time_is_a_408(tmp):
     from meshd_mps.serving.api import Api
 
     count = AnswerCount()
-    api = Api(None, None, count, socket_path="", versions={}, started=datetime.now(timezone.utc), t0=0.0,  # type: ignore[arg-type]
+    api = Api(None, None, count, socket_path="", versions={}, started=datetime.now(UTC), t0=0.0,  # type: ignore[arg-type]
               deadlines=Deadlines(http_head=0.3, http_body=0.3))
     runner = web.AppRunner(api.app())
     await runner.setup()
@@ -380,7 +390,7 @@ async def test_typed_errors_through_the_middleware(error, status, fields):
     from meshd_mps.serving.api import Api
 
     api = Api(None, None, None, socket_path="/nonexistent/meshd-mps.sock", versions={},  # type: ignore[arg-type]
-              started=datetime.now(timezone.utc), t0=0.0, deadlines=DEFAULT)
+              started=datetime.now(UTC), t0=0.0, deadlines=DEFAULT)
 
     async def handler(request):
         raise error

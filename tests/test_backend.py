@@ -9,12 +9,11 @@ import pathlib
 import anyio
 import pytest
 
-from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend, Image
+from meshd_mps.errors import AlreadyLoaded, ConfigError, MeshError, NoDriver, NotLoaded, NotServedHere, WorkerError
 from meshd_mps.gpu.compiler import Prepared, cuda_to_ptx
-from meshd_mps.errors import ConfigError, MeshError, NoDriver, WorkerError
-from meshd_mps.errors import AlreadyLoaded, NotLoaded, NotServedHere
 from meshd_mps.programs import Programs
+from meshd_mps.protocol import abi
 
 from .conftest import TEST_DEADLINES, sim
 
@@ -127,7 +126,7 @@ async def test_rt_abi_mismatch_is_refused(backend):
 
 async def test_sms_over_the_device_is_refused(standin_on_path):
     for iso in ("blink", "mps"):
-        with pytest.raises(ConfigError, match="^--sms 200: the device has 132$"):
+        with pytest.raises(ConfigError, match=r"^--sms 200: the device has 132$"):
             await Backend.open(isolation=iso, gpu="sim", sms=200)
 
 
@@ -151,7 +150,7 @@ async def test_no_driver_is_a_plain_error(standin_on_path):
     else:
         pytest.skip("this machine has an NVIDIA driver")
     for iso in ("blink", "mps"):
-        with pytest.raises(NoDriver, match="^no NVIDIA driver"):
+        with pytest.raises(NoDriver, match=r"^no NVIDIA driver"):
             await Backend.open(isolation=iso, gpu="cuda")
 
 
@@ -227,7 +226,7 @@ async def test_open_as_a_context_runs_the_supervisor_in_our_task(standin_on_path
 @pytest.mark.usefixtures("no_leaks")
 async def test_a_failed_open_as_a_context_leaves_nothing(standin_on_path):
     for iso in ("blink", "mps"):
-        with pytest.raises(ConfigError, match="^--sms 200: the device has 132$"):
+        with pytest.raises(ConfigError, match=r"^--sms 200: the device has 132$"):
             async with Backend.open(isolation=iso, gpu="sim", sms=200):
                 pytest.fail("opened")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd_mps.protocol import abi
+from meshd_mps.errors import CompileError, ConfigError, HashMismatch, LimitError, ManifestError, NoDriver
 from meshd_mps.gpu import compiler
 from meshd_mps.gpu.compiler import (
     Compiler,
@@ -24,7 +24,7 @@ from meshd_mps.gpu.compiler import (
     reg_cap,
 )
 from meshd_mps.gpu.device import caps_of, check_sms, query_device, simulated_device
-from meshd_mps.errors import CompileError, ConfigError, HashMismatch, LimitError, ManifestError, NoDriver
+from meshd_mps.protocol import abi
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ["heartbeat", "echo", "spin", "fault"]

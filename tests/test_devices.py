@@ -13,16 +13,15 @@ import re
 import anyio
 import pytest
 
-from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend
-from meshd_mps.serving.client import ClientError, program_body
+from meshd_mps.errors import ClientLimit, ConfigError, NotServedHere, WorkerError
 from meshd_mps.gpu.device import SIM_GPUS_ENV, choose_devices, parse_devices, simulated_count
-from meshd_mps.errors import ClientLimit, ConfigError, LimitError, WorkerError
-from meshd_mps.protocol.frames import Op
 from meshd_mps.isolation.limits import MPS_QUEUES
 from meshd_mps.mps.clients import worker_argv
-from meshd_mps.errors import AlreadyLoaded, NotLoaded, NotServedHere
 from meshd_mps.programs import Programs
+from meshd_mps.protocol import abi
+from meshd_mps.protocol.frames import Op
+from meshd_mps.serving.client import ClientError, program_body
 from workers import warm
 from workers.main import parse_args
 
@@ -112,7 +111,7 @@ async def test_backend_refuses_bad_devices_and_leaves_nothing(two_gpus):
             await Backend.open(isolation=iso, gpu="sim", devices=[1, 1])
         with pytest.raises(ConfigError, match="no GPU named"):
             await Backend.open(isolation=iso, gpu="sim", devices=[])
-        with pytest.raises(ConfigError, match="^--sms 200: GPU 0 has 132$"):  # checked against each GPU
+        with pytest.raises(ConfigError, match=r"^--sms 200: GPU 0 has 132$"):  # checked against each GPU
             await Backend.open(isolation=iso, gpu="sim", sms=200)
 
 
@@ -311,7 +310,8 @@ def test_serve_devices_end_to_end(serve, tmp, monkeypatch):  # noqa: F811 - the 
     assert s.client.call("echo", "through GPU 0")["data"] == "through GPU 0"
     m = parse_metrics(s.client.metrics())
     assert m['meshd_mps_device_programs{device="0"}'] == 1 and m['meshd_mps_device_programs{device="1"}'] == 1
-    assert m["meshd_mps_pool_capacity"] == 2 and m['meshd_mps_device_info{device="1",name="simulated NVIDIA H200 (meshd-mps --gpu sim)"}'] == 1
+    assert m["meshd_mps_pool_capacity"] == 2
+    assert m['meshd_mps_device_info{device="1",name="simulated NVIDIA H200 (meshd-mps --gpu sim)"}'] == 1
     assert s.stop() == 0, s.log()
 
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from meshd_mps.supervision import child
 from meshd_mps import eventloop
 from meshd_mps.errors import ConfigError
+from meshd_mps.supervision import child
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,10 +9,10 @@ import signal
 import anyio
 import pytest
 
-from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend
 from meshd_mps.errors import WorkerError
 from meshd_mps.programs import Programs
+from meshd_mps.protocol import abi
 
 from .conftest import TEST_DEADLINES
 from .test_backend import beats, example

@@ -9,12 +9,12 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from meshd_mps.protocol import abi
 from meshd_mps.backend import Backend
-from meshd_mps.gpu.compiler import Compiler, Prepared
 from meshd_mps.errors import CapacityError, LimitError, NotStarted
+from meshd_mps.gpu.compiler import Compiler, Prepared
 from meshd_mps.isolation.limits import BLINK_QUEUES
 from meshd_mps.programs import Programs
+from meshd_mps.protocol import abi
 
 from .conftest import TEST_DEADLINES, sim
 from .test_backend import beats, example

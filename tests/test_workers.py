@@ -16,10 +16,10 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from meshd_mps.protocol import abi
-from meshd_mps.mps import clients as mpsmod
-from meshd_mps.errors import ClientLimit, MeshError, MpsError, WorkerError
 from meshd_mps.deadlines import Deadlines
+from meshd_mps.errors import ClientLimit, MeshError, MpsError, WorkerError
+from meshd_mps.mps import clients as mpsmod
+from meshd_mps.protocol import abi
 
 from .conftest import sim
 from .procs import alive, fds_exhausted
@@ -363,7 +363,8 @@ async def test_a_fault_stays_with_its_worker(rig, monkeypatch, case):
 #: A SIGKILL from outside while the victim's kernel is on the GPU: during its LAUNCH (the kernel
 #: launched, the reply hung) or while it runs.  What the caller sees is its own.
 KILLED_RUNNING = {
-    "sigkill-during-launch": Fault(r"victim \(worker \d+ exited\)", {"launch": "hang", "kernel": "heartbeat"}, kill="launch", status=-9),
+    "sigkill-during-launch": Fault(r"victim \(worker \d+ exited\)", {"launch": "hang", "kernel": "heartbeat"},
+                                   kill="launch", status=-9),
     "sigkill-while-running": Fault(r"worker \d+ exited while its kernel ran", {"kernel": "hang"}, kill="kernel", status=-9),
 }
 
@@ -439,7 +440,8 @@ async def test_out_of_fds_to_verify_a_fresh_worker(rig, monkeypatch):
                 return await check(want)
 
         monkeypatch.setattr(m.mps, "check_clients", starved)
-        with pytest.raises(MpsError, match=r"^mps: get_server_list: cannot start .*/nvidia-cuda-mps-control: Too many open files$"):
+        with pytest.raises(MpsError,
+                           match=r"^mps: get_server_list: cannot start .*/nvidia-cuda-mps-control: Too many open files$"):
             await preload(m, "victim")
         assert m.pool.pids() == []
         await until(lambda: m.sup.children() == [], lambda: f"the victim reaped, not {m.sup.children()}")
@@ -563,9 +565,8 @@ async def test_a_pooled_worker_that_hangs_on_load_is_not_retried(rig):
         await m.prewarm(2)
         pooled = m.pool.pids()
         t0 = time.monotonic()
-        with capture_logs() as logs:
-            with pytest.raises(WorkerError, match=r"^load: worker (\d+): no reply in 1s$") as e:
-                await preload(m, "hangs", load="hang")
+        with capture_logs() as logs, pytest.raises(WorkerError, match=r"^load: worker (\d+): no reply in 1s$") as e:
+            await preload(m, "hangs", load="hang")
         took = time.monotonic() - t0
         hung = int(re.match(r"^load: worker (\d+)", str(e.value)).group(1))
         assert hung in pooled

@@ -23,7 +23,16 @@ from typing import Any, TypeVar
 import anyio
 import structlog
 
-from meshd_mps.errors import CapacityError, DeviceError, FrameError, HaltTimeout, MeshError, StillRunning, Unavailable, WorkerError
+from meshd_mps.errors import (
+    CapacityError,
+    DeviceError,
+    FrameError,
+    HaltTimeout,
+    MeshError,
+    StillRunning,
+    Unavailable,
+    WorkerError,
+)
 from meshd_mps.gpu.compiler import Prepared
 from meshd_mps.isolation.base import Admit, Image, Isolation, Kernel, Mode, Module
 from meshd_mps.isolation.launch import Launch

@@ -19,8 +19,8 @@ Every figure was measured on the H200 (driver 580, CUDA 13.0; docs/operations.md
 
 from __future__ import annotations
 
-from meshd_mps.gpu.device import DeviceInfo
 from meshd_mps.errors import CapacityError, LimitError
+from meshd_mps.gpu.device import DeviceInfo
 
 #: Hardware work queues the blink context's worker asks for: the most the driver allows.
 BLINK_QUEUES = 32

@@ -23,7 +23,7 @@ import time
 import traceback
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import Any
 
@@ -40,8 +40,15 @@ from meshd_mps.programs import Program, Programs
 from meshd_mps.serving import schemas
 from meshd_mps.serving.client import MAX_BODY
 from meshd_mps.serving.metrics import CONTENT_TYPE as METRICS_TYPE, Metrics
-from meshd_mps.serving.status import (HeadRefused, HeadTooLarge, MethodNotAllowed, NoRoute, RequestTimeout,
-                                      VersionNotSupported, status_of)
+from meshd_mps.serving.status import (
+    HeadRefused,
+    HeadTooLarge,
+    MethodNotAllowed,
+    NoRoute,
+    RequestTimeout,
+    VersionNotSupported,
+    status_of,
+)
 
 log = structlog.get_logger("meshd_mps")
 
@@ -101,7 +108,7 @@ def _fault(f: Any) -> dict[str, Any]:
     """A FaultReport as JSON (its fields, the time in ISO 8601)."""
     d = dict(getattr(f, "__dict__", {}))
     if isinstance(d.get("at"), (int, float)):
-        d["at"] = datetime.fromtimestamp(d["at"], timezone.utc).isoformat()
+        d["at"] = datetime.fromtimestamp(d["at"], UTC).isoformat()
     return d
 
 
@@ -217,7 +224,7 @@ class Api:
     def _describe(self, p: Program) -> dict[str, Any]:
         d = self.ps.describe(p)
         d["worker_pid"] = d["pid"]
-        d["started"] = datetime.fromtimestamp(p.started_wall, timezone.utc).isoformat()
+        d["started"] = datetime.fromtimestamp(p.started_wall, UTC).isoformat()
         d["compile_ms"] = round(p.compile_ms, 3)
         d["cached"] = p.cached
         return d

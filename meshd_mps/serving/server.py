@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import anyio
@@ -172,7 +172,7 @@ class Daemon:
         self._starting: anyio.CancelScope | None = None  # the start-up's scope, cancelled by the first signal
         self._sock_id: tuple[int, int] | None = None
         self.t0 = time.monotonic()
-        self.started = datetime.now(timezone.utc)
+        self.started = datetime.now(UTC)
         self.versions: dict[str, str] = {}
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -188,7 +188,7 @@ class Daemon:
                 finally:
                     tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
-            raise _sole(group)  # the group stays its context
+            raise _sole(group)  # noqa: B904 - the group stays its context
         finally:
             for s in SIGNALS:
                 loop.remove_signal_handler(s)

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import structlog
 
-from meshd_mps.protocol import frames
 from meshd_mps.errors import WorkerError
+from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Op
 from meshd_mps.supervision.proc import WorkerProc
 
