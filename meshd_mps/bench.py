@@ -53,6 +53,7 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import resource
@@ -83,8 +84,7 @@ from meshd_mps.log import setup_logging
 from meshd_mps.mps.clients import MAX_CLIENTS
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi, frames
-from meshd_mps.protocol.frames import Launch as LaunchReq
-from meshd_mps.protocol.frames import Op
+from meshd_mps.protocol.frames import Launch as LaunchReq, Op
 from meshd_mps.supervision import child
 from meshd_mps.supervision.proc import WorkerProc
 
@@ -279,8 +279,8 @@ async def beat(b: Backend, slot: int, reset: bool = False) -> None:
 def across(samples: list[tuple[int, int, int]], period: float) -> float:
     """The largest gap seen from host samples (n, beat time, max gap): between two samples, the
     time less the beats between them at ``period`` ns a beat (or a sampled MAX_GAP, if larger)."""
-    est = max((g for _, _, g in samples), default=0)
-    for (n0, t0, _), (n1, t1, _) in zip(samples, samples[1:]):
+    est: float = max((g for _, _, g in samples), default=0)
+    for (n0, t0, _), (n1, t1, _) in itertools.pairwise(samples):
         if n1 > n0 and t1 >= t0:
             est = max(est, (t1 - t0) - (n1 - n0 - 1) * period)
     return est
@@ -327,7 +327,7 @@ async def stall_window(b: Backend, progs: Programs, slot: int, echo: tuple[dict[
 
 async def sec_stall(bench: Bench) -> list[Row]:
     reps, rows = bench.n(3, 1), []
-    note = "echo loaded until its first beat; worst of %d; heartbeat's MAX_GAP (%%globaltimer)" % bench.n(3, 1)
+    note = f"echo loaded until its first beat; worst of {bench.n(3, 1)}; heartbeat's MAX_GAP (%globaltimer)"
     for mode in ("mps", "blink"):
         async with await bench.backend(mode, pool=2) as b:
             progs = Programs(b)
@@ -336,7 +336,7 @@ async def sec_stall(bench: Bench) -> list[Row]:
                 echo = await bench.src(b, "echo")
                 assert b.compiler is not None
                 await b.compiler.prepare(*echo)  # the JIT outside the windows
-                await until(lambda: b.mailbox.heartbeat(hb.slot) > 0, 10, "the heartbeat's first beat")
+                await until(lambda s=hb.slot: b.mailbox.heartbeat(s) > 0, 10, "the heartbeat's first beat")
                 for case in ("pooled", "fresh") if mode == "mps" else ("blink",):
                     gap = idle = beside = 0.0
                     for _ in range(reps):
@@ -405,13 +405,13 @@ async def sec_ask(bench: Bench) -> list[Row]:
     n1, nw, each = bench.n(2000, 300), bench.n(32, 8), bench.n(200, 50)
     raw = await anyio.to_thread.run_sync(raw_pipe, n1)
     rp50, rp99 = pct(raw, 0.5) * 1e6, pct(raw, 0.99) * 1e6
-    w, reader = await answering_child(Deadlines())
+    answerer, reader = await answering_child(Deadlines())
     try:
-        bare = await timed(n1, lambda: ask_only(w))
+        bare = await timed(n1, lambda: ask_only(answerer))
     finally:
-        w.close_stdin()
+        answerer.close_stdin()
         await reader
-        await w.process.wait()
+        await answerer.process.wait()
     async with await bench.backend("mps", pool=1) as b:  # one worker: the MPS server has one client
         asked = await returning_worker(bench, b, 99)
         one = await timed(n1, lambda: launch_sync(asked, 99, ask_only=True))
@@ -477,7 +477,8 @@ async def sec_done(bench: Bench) -> list[Row]:
             mb.set_u32(slot, abi.STATE, abi.IDLE)
             beats = mb.heartbeat(slot)
             run = await b.launch(k, slot)
-            await until(lambda: mb.heartbeat(slot) > beats and mb.u32(slot, abi.STATE) == abi.RUNNING, 10, "heartbeat running")
+            await until(lambda beats=beats: mb.heartbeat(slot) > beats and mb.u32(slot, abi.STATE) == abi.RUNNING, 10,
+                        "heartbeat running")
             t0 = time.perf_counter()
             mb.halt(slot)
             if i % 2:
@@ -494,7 +495,8 @@ async def sec_done(bench: Bench) -> list[Row]:
         await b.unload(k)
     p50, p99 = pct(done, 0.5) * 1e6, pct(done, 0.99) * 1e6
     e50, e99 = pct(ended, 0.5) * 1e6, pct(ended, 0.99) * 1e6
-    note = "from the host's HALT write on a running heartbeat to its Launch resolving (MPS worker); baseline: HALT to STATE=EXITED by a host spin"
+    note = ("from the host's HALT write on a running heartbeat to its Launch resolving (MPS worker);"
+            " baseline: HALT to STATE=EXITED by a host spin")
     return [
         Row("c", "done p50", "us", p50, e50, "kernel end p50", "< 200 us", p50 < 200, note + f"; {n} each"),
         Row("c", "done p99", "us", p99, e99, "kernel end p99", note=f"{n} each"),
@@ -563,7 +565,8 @@ async def sec_pool(bench: Bench) -> list[Row]:
             listed = f"; {seen}/{n} bare clients in the server's client list" if seen is not None else ""
             pl = "s" if n > 1 else ""
             rows.append(Row("d", f"pool: prewarm {n} worker{pl}", "ms", tw * 1e3, tb * 1e3, f"{n} bare client{pl}", "<= 1.2x",
-                            tw <= 1.2 * tb, f"spawn to all READY + client check (the check alone: {tc * 1e3:.0f} ms); {bare}{listed}"))
+                            tw <= 1.2 * tb,
+                            f"spawn to all READY + client check (the check alone: {tc * 1e3:.0f} ms); {bare}{listed}"))
             rss = (rw, rb, n)
     rows.append(Row("d", "pool: VmRSS per worker", "MiB", rss[0], rss[1], "bare client", "<= 1.2x", rss[0] <= 1.2 * rss[1],
                     f"median of {rss[2]} idle pooled workers vs {rss[2]} bare clients"))
@@ -585,7 +588,7 @@ async def sec_load(bench: Bench) -> list[Row]:
                 for out in (cold, hot):
                     t0 = time.perf_counter()
                     p = await progs.load(*src)
-                    await until(lambda: b.mailbox.heartbeat(p.slot) > 0, 10, "the program's first beat")
+                    await until(lambda s=p.slot: b.mailbox.heartbeat(s) > 0, 10, "the program's first beat")
                     out.append((time.perf_counter() - t0) * 1e3)
                     if out is cold:
                         jit.append(p.compile_ms)
@@ -660,12 +663,12 @@ async def sec_limits(bench: Bench) -> list[Row]:
             try:
                 man, ptx = await bench.src(b, "heartbeat")
 
-                def named(i: int) -> dict[str, Any]:
+                def named(i: int, man: dict[str, Any] = man) -> dict[str, Any]:
                     return {**man, "name": f"heartbeat-{i}"}
 
                 for i in (0, 1):
                     p = await progs.load(named(i), ptx)
-                    await until(lambda: mb.heartbeat(p.slot) > 0, 10, "the first heartbeats")
+                    await until(lambda mb=mb, s=p.slot: mb.heartbeat(s) > 0, 10, "the first heartbeats")
                 await progs.upgrade("heartbeat-0", named(0), ptx)  # in blink mode it halts heartbeat-1
                 two_blink = b.last_blink_ms()
                 loads: list[float] = []
@@ -675,7 +678,7 @@ async def sec_limits(bench: Bench) -> list[Row]:
                     loads.append((time.perf_counter() - t0) * 1e3)
                 seen = {p.slot: mb.heartbeat(p.slot) for p in progs.by_name.values()}
                 with anyio.move_on_after(3):
-                    await until(lambda: all(mb.heartbeat(s) > v for s, v in seen.items()), 3, "every heartbeat")
+                    await until(lambda mb=mb, seen=seen: all(mb.heartbeat(s) > v for s, v in seen.items()), 3, "every heartbeat")
                 beating = sum(mb.heartbeat(s) > v for s, v in seen.items())
                 t0 = time.perf_counter()
                 try:
@@ -780,7 +783,7 @@ def header(bench: Bench, argv: list[str]) -> dict[str, str]:
             "device": bench.device or "unknown (no backend opened)",
             "driver": _try(_driver) if bench.gpu == "cuda" else "none: the simulated GPU (--gpu sim)",
             "cuda-bindings": _try(lambda: metadata.version("cuda-bindings")),
-            "nvjitlink": _try(lambda: "%s (library %d.%d)" % (metadata.version("nvidia-nvjitlink"), *nvjitlink_version())),
+            "nvjitlink": _try(lambda: "{} (library {}.{})".format(metadata.version("nvidia-nvjitlink"), *nvjitlink_version())),
             "nvrtc": _try(lambda: metadata.version("nvidia-cuda-nvrtc")), "python": sys.version.split()[0],
             "loop": eventloop.factory(bench.loop)[0],
             "command": " ".join(["python -m meshd_mps.bench", *argv])}
@@ -801,7 +804,7 @@ def table(h: dict[str, str], rows: list[Row]) -> str:
         cells.append([f"({r.id})", r.name, fmt(r.value, r.unit), base, ratio, r.target, r.result, r.error or r.note])
     widths = [max(len(c[i]) for c in cells) for i in range(7)]
     for c in cells:
-        out.append("  ".join(x.ljust(w) for x, w in zip(c, widths)) + "  " + c[7])
+        out.append("  ".join(x.ljust(w) for x, w in zip(c[:7], widths, strict=True)) + "  " + c[7])
     return "\n".join(out)
 
 

@@ -14,6 +14,7 @@ workers and pool are retired and only its programs relaunched.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
 from collections.abc import Mapping
@@ -338,10 +339,8 @@ class Programs:
         within = self.d.halt if within is None else within
         self.b.mailbox.halt(p.slot)
         with anyio.move_on_after(within):
-            try:
+            with contextlib.suppress(WorkerError):
                 await p.launch.wait()
-            except WorkerError:
-                pass
             return
         if self.b.retire_stuck(p.kernel):
             log.error(f"program {p.name} did not halt in {within:g}s; retiring its worker", pid=p.kernel.pid)
@@ -384,7 +383,7 @@ class Programs:
         try:
             await self._relaunch(old)
             log.info(f"program {old.name}: upgrade failed; the old version runs again", program=old.name)
-        except BaseException as e:
+        except BaseException as e:  # reported, and the upgrade's own error is raised
             self.by_name.pop(old.name, None)
             log.error(f"program {old.name}: upgrade failed and the old version did not restart: {e}", program=old.name)
 

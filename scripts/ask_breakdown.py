@@ -32,7 +32,7 @@ from meshd_mps.bench import ECHO_CHILD, answering_child, ask_only  # noqa: E402
 from meshd_mps.deadlines import Deadlines  # noqa: E402
 from meshd_mps.protocol import frames  # noqa: E402
 from meshd_mps.protocol.frames import Launch, Op  # noqa: E402
-from meshd_mps.supervision import child
+from meshd_mps.supervision import child  # noqa: E402
 
 REQ = frames.encode(Op.LAUNCH, Launch(1, 1, 0, 1).encode())
 
@@ -154,7 +154,8 @@ def heartbeat_load(module: int):
     info = query_device()
     d = ROOT / "examples" / "heartbeat"
     m = Manifest.parse((d / "manifest.json").read_bytes())
-    ptx = cuda_to_ptx((d / "heartbeat.cu").read_bytes(), "heartbeat", arch=info.compute, include=[str(ROOT / "examples" / "include")])
+    ptx = cuda_to_ptx((d / "heartbeat.cu").read_bytes(), "heartbeat", arch=info.compute,
+                      include=[str(ROOT / "examples" / "include")])
     cubin = ptx_to_cubin(ptx, info.arch, reg_cap(info, m.warps))
     return Load(module, m.threads, m.smem, m.scratch, m.name, cubin)
 
@@ -230,7 +231,7 @@ def gpu_launch(n: int) -> list[float]:
     for i in range(n + 100):
         ev = threading.Event()
         t = time.perf_counter()
-        gpu.launch(1, i + 1, 3, 1, lambda _d: ev.set())
+        gpu.launch(1, i + 1, 3, 1, lambda _d, ev=ev: ev.set())  # this launch's event, should it end late
         dt = time.perf_counter() - t
         ev.wait(5)
         if i >= 100:
@@ -257,11 +258,11 @@ def main() -> None:
             for name, run in (("asyncio", asyncio.run), ("uvloop", uvloop.run)):
                 rows.append((f"mps-{name} pool {pool} settle {settle:g}s", run(mps_worker(a.n, a.gpu, pool, settle))))
         for name, xs in rows:
-            print("%-36s p50 %6.1f us  p99 %6.1f us" % (name, *pct(xs)))
+            print("{:<36} p50 {:6.1f} us  p99 {:6.1f} us".format(name, *pct(xs)))
         return
     if a.only == "worker":
         xs = asyncio.run(worker(a.n, a.gpu))
-        print("worker p50 %.1f us p99 %.1f us" % pct(xs))
+        print("worker p50 {:.1f} us p99 {:.1f} us".format(*pct(xs)))
         return
     rows = [("raw", raw(a.n))]
     rows.append(("streams", asyncio.run(streams(a.n))))

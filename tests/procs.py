@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import os
@@ -72,10 +73,8 @@ def open_fds() -> dict[int, str]:
     """This process's open fds and what each one is (``readlink /proc/self/fd/N``)."""
     out = {}
     for name in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # the listing's own fd, closed by now
             out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            pass  # the listing's own fd, closed by now
     return out
 
 
@@ -103,7 +102,8 @@ class Resources:
         if new:
             parts.append(f"{len(new)} fd(s) left open: " + ", ".join(f"{fd} -> {t}" for fd, t in sorted(new.items())))
         if gone:
-            parts.append(f"{len(gone)} fd(s) of before closed or replaced: " + ", ".join(f"{fd} -> {t}" for fd, t in sorted(gone.items())))
+            parts.append(f"{len(gone)} fd(s) of before closed or replaced: "
+                         + ", ".join(f"{fd} -> {t}" for fd, t in sorted(gone.items())))
         if self.temps - before.temps:
             parts.append("temporary entries left: " + ", ".join(sorted(self.temps - before.temps)))
         if before.temps - self.temps:

@@ -26,8 +26,7 @@ import anyio
 import pytest
 
 from meshd_mps.errors import CapacityError, ClientLimit, ImageRefused, LimitError, NotStarted, WorkerError
-from meshd_mps.serving import client as client_mod
-from meshd_mps.serving import server
+from meshd_mps.serving import client as client_mod, server
 from meshd_mps.serving.cli import ps_table, status_table
 from meshd_mps.serving.client import (
     MAX_JSON_DEPTH,

@@ -111,7 +111,7 @@ async def test_backend_refuses_bad_devices_and_leaves_nothing(two_gpus):
             await Backend.open(isolation=iso, gpu="sim", devices=[1, 1])
         with pytest.raises(ConfigError, match="no GPU named"):
             await Backend.open(isolation=iso, gpu="sim", devices=[])
-        with pytest.raises(ConfigError, match="^--sms 200: GPU 0 has 132$"):  # checked against each GPU
+        with pytest.raises(ConfigError, match=r"^--sms 200: GPU 0 has 132$"):  # checked against each GPU
             await Backend.open(isolation=iso, gpu="sim", sms=200)
 
 
@@ -310,7 +310,8 @@ def test_serve_devices_end_to_end(serve, tmp, monkeypatch):  # noqa: F811 - the 
     assert s.client.call("echo", "through GPU 0")["data"] == "through GPU 0"
     m = parse_metrics(s.client.metrics())
     assert m['meshd_mps_device_programs{device="0"}'] == 1 and m['meshd_mps_device_programs{device="1"}'] == 1
-    assert m["meshd_mps_pool_capacity"] == 2 and m['meshd_mps_device_info{device="1",name="simulated NVIDIA H200 (meshd-mps --gpu sim)"}'] == 1
+    assert m["meshd_mps_pool_capacity"] == 2
+    assert m['meshd_mps_device_info{device="1",name="simulated NVIDIA H200 (meshd-mps --gpu sim)"}'] == 1
     assert s.stop() == 0, s.log()
 
 

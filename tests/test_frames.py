@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Done, FrameError, Launch, Load, Loaded, Op
@@ -85,10 +85,8 @@ def test_supervisor_decoder_fuzzed(buf):
         return
     assert 5 <= used <= len(buf) and isinstance(op, Op)
     for dec in (Load.decode, Launch.decode, Done.decode):
-        try:
+        with contextlib.suppress(FrameError):
             dec(body)
-        except FrameError:
-            pass
 
 
 @settings(max_examples=200, deadline=None)

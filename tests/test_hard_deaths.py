@@ -10,6 +10,7 @@ on the simulated GPU and the stand-in MPS daemon:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -49,10 +50,8 @@ class GroupServe(Serve):
 def events(s: Serve) -> list[dict]:
     out = []
     for line in s.log().splitlines():
-        try:
+        with contextlib.suppress(ValueError):
             out.append(json.loads(line))
-        except ValueError:
-            pass
     return out
 
 
@@ -101,10 +100,8 @@ def reap(pids: list[int]) -> None:
 
     def gone() -> bool:
         for p in pids:
-            try:
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(p, os.WNOHANG)
-            except ChildProcessError:
-                pass
         return all(procfs.starttime(p) is None for p in pids)
 
     poll(gone, 10.0, f"{pids} gone and reaped")

@@ -371,7 +371,8 @@ def check_errors(s: Serve, c: Client, isolation: str) -> None:
     refused(lambda: c.load({"manifest": manifest("spin"), "ptx": ptx, "hash": "0000000000000000"}), 400,
             "expected 0000000000000000")
     refused(lambda: c.load({"manifest": manifest("spin"), "ptx": ptx, "hash": "xyz"}), 400, "16 hex digits")
-    refused(lambda: c.upgrade("echo", program_body(str(EXAMPLES / "echo"), hash="0123456789abcdef")), 400, "expected 0123456789abcdef")
+    refused(lambda: c.upgrade("echo", program_body(str(EXAMPLES / "echo"), hash="0123456789abcdef")), 400,
+            "expected 0123456789abcdef")
     refused(lambda: c.upgrade("echo", {"manifest": manifest("echo"), "ptx": "garbage"}), 400, "jit: ")
     refused(lambda: c.upgrade("echo", {"manifest": manifest("heartbeat"), "ptx": ptx}), 400, "the manifest names 'heartbeat'")
     # Unknown JSON fields, bad bodies.

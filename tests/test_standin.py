@@ -124,7 +124,7 @@ class Standin:
         assert reap(self.daemon_pid) == 0
         self.daemon_pid = None
         for pid in self.servers:
-            wait_for(lambda: gone(pid), f"server {pid} to exit")
+            wait_for(lambda pid=pid: gone(pid), f"server {pid} to exit")
 
     def cleanup(self) -> None:
         for s in self.sockets:
@@ -133,7 +133,7 @@ class Standin:
             os.kill(self.daemon_pid, signal.SIGKILL)
             reap(self.daemon_pid)
             for pid in self.servers:
-                wait_for(lambda: gone(pid), f"server {pid} to exit")
+                wait_for(lambda pid=pid: gone(pid), f"server {pid} to exit")
             pytest.fail("the test left its daemon running")
 
 

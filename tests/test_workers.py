@@ -363,7 +363,8 @@ async def test_a_fault_stays_with_its_worker(rig, monkeypatch, case):
 #: A SIGKILL from outside while the victim's kernel is on the GPU: during its LAUNCH (the kernel
 #: launched, the reply hung) or while it runs.  What the caller sees is its own.
 KILLED_RUNNING = {
-    "sigkill-during-launch": Fault(r"victim \(worker \d+ exited\)", {"launch": "hang", "kernel": "heartbeat"}, kill="launch", status=-9),
+    "sigkill-during-launch": Fault(r"victim \(worker \d+ exited\)", {"launch": "hang", "kernel": "heartbeat"},
+                                   kill="launch", status=-9),
     "sigkill-while-running": Fault(r"worker \d+ exited while its kernel ran", {"kernel": "hang"}, kill="kernel", status=-9),
 }
 
@@ -439,7 +440,8 @@ async def test_out_of_fds_to_verify_a_fresh_worker(rig, monkeypatch):
                 return await check(want)
 
         monkeypatch.setattr(m.mps, "check_clients", starved)
-        with pytest.raises(MpsError, match=r"^mps: get_server_list: cannot start .*/nvidia-cuda-mps-control: Too many open files$"):
+        with pytest.raises(MpsError,
+                           match=r"^mps: get_server_list: cannot start .*/nvidia-cuda-mps-control: Too many open files$"):
             await preload(m, "victim")
         assert m.pool.pids() == []
         await until(lambda: m.sup.children() == [], lambda: f"the victim reaped, not {m.sup.children()}")

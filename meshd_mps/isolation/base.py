@@ -155,7 +155,7 @@ class Isolation(ABC):
         self._launched(k, k.launch)
         return k.launch
 
-    def _launched(self, k: Kernel, run: Launch) -> None:
+    def _launched(self, k: Kernel, run: Launch) -> None:  # noqa: B027 - an optional hook, by default nothing to do
         """A launch begun (blink keeps it, to halt and relaunch it around each blink)."""
 
     def query(self, k: Kernel) -> bool:
@@ -184,7 +184,7 @@ class Isolation(ABC):
     @abstractmethod
     async def _abandon(self, k: Kernel, slot: int) -> None: ...
 
-    async def drop(self, img: Image) -> None:
+    async def drop(self, img: Image) -> None:  # noqa: B027 - an optional hook, by default nothing to do
         """An image prepared but never loaded: what it holds goes back."""
 
     @abstractmethod
@@ -222,7 +222,7 @@ class Isolation(ABC):
         """After ``teardown``, once the GPU takes workers again: what ``open`` starts, and ``extra``
         fresh workers more (MPS: the lost programs' next ones), within ``recover``; False if not."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
         """Before the supervisor kills every worker (MPS: the idle ones get EOF first)."""
 
     async def _check_abi(self, k: Kernel) -> None:
@@ -240,7 +240,7 @@ class Mode(ABC):
         self.sup = sup
         self.gpus: dict[int, Isolation] = {}
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
         """Before the GPUs are looked at (MPS: the daemon)."""
 
     @abstractmethod
@@ -267,5 +267,5 @@ class Mode(ABC):
     def status(self) -> dict[str, Any]:
         """The host-wide part of the backend's status (every GPU's, added up)."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
         """After every worker is gone (MPS: the daemon quit)."""

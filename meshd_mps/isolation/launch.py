@@ -9,6 +9,8 @@ the generation that runs now and resolves only when the program really ends
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Generator
+from typing import Any
 
 from meshd_mps.protocol.frames import Done
 
@@ -58,7 +60,7 @@ class Launch:
             if self._inner is fut:
                 return d
 
-    def __await__(self):  # type: ignore[no-untyped-def]
+    def __await__(self) -> Generator[Any, None, Done]:
         return self.wait().__await__()
 
 

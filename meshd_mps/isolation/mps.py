@@ -9,6 +9,7 @@ while the programs already there go on running.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -181,10 +182,8 @@ class MpsIsolation(Isolation):
         run = k.launch
         if run is not None and not run.finished():
             with anyio.move_on_after(self.sup.deadlines.launch):
-                try:
+                with contextlib.suppress(WorkerError):
                     await run.wait()
-                except WorkerError:
-                    pass
             if not run.finished():
                 self.sup.retire(k.proc)
         await self._unload(k)

@@ -151,7 +151,8 @@ class Mps(Mode):
         """Every pid in ``want`` must be a client of our daemon's server, or MpsError."""
         server = await self.server_pid()
         if server is None:
-            raise MpsError(f"mps: workers {pids_debug(want)} are up but our daemon runs no server: they are not MPS clients; refusing")
+            raise MpsError(f"mps: workers {pids_debug(want)} are up but our daemon runs no server:"
+                           " they are not MPS clients; refusing")
         pids = await self.clients(server)
         for p in want:
             if p not in pids:

@@ -12,8 +12,11 @@ import mmap
 import os
 import struct
 
-from meshd_mps.errors import MailboxError as MailboxError  # re-exported for the workers
-from meshd_mps.errors import PayloadTooLarge, RingFull
+from meshd_mps.errors import (
+    MailboxError as MailboxError,  # re-exported for the workers
+    PayloadTooLarge,
+    RingFull,
+)
 from meshd_mps.protocol import abi
 
 _U32 = struct.Struct("<I")

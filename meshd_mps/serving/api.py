@@ -39,8 +39,7 @@ from meshd_mps.names import check_name
 from meshd_mps.programs import Program, Programs
 from meshd_mps.serving import schemas
 from meshd_mps.serving.client import MAX_BODY
-from meshd_mps.serving.metrics import CONTENT_TYPE as METRICS_TYPE
-from meshd_mps.serving.metrics import Metrics
+from meshd_mps.serving.metrics import CONTENT_TYPE as METRICS_TYPE, Metrics
 from meshd_mps.serving.status import (
     HeadRefused,
     HeadTooLarge,

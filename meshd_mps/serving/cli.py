@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from types import ModuleType
+from typing import Any, cast
 
 DESCRIPTION = "Resident CUDA kernels, one MPS client process each: the daemon and its client."
 EPILOG = """\
@@ -84,8 +85,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--isolation", choices=("blink", "mps"), default="blink",
                    help="blink: one CUDA context, a load halts every program briefly; mps: one MPS client per program"
                         " (default blink)")
-    s.add_argument("--sms", type=int, default=0, metavar="N", help="SMs per program, a green context (default 0: the whole device)")
-    s.add_argument("--mps-dir", metavar="DIR", help="the private MPS daemon's directory (default: a temporary one, removed at exit)")
+    s.add_argument("--sms", type=int, default=0, metavar="N",
+                   help="SMs per program, a green context (default 0: the whole device)")
+    s.add_argument("--mps-dir", metavar="DIR",
+                   help="the private MPS daemon's directory (default: a temporary one, removed at exit)")
     s.add_argument("--pool", type=int, metavar="N", help="idle workers kept ready on each GPU (default 2 in mps mode)")
     s.add_argument("--devices", metavar="LIST", default="all",
                    help="the GPUs to drive: CUDA ordinals such as 0,1, or all (default all visible)")
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         # tracebacks the worker never prints (it writes JSON lines): on the H200 host that was
         # 85 of the 134 ms a worker spent importing (docs/benchmarks.md, row d).
         for name in ("rich", "better_exceptions"):
-            sys.modules.setdefault(name, None)  # type: ignore[assignment]
+            cast(dict[str, ModuleType | None], sys.modules).setdefault(name, None)  # None: an import of it fails
         from workers import warm
 
         warm.start(argv[1:])  # the CUDA context is created while the worker imports the rest
@@ -192,9 +195,11 @@ def _client(args: argparse.Namespace) -> int:
             p = ans["program"]
             how = "from the cache" if p.get("cached") else f"compiled in {p.get('compile_ms', 0):.1f} ms"
             if args.cmd == "load":
-                print(f"{p['name']} loaded on slot {p['slot']} (pid {p['pid']}, hash {p['hash']}, GPU {p.get('device', 0)}, {how})")
+                print(f"{p['name']} loaded on slot {p['slot']} (pid {p['pid']}, hash {p['hash']},"
+                      f" GPU {p.get('device', 0)}, {how})")
             else:
-                print(f"{p['name']} upgraded on slot {p['slot']} (upgrade {p['upgrades']}, pid {p['pid']}, hash {p['hash']}, {how})")
+                print(f"{p['name']} upgraded on slot {p['slot']} (upgrade {p['upgrades']}, pid {p['pid']},"
+                      f" hash {p['hash']}, {how})")
         elif args.cmd == "unload":
             ans = c.unload(args.name)
             if args.json:
@@ -256,7 +261,7 @@ def table(rows: list[list[str]]) -> str:
     if not rows:
         return ""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n" for r in rows)
+    return "".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n" for r in rows)
 
 
 def beat_age(p: dict[str, Any]) -> str:

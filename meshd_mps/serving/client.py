@@ -16,6 +16,7 @@ runs (so that it never recurses deeply).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -28,11 +29,13 @@ from pathlib import Path
 from typing import Any
 
 # Re-exported (``X as X``): the CLI and its users read JSON through the client module.
-from meshd_mps.strictjson import MAX_INT_DIGITS as MAX_INT_DIGITS
-from meshd_mps.strictjson import MAX_JSON_DEPTH as MAX_JSON_DEPTH
-from meshd_mps.strictjson import JSONRefused as JSONRefused
-from meshd_mps.strictjson import json_deeper_than as json_deeper_than
-from meshd_mps.strictjson import parse_json
+from meshd_mps.strictjson import (
+    MAX_INT_DIGITS as MAX_INT_DIGITS,
+    MAX_JSON_DEPTH as MAX_JSON_DEPTH,
+    JSONRefused as JSONRefused,
+    json_deeper_than as json_deeper_than,
+    parse_json,
+)
 
 SOCKET_ENV = "MESHD_MPS_SOCKET"
 #: The daemon refuses bodies over this (413); the client does not send them.
@@ -171,15 +174,14 @@ class Client:
             h = {"Host": "meshd-mps", "Connection": "close", **(headers or {})}
             if body is not None:
                 h.setdefault("Content-Type", "application/json")
-            try:
+            # the daemon answered before reading it all (413): its answer is still there
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 conn.request(method, path, body=body, headers=h)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the daemon answered before reading it all (413): its answer is still there
             try:
                 r = conn.getresponse()
                 data = r.read()
             except (http.client.HTTPException, OSError) as e:
-                if isinstance(e, TimeoutError) or isinstance(e, socket.timeout):
+                if isinstance(e, (TimeoutError, socket.timeout)):
                     raise ClientError(f"{self.socket}: no answer in {timeout or self.timeout:g}s") from e
                 raise ClientError(f"{self.socket}: {type(e).__name__}: {e}") from e
             return r.status, {k.lower(): v for k, v in r.getheaders()}, data
@@ -322,7 +324,8 @@ def program_body(dir: str | None = None, manifest: str | None = None, ptx: str |
         except UnicodeDecodeError as e:
             raise ClientError(f"{src}: not UTF-8 text: {e}") from e
     else:
-        name = mobj.get("name") if isinstance(mobj, dict) and isinstance(mobj.get("name"), str) else src.stem
+        given = mobj.get("name") if isinstance(mobj, dict) else None
+        name = given if isinstance(given, str) else src.stem
         target = arch() if callable(arch) else (arch or DEFAULT_ARCH)
         text = compile_cuda(raw, name, target, [str(src.resolve().parent)])
     body: dict[str, Any] = {"manifest": mobj, "ptx": text}

@@ -9,6 +9,7 @@ purpose: the loop may be the thing that is stuck.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -36,10 +37,8 @@ def descendants(root: int) -> set[int]:
 
 def kill_all(pids: set[int]) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def reap_all(within: float) -> None:
@@ -53,8 +52,6 @@ def reap_all(within: float) -> None:
             return
         kill_all(kids)
         for p in kids:
-            try:
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(p, os.WNOHANG)
-            except ChildProcessError:
-                pass
         time.sleep(0.01)

@@ -191,7 +191,7 @@ class Daemon:
                 finally:
                     tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
-            raise _sole(group)  # the group stays its context
+            raise _sole(group)  # noqa: B904 - the group stays its context
         finally:
             for s in SIGNALS:
                 loop.remove_signal_handler(s)

@@ -30,8 +30,7 @@ import pytest
 from meshd_mps.backend import Backend
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import MeshError, MpsError, NoDriver, WorkerError
-from meshd_mps.mps import clients as mpsmod
-from meshd_mps.mps import standin
+from meshd_mps.mps import clients as mpsmod, standin
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 

@@ -88,7 +88,7 @@ async def test_pool_cycles_no_stall_and_clean_exit():
         assert await progs.call("echo", b"real GPU") == b"real GPU"
         clients = await b.mps.clients(b.mps.server)
         assert hb.kernel.pid in clients and echo.kernel.pid in clients
-        for i in range(20):  # load / launch / DONE / unload cycles
+        for _ in range(20):  # load / launch / DONE / unload cycles
             p = await progs.load(*example("spin"))
             with anyio.fail_after(10):
                 d_ = await p.launch.wait()  # spin: 100 ms, then returns
@@ -140,7 +140,8 @@ async def test_gpu_fault_is_survived():
         print(f"fault report: {r}", file=sys.stderr)
         for name in ("server.log", "control.log"):
             with open(os.path.join(b.daemon.log_dir, name)) as f:
-                lines = [ln for ln in f if not any(w in ln for w in ("connected", "worker thread", "new client request", "is associated", "is ACTIVE"))]
+                noise = ("connected", "worker thread", "new client request", "is associated", "is ACTIVE")
+                lines = [ln for ln in f if not any(w in ln for w in noise)]
             print(f"{name}:\n" + "".join(lines[-40:]), file=sys.stderr)
         assert r.gpu_wide and r.faulted == "fault" and "ILLEGAL_ADDRESS" in r.error
         assert sorted(r.relaunched) == ["echo", "heartbeat"], r.not_relaunched
