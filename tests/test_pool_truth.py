@@ -4,6 +4,7 @@ once (status, the devices' images and the metrics agree) and replaced, paced."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import signal
 import time
@@ -60,5 +61,5 @@ async def test_replacements_are_paced(standin_on_path):
         await until(refilled, within=30.0, what="three replacements")
         times = sorted(t for p, t in seen.items() if p not in old)
         # One at a time, at least pool_pace apart (not three new MPS clients at once).
-        assert all(b1 - a1 >= 0.4 * 0.9 for a1, b1 in zip(times, times[1:], strict=False)), times
+        assert all(b1 - a1 >= 0.4 * 0.9 for a1, b1 in itertools.pairwise(times)), times
         assert times[-1] - t0 >= 0.8 * 0.9
