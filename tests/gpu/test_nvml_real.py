@@ -90,8 +90,8 @@ def test_a_bare_context_is_listed_and_foreign(nvml):
     env = {**os.environ, PIPE_ENV: nowhere}
     child = subprocess.Popen([sys.executable, "-c", CONTEXT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              env=env, text=True)
+    assert child.stdout is not None and child.stdin is not None
     try:
-        assert child.stdout is not None and child.stdin is not None
         ready, _, _ = select.select([child.stdout], [], [], 60)
         assert ready, "the context child said nothing within 60 s"
         pid = int(child.stdout.readline())
@@ -115,6 +115,8 @@ def test_a_bare_context_is_listed_and_foreign(nvml):
         if child.poll() is None:
             child.kill()
             child.wait(timeout=10)
+        child.stdin.close()  # our ends of its pipes (a ResourceWarning otherwise, an error here)
+        child.stdout.close()
         shutil.rmtree(nowhere, ignore_errors=True)
 
 
