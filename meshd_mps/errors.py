@@ -334,3 +334,15 @@ class StateError(MeshError):
         self.what = what
         self.frm = frm
         self.to = to
+
+
+class NvmlUnavailable(DeviceError):
+    """NVML (nvidia-ml-py over libnvidia-ml.so.1) cannot be opened here: ``why`` says what is
+    missing (the package, the library, the kernel driver, the permission).  The daemon still runs
+    its programs; it only cannot see the processes beside them (``gpu/nvml.py``)."""
+
+    FIELDS = ("why",)
+
+    def __init__(self, message: str, *, why: str):
+        super().__init__(message)
+        self.why = why
