@@ -15,7 +15,7 @@ from meshd_mps.supervision.proc import MOVES, WorkerProc, WorkerState
 
 def worker() -> WorkerProc:
     # WorkerProc.to touches only its own fields: a stand-in for the child's pipes is enough.
-    child: Any = SimpleNamespace(pid=4242, stdin=object(), stdout=object())
+    child: Any = SimpleNamespace(pid=4242, stdin=object(), stdout=object(), returncode=None)
     return WorkerProc(child, on_unfit=lambda w: None)
 
 
@@ -34,17 +34,17 @@ async def test_every_worker_move_is_allowed_or_refused():
                 assert (e.value.frm, e.value.to) == (frm.value, to.value) and w.state == frm
 
 
-async def test_worker_exited_records_where_from_and_retiring_is_ours():
+async def test_worker_exited_records_where_from():
     w = worker()
     w.to(WorkerState.READY)
     w.retiring()
-    assert w.killed and not w.dead
+    assert not w.dead and not w.killed  # told to exit: a SIGKILL of ours is what killed records
     w.to(WorkerState.EXITED)
-    assert w.dead and w.exited_from == WorkerState.RETIRING and w.killed
+    assert w.dead and w.exited_from == WorkerState.RETIRING
     w2 = worker()
     w2.to(WorkerState.READY)
-    w2.to(WorkerState.EXITED)  # on its own: not ours
-    assert w2.dead and not w2.killed
+    w2.to(WorkerState.EXITED)  # on its own
+    assert w2.dead and w2.exited_from == WorkerState.READY
 
 
 async def test_mark_unfit_moves_once_and_keeps_why():
@@ -93,3 +93,21 @@ async def test_program_observes_the_end_of_its_launch():
     assert p.observe() is ProgramState.RUNNING
     fut.set_exception(RuntimeError("worker 9 exited while its kernel ran"))
     assert p.observe() is ProgramState.FAILED and p.state() == ("failed", "worker 9 exited while its kernel ran")
+
+
+async def test_a_worker_retired_after_an_outside_kill_died_on_its_own():
+    # H200, 2026-12-03 (tests/gpu/test_faults_real.py, while-running): the fault's teardown retired
+    # the killed worker before its EOF was read; its -9 was still not ours, so it is the culprit.
+    from meshd_mps.programs import died_on_its_own
+
+    w = worker()
+    w.to(WorkerState.READY)
+    w.retiring()  # the teardown's retire, after the outside SIGKILL
+    w.process.returncode = -9
+    assert died_on_its_own(w)
+    ours = worker()
+    ours.to(WorkerState.READY)
+    ours.retiring()
+    ours.killed = True  # the retire's own SIGKILL, after QUIT was not answered
+    ours.process.returncode = -9
+    assert not died_on_its_own(ours)

@@ -86,6 +86,9 @@ class WorkerProc:
         self.exited = asyncio.Event()
         self.device = 0  # the GPU its context is on (Mps sets it)
         self.exited_running_at = 0.0  # monotonic time it exited on its own with a kernel launched
+        #: SIGKILLed by us (a retire's or the cleanup's kill): evidence, not a state.  A worker
+        #: retired after it was killed from outside is RETIRING too, but its -9 is not ours.
+        self.killed = False
 
     def to(self, state: WorkerState, why: str = "") -> bool:
         """The one way the state changes; False if it is there already, StateError if the table
@@ -105,11 +108,6 @@ class WorkerProc:
     def dead(self) -> bool:
         """Its stdout closed: the process exited (or closed it)."""
         return self.state == WorkerState.EXITED
-
-    @property
-    def killed(self) -> bool:
-        """Ended by us (a retire's QUIT or kill, the cleanup's kill), not on its own."""
-        return self.state == WorkerState.RETIRING or self.exited_from == WorkerState.RETIRING
 
     def __repr__(self) -> str:
         return f"<worker {self.pid}{' ' + self.program if self.program else ''}>"

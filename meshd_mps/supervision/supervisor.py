@@ -236,5 +236,6 @@ class Supervisor:
 def _kill(w: WorkerProc) -> None:
     if w.process.returncode is None:
         w.retiring()
+        w.killed = True
         with contextlib.suppress(ProcessLookupError):
             os.kill(w.pid, 9)
