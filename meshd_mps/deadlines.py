@@ -40,6 +40,8 @@ class Deadlines:
     control_start: float = 10.0  # -d -> it answers
     control_quit: float = 5.0  # quit -> it has stopped its server
     control_reap: float = 5.0  # -> the daemon's process reaped (then SIGKILL, and as long again)
+    # ---- NVML ----
+    nvml: float = 5.0  # one look at every GPU's processes (a lost GPU can hang an NVML call)
     # ---- the control API ----
     http_head: float = 30.0  # to send the request line and headers
     http_body: float = 120.0  # to send the body

@@ -258,6 +258,9 @@ class Api:
             "uptime_s": round(time.monotonic() - self.t0, 3),
             "started": self.started.isoformat(),
             "versions": self.versions,
+            # NVML's view of each GPU: the compute mode, and every process outside our server.
+            "neighbours": ([n.as_dict() for _, n in sorted(self.metrics.watch.latest.items())]
+                           if self.metrics.watch is not None else None),
         }
         if b.mps is not None:
             try:

@@ -25,6 +25,7 @@ from meshd_mps.errors import WorkerError
 
 if TYPE_CHECKING:
     from meshd_mps.backend import Backend
+    from meshd_mps.neighbours import NeighbourWatch
     from meshd_mps.programs import Programs
 
 log = structlog.get_logger("meshd_mps")
@@ -100,6 +101,8 @@ class Metrics:
 
     def __init__(self, backend: Backend, programs: Programs, version: str, t0: float):
         self.b, self.ps, self.version, self.t0 = backend, programs, version, t0
+        #: The daemon's NVML watch (None until NVML answered, or without NVML): neighbours.py.
+        self.watch: NeighbourWatch | None = None
         self.registry = new_registry()
         self.load_seconds = Histogram(
             "meshd_mps_load_seconds", "Time of each successful load or upgrade (checks, JIT or cache, preload, launch).",
@@ -140,6 +143,11 @@ class Metrics:
                 if f.done() and not f.cancelled() and isinstance(f.exception(), WorkerError):
                     self.deaths += 1
         self._seen = current
+
+    def _foreign(self) -> list[tuple[Labels, float]]:
+        """Each GPU NVML was read for (none without NVML): its foreign processes."""
+        latest = self.watch.latest if self.watch is not None else {}
+        return [({"device": str(d)}, float(len(n.foreign))) for d, n in sorted(latest.items())]
 
     def families(self) -> list[Family]:
         b, ps = self.b, self.ps
@@ -189,6 +197,9 @@ class Metrics:
                    by_device(lambda d: len(ps.on_device(d))), ("device",)),
             Family("meshd_mps_device_pool_idle", "gauge", "Idle pooled workers on each GPU (MPS mode).",
                    by_device(lambda d: len(b.mps.pools[d]) if b.mps else 0), ("device",)),
+            Family("meshd_mps_device_foreign_processes", "gauge",
+                   "Processes with a context on each GPU outside our MPS server (blink: beside our context), per NVML.",
+                   self._foreign, ("device",)),
         ]
         if b.blinks:
             def last_blink() -> float | None:

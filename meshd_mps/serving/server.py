@@ -48,8 +48,10 @@ from meshd_mps.backend import Backend
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import MeshError, NoDriver
 from meshd_mps.gpu.compiler import nvjitlink_version
+from meshd_mps.gpu.nvml import Nvml, NvmlLike, SimNvml
 from meshd_mps.log import setup_logging
 from meshd_mps.mps.control import become_subreaper
+from meshd_mps.neighbours import NeighbourWatch, classify, look
 from meshd_mps.programs import Programs
 from meshd_mps.serving import reaper
 from meshd_mps.serving.api import Api
@@ -61,6 +63,7 @@ log = structlog.get_logger("meshd_mps")
 NO_DRIVER_HINT = "no NVIDIA driver on this machine; to try meshd-mps without a GPU: meshd-mps serve --gpu sim"
 
 MONITOR_S = 1.0  # program states are checked this often (faults, deaths)
+NEIGHBOURS_S = 2.0  # NVML is asked this often for the processes on our GPUs
 SUN_PATH_MAX = 107  # AF_UNIX: 108 bytes with the NUL
 #: The socket's listen backlog: connections the kernel queues while the loop is busy (a burst of
 #: clients).  The kernel caps it at net.core.somaxconn (4096 on Linux 5.4+).  Passed to
@@ -261,12 +264,14 @@ class Daemon:
                 socket=self.socket_path, isolation=b.isolation, gpu=b.gpu, device=b.caps.name, devices=list(b.devices),
             )
             monitor: anyio.CancelScope = await tg.start(self._monitor, name="monitor")
+            watch: anyio.CancelScope = await tg.start(self._neighbours, name="neighbours")
             try:
                 await self._stop.wait()
                 listener.close()  # stop accepting: new connections are refused
                 await api.drain()
             finally:
                 monitor.cancel()
+                watch.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 if listener is not None:
@@ -293,6 +298,38 @@ class Daemon:
                     self.metrics.scan()
                 except Exception:
                     log.error("monitor failed", traceback=traceback.format_exc())
+
+    async def _neighbours(self, *, task_status: anyio.abc.TaskStatus[anyio.CancelScope] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Every NEIGHBOURS_S, NVML's view of our GPUs: a process outside our server is logged once
+        when it comes and once when it goes, and shown in status and the metrics (neighbours.py).
+        Without NVML the daemon says why once and goes on without it."""
+        b, metrics = self.backend, self.metrics
+        assert b is not None and metrics is not None
+        with anyio.CancelScope() as scope:
+            task_status.started(scope)
+            try:
+                opener = SimNvml.open if b.gpu == "sim" else Nvml.open
+                with anyio.fail_after(self.deadlines.nvml):
+                    nvml: NvmlLike = await anyio.to_thread.run_sync(opener, abandon_on_cancel=True)
+            except (MeshError, TimeoutError) as e:
+                log.warning(f"NVML: not watching the GPUs' other processes: {e}", why=getattr(e, "why", str(e)))
+                return
+            watch = metrics.watch = NeighbourWatch(b.isolation)
+            try:
+                while True:
+                    try:
+                        views = await look(nvml, b.devices, self.deadlines.nvml)
+                        mps = b.mps
+                        server = {int(mps.server)} if mps is not None and mps.server and mps.server.isdigit() else set()
+                        native = set(mps.native) if mps is not None else set()
+                        for v in views:
+                            watch.observe(classify(v, set(b.sup.workers), server, native))
+                    except MeshError as e:
+                        log.warning(f"NVML: {e}")
+                    await anyio.sleep(NEIGHBOURS_S)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(nvml.close)
 
     # ---- signals ----------------------------------------------------------------------------
     def _on_signal(self, sig: int) -> None:
