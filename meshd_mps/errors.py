@@ -168,6 +168,14 @@ class NotLoaded(NotFound):
         self.program = program
 
 
+class NotNative(NotFound):
+    FIELDS = ("pid",)
+
+    def __init__(self, pid: int):
+        super().__init__(f"process {pid} is not a native client of ours")
+        self.pid = pid
+
+
 class AlreadyLoaded(Conflict):
     FIELDS = ("program",)
 
@@ -203,6 +211,27 @@ class StillRunning(Conflict):
     def __init__(self, message: str, *, program: str):
         super().__init__(message)
         self.program = program
+
+
+class NotOurClient(Conflict):
+    """A process registered as a native client that is not a client of our MPS server (it was not
+    started with our pipe directory, or has not created its context yet)."""
+
+    FIELDS = ("pid",)
+
+    def __init__(self, message: str, *, pid: int):
+        super().__init__(message)
+        self.pid = pid
+
+
+class WrongMode(Conflict):
+    """What only the other isolation mode does (e.g. native MPS clients in blink mode)."""
+
+    FIELDS = ("isolation",)
+
+    def __init__(self, message: str, *, isolation: str):
+        super().__init__(message)
+        self.isolation = isolation
 
 
 class CapacityError(Conflict):

@@ -172,8 +172,7 @@ async def test_native_client_check(standin_on_path, monkeypatch):
             await b.mps.check_native(1)  # pid 1 is nobody's MPS client
         assert 1 not in b.mps.native  # forgotten after the failed check
         pooled = b.isolations[0].pool.pids()[0]
-        b.mps.native.add(pooled)  # a native worker that is a client passes and is remembered
-        await b.mps.check_native(pooled)
+        await b.mps.check_native(pooled)  # a native worker that is a client passes and is remembered
         assert pooled in b.mps.native
 
 

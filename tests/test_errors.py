@@ -19,7 +19,8 @@ EXPECTED = {
     E.NoFreeSlot: 409, E.NotRunning: 409, E.StillRunning: 409, E.CapacityError: 409, E.ClientLimit: 409,
     E.NotStarted: 409, E.HaltTimeout: 409, E.CallTimeout: 504, E.MailboxError: 400, E.RingFull: 409,
     E.FrameError: 500, E.WorkerError: 500, E.WorkerGone: 500, E.WorkerUnfit: 500, E.NoReply: 500,
-    E.SpawnFailed: 500, E.MpsError: 500, E.StateError: 500, E.NvmlUnavailable: 500,
+    E.SpawnFailed: 500, E.MpsError: 500, E.StateError: 500, E.WrongMode: 409,
+    E.NotNative: 404, E.NotOurClient: 409, E.NvmlUnavailable: 500,
 }
 
 

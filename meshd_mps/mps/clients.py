@@ -26,6 +26,7 @@ from meshd_mps.isolation.base import Mode
 from meshd_mps.isolation.limits import MPS_QUEUES
 from meshd_mps.mps.control import PIPE_ENV, ControlDaemon
 from meshd_mps.protocol import abi
+from meshd_mps.supervision import procfs
 from meshd_mps.supervision.pool import Pool
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
@@ -69,7 +70,7 @@ class Mps(Mode):
         self.pool_cap = pool_cap
         self._spawned: dict[int, WorkerProc] = {}  # by pid, for its GPU (pruned to the live ones at each spawn)
         self.server: str | None = None  # the server's pid once a worker was seen in its client list
-        self.native: set[int] = set()
+        self._native: dict[int, int | None] = {}  # native client pid -> its start time (procfs)
         self.max_clients = max_clients
         sup.before_exit = self.terminate
         #: The environment a worker gets on top of ours (tests point it elsewhere).
@@ -164,18 +165,39 @@ class Mps(Mode):
             log.info(f"mps: server pid {server}, clients {pids_debug(pids)}")
             self.server = server
 
+    @property
+    def native(self) -> set[int]:
+        """The native clients that still run: one that exited is dropped here, at the next look
+        (it no longer takes one of the server's clients)."""
+        for pid, start in list(self._native.items()):
+            if procfs.starttime(pid) != start:
+                del self._native[pid]
+                log.info(f"mps: native client {pid} exited; dropped", pid=pid)
+        return set(self._native)
+
     def native_pipe_dir(self) -> str:
         """The pipe dir a native GPU worker must be started with to be a client of our server."""
         return self.daemon.pipe_dir
 
+    def native_env(self) -> dict[str, str]:
+        """What a CUDA process needs in its environment to join our server (docs/operations.md)."""
+        return dict(self.daemon.env)
+
     async def check_native(self, pid: int) -> None:
-        """A native GPU worker that said ready must be a client of our server."""
-        self.native.add(pid)
+        """A native client (a CUDA process that is not one of our workers, started with
+        ``native_env``) registered: it must be a client of our server; it is then counted
+        against the server's clients and not logged as foreign, until it exits."""
+        self._native[pid] = procfs.starttime(pid)
         try:
             await self.check_clients([pid])
         except BaseException:
-            self.native.discard(pid)
+            self._native.pop(pid, None)
             raise
+        log.info(f"mps: native client {pid} registered", pid=pid)
+
+    def drop_native(self, pid: int) -> bool:
+        """``pid`` no longer counted as a native client; False if it was not one."""
+        return self._native.pop(pid, None) is not None or False
 
     # ---- workers --------------------------------------------------------------------------
     def count_clients(self, device: int) -> int:

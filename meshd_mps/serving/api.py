@@ -34,7 +34,7 @@ from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from meshd_mps.backend import Backend
 from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import MeshError, NotServedHere, Unavailable, UpgradeMismatch
+from meshd_mps.errors import MeshError, NotNative, NotServedHere, Unavailable, UpgradeMismatch
 from meshd_mps.names import check_name
 from meshd_mps.programs import Program, Programs
 from meshd_mps.serving import schemas
@@ -132,6 +132,8 @@ class Api:
             ("/v1/programs", {"GET": self.get_programs, "POST": self.post_program}),
             ("/v1/programs/{name}", {"GET": self.get_program, "PUT": self.put_program, "DELETE": self.delete_program}),
             ("/v1/programs/{name}/call", {"POST": self.post_call}),
+            ("/v1/native", {"GET": self.get_native, "POST": self.post_native}),
+            ("/v1/native/{pid}", {"DELETE": self.delete_native}),
             ("/metrics", {"GET": self.get_metrics}),
         ]
         for path, methods in routes:
@@ -322,6 +324,21 @@ class Api:
         got = await self.ps.call(name, c.payload, c.within)
         return answer(200, {"ok": True, "program": name, "data": got.decode("utf-8", "replace"), "hex": got.hex(),
                             "bytes": len(got), "ms": round((time.perf_counter() - t0) * 1e3, 3)})
+
+    async def get_native(self, request: web.Request) -> web.Response:
+        """What a CUDA process needs to join our MPS server, and the native clients registered."""
+        return answer(200, {"ok": True, "env": self.b.native_env(), "clients": self.b.natives()})
+
+    async def post_native(self, request: web.Request) -> web.Response:
+        pid = schemas.native(await self._json(request))
+        await self.b.add_native(pid)
+        return answer(201, {"ok": True, "native": pid, "clients": self.b.natives()})
+
+    async def delete_native(self, request: web.Request) -> web.Response:
+        pid = schemas.pid_segment(request.match_info["pid"])
+        if not self.b.drop_native(pid):
+            raise NotNative(pid)
+        return answer(200, {"ok": True, "dropped": pid, "clients": self.b.natives()})
 
     async def get_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), headers={**SERVER, "Content-Type": METRICS_TYPE})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from types import ModuleType
 from typing import Any, cast
@@ -44,6 +45,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
            "meshd-mps ps\n  meshd-mps ps --json"),
     "status": ("the daemon's state: GPUs, isolation, pools, MPS server and clients, versions",
                "meshd-mps status\n  meshd-mps status --json"),
+    "native": ("join a CUDA process of yours to our MPS server: print its environment, register its pid",
+               'eval "$(meshd-mps native)"; python train.py &  meshd-mps native --add $!'),
     "call": ("send DATA to a program's request ring and print its response",
              "meshd-mps call echo hello\n  meshd-mps call echo --hex 00ff10 --timeout 2"),
 }
@@ -124,6 +127,12 @@ def parser() -> argparse.ArgumentParser:
 
     _client_opts(_sub(sub, "ps"))
     _client_opts(_sub(sub, "status"))
+
+    p = _sub(sub, "native")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--add", type=int, metavar="PID", help="register PID (a client of our MPS server) as a native client")
+    g.add_argument("--drop", type=int, metavar="PID", help="no longer count PID as a native client")
+    _client_opts(p)
 
     p = _sub(sub, "call")
     p.add_argument("name", metavar="NAME", help="the loaded program")
@@ -215,6 +224,14 @@ def _client(args: argparse.Namespace) -> int:
             if args.json:
                 return _json(ans)
             print(status_table(ans), end="")
+        elif args.cmd == "native":
+            ans = c.native(args.add, args.drop)
+            if args.json:
+                return _json(ans)
+            if args.add is None and args.drop is None:
+                for k, v in ans["env"].items():
+                    print(f"export {k}={shlex.quote(v)}")
+            print(f"# native clients: {' '.join(map(str, ans['clients'])) or 'none'}")
         elif args.cmd == "call":
             if args.hex:
                 try:

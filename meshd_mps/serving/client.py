@@ -232,6 +232,14 @@ class Client:
     def unload(self, name: str) -> dict[str, Any]:
         return self.request("DELETE", f"/v1/programs/{quote(name)}")
 
+    def native(self, add: int | None = None, drop: int | None = None) -> dict[str, Any]:
+        """The native-client environment and registrations; with ``add``/``drop``, register or drop a pid."""
+        if add is not None:
+            return self.request("POST", "/v1/native", {"pid": add})
+        if drop is not None:
+            return self.request("DELETE", f"/v1/native/{drop}")
+        return self.request("GET", "/v1/native")
+
     def call(self, name: str, data: bytes | str, timeout: float | None = None) -> dict[str, Any]:
         """A request through the program's ring; the answer has ``data`` (text) and ``hex``."""
         body: dict[str, Any] = {"data": data} if isinstance(data, str) else {"hex": data.hex()}

@@ -172,3 +172,24 @@ def call(obj: dict[str, Any], deadlines: Deadlines) -> Call:
                           field="timeout")
         within = float(t)
     return Call(payload, within)
+
+
+NATIVE_FIELDS = ("pid",)
+
+
+def native(obj: dict[str, Any]) -> int:
+    """A native client's registration: ``{"pid": N}``."""
+    check_fields(obj, NATIVE_FIELDS)
+    pid = _int_field(obj, "pid")
+    if pid is None:
+        raise BadBody("field 'pid' (the native client's process id) is missing", field="pid")
+    if pid < 1:
+        raise BadBody(f"field 'pid' {pid}: a process id is 1 or more", field="pid")
+    return pid
+
+
+def pid_segment(text: str) -> int:
+    """A pid in a path (``/v1/native/PID``)."""
+    if not (text.isascii() and text.isdigit()) or len(text) > 10 or int(text) < 1:
+        raise BadBody(f"path segment {text[:40]!r}: a process id expected")
+    return int(text)
