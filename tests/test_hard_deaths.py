@@ -14,10 +14,7 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import tempfile
-import time
 
 import pytest
 
@@ -25,26 +22,9 @@ from meshd_mps.mps.control import MARKER, Owner
 from meshd_mps.serving.client import program_body
 from meshd_mps.supervision import procfs
 
-from .test_serve import EXAMPLES, REPO, Serve, assert_clean_exit, env, leftovers, poll
+from .test_serve import EXAMPLES, Serve, assert_clean_exit, env, leftovers, poll
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class GroupServe(Serve):
-    """``meshd-mps serve`` as a shell job: the leader of a process group of its own, so that a
-    signal to the group is what a terminal (or ``kill %1``) sends."""
-
-    def __init__(self, dir: str, isolation: str, sock: str, *extra: str):
-        self.dir, self.isolation, self.sock = dir, isolation, sock
-        self.logpath = os.path.join(dir, f"serve-{time.monotonic_ns()}.log")
-        argv = [sys.executable, "-m", "meshd_mps", "serve", "--gpu", "sim", "--isolation", isolation,
-                "--socket", sock, "--log-format", "json", *extra]
-        with open(self.logpath, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO,
-                                         process_group=0)
-        from meshd_mps.serving.client import Client
-
-        self.client = Client(sock, timeout=60)
 
 
 def events(s: Serve) -> list[dict]:
@@ -67,8 +47,8 @@ def tmp():
 @pytest.mark.parametrize("isolation, sig", [("mps", signal.SIGINT), ("mps", signal.SIGTERM), ("mps", signal.SIGHUP),
                                             ("blink", signal.SIGINT), ("blink", signal.SIGHUP)])
 def test_a_signal_to_the_process_group_reaches_only_the_daemon(tmp, isolation, sig):
-    s = GroupServe(tmp, isolation, os.path.join(tmp, "s.sock"), "--log-level", "debug",
-                   *(["--pool", "1"] if isolation == "mps" else []))
+    s = Serve(tmp, isolation, os.path.join(tmp, "s.sock"), "--log-level", "debug",
+              *(["--pool", "1"] if isolation == "mps" else []), group=True)
     try:
         status = s.wait_ready()
         s.client.load(program_body(str(EXAMPLES / "heartbeat")))
