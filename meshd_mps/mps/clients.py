@@ -170,7 +170,7 @@ class Mps(Mode):
         """The native clients that still run: one that exited is dropped here, at the next look
         (it no longer takes one of the server's clients)."""
         for pid, start in list(self._native.items()):
-            if procfs.starttime(pid) != start:
+            if start is None or procfs.starttime(pid) != start:
                 del self._native[pid]
                 log.info(f"mps: native client {pid} exited; dropped", pid=pid)
         return set(self._native)
@@ -197,7 +197,10 @@ class Mps(Mode):
 
     def drop_native(self, pid: int) -> bool:
         """``pid`` no longer counted as a native client; False if it was not one."""
-        return self._native.pop(pid, None) is not None or False
+        if pid not in self._native:
+            return False
+        del self._native[pid]
+        return True
 
     # ---- workers --------------------------------------------------------------------------
     def count_clients(self, device: int) -> int:

@@ -81,8 +81,9 @@ class Supervisor:
                 await self._stop.wait()
 
         self._runner = asyncio.create_task(run(), name="meshd-mps supervisor")
-        done, _ = await asyncio.wait({self._runner, asyncio.ensure_future(started.wait())},
-                                     return_when=asyncio.FIRST_COMPLETED)
+        up = asyncio.ensure_future(started.wait())
+        done, _ = await asyncio.wait({self._runner, up}, return_when=asyncio.FIRST_COMPLETED)
+        up.cancel()  # a runner that failed to enter its group never sets it: no waiter left pending
         if self._runner in done:
             self._runner.result()
 
