@@ -341,15 +341,16 @@ class Backend:
         return k.isolation.retire_stuck(k)
 
     # ---- a fault of one GPU ---------------------------------------------------------------
-    async def teardown(self, device: int) -> list[WorkerProc]:
+    async def teardown(self, device: int, ahead: int = 0) -> list[WorkerProc]:
         """After a fault of GPU ``device``: every worker of it retired (MPS: its programs' and its
-        pool's; blink: its context), awaited within ``recover``; the workers retired."""
-        return await self._on(device).teardown()
+        pool's; blink: its context), awaited within ``recover``, while the workers for ``ahead``
+        lost programs start (held: no context yet); the workers retired."""
+        return await self._on(device).teardown(ahead)
 
     async def refill(self, device: int, extra: int = 0) -> bool:
-        """After ``teardown``, once GPU ``device`` takes workers again: its pool (MPS) or its
-        context (blink) again, and ``extra`` fresh workers more for the lost programs, within
-        ``recover``; False if not (logged)."""
+        """After ``teardown``, once GPU ``device`` takes workers again: what ``extra`` lost programs
+        need (MPS: a worker each, the pool refilled once they are back; blink: the new context),
+        within ``recover``; False if not (logged)."""
         return await self._on(device).refill(extra)
 
     # ---- native clients ---------------------------------------------------------------------

@@ -45,6 +45,12 @@ the backend's nvJitLink); nothing ships as PTX.  Rows (issue 6):
     in blink mode the blink's length against the same with one program, in
     MPS mode a neighbour's MAX_GAP against its idle gap; the start check's
     share of a load (LAUNCHED to STATE = RUNNING) against the whole load.
+(i) recovery (issue 16): n resident heartbeats (1, 8, 32 in MPS mode with a pool of 4; 1, 8 in
+    blink mode), then ``fault``: from its load's return to every heartbeat beating again, with the
+    recovery's steps (detect, decide, teardown, server_ready, contexts, relaunch).  Baseline, the
+    floor of the same run: the fault seen, the old workers exited (the server takes no new client
+    before), and as many bare contexts as the recovery needs (n in MPS mode, 1 in blink mode),
+    from processes imported and waiting, released at once.
 """
 
 from __future__ import annotations
@@ -105,6 +111,17 @@ print("ok", os.getpid(), flush=True)
 sys.stdin.readline()
 """
 BARE_SIM = "import os, sys\nfrom cuda.bindings import driver\nprint('ok', os.getpid(), flush=True)\nsys.stdin.readline()\n"
+# A bare client started ahead: imported, its context created only at "go" (what a held worker does).
+HELD_CUDA = BARE_CUDA.replace("ck(cu.cuInit(0)", "print('held', flush=True)\nsys.stdin.readline()\nck(cu.cuInit(0)", 1)
+HELD_SIM = r"""
+import os, sys
+from meshd_mps.mps.standin import connect_client
+print('held', flush=True)
+sys.stdin.readline()
+s = connect_client(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), os.getpid())
+print('ok', os.getpid(), flush=True)
+sys.stdin.readline()
+"""
 ECHO_CHILD = "import os\nwhile True:\n    b = os.read(0, 4096)\n    if not b: break\n    os.write(1, b)\n"
 # Answers every frame at once with LAUNCHED ok: a worker with nothing to do, for the
 # supervisor's own share of an ask (WorkerProc, its reader task, the loop, the pipes).
@@ -717,9 +734,100 @@ async def sec_limits(bench: Bench) -> list[Row]:
     return rows
 
 
+# ---- (i) recovery -------------------------------------------------------------------------------
+async def held_contexts(bench: Bench, env: dict[str, str], n: int) -> float:
+    """The floor of n new contexts: n bare processes, imported and waiting, released at once; seconds
+    until every one has a context (an MPS server, where ``env`` names one, creates them one at a time)."""
+    code = HELD_CUDA if bench.gpu == "cuda" else HELD_SIM
+    procs: list[child.Child] = []
+    try:
+        for _ in range(n):
+            procs.append(await child.spawn([sys.executable, "-c", code], env))
+        with anyio.fail_after(120):
+            for p in procs:
+                assert p.stdout is not None
+                if (await p.stdout.readline()).split()[:1] != [b"held"]:
+                    raise RuntimeError(f"held client {p.pid} exited before it was ready")
+            t0 = time.perf_counter()
+            for p in procs:
+                assert p.stdin is not None
+                p.stdin.write(b"go\n")
+            for p in procs:
+                assert p.stdout is not None
+                line = (await p.stdout.readline()).decode(errors="replace").split()
+                if line[:1] != ["ok"]:
+                    raise RuntimeError(f"held client {p.pid}: {' '.join(line) or 'exited before its context'}")
+            return time.perf_counter() - t0
+    finally:
+        for p in procs:
+            if p.stdin is not None:
+                p.stdin.close()
+        with anyio.move_on_after(10, shield=True):
+            for p in procs:
+                await p.wait()
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+        with anyio.move_on_after(5, shield=True):
+            for p in procs:
+                await p.wait()
+
+
+async def recovery(bench: Bench, mode: str, n: int) -> tuple[float, dict[str, float], float, float]:
+    """n resident heartbeats, then a program that faults its GPU (restart policy never): seconds from
+    its load's return to every heartbeat beating again, the recovery's steps (ms, with ``detect``: the
+    load's return to the failure seen), the teardown's share and the server's (old workers exited)."""
+    async with await bench.backend(mode, pool=4 if mode == "mps" else 0) as b:
+        progs, mb = Programs(b, policy="on-failure"), b.mailbox
+        try:
+            man, ptx = await bench.src(b, "heartbeat")
+            for i in range(n):
+                p = await progs.load({**man, "name": f"heartbeat-{i}"}, ptx)
+                await until(lambda mb=mb, s=p.slot: mb.heartbeat(s) > 0, 10, "the first heartbeats")
+            slots = [p.slot for p in progs.by_name.values()]
+            await progs.load(*await bench.src(b, "fault"), policy="never")
+            t0 = time.monotonic()
+            await until(lambda: progs.faults and progs.faults[-1].ms > 0, 60, "the fault's recovery")
+            r = progs.faults[-1]
+            if not r.gpu_wide or sorted(r.relaunched) != sorted(f"heartbeat-{i}" for i in range(n)):
+                raise RuntimeError(f"the recovery did not relaunch every heartbeat: {r}")
+            seen = {s: mb.heartbeat(s) for s in slots}
+            await until(lambda: all(mb.heartbeat(s) > v for s, v in seen.items()), 30, "every heartbeat again")
+            total = time.monotonic() - t0
+            steps = {"detect": round((r.seen_at - t0) * 1e3, 2), **r.steps}
+            return total, steps, r.steps.get("teardown", 0.0) / 1e3, r.ms / 1e3
+        finally:
+            await progs.close()
+
+
+async def sec_recovery(bench: Bench) -> list[Row]:
+    """From a GPU fault to every innocent beating again, for 1, 8 and 32 programs, with its steps;
+    against the floor of the same run: the fault seen, the old workers exited (the server takes no
+    client before), and as many bare contexts as the recovery needs, released at once."""
+    rows: list[Row] = []
+    for mode in ("mps", "blink"):
+        sizes = (1, 8) if bench.quick or mode == "blink" else (1, 8, 32)
+        for n in sizes:
+            total, steps, teardown, _ms = await recovery(bench, mode, n)
+            if mode == "mps":
+                async with await bench.backend("mps", pool=0) as fb:
+                    await bare_clients(bench, fb, 1)  # the server started first, as it runs during a fault
+                    ctx = await held_contexts(bench, {**os.environ, **mps_gpu(fb).mps.daemon.env}, n)
+            else:
+                ctx = await held_contexts(bench, dict(os.environ), 1)  # one plain context, no MPS
+            floor = max(0.0, steps["detect"] / 1e3) + teardown + ctx
+            parts = ", ".join(f"{k} {v:.0f}" for k, v in steps.items())
+            target = "<= 1.2 s" if n == 8 and mode == "mps" else "-"
+            rows.append(Row("i", f"recovery: {mode}, {n} program{'s' if n > 1 else ''} beating again", "ms", total * 1e3,
+                            floor * 1e3, "floor: detect + teardown + bare contexts", target,
+                            total <= 1.2 if target != "-" else None,
+                            f"steps (ms): {parts}; bare contexts {ctx * 1e3:.0f} ms for {n if mode == 'mps' else 1}"))
+    return rows
+
+
 SECTIONS = [("a", "stall", sec_stall), ("b", "ask", sec_ask), ("c", "done", sec_done), ("d", "pool", sec_pool),
             ("e", "load", sec_load), ("f", "ring", sec_ring), ("g", "idle", sec_idle),
-            ("h", "limits", sec_limits)]
+            ("h", "limits", sec_limits), ("i", "recovery", sec_recovery)]
 
 
 def describe(e: BaseException) -> str:
@@ -838,7 +946,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mps-dir", metavar="DIR", help="where the private MPS daemons' directories go (default: a temporary one)")
     ap.add_argument("--loop", choices=eventloop.CHOICES, default="auto",
                     help="the event loop (default auto: uvloop where installed; (b) then runs once more on asyncio)")
-    ap.add_argument("--only", metavar="a,b,...", help="run only these sections (letters a-h, comma-separated)")
+    ap.add_argument("--only", metavar="a,b,...", help="run only these sections (letters a-i, comma-separated)")
     args = ap.parse_args(argv)
     os.environ.setdefault("MESHD_MPS_LOG_LEVEL", "warning")  # workers inherit it
     setup_logging(component="bench")

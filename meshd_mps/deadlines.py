@@ -35,6 +35,9 @@ class Deadlines:
     recover: float = 30.0  # a fault -> the server takes new clients again
     pool_pace: float = 0.25  # at least this between two replacements of dead pooled workers: each new
     #                          MPS client stalls the running ones once (~0.44 ms on the H200)
+    restart_backoff: float = 0.1  # a failed program's first relaunch waits this, doubled for each failure
+    restart_backoff_max: float = 30.0  # the longest a relaunch waits
+    crash_loop_interval: float = 60.0  # restart.CRASH_LOOP_BURST failures within this: a crash loop
     # ---- the MPS control daemon ----
     control_command: float = 10.0  # one nvidia-cuda-mps-control command
     control_start: float = 10.0  # -d -> it answers

@@ -103,6 +103,16 @@ class BadName(ManifestError):
         self.name = name
 
 
+class BadRestartPolicy(BadRequest):
+    """A restart policy that is none of on-failure, always, never (``restart.Policy``)."""
+
+    FIELDS = ("value",)
+
+    def __init__(self, message: str, *, value: str):
+        super().__init__(message)
+        self.value = value
+
+
 class HashMismatch(BadRequest):
     """The image's hash is not the one the caller expected."""
 
@@ -331,6 +341,11 @@ class WorkerError(MeshError):
 class WorkerGone(WorkerError):
     """The worker's process exited (or closed its pipes): a pooled one that died while idle is
     replaced by the next one, since nothing was asked of it yet."""
+
+
+class NoContext(WorkerError, Unavailable):
+    """The worker is up but got no GPU context (its READY failed): the MPS server refused the
+    client, e.g. while it tears a fault's clients down.  A held worker may ask again."""
 
 
 class WorkerUnfit(WorkerError):

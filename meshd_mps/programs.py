@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import structlog
 
-from meshd_mps import faults
+from meshd_mps import faults, restart
 from meshd_mps.backend import Backend, Image, Kernel
 from meshd_mps.errors import (
     AlreadyLoaded,
@@ -43,19 +43,13 @@ from meshd_mps.errors import (
 )
 from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.isolation import limits
+from meshd_mps.isolation.base import Isolation
 from meshd_mps.isolation.launch import Launch
-from meshd_mps.mps.serverlog import FatalLog
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Done
-from meshd_mps.supervision.proc import WorkerProc
 
 log = structlog.get_logger("meshd_mps")
 
-
-
-def died_on_its_own(w: WorkerProc) -> bool:
-    """The worker's process ended on its own (faults.died_on_its_own, from what its WorkerProc knows)."""
-    return faults.died_on_its_own(w.process.returncode, w.exited_running_at > 0, w.killed)
 
 
 class ProgramState(enum.Enum):
@@ -64,7 +58,9 @@ class ProgramState(enum.Enum):
     EXITED = "exited"  # its kernel returned by itself (or was halted), DONE ok
     FAILED = "failed"  # its launch failed: an error on its stream, or its worker died
     LOST = "lost"  # torn down by another program's GPU fault; a recovery relaunches or reports it
-    FAULTED = "faulted"  # it caused a GPU fault: not relaunched
+    FAULTED = "faulted"  # it caused a GPU fault
+    RESTARTING = "restarting"  # ended, and relaunched once its backoff is over (its restart policy)
+    CRASH_LOOP = "crash-loop"  # failed too often too fast (restart.py): not relaunched again
 
     @property
     def shown(self) -> str:
@@ -79,10 +75,15 @@ PROGRAM_MOVES: dict[ProgramState, frozenset[ProgramState]] = {
                                      ProgramState.FAULTED}),
     ProgramState.STALLED: frozenset({ProgramState.RUNNING, ProgramState.EXITED, ProgramState.FAILED, ProgramState.LOST,
                                      ProgramState.FAULTED}),
-    ProgramState.FAILED: frozenset({ProgramState.LOST, ProgramState.FAULTED}),  # a recovery's verdict
-    ProgramState.LOST: frozenset({ProgramState.FAULTED}),  # named the culprit once its clients are gone
-    ProgramState.EXITED: frozenset(),
-    ProgramState.FAULTED: frozenset(),
+    # A recovery's verdict, or its restart policy's:
+    ProgramState.FAILED: frozenset({ProgramState.LOST, ProgramState.FAULTED, ProgramState.RESTARTING,
+                                    ProgramState.CRASH_LOOP}),
+    # Named the culprit once its clients are gone; or its relaunch after the fault failed:
+    ProgramState.LOST: frozenset({ProgramState.FAULTED, ProgramState.RESTARTING, ProgramState.CRASH_LOOP}),
+    ProgramState.EXITED: frozenset({ProgramState.RESTARTING, ProgramState.CRASH_LOOP}),  # restart policy always
+    ProgramState.FAULTED: frozenset({ProgramState.RESTARTING, ProgramState.CRASH_LOOP}),
+    ProgramState.RESTARTING: frozenset({ProgramState.CRASH_LOOP}),  # its relaunch failed once too often
+    ProgramState.CRASH_LOOP: frozenset(),
 }
 #: States in which a program still has a kernel (its launch has not ended).
 LIVE = frozenset({ProgramState.RUNNING, ProgramState.STALLED})
@@ -104,6 +105,9 @@ class Program:
     manifest: Manifest | None = None
     ptx: bytes = b""
     restarts: int = 0
+    policy: restart.Policy = restart.DEFAULT
+    failures: tuple[float, ...] = ()  # monotonic times of its recent failures (restart.decide)
+    restart_at: float = 0.0  # RESTARTING: the monotonic time of its relaunch
     phase: ProgramState = ProgramState.RUNNING  # changed only by to(), and by observe() when its launch ends
     error: str = ""  # what the latest move to FAILED or FAULTED said
     lost_to: str = ""  # LOST: the program whose fault took this one down, once named
@@ -146,11 +150,11 @@ class Program:
         return self.phase
 
     def kernel_error(self) -> str:
-        """The CUDA error its stream reported, if one did: a DONE that failed, or its worker's
-        first stream error (the evidence faults.py weighs above a worker's death)."""
-        w = self.kernel.worker
-        if w is not None and w.proc.err:
-            return w.proc.err
+        """The CUDA error its stream reported, if one did: a DONE that failed, or (MPS) its own
+        worker's first stream error (the evidence faults.py weighs above a worker's death)."""
+        k = self.kernel
+        if k.isolation.isolated and not k.unloaded and k.proc.err:
+            return k.proc.err
         f = self.launch.inner
         if f.done() and not f.cancelled() and f.exception() is None and not f.result().ok:
             return str(f.result().message)
@@ -169,6 +173,8 @@ class Program:
         st = self.observe()
         if st is ProgramState.STALLED:
             return st.shown, f"no heartbeat for {self.beat_age() or 0:.1f}s"
+        if st is ProgramState.RESTARTING:
+            return st.shown, f"relaunched in {max(0.0, self.restart_at - time.monotonic()):.1f}s after: {self.error}"
         return st.shown, self.error if st not in LIVE else ""
 
 
@@ -189,19 +195,28 @@ class FaultReport:
     ms: float = 0.0
     device: int = 0
     by: str = ""
+    seen_at: float = 0.0  # monotonic time its first failure was seen
+    #: ms each step of the recovery took (RECOVERY_STEPS), in order; their sum is ``ms``.
+    steps: dict[str, float] = field(default_factory=dict)
+
+
+#: A recovery's steps, as FaultReport.steps and the bench show them: the fault's evidence weighed
+#: (``decide``), the GPU's workers retired and exited (``teardown``), the first new context
+#: (``server_ready``: the server takes clients again), the rest of them (``contexts``), the lost
+#: programs loaded and started again (``relaunch``).
+RECOVERY_STEPS = ("decide", "teardown", "server_ready", "contexts", "relaunch")
 
 
 class Programs:
-    """``restart``: after a GPU-wide fault, relaunch the programs lost with it (not the
-    one that faulted) on fresh workers."""
+    """``policy``: the restart policy of a program loaded without one (restart.py)."""
 
-    def __init__(self, backend: Backend, restart: bool = True, stall_after: float | None = None):
+    def __init__(self, backend: Backend, policy: restart.Policy | str = restart.DEFAULT, stall_after: float | None = None):
         self.d = backend.sup.deadlines
         stall_after = self.d.stall if stall_after is None else stall_after
         if not stall_after > 0:
             raise ConfigError(f"stall_after {stall_after!r}: seconds, more than 0")
         self.b = backend
-        self.restart = restart
+        self.policy = restart.Policy.parse(policy)
         self.stall_after = stall_after
         self.start_ms: list[float] = []  # the start check's share of each load: LAUNCHED -> STATE = RUNNING
         self.by_name: dict[str, Program] = {}
@@ -209,9 +224,10 @@ class Programs:
         self.loads = 0
         self.load_ms: list[float] = []
         self.faults: list[FaultReport] = []
+        self.failed_total = 0  # launches of loaded programs that failed (the metrics' counters)
+        self.deaths_total = 0  # ... of them because the worker process died
+        self.relaunched_total = 0  # programs relaunched by a recovery or their restart policy
         self._closing = False
-        d = backend.daemon
-        self._fatal = FatalLog(None if d is None else f"{d.log_dir}/server.log")
         self.b.sup.start_soon(self._beats, name="heartbeats")
 
     def _free_slot(self) -> int:
@@ -241,6 +257,10 @@ class Programs:
             limits.check_resident(name, nodes, info.per_sm, info.sms, used)
 
         k = await self.b.load(img, admit)
+        return k, await self._launch(k, slot, nodes)
+
+    async def _launch(self, k: Kernel, slot: int, nodes: int) -> Launch:
+        """A loaded kernel launched on ``slot`` and seen started; anything less is rolled back."""
         try:
             self.b.mailbox.reset_slot(slot)
             run = await self.b.launch(k, slot, nodes)
@@ -254,7 +274,7 @@ class Programs:
             with anyio.CancelScope(shield=True):
                 await self.b.abandon(k, slot)
             raise
-        return k, run
+        return run
 
     async def _until_started(self, k: Kernel, run: Launch, slot: int) -> None:
         """The start check: a launched kernel counts only once it has set STATE = RUNNING (or
@@ -294,9 +314,11 @@ class Programs:
         return [p for p in self.by_name.values() if p.device == device]
 
     async def load(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, expect: int | None = None,
-                   nodes: int = 1, device: int | None = None) -> Program:
-        """Compile, preload and launch on a free slot, on GPU ``device`` (None: ``place``'s choice)."""
+                   nodes: int = 1, device: int | None = None, policy: restart.Policy | str | None = None) -> Program:
+        """Compile, preload and launch on a free slot, on GPU ``device`` (None: ``place``'s choice);
+        ``policy``: its restart policy (None: the default of these Programs)."""
         m = self._manifest(manifest)
+        pol = self.policy if policy is None else restart.Policy.parse(policy)
         if isinstance(nodes, bool) or not isinstance(nodes, int):
             raise ManifestError(f"{m.name}: nodes {nodes!r}: a count of blocks expected")
         async with self._lock:
@@ -315,7 +337,7 @@ class Programs:
                     await self.b.drop(img)
                 raise
             p = Program(m.name, slot, k, run, img.prepared.hash, nodes, compile_ms=img.prepared.compile_ms,
-                        cached=img.prepared.cached, manifest=m, ptx=ptx)
+                        cached=img.prepared.cached, manifest=m, ptx=ptx, policy=pol)
             self._install(p)
             self._count(t0)
             log.info(f"program {m.name} loaded on slot {slot}, GPU {k.device}", program=m.name, pid=k.pid, slot=slot,
@@ -348,8 +370,11 @@ class Programs:
         raise HaltTimeout(f"program {p.name} did not halt within {within:g}s", programs=(p.name,), within=within)
 
     async def upgrade(self, name: str, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes,
-                      expect: int | None = None) -> Program:
+                      expect: int | None = None, policy: restart.Policy | str | None = None) -> Program:
+        """A new image on the program's slot; its restart policy kept unless ``policy`` is given, and
+        its failures forgotten (a crash-looping program comes back by an upgrade)."""
         m = self._manifest(manifest)
+        pol = None if policy is None else restart.Policy.parse(policy)
         if m.name != name:
             raise UpgradeMismatch(f"upgrade {name}: the manifest names {m.name!r}", program=name, field="name")
         async with self._lock:
@@ -372,7 +397,8 @@ class Programs:
                         await self._restore(old)
                 raise
             p = Program(name, old.slot, k, run, img.prepared.hash, old.nodes, upgrades=old.upgrades + 1,
-                        compile_ms=img.prepared.compile_ms, cached=img.prepared.cached, manifest=m, ptx=ptx)
+                        compile_ms=img.prepared.compile_ms, cached=img.prepared.cached, manifest=m, ptx=ptx,
+                        policy=old.policy if pol is None else pol)
             self._install(p)
             self._count(t0)
             log.info(f"program {name} upgraded on slot {p.slot}", program=name, pid=k.pid)
@@ -416,126 +442,236 @@ class Programs:
                 await anyio.sleep(0 if time.perf_counter() - t0 < 200e-6 else 1e-3)
         raise CallTimeout(name, within)
 
-    # ---- faults ---------------------------------------------------------------------------
-    def _device_of_pid(self, pid: int) -> int | None:
-        for q in self.by_name.values():
-            if q.kernel.pid == pid:
-                return q.device
-        mps = self.b.mps
-        return None if mps is None else mps.device_of(pid)
-
-    def _fatal_pids(self, device: int) -> list[int]:
-        return self._fatal.take(device, self._device_of_pid)
-
+    # ---- faults and restarts ------------------------------------------------------------------
     async def _watch(self, p: Program) -> None:
-        """Await a program's end; a failure in MPS mode may be a fault that took every client."""
+        """Await a program's end: a failure may be a fault of its GPU (``_on_failure``); a kernel
+        that returned by itself is relaunched under restart policy always.  An end of ours (a halt
+        for an unload or an upgrade, a close) is left alone: the lock is taken first, and by then
+        the program is replaced or gone."""
+        died = False
         try:
             d = await p.launch.wait()
             failed = not d.ok
-        except Exception:
-            failed = True
+        except Exception as e:
+            failed, died = True, isinstance(e, WorkerError)
+        if self._closing or self.by_name.get(p.name) is not p:
+            return
         if failed:
             p.failed_at = time.monotonic()
-        if failed and not self._closing and self.by_name.get(p.name) is p and p.observe() is ProgramState.FAILED:
+            self.failed_total += 1
+            self.deaths_total += died
+        st = p.observe()
+        if st is ProgramState.FAILED:
             await self._on_failure(p)
+        elif st is ProgramState.EXITED and p.policy is restart.Policy.ALWAYS:
+            async with self._lock:
+                if self._current(p, ProgramState.EXITED):
+                    self._after_end(p, restart.End.EXITED)
 
-    @staticmethod
-    def _suspect(q: Program, ended: bool = False) -> faults.Suspect:
-        w = q.kernel.worker
+    def _current(self, p: Program, state: ProgramState) -> bool:
+        """``p`` is still the loaded program of its name, in ``state`` (nothing dealt with it meanwhile)."""
+        return not self._closing and self.by_name.get(p.name) is p and p.observe() is state
+
+    def _suspect(self, q: Program, ended: bool = False) -> faults.Suspect:
         return faults.Suspect(q.name, q.kernel.pid, q.failed_at, ended=ended,
-                              died=w is not None and died_on_its_own(w.proc), error=q.state()[1],
+                              died=q.kernel.isolation.died_on_its_own(q.kernel), error=q.state()[1],
                               kernel_error=q.kernel_error())
+
+    async def _fatal_pids(self, iso: Isolation) -> list[int]:
+        """The server log's culprits on ``iso``'s GPU, watched for up to the fault window (the server
+        writes its line within milliseconds of the fault); none where there is no server."""
+        if not iso.isolated:
+            return []
+        pids: list[int] = []
+        with anyio.move_on_after(self.d.fault_window):
+            while not (pids := iso.fatal_pids()):
+                await anyio.sleep(0.02)
+        return pids
 
     async def _on_failure(self, p: Program) -> None:
         async with self._lock:
-            if self._closing or self.by_name.get(p.name) is not p or p.observe() is not ProgramState.FAILED:
+            if not self._current(p, ProgramState.FAILED):
                 return  # a recovery already dealt with it
             t0 = time.perf_counter()
+            iso = p.kernel.isolation
             pids: list[int] = []
-            together: list[faults.Suspect] = []
-            if self.b.isolated:
+            if not iso.shared_fate:
                 # A fault of its GPU if the server logs a fatal fault there, or other programs of
                 # that GPU fail with this one (MPS tears down the clients of the faulting GPU only).
-                with anyio.move_on_after(self.d.fault_window):
-                    while not (pids := self._fatal_pids(p.device)):
-                        await anyio.sleep(0.02)  # the server writes its log line within milliseconds
+                pids = await self._fatal_pids(iso)
                 others = [self._suspect(q) for q in self.on_device(p.device)
                           if q is not p and q.observe() is ProgramState.FAILED]
-                together = faults.failed_together(self._suspect(p), others, self.d.fault_window)
-            if not faults.is_gpu_fault(pids, together):
-                error = p.state()[1]
-                self.faults.append(FaultReport(time.time(), error, p.name, p.kernel.pid, False, device=p.device, by="own"))
-                log.error(f"program {p.name} failed: {error}", program=p.name, pid=p.kernel.pid, device=p.device)
-                return
+                if not faults.is_gpu_fault(pids, faults.failed_together(self._suspect(p), others, self.d.fault_window)):
+                    error = p.state()[1]
+                    self.faults.append(FaultReport(time.time(), error, p.name, p.kernel.pid, False, device=p.device,
+                                                   by="own", seen_at=p.failed_at))
+                    log.error(f"program {p.name} failed: {error}", program=p.name, pid=p.kernel.pid, device=p.device)
+                    self._after_end(p, restart.End.FAILED)
+                    return
+            # Blink: one context, whose error is sticky: a failure is every program's of the GPU.
             await self._recover(p, pids, t0)
 
     async def _recover(self, first: Program, pids: list[int], t0: float) -> None:
-        """Every MPS client of ``first``'s GPU was torn down: retire them all (that GPU's pool's
-        too), name the culprit (faults.name_culprit), wait until the server takes clients there
-        again, refill that pool, relaunch the lost programs (not the culprit).  Other GPUs are
-        not touched."""
+        """Every program of ``first``'s GPU was torn down (MPS: every client; blink: the context):
+        retire its workers while their successors start, held; name the culprit
+        (faults.name_culprit); once the server takes clients again bring the lost programs back
+        (not the culprit, whose restart policy decides), then refill the pool.  Other GPUs are not
+        touched."""
         gpu = first.device
+        iso = first.kernel.isolation
+        steps: dict[str, float] = {}
+        t = t0
+
+        def step(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            steps[name] = round((now - t) * 1e3, 2)
+            t = now
+
         first_seen = self._suspect(first)
-        # Every client of that GPU goes down with it: the ones still running fail within ms.
+        # Every program of that GPU goes down with it: the ones still running fail within ms.
         hit = [q for q in self.on_device(gpu) if q.observe() in (*LIVE, ProgramState.FAILED)]
         for q in hit:
             q.to(ProgramState.LOST)  # their watchers leave them to this recovery
-        await self.b.teardown(gpu)  # every worker of that GPU retired and awaited
+        step("decide")
+        back = [q for q in hit if q.policy is not restart.Policy.NEVER]
+        await self.b.teardown(gpu, ahead=len(back))  # every worker of that GPU retired and awaited
         if not pids:  # the server may name the culprit only once its clients are gone
-            with anyio.move_on_after(self.d.fault_window):
-                while not (pids := self._fatal_pids(gpu)):
-                    await anyio.sleep(0.02)
-        ours = {q.kernel.pid for q in hit}
-        strays = [faults.Stray(w.pid, w.program, w.exited_running_at) for w in self.b.sup.exited_running
-                  if w.device == gpu and w.pid not in ours]
+            pids = iso.fatal_pids()
+        step("teardown")
+        strays = iso.strays({q.kernel.pid for q in hit})
         suspects = [self._suspect(q, ended=self.b.mailbox.u32(q.slot, abi.STATE) == abi.EXITED) for q in hit]
         v = faults.name_culprit(suspects, first_seen, pids, strays, first.failed_at or time.monotonic(),
                                 self.d.fault_window)
         named = {q.name: q for q in [first, *hit]}
-        if v.program is not None:
-            named[v.program.name].to(ProgramState.FAULTED, v.why)
+        culprit = named[v.program.name] if v.program is not None else None
+        if culprit is not None:
+            culprit.to(ProgramState.FAULTED, v.why)
         if v.by == "first failure":
-            log.info("mps: the server log names no culprit; the first program seen failing is taken for it",
-                     program=v.culprit)
-        if v.stray is not None:  # taken: a later fault does not name it again
-            self.b.sup.exited_running = [w for w in self.b.sup.exited_running if w.pid != v.stray.pid]
+            log.info("the fault's evidence names no culprit; the first program seen failing is taken for it",
+                     program=v.culprit, device=gpu)
+        if v.stray is not None:
+            iso.took(v.stray)
         lost = [named[q.name] for q in v.lost]
         for q in lost:
             q.lost_to = v.culprit
-        r = FaultReport(time.time(), v.why, v.culprit, v.pid, True, [q.name for q in lost], device=gpu, by=v.by)
-        log.error(f"mps: GPU fault on GPU {gpu} in program {v.culprit} (worker {v.pid}): {v.why}; "
+        r = FaultReport(time.time(), v.why, v.culprit, v.pid, True, [q.name for q in lost], device=gpu, by=v.by,
+                        seen_at=first.failed_at, steps=steps)
+        log.error(f"GPU fault on GPU {gpu} in program {v.culprit} (worker {v.pid}): {v.why}; "
                   f"lost with it: {', '.join(r.lost) or 'none'}", program=v.culprit, device=gpu)
-        # The lost programs' new workers and a full pool, in one batch, once the server takes
-        # clients there again (refill logs it if it does not within Deadlines.recover).
-        await self.b.refill(gpu, len(lost) if self.restart else 0)
+        back = [q for q in lost if q.policy is not restart.Policy.NEVER]
         for q in lost:
-            if not self.restart:
-                r.not_relaunched[q.name] = "restart policy off"
-                continue
-            try:
-                await self._relaunch(q)
+            if q not in back:
+                r.not_relaunched[q.name] = "restart policy never"
+        ready = await self.b.refill(gpu, len(back))
+        ctx = iso.first_context_at
+        if ctx:
+            steps["server_ready"] = round(max(0.0, ctx - t) * 1e3, 2)
+            t = max(t, ctx)
+        step("contexts")
+        if back and not ready:
+            for q in back:
+                r.not_relaunched[q.name] = f"GPU {gpu} took no new workers within {self.d.recover:g}s"
+                self._after_end(q, restart.End.LOST)
+            back = []
+        failed = await self._bring_back(back)
+        step("relaunch")
+        iso.recovered()
+        for q in back:
+            if q.name in failed:
+                r.not_relaunched[q.name] = str(failed[q.name])
+                log.error(f"program {q.name}: not relaunched after the fault: {failed[q.name]}", program=q.name)
+                q.error = f"relaunch after the fault failed: {failed[q.name]}"
+                self._after_end(q, restart.End.FAILED)
+            else:
                 r.relaunched.append(q.name)
-            except MeshError as e:
-                r.not_relaunched[q.name] = str(e)
-                log.error(f"program {q.name}: not relaunched after the fault: {e}", program=q.name)
+        if culprit is not None:
+            self._after_end(culprit, restart.End.FAULTED)
         r.ms = (time.perf_counter() - t0) * 1e3
         self.faults.append(r)
-        log.info(f"mps: GPU {gpu}: fault recovery done in {r.ms:.0f} ms: relaunched {r.relaunched},"
-                 f" not {list(r.not_relaunched)}", device=gpu)
+        log.info(f"GPU {gpu}: fault recovery done in {r.ms:.0f} ms: relaunched {r.relaunched},"
+                 f" not {list(r.not_relaunched)}", device=gpu, steps=steps)
+
+    def _after_end(self, p: Program, end: restart.End) -> None:
+        """Its restart policy's decision (restart.decide) carried out: a relaunch scheduled after
+        its backoff, or a crash loop declared, or nothing."""
+        dec = restart.decide(p.policy, end, p.failures, time.monotonic(), self.d)
+        p.failures = dec.failures
+        if dec.crash_loop:
+            p.to(ProgramState.CRASH_LOOP, f"{dec.why}; the last: {p.error or end.value}")
+            log.error(f"program {p.name}: {p.error}", program=p.name, failures=len(dec.failures))
+            return
+        if not dec.relaunch:
+            if end is not restart.End.LOST:
+                log.info(f"program {p.name}: not relaunched ({dec.why})", program=p.name)
+            return
+        p.to(ProgramState.RESTARTING)
+        p.restart_at = time.monotonic() + dec.delay
+        log.warning(f"program {p.name}: relaunched in {dec.delay:g}s (restart policy {p.policy.value}, failure"
+                    f" {len(dec.failures)} of {restart.CRASH_LOOP_BURST} within {self.d.crash_loop_interval:g}s)",
+                    program=p.name)
+        self.b.sup.start_soon(self._restart_later, p, name=f"restart {p.name}")
+
+    async def _restart_later(self, p: Program) -> None:
+        await anyio.sleep(max(0.0, p.restart_at - time.monotonic()))
+        async with self._lock:
+            if not self._current(p, ProgramState.RESTARTING):
+                return  # unloaded, upgraded or closed meanwhile
+            failed = await self._bring_back([p])
+            if p.name in failed:
+                p.error = f"relaunch failed: {failed[p.name]}"
+                log.error(f"program {p.name}: {p.error}", program=p.name)
+                self._after_end(p, restart.End.FAILED)
+            else:
+                log.info(f"program {p.name} relaunched (restart {self.by_name[p.name].restarts})", program=p.name)
 
     async def _relaunch(self, q: Program) -> None:
-        assert q.manifest is not None
-        img = await self.b.prepare(q.manifest, q.ptx, device=q.device)
-        try:
-            k, run = await self._start(img, q.slot, q.nodes, self._used(q.device, without=q))
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self.b.drop(img)
-            raise
-        await self.b.unload(q.kernel)  # the dead worker: already retired
-        p = Program(q.name, q.slot, k, run, img.prepared.hash, q.nodes, upgrades=q.upgrades, compile_ms=img.prepared.compile_ms,
-                    cached=img.prepared.cached, manifest=q.manifest, ptx=q.ptx, restarts=q.restarts + 1)
-        self._install(p)
+        """``q`` started again on its slot (a failed upgrade's old version); its error raised."""
+        failed = await self._bring_back([q])
+        if q.name in failed:
+            raise failed[q.name]
+
+    async def _bring_back(self, qs: list[Program]) -> dict[str, MeshError]:
+        """The programs ``qs`` relaunched on their slots, on fresh workers: every image loaded first
+        (MPS: each into its own worker, at once), then every one launched, so that in blink mode no
+        load halts a relaunched one.  What failed, by name."""
+        failed: dict[str, MeshError] = {}
+        loaded: list[tuple[Program, Kernel, Image]] = []
+        shares = {d: self._used(d) for d in {q.device for q in qs}}  # the GPU's blocks held, the batch's added
+
+        async def load(q: Program) -> None:
+            assert q.manifest is not None
+
+            def admit(info: frames.Loaded) -> None:
+                limits.check_resident(q.name, q.nodes, info.per_sm, info.sms, shares[q.device])
+                shares[q.device] += limits.share(q.nodes, info.per_sm, info.sms)
+
+            try:
+                img = await self.b.prepare(q.manifest, q.ptx, device=q.device)
+                try:
+                    loaded.append((q, await self.b.load(img, admit), img))
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await self.b.drop(img)
+                    raise
+            except MeshError as e:
+                failed[q.name] = e
+
+        async with anyio.create_task_group() as tg:
+            for q in qs:
+                tg.start_soon(load, q)
+        for q, k, img in loaded:
+            try:
+                run = await self._launch(k, q.slot, q.nodes)
+            except MeshError as e:
+                failed[q.name] = e
+                continue
+            await self.b.unload(q.kernel)  # the old worker (retired already) or module
+            self.relaunched_total += 1
+            self._install(Program(q.name, q.slot, k, run, img.prepared.hash, q.nodes, upgrades=q.upgrades,
+                                  compile_ms=img.prepared.compile_ms, cached=img.prepared.cached, manifest=q.manifest,
+                                  ptx=q.ptx, restarts=q.restarts + 1, policy=q.policy, failures=q.failures))
+        return failed
 
     # ---- heartbeats --------------------------------------------------------------------------
     async def _beats(self) -> None:
@@ -588,6 +724,7 @@ class Programs:
             "hash": f"{p.hash:016x}",
             "upgrades": p.upgrades,
             "restarts": p.restarts,
+            "restart": p.policy.value,
             "regs": p.kernel.regs,
             "nodes": p.nodes,
         }

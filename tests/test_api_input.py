@@ -855,14 +855,18 @@ def test_ps_shows_the_beat_age_and_stalled():
         {**base, "name": "hb", "slot": 0, "state": "running", "beat_age_s": 0.04},
         {**base, "name": "quiet", "slot": 1, "state": "stalled", "beat_age_s": 65.2},
         {**base, "name": "never", "slot": 2, "state": "running", "beat_age_s": None},
-        {**base, "name": "old", "slot": 3, "state": "running"},  # a daemon without the field
+        {**base, "name": "old", "slot": 3, "state": "running"},  # a daemon without the fields
+        {**base, "name": "loop", "slot": 4, "state": "crash-loop", "restarts": 4, "restart": "always"},
     ]
     lines = ps_table(rows).splitlines()
-    assert lines[0].split() == ["NAME", "SLOT", "STATE", "PID", "GPU", "HEARTBEAT", "BEAT-AGE", "UPTIME", "UPGRADES", "HASH"]
+    assert lines[0].split() == ["NAME", "SLOT", "STATE", "PID", "GPU", "HEARTBEAT", "BEAT-AGE", "UPTIME", "UPGRADES",
+                                "RESTARTS", "HASH"]
     got = {ln.split()[0]: ln.split() for ln in lines[1:]}
-    assert [got[n][2] for n in ("hb", "quiet", "never", "old")] == ["running", "stalled", "running", "running"]
+    assert [got[n][2] for n in ("hb", "quiet", "never", "old", "loop")] == ["running", "stalled", "running", "running",
+                                                                          "crash-loop"]
     assert [got[n][6] for n in ("hb", "quiet", "never", "old")] == ["0.0s", "1m05s", "-", "-"]
     assert got["hb"][7] == "1m15s"
+    assert got["hb"][9] == "0" and got["loop"][9:11] == ["4", "(always)"]
 
 
 def rows_of(text: str) -> dict[str, str]:

@@ -232,21 +232,30 @@ async def test_a_failed_open_as_a_context_leaves_nothing(standin_on_path):
 
 async def test_teardown_and_refill(backend):
     """After a fault of a GPU: ``teardown`` retires every worker of it (MPS: the programs' and the
-    pool's; blink: the context) and their launches fail; ``refill`` brings the pool (with ``extra``
-    workers more) or a new context back, and loads work again."""
+    pool's; blink: the context) and their launches fail, while the successors start, held;
+    ``refill`` brings up a worker for each lost program (MPS) or a new context, ``recovered`` the
+    pool (paced), and loads work again."""
     k = await backend.load(await backend.prepare(*example("heartbeat")))
     run = await backend.launch(k, 4)
     await beats(backend, 4, 10)
     before = backend.sup.live()
-    torn = await backend.teardown(0)
+    torn = await backend.teardown(0, ahead=1)
     assert sorted(w.pid for w in torn) == before and k.pid in before
-    assert all(w.process.returncode is not None for w in torn) and backend.sup.live() == []
+    assert all(w.process.returncode is not None for w in torn)
+    held = backend.sup.live()
+    assert len(held) == 1 and not set(held) & set(before)  # the lost program's next worker, or the next context
     with pytest.raises(WorkerError), anyio.fail_after(10):
         await run
     assert await backend.refill(0, extra=1)
-    assert not set(backend.sup.live()) & set(before)
+    assert set(held) <= set(backend.sup.live()) and not set(backend.sup.live()) & set(before)
+    iso = backend.isolations[0]
+    assert iso.first_context_at > 0
+    iso.recovered()
     if backend.isolated:
-        assert len(backend.isolations[0].pool) == 3  # the pool of 2, and one for the lost program
+        assert len(iso.pool) == 1  # the lost program's worker, not taken, pooled; the rest follows paced
+        with anyio.fail_after(10):
+            while len(iso.pool) < 2:
+                await anyio.sleep(0.01)
     await backend.unload(k)  # its worker went with the fault: nothing left to do
     again = await backend.load(await backend.prepare(*example("heartbeat")))
     rerun = await backend.launch(again, 4)

@@ -319,10 +319,10 @@ def test_serve_end_to_end(serve, tmp, isolation):
     assert c.programs() == []
     assert "(no programs loaded)" in cli("ps", "--socket", sock).stdout
 
-    # A program that faults: failed, counted, its error in ps; unloaded like any other.
-    c.load(program_body(str(EXAMPLES / "fault")))
-    # blink: the launch failed; mps: a GPU fault, the other clients recovered (none here).
-    state = "faulted" if isolation == "mps" else "failed"
+    # A program that faults (restart policy never: it stays so): faulted in both modes (blink: its
+    # context was poisoned and replaced; mps: a GPU fault), counted, its error in ps; unloaded like any other.
+    c.load(program_body(str(EXAMPLES / "fault"), restart="never"))
+    state = "faulted"
     poll(lambda: c.program("fault")["state"] == state, 10.0, f"fault {state}")
     assert "CUDA_ERROR_ILLEGAL_ADDRESS" in c.program("fault")["error"]
     r = cli("ps", "--socket", sock)

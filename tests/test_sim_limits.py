@@ -22,7 +22,7 @@ import pytest
 
 from meshd_mps.gpu.compiler import cuda_to_ptx, ptx_to_cubin
 from meshd_mps.protocol import abi, frames
-from meshd_mps.protocol.frames import Load
+from meshd_mps.protocol.frames import Launch, Load, Op
 from meshd_mps.protocol.mailbox import Mailbox
 from workers import warm
 from workers.gpu import GpuError, Streams
@@ -182,15 +182,16 @@ def test_a_grid_waits_until_all_of_it_fits(worker, mailbox):
 def test_every_kind_writes_running_at_start_unless_told_not_to(worker, mailbox):
     w = worker()
     mailbox.set_u32(2, abi.USER_BASE, 10_000)  # spin's run time, ms: it runs until halted
-    kinds = [sim(kernel="sleep"), sim(kernel="fail"), sim(kernel="spin"), sim(kernel="hang"), HEARTBEAT,
+    # (fail is not among them: its error is sticky, and would end the others; see the next test)
+    kinds = [sim(kernel="sleep"), sim(kernel="sleep", ms=1), sim(kernel="spin"), sim(kernel="hang"), HEARTBEAT,
              sim(kernel="echo")]
     kinds += [sim(kernel="sleep", start=False), sim(kernel="heartbeat", start=False)]
     for i, cubin in enumerate(kinds):
         w.load(image(i + 1, cubin))
     for i in range(6):
         w.launch(i + 1, 1, slot=i)
-    running(mailbox, range(6), "sleep, fail, spin, hang, heartbeat, echo")
-    assert w.done(1, 1).ok and not w.done(2, 1).ok  # sleep and fail ended, having started
+    running(mailbox, range(6), "sleep, sleep 1 ms, spin, hang, heartbeat, echo")
+    assert w.done(1, 1).ok and w.done(2, 1).ok  # the sleeps ended, having started
     w.launch(7, 1, slot=6)
     assert w.done(7, 1).ok
     w.launch(8, 1, slot=7)
@@ -198,6 +199,23 @@ def test_every_kind_writes_running_at_start_unless_told_not_to(worker, mailbox):
     assert states(mailbox, [6, 7]) == [abi.IDLE, abi.IDLE]
     mailbox.halt(7)
     assert w.done(8, 1).ok and mailbox.u32(7, abi.STATE) == abi.EXITED  # otherwise as its kind
+
+
+def test_a_failing_kernel_poisons_its_context(worker, mailbox):
+    """As on the H200 (blink mode): a kernel's error is sticky, so every kernel of the context ends
+    with it, a resident one never says EXITED, and every later launch fails."""
+    w = worker()
+    w.load(image(1, HEARTBEAT))
+    w.load(image(2, sim(kernel="fail", ms=50, message="CUDA_ERROR_ILLEGAL_ADDRESS: boom")))
+    w.launch(1, 1, slot=0)
+    poll(lambda: mailbox.heartbeat(0) > 5, 10, "the heartbeat beating")
+    w.launch(2, 1, slot=1)
+    assert not w.done(2, 1).ok
+    d = w.done(1, 1)
+    assert not d.ok and d.message == "CUDA_ERROR_ILLEGAL_ADDRESS: boom"
+    assert mailbox.u32(0, abi.STATE) == abi.RUNNING  # torn down, not ended
+    ok, payload = w.ask(Op.LAUNCH, Launch(1, 2, 0, 1).encode(), Op.LAUNCHED)
+    assert not ok and "CUDA_ERROR_ILLEGAL_ADDRESS: boom" in frames.reply_text(payload)
 
 
 def test_exit_writes_running_before_it_exits(worker, mailbox):
@@ -291,7 +309,7 @@ def test_warm_sets_the_variable_before_its_cuinit(monkeypatch):
     seen = []
 
     class Fake:
-        def __init__(self, sms: int, device: int):
+        def __init__(self, sms: int, device: int, hold: bool = False):
             seen.append(os.environ.get(QUEUES_ENV))  # what its thread's cuInit would read
 
         def take(self):

@@ -98,16 +98,14 @@ async def test_program_observes_the_end_of_its_launch():
 async def test_a_worker_retired_after_an_outside_kill_died_on_its_own():
     # H200, 2026-12-03 (tests/gpu/test_faults_real.py, while-running): the fault's teardown retired
     # the killed worker before its EOF was read; its -9 was still not ours, so it is the culprit.
-    from meshd_mps.programs import died_on_its_own
-
     w = worker()
     w.to(WorkerState.READY)
     w.retiring()  # the teardown's retire, after the outside SIGKILL
     w.process.returncode = -9
-    assert died_on_its_own(w)
+    assert w.died_on_its_own()
     ours = worker()
     ours.to(WorkerState.READY)
     ours.retiring()
     ours.killed = True  # the retire's own SIGKILL, after QUIT was not answered
     ours.process.returncode = -9
-    assert not died_on_its_own(ours)
+    assert not ours.died_on_its_own()

@@ -29,6 +29,7 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 import structlog
 
@@ -38,7 +39,7 @@ from meshd_mps.protocol.frames import Done, FrameError, Launch, Load, Op
 from meshd_mps.protocol.mailbox import Mailbox
 
 from .gpu import Gpu, GpuError
-from .warm import MAX_QUEUES, QUEUES_ENV
+from .warm import HOLD, MAX_QUEUES, QUEUES_ENV
 
 log = structlog.get_logger("meshd_mps.worker")
 
@@ -135,9 +136,11 @@ def _misbehave(ch: Channel, how: str | None, op: Op, reply: bytes, injected: boo
     return True
 
 
-def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str, str] | None = None) -> int:
+def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str, str] | None = None,
+          held: Callable[[], tuple[Gpu | None, str | None]] | None = None) -> int:
     """Answer requests until EOF or QUIT; returns the exit status.  ``inject``: the test hook's
-    faults by phase (``parse_inject``), before the GPU's own ``misbehaviour``."""
+    faults by phase (``parse_inject``), before the GPU's own ``misbehaviour``.  ``held`` (``--hold``):
+    the GPU is opened by it at the first READY, not before."""
     inject = inject or {}
 
     def misbehave(phase: str, op: Op, reply: bytes) -> bool:
@@ -162,6 +165,10 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
                 threading.Event().wait()
             return 0
         op, body = got
+        if op == Op.READY and held is not None:
+            gpu, open_error = held()
+            if gpu is not None:  # else the next READY tries again (the MPS server may take clients by then)
+                held = None
         if op == Op.QUIT:
             if gpu is not None and gpu.misbehaviour("quit") == "ignore":
                 continue
@@ -251,6 +258,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--queues", type=_queues, default=0, metavar="N",
                     help=f"hardware work queues of the context ({QUEUES_ENV}, set before cuInit; at most {MAX_QUEUES};"
                          " 0: the driver's default, 8)")
+    ap.add_argument(HOLD, action="store_true",
+                    help="start without a context: import, then create it at the first READY (a worker started ahead"
+                         " while the MPS server does not take clients yet)")
     return ap.parse_args(argv)
 
 
@@ -284,26 +294,41 @@ def main(argv: list[str] | None = None) -> int:
     if inject:
         log.warning("fault injection (a test hook) is on", inject=inject)
     ch = Channel()
-    gpu: Gpu | None = None
-    open_error = None
-    try:
-        mailbox = Mailbox.open(args.mailbox)
-        if args.gpu == "sim":
-            from .sim_gpu import SimGpu
+    opened: list[Gpu] = []
 
-            gpu = SimGpu(mailbox, args.sms, args.device)
+    def open_gpu() -> tuple[Gpu | None, str | None]:
+        """The mailbox and the GPU (its context); any failure to come up is reported on the first request."""
+        try:
+            mailbox = Mailbox.open(args.mailbox)
+            if args.gpu == "sim":
+                from .sim_gpu import SimGpu
+
+                gpu: Gpu = SimGpu(mailbox, args.sms, args.device)
+            else:
+                from . import warm
+                from .cuda_gpu import CudaGpu
+
+                warm.release()
+                gpu = CudaGpu(mailbox, args.sms, warm.take(), args.device)
+        except Exception as e:
+            log.error("GPU not opened", error=str(e))
+            return None, f"worker {os.getpid()}: {e}"
+        opened.append(gpu)
+        return gpu, None
+
+    if args.hold:
+        # Imported now, while held: the READY then only opens the GPU.
+        if args.gpu == "cuda":
+            from . import cuda_gpu  # noqa: F401
         else:
-            from . import warm
-            from .cuda_gpu import CudaGpu
-
-            gpu = CudaGpu(mailbox, args.sms, warm.take(), args.device)
-    except Exception as e:  # any failure to come up is reported on the first request
-        open_error = f"worker {os.getpid()}: {e}"
-        log.error("GPU not opened", error=str(e))
+            from . import sim_gpu  # noqa: F401
+        gpu, open_error, held = None, None, open_gpu
+    else:
+        (gpu, open_error), held = open_gpu(), None
     try:
-        return serve(ch, gpu, open_error, inject)
+        return serve(ch, gpu, open_error, inject, held)
     except BrokenPipeError:
         return 0
     finally:
-        if gpu is not None:
-            gpu.close()
+        for g in opened:
+            g.close()

@@ -371,7 +371,9 @@ class SimGpu:
             time.sleep(float(m.script.get("ms", 0)) / 1e3)
             if kind == "fail":
                 default = "CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure (simulated)"
-                return False, str(m.script.get("message", default))
+                msg = str(m.script.get("message", default))
+                self._poisoned(msg)  # as on the H200: a kernel's error is sticky, its context's every kernel fails
+                return False, msg
             return True, ""
         if kind == "hang":
             threading.Event().wait()
@@ -379,9 +381,12 @@ class SimGpu:
             os._exit(4)
         if kind == "fault":  # as examples/fault: after RUNNING, the illegal store, then EXITED (the store is posted)
             mb.set_u32(slot, abi.STATE, abi.EXITED)
+            msg = "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered (simulated)"
             if self._client is not None:
                 self._client.sendall(b"FAULT\n")  # the server tears every client down
-            return False, "CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered (simulated)"
+            else:  # one context (blink): the error is sticky, every kernel of it fails with it
+                self._poisoned(msg)
+            return False, msg
         if kind == "spin":
             ms = mb.u32(slot, abi.USER_BASE) or 100
             end = time.monotonic() + ms / 1e3

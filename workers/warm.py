@@ -28,6 +28,8 @@ from typing import Any
 QUEUES_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
 #: The driver's count without it (measured on the H200: the 9th resident kernel never started).
 DEFAULT_QUEUES = 8
+#: The worker's flag: imported, but no context until the first READY (Warm's ``hold``).
+HOLD = "--hold"
 #: The most the driver takes (with 32 set, 32 resident kernels ran and the 33rd never started).
 MAX_QUEUES = 32
 
@@ -41,19 +43,30 @@ def driver_queues(environ: Mapping[str, str] = os.environ) -> int:
 
 
 class Warm:
-    def __init__(self, sms: int, device: int = 0):
+    """``hold``: the bindings are imported now, the driver is touched only at ``release`` (a
+    worker started ahead, while the MPS server still refuses clients: fault recovery)."""
+
+    def __init__(self, sms: int, device: int = 0, hold: bool = False):
         self.sms = sms
         self.device = device  # the ordinal whose primary context is retained
         self.ctx: Any = None  # the retained primary context (None: CudaGpu opens it itself)
         self.dev: Any = None
         self.flags_error = 0  # cuDevicePrimaryCtxSetFlags's CUresult, if it failed
+        self._go = threading.Event()
+        if not hold:
+            self._go.set()
         self._thread = threading.Thread(target=self._run, name="warm-context", daemon=True)
         self._thread.start()
+
+    def release(self) -> None:
+        """A held context may be created now."""
+        self._go.set()
 
     def _run(self) -> None:
         try:
             from cuda.bindings import driver as cu
 
+            self._go.wait()
             if int(cu.cuInit(0)[0]) != 0 or self.sms:
                 return
             err, dev = cu.cuDeviceGet(self.device)
@@ -122,7 +135,13 @@ def start(argv: list[str]) -> None:
         os.environ[QUEUES_ENV] = str(n)
     gpu, sms, device = options(argv)
     if gpu == "cuda":
-        _started = Warm(sms, device)
+        _started = Warm(sms, device, hold=HOLD in argv)
+
+
+def release() -> None:
+    """A held worker's context may be created now (nothing to do when none is warming)."""
+    if _started is not None:
+        _started.release()
 
 
 def take() -> Warm | None:

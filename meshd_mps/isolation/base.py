@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import anyio
 
 from meshd_mps.errors import AbiMismatch, WorkerError
+from meshd_mps.faults import Stray
 from meshd_mps.gpu.compiler import Manifest, Prepared
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.protocol import abi, frames
@@ -130,6 +131,9 @@ class Isolation(ABC):
     def __init__(self, sup: Supervisor, device: int):
         self.sup = sup
         self.device = device
+        #: perf_counter time the last ``refill``'s first new context came up (0: none yet): the
+        #: server took clients again (a recovery's steps).
+        self.first_context_at = 0.0
 
     @abstractmethod
     async def open(self) -> None:
@@ -213,14 +217,41 @@ class Isolation(ABC):
     def status(self) -> dict[str, Any]:
         """This GPU's part of the status: its workers, and its pool or its context and blinks."""
 
+    #: A failure of one program's launch is every program's of the GPU (blink: their one context
+    #: is poisoned by it); else whether it was a fault of the GPU is for the evidence to say.
+    shared_fate: ClassVar[bool]
+
     @abstractmethod
-    async def teardown(self) -> list[WorkerProc]:
-        """After a fault of this GPU: every worker of it retired, and awaited within ``recover``."""
+    async def teardown(self, ahead: int = 0) -> list[WorkerProc]:
+        """After a fault of this GPU: every worker of it retired, and awaited within ``recover``;
+        meanwhile the workers for ``ahead`` lost programs are started, without a context yet."""
 
     @abstractmethod
     async def refill(self, extra: int = 0) -> bool:
-        """After ``teardown``, once the GPU takes workers again: what ``open`` starts, and ``extra``
-        fresh workers more (MPS: the lost programs' next ones), within ``recover``; False if not."""
+        """After ``teardown``, once the GPU takes workers again: what ``extra`` lost programs need
+        to be loaded again (MPS: a worker each; blink: the new context), within ``recover``;
+        False if not."""
+
+    def recovered(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
+        """The lost programs are back (MPS: the pool refills now, paced)."""
+
+    def fatal_pids(self) -> list[int]:
+        """The pids of this GPU that the MPS server logged as having hit a fatal error, taken (a
+        later look does not see them again); none where there is no server."""
+        return []
+
+    def strays(self, ours: set[int]) -> list[Stray]:
+        """Workers of this GPU, none of ``ours`` (the programs'), that ended on their own with a
+        kernel launched: the culprit where no program is (faults.name_culprit)."""
+        return []
+
+    def took(self, stray: Stray) -> None:  # noqa: B027 - an optional hook, by default nothing to do
+        """``stray`` was named a fault's culprit: a later fault does not name it again."""
+
+    def died_on_its_own(self, k: Kernel) -> bool:
+        """``k``'s process ended on its own (a signal not ours, an exit with its kernel running),
+        as evidence against ``k`` alone: only where the process is the program's own (MPS)."""
+        return False
 
     async def close(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
         """Before the supervisor kills every worker (MPS: the idle ones get EOF first)."""

@@ -33,6 +33,7 @@ from meshd_mps.errors import (
     Unavailable,
     WorkerError,
 )
+from meshd_mps.faults import Stray
 from meshd_mps.gpu.compiler import Prepared
 from meshd_mps.isolation.base import Admit, Image, Isolation, Kernel, Mode, Module
 from meshd_mps.isolation.launch import Launch
@@ -63,6 +64,7 @@ class BlinkIsolation(Isolation):
     """One GPU's context, in one worker process: every program of the GPU a module of it."""
 
     isolated = False
+    shared_fate = True  # one context: a launch's error is sticky, every program of it fails with it
 
     def __init__(self, sup: Supervisor, mailbox: Mailbox, sms: int, gpu: str, device: int = 0):
         super().__init__(sup, device)
@@ -81,14 +83,23 @@ class BlinkIsolation(Isolation):
         self.blinks = 0
         #: Hardware work queues the context's worker asks for; a module gets a stream of its own queue.
         self.queues = BLINK_QUEUES
+        self._held: WorkerProc | None = None  # the next context's worker, started during a teardown
+        self._torn: WorkerProc | None = None  # the context the last teardown retired
 
     async def open(self) -> None:
+        self.proc = self._held or await self._spawn()
+        self._held = None
+        await self.proc.ask(Op.READY)
+        self.first_context_at = time.perf_counter()
+
+    async def _spawn(self, hold: bool = False) -> WorkerProc:
+        """The context's worker (``hold``: imported, its context created at READY)."""
         from meshd_mps.mps.clients import worker_argv
 
-        argv = worker_argv(self.mailbox.path, self.sms, self.gpu, self.device, queues=self.queues)
-        self.proc = await self.sup.spawn(argv, dict(os.environ), f"blink context (GPU {self.device})")
-        self.proc.device = self.device
-        await self.proc.ask(Op.READY)
+        argv = worker_argv(self.mailbox.path, self.sms, self.gpu, self.device, queues=self.queues, hold=hold)
+        p = await self.sup.spawn(argv, dict(os.environ), f"blink context (GPU {self.device})")
+        p.device = self.device
+        return p
 
     def _p(self) -> WorkerProc:
         if self.proc is None:
@@ -267,15 +278,22 @@ class BlinkIsolation(Isolation):
                 "context_pid": pid}
 
     # ---- a fault of the context -------------------------------------------------------------
-    async def teardown(self) -> list[WorkerProc]:
-        """The context's worker retired, and every module with it: a fault in one context is every
-        program's of the GPU."""
+    async def teardown(self, ahead: int = 0) -> list[WorkerProc]:
+        """The context's worker retired, and every module with it: an error in one context is sticky,
+        every program's of the GPU.  The next context's worker starts meanwhile, held (imported, no
+        context until ``refill``)."""
         p, self.proc = self.proc, None
+        self._torn = p
+        self.first_context_at = 0.0
         self.modules.clear()
         if p is None:
             return []
         log.info(f"blink: GPU {self.device}: retiring its context after a fault", device=self.device, pid=p.pid)
-        self.sup.retire(p, before_exit=False)
+        self.sup.retire(p, before_exit=False, at_once=True)
+        try:
+            self._held = self._held or await self._spawn(hold=True)
+        except MeshError as e:  # refill spawns it itself then
+            log.warning(f"blink: GPU {self.device}: no context worker started ahead of the refill: {e}")
         with anyio.move_on_after(self.sup.deadlines.recover):
             await p.process.wait()
         return [p]
@@ -299,6 +317,18 @@ class BlinkIsolation(Isolation):
             self.sup.retire(self.proc)
             self.proc = None
         return False
+
+    def strays(self, ours: set[int]) -> list[Stray]:
+        """The torn context's worker, if it died on its own (killed from outside, a crash): then it,
+        not any one program, took the GPU's programs down."""
+        p = self._torn
+        if p is None or not p.died_on_its_own():
+            return []
+        return [Stray(p.pid, None, p.exited_running_at or time.monotonic())]
+
+    def took(self, stray: Stray) -> None:
+        if self._torn is not None and self._torn.pid == stray.pid:
+            self._torn = None
 
 
 class Blink(Mode):

@@ -17,7 +17,17 @@ from typing import Any
 import anyio
 import structlog
 
-from meshd_mps.errors import CapacityError, DeviceError, FrameError, ImageRefused, MeshError, WorkerError, WorkerGone
+from meshd_mps.errors import (
+    CapacityError,
+    DeviceError,
+    FrameError,
+    ImageRefused,
+    MeshError,
+    NoContext,
+    WorkerError,
+    WorkerGone,
+)
+from meshd_mps.faults import Stray
 from meshd_mps.gpu.compiler import Prepared
 from meshd_mps.isolation.base import Admit, Image, Isolation, Kernel, Module
 from meshd_mps.mps.clients import Mps, pids_debug
@@ -45,6 +55,7 @@ class MpsIsolation(Isolation):
     """One GPU's pool of idle workers, and the programs' own workers there."""
 
     isolated = True
+    shared_fate = False
 
     def __init__(self, mps: Mps, device: int):
         super().__init__(mps.sup, device)
@@ -53,14 +64,19 @@ class MpsIsolation(Isolation):
         self._replacing = False  # a task refills the pool after pooled workers died
         self._last_client = 0.0  # monotonic time the last replacement client was started
         self._closing = False
+        self._held: list[WorkerProc] = []  # started during a fault's teardown, no context yet (--hold)
+        self._reserve: list[WorkerProc] = []  # ready for a fault's lost programs: taken before the pool
         mps.sup.exit_hooks.append(self._exited)
 
     async def open(self) -> None:
         await self.prewarm(self.pool.cap)
 
     # ---- workers ----------------------------------------------------------------------------
-    async def prewarm(self, n: int) -> None:
-        """Spawn n, READY all, verify them as our clients, then pool them; all or none."""
+    async def prewarm(self, n: int, into: list[WorkerProc] | None = None, again: bool = False) -> None:
+        """n workers (the held ones first, then fresh ones), READY all, verified as our clients,
+        then pooled (or put ``into`` a list of the caller's); all or none.  ``again``: a READY
+        refused (NoContext: the server takes no clients yet) is asked again until the caller's
+        deadline."""
         if n == 0:
             return
         d = self.device
@@ -68,11 +84,28 @@ class MpsIsolation(Isolation):
         t0 = time.monotonic()
         procs: list[WorkerProc] = []
         try:
-            for _ in range(n):
+            while self._held and len(procs) < n:
+                procs.append(self._held.pop())
+            while len(procs) < n:
                 procs.append(await self.mps.spawn(None, d))
+            first = 0.0
+
+            async def ready(p: WorkerProc) -> None:
+                nonlocal first
+                while True:
+                    try:
+                        await _ready(p)
+                        break
+                    except NoContext:
+                        if not again:
+                            raise
+                    await anyio.sleep(0.01)
+                first = first or time.perf_counter()
+
             async with anyio.create_task_group() as tg:
                 for p in procs:
-                    tg.start_soon(_ready, p)
+                    tg.start_soon(ready, p)
+            self.first_context_at = first
             await self.mps.check_clients([p.pid for p in procs])
         except BaseException as e:
             for p in procs:
@@ -81,8 +114,8 @@ class MpsIsolation(Isolation):
                 raise e.exceptions[0] from e
             raise
         for p in procs:
-            self.pool.add(p)
-        log.info(f"mps: pool of {n} idle workers {pids_debug([p.pid for p in procs])} on GPU {d}"
+            self.pool.add(p) if into is None else into.append(p)
+        log.info(f"mps: {'pool of ' if into is None else ''}{n} idle workers {pids_debug([p.pid for p in procs])} on GPU {d}"
                  f" ready in {(time.monotonic() - t0) * 1e3:.0f} ms")
 
     async def preload(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int) -> Worker:
@@ -92,7 +125,7 @@ class MpsIsolation(Isolation):
         t0 = time.monotonic()
         req = Load(0, threads, smem, scratch, name, cubin)
         while True:
-            p = self.pool.take()
+            p = self._reserve.pop(0) if self._reserve else self.pool.take()
             fresh = p is None
             if p is None:
                 p = await self.mps.spawn(name, d)
@@ -204,45 +237,80 @@ class MpsIsolation(Isolation):
                 " does not set STATE = RUNNING when it starts (docs/program-abi.md)")
 
     def load_count(self) -> int:
-        """Its workers that are not idle in the pool."""
-        return len(self.mps.workers_on(self.device)) - len(self.pool)
+        """Its workers that are not idle in the pool (or kept for a fault's lost programs)."""
+        return len(self.mps.workers_on(self.device)) - len(self.pool) - len(self._reserve) - len(self._held)
 
     def status(self) -> dict[str, Any]:
         return {"workers": self.mps.workers_on(self.device), "pool": self.pool.pids(), "pool_cap": self.pool.cap}
 
     # ---- a fault of the GPU -----------------------------------------------------------------
-    async def teardown(self) -> list[WorkerProc]:
-        """MPS tore every client of this GPU down: every worker of it retired, the pool's too,
-        without terminate_client (they are torn down already: on the H200 a terminate_client then
-        hung and the server's teardown never ended), and awaited within ``recover``."""
+    async def teardown(self, ahead: int = 0) -> list[WorkerProc]:
+        """MPS tore every client of this GPU down: every worker of it killed and reaped, the pool's
+        too, without terminate_client (they are torn down already: on the H200 a terminate_client then
+        hung and the server's teardown never ended), within ``recover``: the server takes no new
+        client until they have exited, and a dead context has nothing to close.  Meanwhile
+        ``ahead`` new workers start, held (imported, no context: the server takes no client until
+        the torn-down ones have exited), for ``refill``."""
         d = self.device
-        torn = self.pool.drain()
-        torn += [w for w in self.mps.spawned_on(d) if w not in torn]
+        self.first_context_at = 0.0
+        torn = self.pool.drain() + self._reserve
+        self._reserve = []
+        torn += [w for w in self.mps.spawned_on(d) if w not in torn and w not in self._held]
         log.info(f"mps: GPU {d}: retiring its {len(torn)} workers after a fault", device=d)
         for w in torn:
-            self.sup.retire(w, before_exit=False)
+            self.sup.retire(w, before_exit=False, at_once=True)
+        try:
+            while len(self._held) < ahead:
+                self._held.append(await self.mps.spawn(None, d, hold=True))
+        except MeshError as e:  # refill spawns them itself then
+            log.warning(f"mps: GPU {d}: workers not started ahead of the refill: {e}", device=d)
         with anyio.move_on_after(self.sup.deadlines.recover):
             for w in torn:
                 await w.process.wait()
         return torn
 
     async def refill(self, extra: int = 0) -> bool:
-        """A full pool and ``extra`` workers more, in one batch, once the server takes clients on this
-        GPU again (after the torn-down ones exited), retried within ``recover``; False if not (logged)."""
+        """``extra`` workers (the lost programs' next ones, the held ones first) in one batch, once
+        the server takes clients on this GPU again, retried within ``recover``; the pool is refilled
+        after the lost programs are back (``recovered``).  False if the server took none in time
+        (logged)."""
         d, within = self.device, self.sup.deadlines.recover
-        want = max(0, min(self.pool.cap + extra, self.mps.max_clients) - len(self.pool))
+        want = max(0, min(extra, self.mps.max_clients - self.pool.cap))
         try:
             with anyio.fail_after(within):
                 while True:
                     try:
-                        await self.prewarm(want)
-                        return True
+                        await self.prewarm(want, into=self._reserve, again=True)
+                        break
                     except MeshError as e:
-                        log.info(f"mps: after the fault, GPU {d}'s pool does not come up yet: {e}")
-                        await anyio.sleep(0.2)
+                        log.info(f"mps: after the fault, GPU {d} takes no new clients yet: {e}")
+                        await anyio.sleep(0.05)
         except TimeoutError:
             log.error(f"mps: the server took no new clients on GPU {d} within {within:g}s of the fault")
             return False
+        self._last_client = time.monotonic()
+        return True
+
+    def fatal_pids(self) -> list[int]:
+        return self.mps.fatal.take(self.device, self.mps.device_of)
+
+    def strays(self, ours: set[int]) -> list[Stray]:
+        return [Stray(w.pid, w.program, w.exited_running_at) for w in self.sup.exited_running
+                if w.device == self.device and w.pid not in ours]
+
+    def took(self, stray: Stray) -> None:
+        self.sup.exited_running = [w for w in self.sup.exited_running if w.pid != stray.pid]
+
+    def died_on_its_own(self, k: Kernel) -> bool:
+        return not k.unloaded and k.proc.died_on_its_own()
+
+    def recovered(self) -> None:
+        """The lost programs are back: the workers kept for them and not taken go to the pool (or
+        are retired past its cap), and the pool refills in the background, paced."""
+        while self._reserve:
+            w = self._reserve.pop()
+            self.pool.add(w) if len(self.pool) < self.pool.cap else self.sup.retire(w)
+        self._start_replacing()
 
     # ---- a pooled worker's death --------------------------------------------------------------
     def _exited(self, w: WorkerProc) -> None:
@@ -252,6 +320,9 @@ class MpsIsolation(Isolation):
             return
         log.warning(f"mps: pooled worker {w.pid} on GPU {self.device} died while idle; replacing it", pid=w.pid,
                     device=self.device)
+        self._start_replacing()
+
+    def _start_replacing(self) -> None:
         if not self._replacing:
             self._replacing = True
             self.sup.start_soon(self._replace, name=f"pool refill GPU {self.device}")
@@ -276,8 +347,9 @@ class MpsIsolation(Isolation):
     async def close(self) -> None:
         """The idle workers see EOF first (then the supervisor kills every worker)."""
         self._closing = True
-        for w in self.pool.drain():
+        for w in self.pool.drain() + self._reserve + self._held:
             w.close_stdin()
+        self._reserve, self._held = [], []
 
 
 async def _ready(p: WorkerProc) -> None:

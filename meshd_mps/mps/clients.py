@@ -25,6 +25,7 @@ from meshd_mps.errors import ClientLimit, MpsError, WorkerError
 from meshd_mps.isolation.base import Mode
 from meshd_mps.isolation.limits import MPS_QUEUES
 from meshd_mps.mps.control import PIPE_ENV, ControlDaemon
+from meshd_mps.mps.serverlog import FatalLog
 from meshd_mps.protocol import abi
 from meshd_mps.supervision import procfs
 from meshd_mps.supervision.pool import Pool
@@ -44,13 +45,16 @@ def pids_debug(pids: Sequence[int]) -> str:
     return "[" + ", ".join(str(p) for p in pids) + "]"
 
 
-def worker_argv(mailbox: str, sms: int, gpu: str, device: int = 0, queues: int = MPS_QUEUES) -> list[str]:
+def worker_argv(mailbox: str, sms: int, gpu: str, device: int = 0, queues: int = MPS_QUEUES, hold: bool = False) -> list[str]:
     """``meshd-mps worker`` for this interpreter (no PATH lookup, the same venv), on GPU ``device``,
-    asking for ``queues`` hardware work queues (limits.py)."""
+    asking for ``queues`` hardware work queues (limits.py); ``hold``: its context is created at its
+    first READY, not at start."""
     argv = [sys.executable, "-m", "meshd_mps", "worker", "--mailbox", mailbox, "--gpu", gpu, "--device", str(device),
             "--queues", str(queues)]
     if sms:
         argv += ["--sms", str(sms)]
+    if hold:
+        argv.append("--hold")
     return argv
 
 
@@ -69,6 +73,8 @@ class Mps(Mode):
         self.gpu = gpu
         self.pool_cap = pool_cap
         self._spawned: dict[int, WorkerProc] = {}  # by pid, for its GPU (pruned to the live ones at each spawn)
+        self._device_by_pid: dict[int, int] = {}  # every worker's GPU, dead ones too (the server log names them late)
+        self.fatal = FatalLog(None)  # the server's log, read from the daemon's start on
         self.server: str | None = None  # the server's pid once a worker was seen in its client list
         self._native: dict[int, int | None] = {}  # native client pid -> its start time (procfs)
         self.max_clients = max_clients
@@ -88,6 +94,7 @@ class Mps(Mode):
     async def start(self) -> None:
         """The daemon started; meshd-mps's own cuInit (device attributes, no context) joins no daemon."""
         await self.daemon.start()
+        self.fatal = FatalLog(f"{self.daemon.log_dir}/server.log")
         self._saved_pipe_env = os.environ.get(PIPE_ENV)
         self._set_pipe_env = True
         os.environ[PIPE_ENV] = os.path.join(self.daemon.dir, "none")
@@ -115,8 +122,7 @@ class Mps(Mode):
     # ---- clients --------------------------------------------------------------------------
     def device_of(self, pid: int) -> int | None:
         """The GPU of our worker ``pid`` (None: not one of ours)."""
-        w = self._spawned.get(pid)
-        return None if w is None else w.device
+        return self._device_by_pid.get(pid)
 
     def workers_on(self, device: int) -> list[int]:
         """Our live workers on ``device``, pooled ones included."""
@@ -208,8 +214,9 @@ class Mps(Mode):
         known to us, so it is counted against each)."""
         return len(self.workers_on(device)) + len(self.native)
 
-    async def spawn(self, program: str | None, device: int) -> WorkerProc:
-        """A fresh worker on GPU ``device``, within that GPU's client limit."""
+    async def spawn(self, program: str | None, device: int, hold: bool = False) -> WorkerProc:
+        """A fresh worker on GPU ``device``, within that GPU's client limit (``hold``: no context
+        until its READY, see worker_argv)."""
         n = self.count_clients(device)
         if n >= self.max_clients:
             gpu = "" if len(self.gpus) <= 1 else f" per GPU, and GPU {device} has them all"
@@ -221,11 +228,14 @@ class Mps(Mode):
         live = self.sup.workers
         self._spawned = {p: w for p, w in self._spawned.items() if p in live}
         try:
-            w = await self.sup.spawn(worker_argv(self.mailbox, self.sms, self.gpu, device), env, program)
+            w = await self.sup.spawn(worker_argv(self.mailbox, self.sms, self.gpu, device, hold=hold), env, program)
         except WorkerError as e:
             raise e.prefixed("load") from e
         w.device = device
         self._spawned[w.pid] = w
+        self._device_by_pid[w.pid] = device
+        if len(self._device_by_pid) > 4 * self.max_clients * max(1, len(self.gpus)):
+            del self._device_by_pid[next(iter(self._device_by_pid))]
         return w
 
     # ---- state ----------------------------------------------------------------------------

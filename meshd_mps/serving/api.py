@@ -276,7 +276,6 @@ class Api:
         return answer(200, out)
 
     async def get_programs(self, request: web.Request) -> web.Response:
-        self.metrics.scan()
         programs = sorted(self.ps.by_name.values(), key=lambda p: p.slot)
         return answer(200, {"ok": True, "programs": [self._describe(p) for p in programs]})
 
@@ -290,7 +289,7 @@ class Api:
     async def post_program(self, request: web.Request) -> web.Response:
         img = schemas.image(await self._json(request))
         try:
-            p = await self.ps.load(img.manifest, img.text.encode(), img.expect, img.nodes or 1, img.device)
+            p = await self.ps.load(img.manifest, img.text.encode(), img.expect, img.nodes or 1, img.device, img.restart)
         except NotServedHere as e:  # Backend's check, said in the body's terms
             raise NotServedHere(f"field 'device' {e.device}: this daemon serves GPU {', '.join(map(str, e.devices))}"
                                 " (--devices)", device=e.device, devices=e.devices) from e
@@ -308,7 +307,7 @@ class Api:
             if img.device is not None and img.device != old.device:
                 raise UpgradeMismatch(f"field 'device' {img.device}: an upgrade keeps the program on its GPU"
                                       f" {old.device} (unload and load to move it)", program=name, field="device")
-        p = await self.ps.upgrade(name, img.manifest, img.text.encode(), img.expect)
+        p = await self.ps.upgrade(name, img.manifest, img.text.encode(), img.expect, img.restart)
         return self._loaded(p, 200, "upgraded")
 
     async def delete_program(self, request: web.Request) -> web.Response:

@@ -73,6 +73,10 @@ def _image_opts(p: argparse.ArgumentParser, nodes: bool) -> None:
     src.add_argument("--cuda", metavar="FILE", help="the program's CUDA C source: compiled here, as you, with NVRTC for"
                      " the daemon's oldest GPU, and sent as PTX (the daemon takes PTX only)")
     p.add_argument("--hash", metavar="H", help="the image hash expected (16 hex digits); another image is refused")
+    p.add_argument("--restart", choices=("on-failure", "always", "never"),
+                   help="when it comes back by itself: on-failure (when it fails or faults; the default), always (also"
+                        " when it returns), never; with backoff, and not after 5 failures within 60 s (crash-loop)"
+                        + ("" if nodes else "; an upgrade keeps the program's own unless given"))
     if nodes:
         p.add_argument("--nodes", type=int, metavar="N", help="blocks to launch (default 1)")
         p.add_argument("--device", type=int, metavar="N",
@@ -197,7 +201,7 @@ def _client(args: argparse.Namespace) -> int:
         if args.cmd in ("load", "upgrade"):
             # CUDA C is compiled here (as this user), for the daemon's oldest GPU; the daemon gets PTX.
             body = c.program_body(args.dir, args.manifest, args.ptx, args.cuda, args.hash, getattr(args, "nodes", None),
-                                  getattr(args, "device", None))
+                                  getattr(args, "device", None), restart=args.restart)
             ans = c.load(body) if args.cmd == "load" else c.upgrade(args.name, body)
             if args.json:
                 return _json(ans)
@@ -288,15 +292,21 @@ def beat_age(p: dict[str, Any]) -> str:
     return "-" if age is None or isinstance(age, bool) or not isinstance(age, (int, float)) else duration(float(age))
 
 
+def restarts(p: dict[str, Any]) -> str:
+    """RESTARTS: how often it came back by itself, and its restart policy where it is not the default."""
+    n, policy = p.get("restarts", 0), p.get("restart", "on-failure")
+    return str(n) if policy == "on-failure" else f"{n} ({policy})"
+
+
 def ps_table(programs: list[dict[str, Any]]) -> str:
-    head = ["NAME", "SLOT", "STATE", "PID", "GPU", "HEARTBEAT", "BEAT-AGE", "UPTIME", "UPGRADES", "HASH"]
+    head = ["NAME", "SLOT", "STATE", "PID", "GPU", "HEARTBEAT", "BEAT-AGE", "UPTIME", "UPGRADES", "RESTARTS", "HASH"]
     errors = any(p.get("error") for p in programs)
     if errors:
         head.append("ERROR")
     rows = [head]
     for p in programs:
         r = [p["name"], str(p["slot"]), p["state"], str(p["pid"]), str(p.get("device", "-")), str(p["heartbeat"]),
-             beat_age(p), duration(p["uptime_s"]), str(p["upgrades"]), p["hash"]]
+             beat_age(p), duration(p["uptime_s"]), str(p["upgrades"]), restarts(p), p["hash"]]
         if errors:
             r.append(p.get("error") or "")
         rows.append(r)

@@ -222,7 +222,8 @@ class Client:
         return self.request("GET", f"/v1/programs/{quote(name)}")["program"]
 
     def load(self, body: dict[str, Any]) -> dict[str, Any]:
-        """``body``: {"manifest": {...}, "ptx": text, "hash"?: 16 hex, "nodes"?: N, "device"?: GPU}
+        """``body``: {"manifest": {...}, "ptx": text, "hash"?: 16 hex, "nodes"?: N, "device"?: GPU,
+        "restart"?: on-failure | always | never}
         (the daemon takes PTX only: see :func:`program_body` for CUDA C)."""
         return self.request("POST", "/v1/programs", body)
 
@@ -283,9 +284,10 @@ def compile_cuda(source: bytes, name: str, arch: str, include: list[str] | None 
 
 def program_body(dir: str | None = None, manifest: str | None = None, ptx: str | None = None, cuda: str | None = None,
                  hash: str | None = None, nodes: int | None = None, device: int | None = None,
-                 arch: str | Callable[[], str] | None = None) -> dict[str, Any]:
+                 arch: str | Callable[[], str] | None = None, restart: str | None = None) -> dict[str, Any]:
     """A load/upgrade body from files: a program directory (manifest.json and one ``*.ptx``
-    or ``*.cu``) or ``manifest`` with ``ptx`` or ``cuda``; ``device``: the GPU (a CUDA ordinal).
+    or ``*.cu``) or ``manifest`` with ``ptx`` or ``cuda``; ``device``: the GPU (a CUDA ordinal);
+    ``restart``: its restart policy (on-failure, always, never; the daemon checks it).
     The body always carries PTX: CUDA C is compiled here (:func:`compile_cuda`, the source's own
     directory on the include path) for ``arch`` (``compute_XY``, or a function that returns it,
     called only then, e.g. :meth:`Client.arch`; default ``DEFAULT_ARCH``).
@@ -343,4 +345,6 @@ def program_body(dir: str | None = None, manifest: str | None = None, ptx: str |
         body["nodes"] = nodes
     if device is not None:
         body["device"] = device
+    if restart is not None:
+        body["restart"] = restart
     return body

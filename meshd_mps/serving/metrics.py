@@ -21,8 +21,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from meshd_mps.errors import WorkerError
-
 if TYPE_CHECKING:
     from meshd_mps.backend import Backend
     from meshd_mps.neighbours import NeighbourWatch
@@ -36,8 +34,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 #: worker's first context seconds.
 LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 #: Program states the metrics always list (each 0 when no program is in it).
-STATES = ("running", "stalled", "exited", "failed", "faulted")
-FAILED = ("failed", "faulted")
+STATES = ("running", "stalled", "exited", "failed", "faulted", "restarting", "crash-loop")
 
 Labels = Mapping[str, str]
 #: What a reader returns: one value (None: no sample), or (labels, value) pairs.
@@ -109,9 +106,6 @@ class Metrics:
             buckets=LOAD_BUCKETS, registry=self.registry)
         self.registry.register(Live(self.families()))
         self.http_codes: dict[int, int] = {}
-        self.faults = 0
-        self.deaths = 0
-        self._seen: dict[tuple[str, float], str] = {}  # (name, start) -> last state seen
 
     def answered(self, status: int) -> None:
         """Counts one answer of the control API."""
@@ -123,26 +117,7 @@ class Metrics:
             self.load_seconds.observe(self.ps.load_ms[-1] / 1e3)
 
     def exposition(self) -> bytes:
-        self.scan()
         return generate_latest(self.registry)
-
-    def scan(self) -> None:
-        """Count programs that failed or faulted since the last look (deaths: their worker died).
-        Programs logs the failures itself; this only counts them, once each."""
-        current = {}
-        for p in self.ps.by_name.values():
-            key = (p.name, p.started)
-            state, _error = p.state()
-            current[key] = state
-            before = self._seen.get(key)
-            # Newly failed (failed -> faulted is one fault); any other state (running, exited,
-            # stalled, ...) is not a failure.
-            if state in FAILED and before not in FAILED:
-                self.faults += 1
-                f = p.launch.inner
-                if f.done() and not f.cancelled() and isinstance(f.exception(), WorkerError):
-                    self.deaths += 1
-        self._seen = current
 
     def _foreign(self) -> list[tuple[Labels, float]]:
         """Each GPU NVML was read for (none without NVML): its foreign processes."""
@@ -177,12 +152,18 @@ class Metrics:
             Family("meshd_mps_loads_total", "counter", "Successful loads and upgrades.", lambda: ps.loads),
             Family("meshd_mps_programs", "gauge", "Loaded programs, by state.", by_state, ("state",)),
             Family("meshd_mps_faults_total", "counter",
-                   "Programs seen failed or faulted (a launch error, a GPU fault, a worker death).", lambda: self.faults),
+                   "Programs' launches that failed (a launch error, a GPU fault, a worker death).", lambda: ps.failed_total),
+            Family("meshd_mps_program_restarts_total", "counter",
+                   "Programs relaunched by themselves: after a fault, or by their restart policy.", lambda: ps.relaunched_total),
             Family("meshd_mps_gpu_faults_total", "counter",
                    "GPU faults that took every MPS client down (MPS mode; each one recovered).",
                    lambda: sum(1 for f in getattr(ps, "faults", []) if getattr(f, "gpu_wide", False))),
             Family("meshd_mps_worker_deaths_total", "counter", "Programs that ended because their worker process died.",
-                   lambda: self.deaths),
+                   lambda: ps.deaths_total),
+            Family("meshd_mps_recovery_step_seconds", "gauge",
+                   "The latest GPU fault's recovery, by step (decide, teardown, server_ready, contexts, relaunch).",
+                   lambda: [({"step": k}, v / 1e3) for k, v in next((f.steps for f in reversed(ps.faults) if f.gpu_wide),
+                                                                      {}).items()], ("step",)),
             Family("meshd_mps_workers", "gauge", "Live worker processes (MPS clients, or the blink context).",
                    lambda: len(b.sup.live())),
             Family("meshd_mps_workers_retired_total", "counter",

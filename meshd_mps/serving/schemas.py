@@ -19,12 +19,14 @@ import anyio
 from aiohttp import web
 
 from meshd_mps.deadlines import Deadlines
+from meshd_mps.errors import BadRestartPolicy
 from meshd_mps.gpu.compiler import Manifest
+from meshd_mps.restart import Policy
 from meshd_mps.serving.client import MAX_BODY
 from meshd_mps.serving.status import BadBody, BodyTooLarge, LengthRequired, RequestTimeout
 from meshd_mps.strictjson import parse_json
 
-LOAD_FIELDS = ("manifest", "ptx", "hash", "nodes", "device")
+LOAD_FIELDS = ("manifest", "ptx", "hash", "nodes", "device", "restart")
 CALL_FIELDS = ("data", "hex", "timeout")
 #: The answer to a body with CUDA C: the daemon never compiles it (an ``#include`` would read any
 #: file the daemon can read, and the compile log would echo it to the client).
@@ -108,6 +110,7 @@ class Image:
     expect: int | None
     nodes: int | None
     device: int | None = None
+    restart: Policy | None = None  # None: the daemon's default (a load), the program's own (an upgrade)
 
 
 def image(obj: dict[str, Any]) -> Image:
@@ -141,7 +144,13 @@ def image(obj: dict[str, Any]) -> Image:
     nodes = _int_field(obj, "nodes")
     if nodes is not None and nodes < 1:
         raise BadBody(f"field 'nodes' {nodes}: at least 1", field="nodes")
-    return Image(m, text, expect, nodes, _int_field(obj, "device"))
+    policy = None
+    if obj.get("restart") is not None:
+        try:
+            policy = Policy.parse(obj["restart"])
+        except BadRestartPolicy as e:
+            raise e.prefixed("field 'restart'") from e
+    return Image(m, text, expect, nodes, _int_field(obj, "device"), policy)
 
 
 @dataclass

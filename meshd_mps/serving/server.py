@@ -62,7 +62,6 @@ log = structlog.get_logger("meshd_mps")
 
 NO_DRIVER_HINT = "no NVIDIA driver on this machine; to try meshd-mps without a GPU: meshd-mps serve --gpu sim"
 
-MONITOR_S = 1.0  # program states are checked this often (faults, deaths)
 NEIGHBOURS_S = 2.0  # NVML is asked this often for the processes on our GPUs
 SUN_PATH_MAX = 107  # AF_UNIX: 108 bytes with the NUL
 #: The socket's listen backlog: connections the kernel queues while the loop is busy (a burst of
@@ -263,14 +262,12 @@ class Daemon:
                 f" gpu {b.gpu}, {where}",
                 socket=self.socket_path, isolation=b.isolation, gpu=b.gpu, device=b.caps.name, devices=list(b.devices),
             )
-            monitor: anyio.CancelScope = await tg.start(self._monitor, name="monitor")
             watch: anyio.CancelScope = await tg.start(self._neighbours, name="neighbours")
             try:
                 await self._stop.wait()
                 listener.close()  # stop accepting: new connections are refused
                 await api.drain()
             finally:
-                monitor.cancel()
                 watch.cancel()
         finally:
             with anyio.CancelScope(shield=True):
@@ -286,18 +283,6 @@ class Daemon:
                 log.error("closing the programs failed", traceback=traceback.format_exc())
         if self.backend is not None:
             await self.backend.close()
-
-    async def _monitor(self, *, task_status: anyio.abc.TaskStatus[anyio.CancelScope] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Counts failures as they happen, not only when the metrics are read (its scope: to stop it)."""
-        assert self.metrics is not None
-        with anyio.CancelScope() as scope:
-            task_status.started(scope)
-            while True:
-                await anyio.sleep(MONITOR_S)
-                try:
-                    self.metrics.scan()
-                except Exception:
-                    log.error("monitor failed", traceback=traceback.format_exc())
 
     async def _neighbours(self, *, task_status: anyio.abc.TaskStatus[anyio.CancelScope] = anyio.TASK_STATUS_IGNORED) -> None:
         """Every NEIGHBOURS_S, NVML's view of our GPUs: a process outside our server is logged once

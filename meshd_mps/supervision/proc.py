@@ -19,8 +19,18 @@ from collections.abc import Callable
 
 import structlog
 
+from meshd_mps import faults
 from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.errors import FrameError, ImageRefused, NoReply, StateError, WorkerError, WorkerGone, WorkerUnfit
+from meshd_mps.errors import (
+    FrameError,
+    ImageRefused,
+    NoContext,
+    NoReply,
+    StateError,
+    WorkerError,
+    WorkerGone,
+    WorkerUnfit,
+)
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Done, Op
 from meshd_mps.supervision.child import Child
@@ -187,6 +197,10 @@ class WorkerProc:
         if self.state not in (WorkerState.RETIRING, WorkerState.EXITED):
             self.to(WorkerState.RETIRING)
 
+    def died_on_its_own(self) -> bool:
+        """Its process ended on its own (faults.died_on_its_own): evidence that it faulted the GPU."""
+        return faults.died_on_its_own(self.process.returncode, self.exited_running_at > 0, self.killed)
+
     # ---- writing ----------------------------------------------------------------------------
     async def send(self, op: Op, body: bytes = b"") -> None:
         if self._stdin.is_closing():
@@ -247,7 +261,8 @@ class WorkerProc:
                 text = frames.reply_text(payload)
                 raise ImageRefused(f"worker {self.pid}: {text}", error=text)
             if ok != frames.OK:
-                raise WorkerError(f"worker {self.pid}: {frames.reply_text(payload)}", pid=self.pid)
+                kind = NoContext if op == Op.READY else WorkerError
+                raise kind(f"worker {self.pid}: {frames.reply_text(payload)}", pid=self.pid)
             return payload
 
     # ---- launches ---------------------------------------------------------------------------

@@ -61,3 +61,13 @@ def alive(pid: int, start: int) -> bool:
     except OSError:
         return False
     return s[s.rindex(")") + 2 :].split()[0] != "Z"
+
+
+def running(pid: int) -> bool:
+    """``pid`` exists and has not exited (a zombie, exited but not yet reaped, has)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            s = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return s[s.rindex(")") + 2 :].split()[0] not in ("Z", "X")

@@ -27,7 +27,7 @@ from anyio.abc import TaskGroup
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import MeshError, SpawnFailed, WorkerError
 from meshd_mps.protocol.frames import Op
-from meshd_mps.supervision import child
+from meshd_mps.supervision import child, procfs
 from meshd_mps.supervision.proc import WorkerProc
 
 log = structlog.get_logger("meshd_mps")
@@ -143,16 +143,21 @@ class Supervisor:
         if w.pid in self.workers and not self.closed:
             self.retire(w)
 
-    def retire(self, w: WorkerProc, before_exit: bool = True) -> None:
+    def retire(self, w: WorkerProc, before_exit: bool = True, at_once: bool = False) -> None:
         """QUIT, then reaped by a task of ours (killed if it lingers); never blocks the caller.
         ``before_exit=False``: not the ``before_exit`` hook (the GPU's clients are torn down by a
         fault already; on the H200 a terminate_client then hung and the server's teardown never
-        ended)."""
+        ended).  ``at_once``: SIGKILL first (a fault's teardown: its context is dead already, and the
+        server takes no new client until every torn-down one has exited)."""
         if self.workers.pop(w.pid, None) is None:
-            return  # already retiring
+            if at_once:
+                _kill(w)  # retiring already, by QUIT: not worth the wait
+            return
         if self.closed:
             return
         w.retiring()
+        if at_once:
+            _kill(w)
         self._owned(self._retire, w, before_exit, name=f"retire {w.pid}")
 
     async def _retire(self, w: WorkerProc, before_exit: bool = True) -> None:
@@ -235,8 +240,10 @@ class Supervisor:
 
 
 def _kill(w: WorkerProc) -> None:
+    """Our SIGKILL.  One that finds the process exited already (a zombie not yet reaped: killed from
+    outside, say) is not ours: ``killed`` stays False, which is the fault evidence (faults.py)."""
     if w.process.returncode is None:
         w.retiring()
-        w.killed = True
+        w.killed = procfs.running(w.pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(w.pid, 9)

@@ -80,7 +80,7 @@ async def test_each_gpu_runs_and_a_fault_on_one_leaves_the_others(two_real_gpus,
         idle_gap, _ = await gap_while(b, hb0.slot, lambda: anyio.sleep(0.2))
 
         async def fault_on_1() -> None:
-            await progs.load(*example("fault"), device=1)
+            await progs.load(*example("fault"), device=1, policy="never")
             with anyio.fail_after(120):
                 while not (progs.faults and progs.faults[-1].ms > 0):
                     await anyio.sleep(0.01)

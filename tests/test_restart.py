@@ -1,0 +1,212 @@
+"""Restart policies and crash loops (restart.py), and fault recovery in blink mode, on the simulated
+GPU and the stand-in MPS server: programs come back by themselves, a program that keeps failing
+stops being relaunched and says why."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+
+import anyio
+import pytest
+
+from meshd_mps import restart
+from meshd_mps.backend import Backend
+from meshd_mps.errors import BadRestartPolicy
+from meshd_mps.programs import RECOVERY_STEPS, Programs, ProgramState
+from meshd_mps.restart import CRASH_LOOP_BURST, End, Policy, decide
+
+from .conftest import TEST_DEADLINES
+from .test_backend import beats, example
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
+
+#: Quick backoffs: a crash loop is reached in well under a second of backoff.
+QUICK = dataclasses.replace(TEST_DEADLINES, restart_backoff=0.02, restart_backoff_max=0.1)
+
+
+async def wait_for(cond, within=30.0):
+    with anyio.fail_after(within):
+        while not cond():
+            await anyio.sleep(0.01)
+
+
+def named(name: str, as_example: str) -> tuple[dict, bytes]:
+    """An example under another name (the simulation runs a program by its name's prefix)."""
+    man, ptx = example(as_example)
+    return {**man, "name": name}, ptx
+
+
+# ---- the decision, pure ------------------------------------------------------------------------
+def test_decide_backs_off_and_declares_a_crash_loop():
+    d, fails, t = QUICK, [], 100.0
+    delays = []
+    for _ in range(CRASH_LOOP_BURST - 1):
+        dec = decide(Policy.ON_FAILURE, End.FAILED, fails, t, d)
+        assert dec.relaunch and not dec.crash_loop
+        delays.append(dec.delay)
+        fails = list(dec.failures)
+        t += 1
+    assert delays == [0.02, 0.04, 0.08, 0.1]  # doubled, capped at restart_backoff_max
+    dec = decide(Policy.ON_FAILURE, End.FAULTED, fails, t, d)
+    assert dec.crash_loop and not dec.relaunch and len(dec.failures) == CRASH_LOOP_BURST
+    assert dec.why.startswith(f"crash loop: {CRASH_LOOP_BURST} failures within 60s")
+
+
+def test_decide_forgets_failures_outside_the_interval():
+    d = QUICK
+    old = [0.0, 1.0, 2.0, 3.0]  # four failures, a minute and more ago
+    dec = decide(Policy.ON_FAILURE, End.FAILED, old, 3.0 + d.crash_loop_interval + 1, d)
+    assert dec.relaunch and dec.failures == (3.0 + d.crash_loop_interval + 1,) and dec.delay == d.restart_backoff
+
+
+def test_decide_by_policy_and_end():
+    d = QUICK
+    assert decide(Policy.ON_FAILURE, End.LOST, [1.0], 2.0, d) == restart.Decision(True, 0.0, failures=(1.0,))
+    assert not decide(Policy.ON_FAILURE, End.EXITED, [], 2.0, d).relaunch
+    assert decide(Policy.ALWAYS, End.EXITED, [], 2.0, d).relaunch
+    for end in End:
+        dec = decide(Policy.NEVER, end, [], 2.0, d)
+        assert not dec.relaunch and dec.why == "restart policy never"
+    assert decide(Policy.ALWAYS, End.EXITED, [1, 1.1, 1.2, 1.3], 2.0, d).why.startswith("crash loop: 5 exits")
+
+
+def test_policy_parse():
+    assert Policy.parse("always") is Policy.ALWAYS and Policy.parse(Policy.NEVER) is Policy.NEVER
+    for bad in ("sometimes", "", None, 1):
+        with pytest.raises(BadRestartPolicy) as e:
+            Policy.parse(bad)
+        assert e.value.value == str(bad)
+
+
+# ---- MPS ---------------------------------------------------------------------------------------
+async def test_a_failed_program_comes_back_by_itself(standin_on_path):
+    """Its worker retired under it (the server ends its context): an own failure, not the GPU's;
+    on-failure relaunches it after its backoff, on a fresh worker, and the other never stops."""
+    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=QUICK) as b:
+        progs = Programs(b)
+        hb = await progs.load(*example("heartbeat"))
+        echo = await progs.load(*example("echo"))
+        old = echo.kernel.pid
+        b.sup.retire(echo.kernel.proc)
+        await wait_for(lambda: progs.by_name["echo"].restarts == 1
+                       and progs.by_name["echo"].observe() is ProgramState.RUNNING)
+        r = progs.faults[-1]
+        assert not r.gpu_wide and r.faulted == "echo" and r.by == "own"
+        assert progs.by_name["echo"].kernel.pid != old and progs.by_name["echo"].slot == echo.slot
+        assert await progs.call("echo", b"back") == b"back"
+        assert progs.by_name["heartbeat"].kernel.pid == hb.kernel.pid and progs.by_name["heartbeat"].restarts == 0
+        row = {p["name"]: p for p in progs.list()}["echo"]
+        assert row["state"] == "running" and row["restarts"] == 1 and row["restart"] == "on-failure"
+        await progs.close()
+
+
+async def test_never_leaves_a_failed_program_failed(standin_on_path):
+    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=QUICK) as b:
+        progs = Programs(b, policy="never")
+        echo = await progs.load(*example("echo"))
+        b.sup.retire(echo.kernel.proc)
+        await wait_for(lambda: progs.faults)
+        assert progs.by_name["echo"].observe() is ProgramState.FAILED and progs.by_name["echo"].restarts == 0
+        await progs.close()
+
+
+async def test_a_program_that_keeps_faulting_the_gpu_is_a_crash_loop(standin_on_path):
+    """A program faulting the GPU at every launch: each time the innocent comes back at once, the
+    culprit after its backoff; at the fifth fault the culprit is a crash loop, not relaunched, and
+    says so (ps, the error); the innocent runs on."""
+    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=QUICK) as b:
+        progs = Programs(b)
+        hb = await progs.load(*example("heartbeat"))
+        await progs.load(*example("fault"))
+        await wait_for(lambda: progs.by_name["fault"].observe() is ProgramState.CRASH_LOOP, within=60)
+        reports = [r for r in progs.faults if r.gpu_wide]
+        assert len(reports) == CRASH_LOOP_BURST and all(r.faulted == "fault" for r in reports)
+        assert all(r.relaunched == ["heartbeat"] for r in reports)
+        row = {p["name"]: p for p in progs.list()}["fault"]
+        assert row["state"] == "crash-loop" and row["restarts"] == CRASH_LOOP_BURST - 1
+        assert row["error"].startswith(f"crash loop: {CRASH_LOOP_BURST} failures within 60s; not relaunched")
+        assert "ILLEGAL_ADDRESS" in row["error"]
+        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot))
+        assert progs.by_name["heartbeat"].restarts == CRASH_LOOP_BURST
+        # An upgrade (or a reload) brings it back, with its failures forgotten.
+        await progs.unload("fault")
+        await progs.close()
+
+
+async def test_always_relaunches_a_program_that_exits(standin_on_path):
+    """spin returns by itself after 100 ms: under always it is relaunched each time, and five
+    exits within the interval are a crash loop too."""
+    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=QUICK) as b:
+        progs = Programs(b)
+        await progs.load(*example("spin"), policy="always")
+        await wait_for(lambda: progs.by_name["spin"].observe() is ProgramState.CRASH_LOOP)
+        p = progs.by_name["spin"]
+        assert p.restarts == CRASH_LOOP_BURST - 1 and p.error.startswith("crash loop: 5 exits")
+        await progs.load(*named("spin2", "spin"))  # on-failure: a program that exits is left exited
+        await wait_for(lambda: progs.by_name["spin2"].observe() is ProgramState.EXITED)
+        assert progs.by_name["spin2"].restarts == 0
+        await progs.close()
+
+
+async def test_an_unload_during_the_backoff_cancels_the_relaunch(standin_on_path):
+    slow = dataclasses.replace(QUICK, restart_backoff=30.0, restart_backoff_max=30.0)
+    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=slow) as b:
+        progs = Programs(b)
+        echo = await progs.load(*example("echo"))
+        b.sup.retire(echo.kernel.proc)
+        await wait_for(lambda: progs.by_name["echo"].observe() is ProgramState.RESTARTING)
+        state, why = progs.by_name["echo"].state()
+        assert state == "restarting" and why.startswith("relaunched in ")
+        await progs.unload("echo")
+        assert "echo" not in progs.by_name
+        echo = await progs.load(*example("echo"))  # a fresh load: a program again, its slot reused
+        assert echo.restarts == 0 and echo.observe() is ProgramState.RUNNING
+        await progs.close()
+
+
+# ---- blink -------------------------------------------------------------------------------------
+async def test_blink_recovers_from_a_fault_in_its_context():
+    """A fault in the one context fails every program of it (the error is sticky): the context is
+    retired, a new one started (held ahead, during the teardown), and the innocents relaunched in
+    it; the culprit is the one whose slot says it ran to its end (EXITED) and failed."""
+    async with await Backend.open(isolation="blink", gpu="sim", deadlines=QUICK) as b:
+        progs = Programs(b)
+        hb = await progs.load(*example("heartbeat"))
+        await progs.load(*example("echo"))
+        await beats(b, hb.slot, 10)
+        ctx = b.blinks[0].proc.pid
+        await progs.load(*example("fault"), policy="never")
+        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
+        r = progs.faults[-1]
+        assert r.gpu_wide and r.faulted == "fault" and r.by == "ended" and "ILLEGAL_ADDRESS" in r.error, r
+        assert sorted(r.lost) == ["echo", "heartbeat"] and sorted(r.relaunched) == ["echo", "heartbeat"]
+        assert list(r.steps) == list(RECOVERY_STEPS)
+        new = b.blinks[0].proc.pid
+        assert new != ctx and ctx not in b.sup.live()
+        rows = {p["name"]: p for p in progs.list()}
+        assert rows["fault"]["state"] == "faulted" and rows["heartbeat"]["restarts"] == 1
+        assert rows["heartbeat"]["pid"] == rows["echo"]["pid"] == new
+        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot))
+        assert await progs.call("echo", b"new context") == b"new context"
+        await progs.unload("fault")
+        await progs.close()
+
+
+async def test_blink_recovers_when_its_context_is_killed():
+    """The context's worker SIGKILLed from outside: no program is the culprit, the worker is; every
+    program is relaunched in a new context."""
+    async with await Backend.open(isolation="blink", gpu="sim", deadlines=QUICK) as b:
+        progs = Programs(b)
+        hb = await progs.load(*example("heartbeat"))
+        await progs.load(*example("echo"))
+        await beats(b, hb.slot, 10)
+        ctx = b.blinks[0].proc.pid
+        os.kill(ctx, signal.SIGKILL)
+        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
+        r = progs.faults[-1]
+        assert r.faulted == f"worker {ctx}" and r.by == "stray" and sorted(r.relaunched) == ["echo", "heartbeat"], r
+        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot))
+        assert await progs.call("echo", b"x") == b"x"
+        await progs.close()
