@@ -454,7 +454,7 @@ class Programs:
             failed = not d.ok
         except Exception as e:
             failed, died = True, isinstance(e, WorkerError)
-        if self._closing or self.by_name.get(p.name) is not p:
+        if self._closed() or self.by_name.get(p.name) is not p:
             return
         if failed:
             p.failed_at = time.monotonic()
@@ -469,8 +469,12 @@ class Programs:
                     self._after_end(p, restart.End.EXITED)
 
     def _current(self, p: Program, state: ProgramState) -> bool:
-        """``p`` is still the loaded program of its name, in ``state`` (nothing dealt with it meanwhile)."""
-        return not self._closing and self.by_name.get(p.name) is p and p.observe() is state
+        """``p`` is still the loaded program of its name, in ``state`` (nothing dealt with it meanwhile),
+        and the backend is not closing (its close kills every worker: no fault of anyone's)."""
+        return not self._closed() and self.by_name.get(p.name) is p and p.observe() is state
+
+    def _closed(self) -> bool:
+        return self._closing or self.b.sup.closed
 
     def _suspect(self, q: Program, ended: bool = False) -> faults.Suspect:
         return faults.Suspect(q.name, q.kernel.pid, q.failed_at, ended=ended,
@@ -604,6 +608,8 @@ class Programs:
         if not dec.relaunch:
             if end is not restart.End.LOST:
                 log.info(f"program {p.name}: not relaunched ({dec.why})", program=p.name)
+            return
+        if self._closed():
             return
         p.to(ProgramState.RESTARTING)
         p.restart_at = time.monotonic() + dec.delay
