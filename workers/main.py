@@ -2,9 +2,11 @@
 
 One request at a time from the supervisor, read on the main thread; DONE
 frames come from the GPU's completion threads, so every write holds a lock.
-The worker exits at stdin EOF (which the supervisor's death also gives) or at
-QUIT; a frame it cannot parse makes it exit with status 2, which the
-supervisor sees as a death.
+The worker exits at QUIT at once, and at stdin EOF (which the supervisor's
+death also gives) once it has halted the kernels still running (live.py); a
+frame it cannot parse makes it exit with status 2, which the supervisor sees
+as a death.  With ``--listen DIR`` the frames go over a Unix socket instead,
+and the worker outlives its daemon (live.py).
 
 TEST HOOK, fault injection: ``MESHD_MPS_WORKER_INJECT="phase:how[,phase:how]"``
 in a worker's environment makes that worker misbehave in the reply to every
@@ -32,11 +34,13 @@ import time
 
 import structlog
 
+from meshd_mps.deadlines import DEFAULT
 from meshd_mps.log import setup_logging
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Done, FrameError, Launch, Load, Op
 from meshd_mps.protocol.mailbox import Mailbox
 
+from . import live
 from .gpu import Gpu, GpuError
 from .warm import MAX_QUEUES, QUEUES_ENV
 
@@ -77,7 +81,10 @@ class Channel:
     def _fill(self, n: int) -> bool:
         """At least n bytes buffered; False at EOF."""
         while len(self._buf) < n:
-            chunk = os.read(self.rfd, max(65536, n - len(self._buf)))
+            try:
+                chunk = os.read(self.rfd, max(65536, n - len(self._buf)))
+            except ConnectionError:  # a socket's daemon gone (ECONNRESET): as EOF
+                chunk = b""
             if not chunk:
                 return False
             self._buf += chunk
@@ -135,10 +142,21 @@ def _misbehave(ch: Channel, how: str | None, op: Op, reply: bytes, injected: boo
     return True
 
 
-def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str, str] | None = None) -> int:
-    """Answer requests until EOF or QUIT; returns the exit status.  ``inject``: the test hook's
-    faults by phase (``parse_inject``), before the GPU's own ``misbehaviour``."""
+def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str, str] | None = None,
+          link: live.Link | None = None) -> int | None:
+    """Answer requests until EOF or QUIT; returns the exit status at QUIT (or a protocol error),
+    None at EOF or once the daemon is gone.  ``inject``: the test hook's faults by phase
+    (``parse_inject``), before the GPU's own ``misbehaviour``.  ``link``: where DONEs go and what
+    runs is kept (live.py); without one, DONEs go to ``ch``."""
     inject = inject or {}
+    try:
+        return _serve(ch, gpu, open_error, inject, link)
+    except (BrokenPipeError, ConnectionError):  # a reply to a daemon that is gone
+        return None
+
+
+def _serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str, str],
+           link: live.Link | None) -> int | None:
 
     def misbehave(phase: str, op: Op, reply: bytes) -> bool:
         assert gpu is not None
@@ -148,6 +166,9 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
         return _misbehave(ch, gpu.misbehaviour(phase), op, reply)
 
     def on_done(d: Done) -> None:
+        if link is not None:
+            link.done(d)
+            return
         with contextlib.suppress(OSError):  # the supervisor is gone; stdin EOF ends the loop
             ch.write(Op.DONE, d.encode())
 
@@ -160,7 +181,7 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
         if got is None:
             if gpu is not None and gpu.misbehaviour("eof") == "ignore":
                 threading.Event().wait()
-            return 0
+            return None
         op, body = got
         if op == Op.QUIT:
             if gpu is not None and gpu.misbehaviour("quit") == "ignore":
@@ -183,6 +204,8 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
                     info = gpu.load(load)
                     ms = round((time.monotonic() - t0) * 1e3, 2)
                     log.info("module loaded", program=load.name, module=load.module, ms=ms)
+                    if link is not None:
+                        link.loaded(load.module, load.name)
                     reply = info.encode()
                 except GpuError as e:
                     reply = frames.error_reply(str(e), refused=e.refused)
@@ -190,11 +213,15 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
                     ch.write(Op.LOADED, reply)
             elif op == Op.LAUNCH:
                 launch = Launch.decode(body)
+                if link is not None:
+                    link.launching(launch.module, launch.gen, launch.slot, launch.nodes)
                 try:
                     gpu.launch(launch.module, launch.gen, launch.slot, launch.nodes, on_done)
                     reply = frames.ok_reply()
                 except GpuError as e:
                     reply = frames.error_reply(str(e))
+                    if link is not None:
+                        link.not_launched(launch.module, launch.gen)
                 started = getattr(gpu, "launched", None)  # the simulation starts its kernels here
                 if started is not None and (inject.get("launch") or gpu.misbehaviour("launch")) == "hang":
                     started()  # the reply hangs, the kernel runs meanwhile: launched, as on a GPU
@@ -213,6 +240,8 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
                 module = frames.unload_module(body)
                 try:
                     gpu.unload(module)
+                    if link is not None:
+                        link.unloaded(module)
                 except GpuError as e:
                     log.error("unload failed", module=module, error=str(e))
             else:
@@ -242,7 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="meshd-mps worker", description="One MPS client process of meshd-mps (started by the daemon).",
         allow_abbrev=False,
     )
-    ap.add_argument("--mailbox", required=True, help="path of the mailbox memfd (/proc/PID/fd/N)")
+    ap.add_argument("--mailbox", required=True, help="path of the mailbox (a memfd's /proc/PID/fd/N, or a file)")
     ap.add_argument("--sms", type=int, default=0, help="a green context of this many SMs (0: the whole device)")
     ap.add_argument(
         "--gpu", choices=("cuda", "sim"), default="cuda", help="the real GPU, or the CPU simulation for tests"
@@ -251,6 +280,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--queues", type=_queues, default=0, metavar="N",
                     help=f"hardware work queues of the context ({QUEUES_ENV}, set before cuInit; at most {MAX_QUEUES};"
                          " 0: the driver's default, 8)")
+    ap.add_argument("--listen", metavar="DIR",
+                    help="serve the frames on the Unix socket DIR/<pid>.sock (one daemon at a time, each greeted"
+                         " with HELLO) instead of stdin/stdout, and outlive the daemon (live restore)")
+    ap.add_argument("--orphan-timeout", type=float, default=DEFAULT.orphan, metavar="S",
+                    help="with --listen: how long the kernels run on with no daemon connected before they are"
+                         f" halted and the worker exits (default {DEFAULT.orphan:g})")
+    ap.add_argument("--halt-within", type=float, default=DEFAULT.orphan_halt, metavar="S",
+                    help="at stdin EOF or the orphan timeout: how long the worker waits for the kernels it halted"
+                         f" (default {DEFAULT.orphan_halt:g})")
     return ap.parse_args(argv)
 
 
@@ -283,8 +321,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PROTOCOL
     if inject:
         log.warning("fault injection (a test hook) is on", inject=inject)
-    ch = Channel()
+    # Before the GPU opens, so that the daemon connects at once; it accepts once the GPU is open.
+    try:
+        listener = live.Listener(args.listen) if args.listen else None
+    except OSError as e:
+        log.error("cannot listen; exiting", dir=args.listen, error=str(e))
+        return EXIT_PROTOCOL
     gpu: Gpu | None = None
+    mailbox: Mailbox | None = None
     open_error = None
     try:
         mailbox = Mailbox.open(args.mailbox)
@@ -300,10 +344,21 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # any failure to come up is reported on the first request
         open_error = f"worker {os.getpid()}: {e}"
         log.error("GPU not opened", error=str(e))
+    link = live.Link(args.device, args.mailbox)
+
+    def serve_on(rfd: int, wfd: int, hello: bool) -> int | None:
+        ch = Channel(rfd, wfd)
+        try:
+            link.attach(ch, hello)
+        except OSError as e:
+            log.warning("the daemon left before its HELLO", error=str(e))
+            return None
+        return serve(ch, gpu, open_error, inject, link)
+
     try:
-        return serve(ch, gpu, open_error, inject)
-    except BrokenPipeError:
-        return 0
+        if listener is None:
+            return live.run_piped(serve_on, link, mailbox, args.halt_within)
+        return live.run_listening(serve_on, link, listener, mailbox, args.orphan_timeout, args.halt_within)
     finally:
         if gpu is not None:
             gpu.close()
