@@ -203,8 +203,7 @@ def run_piped(serve: Serve, link: Link, mailbox: Mailbox | None, halt_within: fl
     status = serve(0, 1, False)
     if status is not None:
         return status
-    link.detach()
-    link.halt_all(mailbox, halt_within, "stdin closed")
+    link.halt_all(mailbox, halt_within, "stdin closed")  # their DONEs still go to stdout, if it is read
     return 0
 
 

@@ -34,9 +34,18 @@ from typing import Protocol
 #: How often a child's exit is polled where the kernel has no pidfd_open (before Linux 5.3).
 POLL_S = 0.05
 
-#: The Popen objects of children handed to another meshd-mps (``Child.detach``): kept for the life
-#: of this process, since a Popen collected while its child runs warns and reaps it behind our back.
-_DETACHED: list[subprocess.Popen[bytes]] = []
+#: The Popen objects of children handed to another meshd-mps (``Child.detach``), by pid: kept until
+#: the child is reaped (``note_reaped``), since a Popen collected while its child runs warns and
+#: reaps it behind our back.
+_DETACHED: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def note_reaped(pid: int, returncode: int) -> None:
+    """A detached child of ours was reaped by whoever adopted it (an ``Adopted`` in this process,
+    a test): its Popen is told, and let go."""
+    popen = _DETACHED.pop(pid, None)
+    if popen is not None:
+        popen.returncode = returncode
 
 
 class Process(Protocol):
@@ -132,7 +141,7 @@ class Child:
             self._poll.cancel()
             self._poll = None
         if self.returncode is None:
-            _DETACHED.append(self._popen)
+            _DETACHED[self.pid] = self._popen
 
     async def wait(self) -> int:
         await self._exited.wait()
@@ -226,6 +235,7 @@ class Adopted:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid == self.pid:
                 self._status = os.waitstatus_to_exitcode(status)
+                note_reaped(pid, self._status)
         self._loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
         self._pidfd = -1

@@ -178,6 +178,8 @@ class WorkerProc:
         fut.set_result((op, body))
 
     def _closed(self) -> None:
+        if not self._stdin.is_closing():  # a socket's other direction (a pipe's is closed at the reap)
+            self._stdin.close()
         if self.state == WorkerState.DETACHED:
             # Closed by us, quietly: the process and its launches go on, their DONEs go to the next
             # daemon; an ask in flight cannot be answered here any more.
