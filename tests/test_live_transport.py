@@ -399,3 +399,21 @@ async def test_a_control_daemon_whose_pid_was_reused_is_not_adopted(standin_on_p
         again = ControlDaemon(dir, temporary=False)
         await again.adopt()
         await again.quit()
+
+
+# ---- the HELLO codec ----------------------------------------------------------------------------
+
+
+def test_hello_round_trips_and_refuses_what_does_not_fit():
+    h = Hello(frames.PROTOCOL_VERSION, 1234, 1, (frames.HelloModule(0, 3, "heartbeat"), frames.HelloModule(2, 0, "é")),
+              (HelloLaunch(0, 3, 7, 132, True), HelloLaunch(2, 1, 8, 1, False)), "/run/meshd/mailbox")
+    body = h.encode()
+    assert Hello.decode(body) == h and Hello.head(body) == (frames.PROTOCOL_VERSION, 1234)
+    assert Hello.decode(Hello(1, 5, 0).encode()) == Hello(1, 5, 0)
+    for cut in (0, 7, 19, 25, 40):
+        with pytest.raises(frames.FrameError):
+            Hello.decode(body[:cut])
+    bad = bytearray(body)
+    bad[frames.HELLO_HEAD.size + 12 + 9 + 12 + 2 + 16 : frames.HELLO_HEAD.size + 12 + 9 + 12 + 2 + 20] = b"\x02\0\0\0"
+    with pytest.raises(frames.FrameError, match="running word 2"):
+        Hello.decode(bytes(bad))
