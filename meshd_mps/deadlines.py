@@ -25,6 +25,11 @@ class Deadlines:
     retire_kill: float = 2.0  # SIGKILL -> reaped
     cleanup_reap: float = 0.5  # one shared deadline for every worker at exit
     cleanup_grace: float = 5.0  # after it, how long close() still waits for the late ones
+    # ---- workers on sockets (live restore) ----
+    connect: float = 10.0  # a worker started with --listen -> its socket takes our connection (retried meanwhile)
+    hello: float = 30.0  # connected -> its HELLO (a worker opens its GPU first; one busy with another daemon waits)
+    orphan: float = 30.0  # a --listen worker whose daemon's connection closed waits this long for the next one
+    orphan_halt: float = 5.0  # a worker's own HALT (stdin EOF, the orphan timeout) -> its kernels' DONEs; it exits anyway
     # ---- programs ----
     halt: float = 5.0  # HALT -> the program's DONE (an upgrade, an unload, a blink)
     close_halt: float = 1.0  # the same at shutdown, every program at once

@@ -364,8 +364,44 @@ class SpawnFailed(WorkerError):
     """The worker's program could not be started at all."""
 
 
+class ProtocolMismatch(WorkerError):
+    """A worker (met through its socket, to be adopted) that speaks another version of the frame
+    protocol (``frames.PROTOCOL_VERSION``): ``theirs`` and ``ours``.  It was left as it runs."""
+
+    FIELDS = ("pid", "theirs", "ours")
+
+    def __init__(self, pid: int, theirs: int, ours: int):
+        super().__init__(f"worker {pid}: frame protocol version {theirs}, this meshd-mps speaks {ours}; not adopted",
+                         pid=pid)
+        self.theirs = theirs
+        self.ours = ours
+
+
+class PeerMismatch(WorkerUnfit):
+    """A worker socket whose process (SO_PEERCRED's pid) is not the one its HELLO names: whoever
+    listens there is not the worker it claims to be, and is never asked."""
+
+    FIELDS = ("pid", "claimed")
+
+    def __init__(self, message: str, *, pid: int, claimed: int):
+        super().__init__(message, pid=pid)
+        self.claimed = claimed
+
+
 class MpsError(MeshError):
     """The MPS control daemon or its server misbehaved, or a worker is not its client."""
+
+
+class NotAdoptable(MpsError):
+    """No control daemon to adopt in ``dir``: ``why`` says what was missing (its pid file, a live
+    process with the marker's start time, a dead owner, an answer)."""
+
+    FIELDS = ("dir", "why")
+
+    def __init__(self, message: str, *, dir: str, why: str):
+        super().__init__(message)
+        self.dir = dir
+        self.why = why
 
 
 class StateError(MeshError):

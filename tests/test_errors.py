@@ -21,6 +21,7 @@ EXPECTED = {
     E.FrameError: 500, E.WorkerError: 500, E.WorkerGone: 500, E.NoContext: 503, E.WorkerUnfit: 500, E.NoReply: 500,
     E.SpawnFailed: 500, E.MpsError: 500, E.StateError: 500, E.WrongMode: 409,
     E.NotNative: 404, E.NotOurClient: 409, E.NvmlUnavailable: 500,
+    E.ProtocolMismatch: 500, E.PeerMismatch: 500, E.NotAdoptable: 500,
 }
 
 

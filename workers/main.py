@@ -2,9 +2,11 @@
 
 One request at a time from the supervisor, read on the main thread; DONE
 frames come from the GPU's completion threads, so every write holds a lock.
-The worker exits at stdin EOF (which the supervisor's death also gives) or at
-QUIT; a frame it cannot parse makes it exit with status 2, which the
-supervisor sees as a death.
+The worker exits at QUIT at once, and at stdin EOF (which the supervisor's
+death also gives) once it has halted the kernels still running (live.py); a
+frame it cannot parse makes it exit with status 2, which the supervisor sees
+as a death.  With ``--listen DIR`` the frames go over a Unix socket instead,
+and the worker outlives its daemon (live.py).
 
 TEST HOOK, fault injection: ``MESHD_MPS_WORKER_INJECT="phase:how[,phase:how]"``
 in a worker's environment makes that worker misbehave in the reply to every
@@ -33,11 +35,13 @@ from collections.abc import Callable
 
 import structlog
 
+from meshd_mps.deadlines import DEFAULT
 from meshd_mps.log import setup_logging
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Done, FrameError, Launch, Load, Op
 from meshd_mps.protocol.mailbox import Mailbox
 
+from . import live
 from .gpu import Gpu, GpuError
 from .warm import HOLD, MAX_QUEUES, QUEUES_ENV
 
@@ -78,7 +82,10 @@ class Channel:
     def _fill(self, n: int) -> bool:
         """At least n bytes buffered; False at EOF."""
         while len(self._buf) < n:
-            chunk = os.read(self.rfd, max(65536, n - len(self._buf)))
+            try:
+                chunk = os.read(self.rfd, max(65536, n - len(self._buf)))
+            except ConnectionError:  # a socket's daemon gone (ECONNRESET): as EOF
+                chunk = b""
             if not chunk:
                 return False
             self._buf += chunk
@@ -136,12 +143,45 @@ def _misbehave(ch: Channel, how: str | None, op: Op, reply: bytes, injected: boo
     return True
 
 
-def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str, str] | None = None,
-          held: Callable[[], tuple[Gpu | None, str | None]] | None = None) -> int:
-    """Answer requests until EOF or QUIT; returns the exit status.  ``inject``: the test hook's
-    faults by phase (``parse_inject``), before the GPU's own ``misbehaviour``.  ``held`` (``--hold``):
-    the GPU is opened by it at the first READY, not before."""
+class Opened:
+    """The worker's GPU, once opened: at start, or (``--hold``) at the first READY, asked again at
+    each READY until it opens (the MPS server may refuse clients for a while after a fault)."""
+
+    def __init__(self, open: Callable[[], tuple[Gpu | None, str | None]], hold: bool = False):
+        self._open: Callable[[], tuple[Gpu | None, str | None]] | None = open
+        self.gpu: Gpu | None = None
+        self.error: str | None = None
+        if not hold:
+            self.ready()
+
+    def ready(self) -> None:
+        """At start, or at a READY: open the GPU if it is not open yet (once, unless held)."""
+        if self._open is None:
+            return
+        self.gpu, self.error = self._open()
+        if self.gpu is not None:
+            self._open = None
+
+    @classmethod
+    def given(cls, gpu: Gpu | None, error: str | None = None) -> Opened:
+        """A GPU opened by the caller (tests)."""
+        return cls(lambda: (gpu, error))
+
+
+def serve(ch: Channel, gpu: Opened, inject: dict[str, str] | None = None, link: live.Link | None = None) -> int | None:
+    """Answer requests until EOF or QUIT; returns the exit status at QUIT (or a protocol error),
+    None at EOF or once the daemon is gone.  ``inject``: the test hook's faults by phase
+    (``parse_inject``), before the GPU's own ``misbehaviour``.  ``link``: where DONEs go and what
+    runs is kept (live.py); without one, DONEs go to ``ch``."""
     inject = inject or {}
+    try:
+        return _serve(ch, gpu, inject, link)
+    except (BrokenPipeError, ConnectionError):  # a reply to a daemon that is gone
+        return None
+
+
+def _serve(ch: Channel, opened: Opened, inject: dict[str, str], link: live.Link | None) -> int | None:
+    gpu = opened.gpu
 
     def misbehave(phase: str, op: Op, reply: bytes) -> bool:
         assert gpu is not None
@@ -151,6 +191,9 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
         return _misbehave(ch, gpu.misbehaviour(phase), op, reply)
 
     def on_done(d: Done) -> None:
+        if link is not None:
+            link.done(d)
+            return
         with contextlib.suppress(OSError):  # the supervisor is gone; stdin EOF ends the loop
             ch.write(Op.DONE, d.encode())
 
@@ -163,12 +206,11 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
         if got is None:
             if gpu is not None and gpu.misbehaviour("eof") == "ignore":
                 threading.Event().wait()
-            return 0
+            return None
         op, body = got
-        if op == Op.READY and held is not None:
-            gpu, open_error = held()
-            if gpu is not None:  # else the next READY tries again (the MPS server may take clients by then)
-                held = None
+        if op == Op.READY:
+            opened.ready()
+            gpu = opened.gpu
         if op == Op.QUIT:
             if gpu is not None and gpu.misbehaviour("quit") == "ignore":
                 continue
@@ -176,7 +218,7 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
         if gpu is None:
             if op in (Op.READY, Op.LOAD, Op.LAUNCH, Op.LIMIT):
                 reply_op = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT}[op]
-                ch.write(reply_op, frames.error_reply(open_error or "no GPU"))
+                ch.write(reply_op, frames.error_reply(opened.error or "no GPU"))
             continue
         try:
             if op == Op.READY:
@@ -190,6 +232,8 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
                     info = gpu.load(load)
                     ms = round((time.monotonic() - t0) * 1e3, 2)
                     log.info("module loaded", program=load.name, module=load.module, ms=ms)
+                    if link is not None:
+                        link.loaded(load.module, load.name)
                     reply = info.encode()
                 except GpuError as e:
                     reply = frames.error_reply(str(e), refused=e.refused)
@@ -197,11 +241,15 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
                     ch.write(Op.LOADED, reply)
             elif op == Op.LAUNCH:
                 launch = Launch.decode(body)
+                if link is not None:
+                    link.launching(launch.module, launch.gen, launch.slot, launch.nodes)
                 try:
                     gpu.launch(launch.module, launch.gen, launch.slot, launch.nodes, on_done)
                     reply = frames.ok_reply()
                 except GpuError as e:
                     reply = frames.error_reply(str(e))
+                    if link is not None:
+                        link.not_launched(launch.module, launch.gen)
                 started = getattr(gpu, "launched", None)  # the simulation starts its kernels here
                 if started is not None and (inject.get("launch") or gpu.misbehaviour("launch")) == "hang":
                     started()  # the reply hangs, the kernel runs meanwhile: launched, as on a GPU
@@ -220,6 +268,8 @@ def serve(ch: Channel, gpu: Gpu | None, open_error: str | None, inject: dict[str
                 module = frames.unload_module(body)
                 try:
                     gpu.unload(module)
+                    if link is not None:
+                        link.unloaded(module)
                 except GpuError as e:
                     log.error("unload failed", module=module, error=str(e))
             else:
@@ -249,7 +299,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="meshd-mps worker", description="One MPS client process of meshd-mps (started by the daemon).",
         allow_abbrev=False,
     )
-    ap.add_argument("--mailbox", required=True, help="path of the mailbox memfd (/proc/PID/fd/N)")
+    ap.add_argument("--mailbox", required=True, help="path of the mailbox (a memfd's /proc/PID/fd/N, or a file)")
     ap.add_argument("--sms", type=int, default=0, help="a green context of this many SMs (0: the whole device)")
     ap.add_argument(
         "--gpu", choices=("cuda", "sim"), default="cuda", help="the real GPU, or the CPU simulation for tests"
@@ -261,6 +311,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(HOLD, action="store_true",
                     help="start without a context: import, then create it at the first READY (a worker started ahead"
                          " while the MPS server does not take clients yet)")
+    ap.add_argument("--listen", metavar="DIR",
+                    help="serve the frames on the Unix socket DIR/<pid>.sock (one daemon at a time, each greeted"
+                         " with HELLO) instead of stdin/stdout, and outlive the daemon (live restore)")
+    ap.add_argument("--orphan-timeout", type=float, default=DEFAULT.orphan, metavar="S",
+                    help="with --listen: how long the kernels run on with no daemon connected before they are"
+                         f" halted and the worker exits (default {DEFAULT.orphan:g})")
+    ap.add_argument("--halt-within", type=float, default=DEFAULT.orphan_halt, metavar="S",
+                    help="at stdin EOF or the orphan timeout: how long the worker waits for the kernels it halted"
+                         f" (default {DEFAULT.orphan_halt:g})")
     return ap.parse_args(argv)
 
 
@@ -293,13 +352,25 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PROTOCOL
     if inject:
         log.warning("fault injection (a test hook) is on", inject=inject)
-    ch = Channel()
-    opened: list[Gpu] = []
+    # Before the GPU opens, so that the daemon connects at once; it accepts once the GPU is open.
+    try:
+        listener = live.Listener(args.listen) if args.listen else None
+    except OSError as e:
+        log.error("cannot listen; exiting", dir=args.listen, error=str(e))
+        return EXIT_PROTOCOL
+    mailbox: Mailbox | None = None
+    try:
+        mailbox = Mailbox.open(args.mailbox)
+    except Exception as e:  # reported on the first request, as a GPU that did not open
+        log.error("mailbox not opened", error=str(e))
+        no_mailbox = f"worker {os.getpid()}: {e}"
+    gpus: list[Gpu] = []
 
     def open_gpu() -> tuple[Gpu | None, str | None]:
-        """The mailbox and the GPU (its context); any failure to come up is reported on the first request."""
+        """The GPU (its context); any failure to come up is reported on the first request."""
+        if mailbox is None:
+            return None, no_mailbox
         try:
-            mailbox = Mailbox.open(args.mailbox)
             if args.gpu == "sim":
                 from .sim_gpu import SimGpu
 
@@ -313,22 +384,30 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:
             log.error("GPU not opened", error=str(e))
             return None, f"worker {os.getpid()}: {e}"
-        opened.append(gpu)
+        gpus.append(gpu)
         return gpu, None
 
-    if args.hold:
-        # Imported now, while held: the READY then only opens the GPU.
+    if args.hold:  # imported now, while held: the READY then only opens the GPU
         if args.gpu == "cuda":
             from . import cuda_gpu  # noqa: F401
         else:
             from . import sim_gpu  # noqa: F401
-        gpu, open_error, held = None, None, open_gpu
-    else:
-        (gpu, open_error), held = open_gpu(), None
+    opened = Opened(open_gpu, hold=args.hold)
+    link = live.Link(args.device, args.mailbox)
+
+    def serve_on(rfd: int, wfd: int, hello: bool) -> int | None:
+        ch = Channel(rfd, wfd)
+        try:
+            link.attach(ch, hello)
+        except OSError as e:
+            log.warning("the daemon left before its HELLO", error=str(e))
+            return None
+        return serve(ch, opened, inject, link)
+
     try:
-        return serve(ch, gpu, open_error, inject, held)
-    except BrokenPipeError:
-        return 0
+        if listener is None:
+            return live.run_piped(serve_on, link, mailbox, args.halt_within)
+        return live.run_listening(serve_on, link, listener, mailbox, args.orphan_timeout, args.halt_within)
     finally:
-        for g in opened:
+        for g in gpus:
             g.close()

@@ -130,7 +130,7 @@ class Mps(Mode):
 
     def spawned_on(self, device: int) -> list[WorkerProc]:
         """Our workers on ``device`` not yet exited, retiring ones included."""
-        return [w for w in self._spawned.values() if w.device == device and w.process.returncode is None]
+        return [w for w in self._spawned.values() if w.device == device and not w.process.exited]
 
     async def terminate(self, p: WorkerProc) -> None:
         """Have the server end ``p``'s context (``terminate_client``) before ``p`` exits with its

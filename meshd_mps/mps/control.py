@@ -5,6 +5,12 @@ child, the daemon, is re-parented.  meshd-mps makes itself a child subreaper
 (PR_SET_CHILD_SUBREAPER) so the daemon becomes its child and can be reaped
 after ``quit``; otherwise it stays a zombie (seen on the H200).  The same
 code drives the real binary and the stand-in that tests put first on PATH.
+
+Live restore: ``detach()`` leaves the daemon and its server running with the
+marker in place, and the next meshd-mps ``adopt()``s it by the pid it wrote in
+its pipe directory (checked against the marker's pid and start time), instead
+of quitting it (``quit_left``, the non-live case).  An adopted daemon is not
+our child: its death is seen through a pidfd.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import contextlib
 import ctypes
 import json
 import os
+import select
 import shutil
 import signal
 import stat
@@ -24,7 +31,7 @@ import anyio
 import structlog
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.errors import MpsError
+from meshd_mps.errors import MpsError, NotAdoptable
 from meshd_mps.supervision import child, procfs
 from meshd_mps.supervision.procfs import processes
 
@@ -81,6 +88,9 @@ def _make_private_dir(path: str) -> None:
 
 #: The marker a control daemon's directory holds while a meshd-mps runs it (``Owner``).
 MARKER = "meshd-mps.owner.json"
+#: The file where ``nvidia-cuda-mps-control -d`` writes its pid, in its pipe directory (the
+#: stand-in writes it too).
+PID_FILE = "nvidia-cuda-mps-control.pid"
 #: The prefix of a default (temporary) MPS directory: ``tempfile.mkdtemp(prefix=...)``.
 TEMP_PREFIX = "meshd-mps."
 
@@ -151,6 +161,8 @@ class ControlDaemon:
         self.started = False
         self.servers: set[int] = set()  # server pids seen: one whose daemon died becomes our child
         self.died: str | None = None  # why it is gone while still needed (it was killed or crashed)
+        self.adopted = False  # started by an earlier meshd-mps (adopt): not our child, watched by pidfd
+        self._pidfd = -1
 
     @property
     def env(self) -> dict[str, str]:
@@ -248,6 +260,8 @@ class ControlDaemon:
     def alive(self) -> bool:
         if self.pid is None:
             return False
+        if self._pidfd >= 0:
+            return self._adopted_alive()
         try:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:
@@ -261,6 +275,87 @@ class ControlDaemon:
             self.pid = None
             return False
         return True
+
+    def _adopted_alive(self) -> bool:
+        """The adopted daemon's pidfd: readable once it has exited.  Its status is its parent's
+        to read, unless we happen to be that parent (a subreaper)."""
+        p = select.poll()
+        p.register(self._pidfd, select.POLLIN)
+        if not p.poll(0):
+            return True
+        how = "its status is not ours to know"
+        with contextlib.suppress(ChildProcessError):
+            pid, status = os.waitpid(self.pid or 0, os.WNOHANG)
+            if pid == self.pid:
+                code = os.waitstatus_to_exitcode(status)
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        os.close(self._pidfd)
+        self._pidfd = -1
+        if self.started:
+            self.died = f"the MPS control daemon {self.pid} died ({how})"
+            log.error(f"mps: {self.died}; running programs go on, new workers cannot be verified as clients")
+        self.pid = None
+        return False
+
+    async def adopt(self) -> None:
+        """Take over the control daemon an earlier meshd-mps left running in this directory (live
+        restore), instead of quitting it: its pid from ``pipe/nvidia-cuda-mps-control.pid``, which
+        must be the marker's daemon (pid and start time, this boot) and alive, and answer; the
+        marker's meshd-mps gone (or this process: a daemon we detached).  Then it is watched
+        through a pidfd and the marker names us.  ``NotAdoptable`` saying why otherwise (the
+        caller may ``start()`` a fresh one)."""
+
+        def refuse(why: str) -> NotAdoptable:
+            return NotAdoptable(f"mps: no control daemon to adopt in {self.dir}: {why}", dir=self.dir, why=why)
+
+        self.binary = shutil.which(CONTROL)
+        if self.binary is None:
+            raise MpsError(f"mps: {CONTROL} not found on PATH (install the NVIDIA driver's MPS binaries)")
+        owner = Owner.read(self.dir)
+        if owner is None or not owner.this_boot():
+            raise refuse(f"no {MARKER} of this boot")
+        if owner.meshd_pid != os.getpid() and owner.meshd_alive():
+            raise refuse(f"meshd-mps {owner.meshd_pid} runs it")
+        pid = _read_pid(os.path.join(self.pipe_dir, PID_FILE))
+        if pid is None:
+            raise refuse(f"no {PID_FILE} in {self.pipe_dir}")
+        if owner.daemon_pid is not None and owner.daemon_pid != pid:
+            raise refuse(f"its pid file names {pid}, its marker {owner.daemon_pid}")
+        start = procfs.starttime(pid)
+        if start is None or not procfs.alive(pid, start):
+            raise refuse(f"control daemon {pid} is not running")
+        if owner.daemon_start is not None and start != owner.daemon_start:
+            raise refuse(f"process {pid} is not the daemon of the marker (another start time: the pid was reused)")
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as e:
+            raise refuse(f"control daemon {pid}: pidfd_open: {e.strerror}") from e
+        try:
+            rc, out = await self._run([], "get_server_list\n", self.deadlines.control_command)
+        except BaseException:
+            os.close(pidfd)
+            raise
+        if rc != 0:
+            os.close(pidfd)
+            raise refuse(f"control daemon {pid} does not answer: {out.strip() or f'exit status {rc}'}")
+        self.pid, self._pidfd, self.started, self.adopted = pid, pidfd, True, True
+        first = out.split("\n", 1)[0].strip()
+        if first.isdigit():
+            self.servers.add(int(first))
+        Owner.me(pid, self.temporary).write(self.dir)
+        log.info(f"mps: control daemon {pid} adopted from meshd-mps {owner.meshd_pid}", pipe=self.pipe_dir,
+                 server=first or None)
+
+    def detach(self) -> None:
+        """Stop without quitting it (live restore): the daemon and its server run on, the marker
+        and the directory stay for the next meshd-mps to ``adopt``; ``quit`` then does nothing."""
+        if self.started:
+            log.info(f"mps: control daemon {self.pid} left running for the next meshd-mps", dir=self.dir)
+        self.started = False
+        self.temporary = False
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
 
     def lost(self) -> str | None:
         """Why the daemon is gone while still needed (None: it runs, or we quit it); a waitpid."""
@@ -334,6 +429,15 @@ class ControlDaemon:
             log.info(f"mps: control daemon quit in {(time.monotonic() - t0) * 1e3:.0f} ms")
         if self.temporary:
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _read_pid(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 Runner = Callable[[list[str], "str | None", float], Awaitable[tuple[int, str]]]

@@ -9,12 +9,16 @@ this module is the only implementation of it, on both sides.
 from __future__ import annotations
 
 import enum
+import os
 import struct
 from dataclasses import dataclass
 
 from meshd_mps.errors import FrameError as FrameError  # re-exported: the frame code's callers catch it here
 
 HEADER = struct.Struct("<I")
+#: The frame protocol's version, sent in HELLO: a daemon adopts only a worker that speaks its own.
+#: Bumped at any change of a frame's layout or meaning (1: the ops below, HELLO included).
+PROTOCOL_VERSION = 1
 #: Largest ``length`` accepted (op + body): a cubin travels in one LOAD frame.
 MAX_FRAME = 64 << 20
 
@@ -29,6 +33,7 @@ class Op(enum.IntEnum):
     UNLOAD = 7
     QUIT = 8
     LIMIT = 9  # the context's stack limit: get, or set then get
+    HELLO = 10  # a --listen worker's first frame on each connection: who it is, what it runs
 
 
 #: LIMIT's body: set (u32 0/1), bytes (u64); its reply: ok, bytes (u64)
@@ -182,6 +187,104 @@ class Done:
         if ok not in (0, 1):
             raise FrameError(f"DONE ok word {ok}, expected 0 or 1")
         return cls(module, gen, ok == 1, _text(body[DONE_HEAD.size :]))
+
+
+HELLO_HEAD = struct.Struct("<IIIII")  # version, pid, device, modules, launches
+HELLO_MODULE = struct.Struct("<III")  # id, gen (its last launch's; 0: none), name length; then the name
+HELLO_LAUNCH = struct.Struct("<IIIII")  # module, gen, slot, nodes, running (1; 0: ended, its DONE follows)
+
+
+@dataclass(frozen=True)
+class HelloModule:
+    id: int
+    gen: int  # the module's last launch's generation (0: never launched)
+    name: str
+
+
+@dataclass(frozen=True)
+class HelloLaunch:
+    """A launch whose DONE no daemon has had: running, or ended while none was connected (its DONE
+    is the next frames after HELLO)."""
+
+    module: int
+    gen: int
+    slot: int
+    nodes: int
+    running: bool
+
+
+@dataclass(frozen=True)
+class Hello:
+    """What a worker in listen mode says first on each connection (docs/protocol.md), so that a
+    daemon that did not start it can adopt it: the protocol version, its pid and GPU, its modules,
+    its launches not yet reported, and the mailbox it maps."""
+
+    version: int
+    pid: int
+    device: int
+    modules: tuple[HelloModule, ...] = ()
+    launches: tuple[HelloLaunch, ...] = ()
+    mailbox: str = ""
+
+    def encode(self) -> bytes:
+        out = [HELLO_HEAD.pack(self.version, self.pid, self.device, len(self.modules), len(self.launches))]
+        for m in self.modules:
+            name = m.name.encode()[:MAX_NAME]
+            out.append(HELLO_MODULE.pack(m.id, m.gen, len(name)) + name)
+        for la in self.launches:
+            out.append(HELLO_LAUNCH.pack(la.module, la.gen, la.slot, la.nodes, 1 if la.running else 0))
+        out.append(self.mailbox.encode())
+        return b"".join(out)
+
+    @staticmethod
+    def head(body: bytes) -> tuple[int, int]:
+        """(version, pid): readable whatever the version, so that a mismatch is named, not misparsed."""
+        if len(body) < 8:
+            raise FrameError(f"HELLO body of {len(body)} bytes, no version and pid")
+        v, pid = struct.unpack_from("<II", body)
+        return v, pid
+
+    @classmethod
+    def decode(cls, body: bytes) -> Hello:
+        if len(body) < HELLO_HEAD.size:
+            raise FrameError(f"HELLO body of {len(body)} bytes, shorter than its {HELLO_HEAD.size}-byte head")
+        version, pid, device, nm, nl = HELLO_HEAD.unpack_from(body)
+        at = HELLO_HEAD.size
+        modules = []
+        for _ in range(nm):
+            if at + HELLO_MODULE.size > len(body):
+                raise FrameError(f"HELLO: {nm} modules do not fit its {len(body)}-byte body")
+            mid, gen, n = HELLO_MODULE.unpack_from(body, at)
+            at += HELLO_MODULE.size
+            if n > MAX_NAME or at + n > len(body):
+                raise FrameError(f"HELLO: module {mid}'s name length {n} does not fit its {len(body)}-byte body")
+            modules.append(HelloModule(mid, gen, _text(body[at : at + n])))
+            at += n
+        launches = []
+        for _ in range(nl):
+            if at + HELLO_LAUNCH.size > len(body):
+                raise FrameError(f"HELLO: {nl} launches do not fit its {len(body)}-byte body")
+            module, gen, slot, nodes, running = HELLO_LAUNCH.unpack_from(body, at)
+            at += HELLO_LAUNCH.size
+            if running not in (0, 1):
+                raise FrameError(f"HELLO: launch {module}/{gen} running word {running}, expected 0 or 1")
+            launches.append(HelloLaunch(module, gen, slot, nodes, running == 1))
+        return cls(version, pid, device, tuple(modules), tuple(launches), _text(body[at:]))
+
+
+#: AF_UNIX paths stop at 107 bytes (sun_path is 108, with its NUL); a pid has at most 7 digits
+#: (pid_max is at most 4194304).
+SUN_PATH_MAX = 107
+
+
+def listen_path(dir: str, pid: int) -> str:
+    """The socket of the worker ``pid`` started with ``--listen DIR``."""
+    return os.path.join(dir, f"{pid}.sock")
+
+
+def listen_dir_fits(dir: str) -> bool:
+    """Every worker's socket under ``dir`` fits an AF_UNIX address."""
+    return len(listen_path(dir, 4194304).encode()) <= SUN_PATH_MAX
 
 
 def unload_body(module: int) -> bytes:

@@ -1,8 +1,12 @@
-"""The mailbox: one memfd that meshd and every worker map, a slot per program.
+"""The mailbox: one shared 1 MiB that meshd and every worker map, a slot per program.
 
-meshd creates it; a worker opens it by the path ``/proc/<meshd pid>/fd/<fd>``
-passed with ``--mailbox`` and registers it with the GPU (host-mapped memory),
-so that a resident kernel and the host talk through plain loads and stores.
+meshd creates it; a worker opens it by the path passed with ``--mailbox`` and
+registers it with the GPU (host-mapped memory), so that a resident kernel and
+the host talk through plain loads and stores.  By default it is a memfd, opened
+as ``/proc/<meshd pid>/fd/<fd>``: that path dies with meshd.  For live restore
+it is a regular file in the state directory instead (``create(path)``), which
+outlives meshd, so that the next meshd maps the same memory (``open(path)``)
+while the kernels keep running on it.
 """
 
 from __future__ import annotations
@@ -31,14 +35,30 @@ class Mailbox:
         self.mm = mmap.mmap(fd, self.size)
 
     @classmethod
-    def create(cls) -> Mailbox:
-        """A fresh, zeroed mailbox; its fd stays open (and inheritable by path) until close."""
-        fd = os.memfd_create("meshd-mps-mailbox", os.MFD_CLOEXEC)
-        os.ftruncate(fd, abi.MAILBOX_BYTES)
-        return cls(fd, f"/proc/{os.getpid()}/fd/{fd}")
+    def create(cls, path: str | None = None) -> Mailbox:
+        """A fresh, zeroed mailbox.  Without ``path`` a memfd, whose fd stays open (and reachable by
+        path) until close; with one, the regular file ``path`` (mode 0600, created or truncated;
+        never through a symlink), which outlives this process: the live-restore mailbox."""
+        if path is None:
+            fd = os.memfd_create("meshd-mps-mailbox", os.MFD_CLOEXEC)
+            os.ftruncate(fd, abi.MAILBOX_BYTES)
+            return cls(fd, f"/proc/{os.getpid()}/fd/{fd}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise MailboxError(f"mailbox {path}: {e.strerror}") from e
+        try:
+            os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+            os.ftruncate(fd, 0)  # zeroed: what a kernel of an earlier run wrote is gone
+            os.ftruncate(fd, abi.MAILBOX_BYTES)
+        except OSError as e:
+            os.close(fd)
+            raise MailboxError(f"mailbox {path}: {e.strerror}") from e
+        return cls(fd, os.path.abspath(path))
 
     @classmethod
     def open(cls, path: str) -> Mailbox:
+        """An existing mailbox, its contents as they are (a worker's, or an adopting meshd's)."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as e:

@@ -13,6 +13,12 @@ that would take the control daemon's orphans from daemon.py's reaper.
 
 The object answers to what callers used of ``asyncio.subprocess.Process``:
 ``pid``, ``returncode``, ``stdin``, ``stdout``, ``wait()``, ``kill()``.
+
+A worker in listen mode (live restore) is started without pipes: its frames go
+over its socket, its output to a log file, since a worker that writes to a dead
+daemon's pipe gets EPIPE.  A worker another meshd-mps started is not our child:
+``Adopted`` watches it through a pidfd alone and cannot know its exit status.
+Both answer to ``Process``.
 """
 
 from __future__ import annotations
@@ -23,9 +29,47 @@ import os
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 #: How often a child's exit is polled where the kernel has no pidfd_open (before Linux 5.3).
 POLL_S = 0.05
+
+#: The Popen objects of children handed to another meshd-mps (``Child.detach``), by pid: kept until
+#: the child is reaped (``note_reaped``), since a Popen collected while its child runs warns and
+#: reaps it behind our back.
+_DETACHED: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def note_reaped(pid: int, returncode: int) -> None:
+    """A detached child of ours was reaped by whoever adopted it (an ``Adopted`` in this process,
+    a test): its Popen is told, and let go."""
+    popen = _DETACHED.pop(pid, None)
+    if popen is not None:
+        popen.returncode = returncode
+
+
+class Process(Protocol):
+    """What the supervisor needs of a worker's process, ours (Child) or adopted (Adopted)."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once known: never for an adopted process that is not our child."""
+        ...
+
+    @property
+    def exited(self) -> bool: ...
+
+    async def wait(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def detach(self) -> None: ...
 
 
 class Child:
@@ -43,10 +87,11 @@ class Child:
 
     async def _connect(self) -> None:
         loop = self._loop
-        assert self._popen.stdout is not None
-        reader = self.stdout = asyncio.StreamReader(limit=2**20, loop=loop)
-        rt, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop), self._popen.stdout)
-        self._read_transport = rt
+        if self._popen.stdout is not None:
+            reader = self.stdout = asyncio.StreamReader(limit=2**20, loop=loop)
+            rt, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
+                                                 self._popen.stdout)
+            self._read_transport = rt
         if self._popen.stdin is not None:
             wt, wp = await loop.connect_write_pipe(lambda: asyncio.StreamReaderProtocol(asyncio.StreamReader(), loop=loop),
                                                    self._popen.stdin)
@@ -80,6 +125,24 @@ class Child:
     def _polled(self) -> None:
         self._poll = None if self._reap() else self._loop.call_later(POLL_S, self._polled)
 
+    @property
+    def exited(self) -> bool:
+        return self.returncode is not None
+
+    def detach(self) -> None:
+        """Stop watching it, leave it running: another meshd-mps adopts it (``Adopted``).  Its
+        exit is no longer ours to reap; the process it runs is not touched."""
+        self.close()
+        if self._pidfd >= 0:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+        if self._poll is not None:
+            self._poll.cancel()
+            self._poll = None
+        if self.returncode is None:
+            _DETACHED[self.pid] = self._popen
+
     async def wait(self) -> int:
         await self._exited.wait()
         assert self.returncode is not None
@@ -105,11 +168,18 @@ class Child:
             self._poll = None
 
 
-async def spawn(argv: Sequence[str], env: Mapping[str, str], *, stdin: bool = True, merge_stderr: bool = False) -> Child:
+async def spawn(argv: Sequence[str], env: Mapping[str, str], *, stdin: bool = True, merge_stderr: bool = False,
+                output: int | None = None) -> Child:
     """Start ``argv`` in a process group of its own, with a pipe on its stdout, and on its stdin
-    (else /dev/null); its stderr is ours, or with ``merge_stderr`` its stdout's pipe.  OSError if
-    it cannot start."""
+    (else /dev/null); its stderr is ours, or with ``merge_stderr`` its stdout's pipe.  With
+    ``output`` (an fd: a log file) no pipe at all: stdin is /dev/null, stdout and stderr go to
+    ``output``.  OSError if it cannot start."""
     loop = asyncio.get_running_loop()
+    if output is not None:
+        popen = subprocess.Popen(  # noqa: ASYNC220
+            list(argv), stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=dict(env), close_fds=True,
+            bufsize=0, process_group=0)
+        return await _connected(Child(popen, loop))
     # Popen, not create_subprocess_exec, on purpose: see the module's docstring (the pipes join
     # the loop directly).  Its fork is the same one asyncio would make, in this thread.
     # process_group=0: a process group of its own, so that a terminal's signals (Ctrl-C, the
@@ -117,7 +187,11 @@ async def spawn(argv: Sequence[str], env: Mapping[str, str], *, stdin: bool = Tr
     popen = subprocess.Popen(  # noqa: ASYNC220
         list(argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else None, env=dict(env), close_fds=True, bufsize=0, process_group=0)
-    child = Child(popen, loop)
+    return await _connected(Child(popen, loop))
+
+
+async def _connected(child: Child) -> Child:
+    popen = child._popen
     try:
         await child._connect()
     except BaseException:
@@ -126,3 +200,65 @@ async def spawn(argv: Sequence[str], env: Mapping[str, str], *, stdin: bool = Tr
         child.close()
         raise
     return child
+
+
+class Adopted:
+    """A process that is not our child (a worker another meshd-mps started), watched through a
+    pidfd: the loop sees its exit, but no one here can wait for it, so its exit status is unknown
+    (``returncode`` stays None; ``exited`` says it is gone) unless it happens to be our child after
+    all (a test's, a subreaper's), when it is reaped and its status kept.  Signals go through the
+    pidfd, so a pid reused meanwhile is never signalled."""
+
+    def __init__(self, pid: int, pidfd: int, loop: asyncio.AbstractEventLoop):
+        self.pid = pid
+        self._pidfd = pidfd
+        self._loop = loop
+        self._status: int | None = None
+        self._exited = asyncio.Event()
+        loop.add_reader(pidfd, self._gone)
+
+    @classmethod
+    def watch(cls, pid: int) -> Adopted:
+        """ProcessLookupError if ``pid`` is gone already."""
+        return cls(pid, os.pidfd_open(pid), asyncio.get_running_loop())
+
+    @property
+    def returncode(self) -> int | None:
+        return self._status
+
+    @property
+    def exited(self) -> bool:
+        return self._exited.is_set()
+
+    def _gone(self) -> None:
+        with contextlib.suppress(ChildProcessError):  # not ours: the status is its parent's
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid == self.pid:
+                self._status = os.waitstatus_to_exitcode(status)
+                note_reaped(pid, self._status)
+        self._loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._pidfd = -1
+        self._exited.set()
+
+    async def wait(self) -> int | None:
+        await self._exited.wait()
+        return self._status
+
+    def send_signal(self, sig: int) -> None:
+        if self._pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def close(self) -> None:
+        """Nothing of its streams is ours (they are WorkerProc's socket); the watch ends at its exit."""
+
+    def detach(self) -> None:
+        """Stop watching it (handed on to the next meshd-mps)."""
+        if self._pidfd >= 0:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1

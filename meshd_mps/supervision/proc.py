@@ -1,7 +1,8 @@
 """One worker process as the supervisor sees it (the seed's ``proc``).
 
-Its stdin and stdout are asyncio streams; one reader task (owned by the
-:class:`~meshd_mps.supervision.supervisor.Supervisor`'s task group) turns stdout into
+Its stdin and stdout are asyncio streams (or, for a worker in listen mode, the two
+directions of its socket); one reader task (owned by the
+:class:`~meshd_mps.supervision.supervisor.Supervisor`'s task group) turns them into
 frames.  A request and its reply meet in a future, one ask at a time; DONE
 frames arrive on their own and resolve the launch's completion future.  A
 frame that breaks the protocol, or a reply that comes late or unasked, makes
@@ -32,8 +33,8 @@ from meshd_mps.errors import (
     WorkerUnfit,
 )
 from meshd_mps.protocol import frames
-from meshd_mps.protocol.frames import Done, Op
-from meshd_mps.supervision.child import Child
+from meshd_mps.protocol.frames import Done, Hello, Op
+from meshd_mps.supervision.child import Process
 
 log = structlog.get_logger("meshd_mps")
 
@@ -45,17 +46,23 @@ class WorkerState(enum.Enum):
     UNFIT = "unfit"  # broke the protocol or missed a deadline: never asked again
     RETIRING = "retiring"  # told to exit (QUIT, EOF) or killed by us
     EXITED = "exited"  # its stdout closed: the process exited (or closed it)
+    DETACHED = "detached"  # its socket closed by us (Supervisor.detach): it runs on, for the next daemon
 
 
 #: The moves WorkerProc.to allows; EXITED is reached from every state (a process can die any time).
+#: DETACHED (Supervisor.detach) from every state but the ends.
 MOVES: dict[WorkerState, frozenset[WorkerState]] = {
-    WorkerState.STARTING: frozenset({WorkerState.READY, WorkerState.FAULTED, WorkerState.UNFIT, WorkerState.RETIRING}),
-    WorkerState.READY: frozenset({WorkerState.FAULTED, WorkerState.UNFIT, WorkerState.RETIRING}),
-    WorkerState.FAULTED: frozenset({WorkerState.UNFIT, WorkerState.RETIRING}),
-    WorkerState.UNFIT: frozenset({WorkerState.RETIRING}),
+    WorkerState.STARTING: frozenset({WorkerState.READY, WorkerState.FAULTED, WorkerState.UNFIT, WorkerState.RETIRING,
+                                     WorkerState.DETACHED}),
+    WorkerState.READY: frozenset({WorkerState.FAULTED, WorkerState.UNFIT, WorkerState.RETIRING, WorkerState.DETACHED}),
+    WorkerState.FAULTED: frozenset({WorkerState.UNFIT, WorkerState.RETIRING, WorkerState.DETACHED}),
+    WorkerState.UNFIT: frozenset({WorkerState.RETIRING, WorkerState.DETACHED}),
     WorkerState.RETIRING: frozenset(),
     WorkerState.EXITED: frozenset(),
+    WorkerState.DETACHED: frozenset(),
 }
+#: Where a worker can be detached from.
+DETACHABLE = frozenset(s for s, to in MOVES.items() if WorkerState.DETACHED in to)
 #: Where a worker that may be asked can be.
 ASKABLE = frozenset({WorkerState.STARTING, WorkerState.READY, WorkerState.FAULTED})
 
@@ -75,13 +82,24 @@ def _expire(fut: asyncio.Future[tuple[Op, bytes]]) -> None:
 
 
 class WorkerProc:
-    def __init__(self, process: Child, on_unfit: Callable[[WorkerProc], None], deadlines: Deadlines = DEFAULT):
-        assert process.stdin is not None and process.stdout is not None
+    def __init__(self, process: Process, on_unfit: Callable[[WorkerProc], None], deadlines: Deadlines = DEFAULT,
+                 streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None):
+        """``streams``: the worker's frames, read and written, when they are not the process's
+        stdout and stdin (a worker in listen mode: its socket)."""
+        if streams is None:
+            stdout, stdin = getattr(process, "stdout", None), getattr(process, "stdin", None)
+            assert stdout is not None and stdin is not None
+            streams = (stdout, stdin)
         self.process = process
         self.pid = process.pid
         self.program: str | None = None  # for log lines: the image it runs, if any
-        self._stdin = process.stdin
-        self._stdout = process.stdout
+        self._stdout, self._stdin = streams
+        self.socket: str | None = None  # the socket it listens on (listen mode), for adoption
+        self.log_file: str | None = None  # where its output goes (listen mode)
+        self.hello: Hello | None = None  # what it said when we connected (listen mode)
+        #: Its launches whose DONE we had not had when we adopted it, by (module, gen): each future
+        #: resolves with that DONE (ended while no daemon was connected: right after HELLO).
+        self.outstanding: dict[tuple[int, int], asyncio.Future[Done]] = {}
         self._on_unfit = on_unfit
         self.deadlines = deadlines
         self._ask_lock = asyncio.Lock()
@@ -170,6 +188,15 @@ class WorkerProc:
         fut.set_result((op, body))
 
     def _closed(self) -> None:
+        if not self._stdin.is_closing():  # a socket's other direction (a pipe's is closed at the reap)
+            self._stdin.close()
+        if self.state == WorkerState.DETACHED:
+            # Closed by us, quietly: the process and its launches go on, their DONEs go to the next
+            # daemon; an ask in flight cannot be answered here any more.
+            self.exited.set()
+            if self._pending is not None and not self._pending.done():
+                self._pending.set_exception(WorkerGone(f"worker {self.pid}: detached", pid=self.pid))
+            return
         unfit = self.unfit
         self.to(WorkerState.EXITED, unfit or "stdout closed")
         self.exited.set()
@@ -191,6 +218,30 @@ class WorkerProc:
         if self._pending is not None and not self._pending.done():
             self._pending.set_exception(WorkerUnfit(why, pid=self.pid))
         self._on_unfit(self)
+
+    def detach(self) -> None:
+        """Close its connection without a word (its socket: a worker in listen mode waits for the
+        next daemon); its launches' futures stay unresolved.  The reader ends at the EOF."""
+        if self.state in DETACHABLE:
+            self.to(WorkerState.DETACHED, "detached")
+        if not self._stdin.is_closing():
+            self._stdin.close()
+
+    def adopted(self, hello: Hello) -> None:
+        """Take over what the worker said it runs: each module's generation, a future for each
+        launch whose DONE we have not had (``outstanding``), its GPU."""
+        self.hello = hello
+        self.device = hello.device
+        for m in hello.modules:
+            self.gen[m.id] = m.gen
+            self.done[m.id] = m.gen
+        loop = asyncio.get_running_loop()
+        for la in hello.launches:
+            self.gen[la.module] = max(self.gen.get(la.module, 0), la.gen)
+            self.done[la.module] = min(self.done.get(la.module, la.gen), la.gen - 1)
+            fut: asyncio.Future[Done] = loop.create_future()
+            self._waiters[(la.module, la.gen)] = fut
+            self.outstanding[(la.module, la.gen)] = fut
 
     def retiring(self) -> None:
         """Told to exit, or killed, by its owner: whatever it does next is not on its own."""

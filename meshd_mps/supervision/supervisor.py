@@ -9,6 +9,12 @@ that a task's failure reaches the owner.  A host that cannot nest
 in one task of the supervisor's that ``close()`` awaits, re-raising what it raised.  Retire is the seed's: QUIT, 2 s
 to exit, SIGKILL, 2 s more, else "left behind".  Cleanup is the seed's too:
 idle workers get EOF, every worker SIGKILL, one shared 500 ms reap deadline.
+
+Live restore (issue 17): a worker spawned with ``listen=DIR`` serves its frames on
+``DIR/<pid>.sock`` and outlives us; ``detach()`` stops the supervisor without retiring such
+workers (their connections closed, nothing killed), and the next meshd-mps's supervisor
+``adopt()``s each one by its socket: the same process, its HELLO (docs/protocol.md) saying what it
+runs.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
+import struct
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -25,10 +34,22 @@ import structlog
 from anyio.abc import TaskGroup
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.errors import MeshError, SpawnFailed, WorkerError
-from meshd_mps.protocol.frames import Op
+from meshd_mps.errors import (
+    ConfigError,
+    FrameError,
+    MeshError,
+    NoReply,
+    PeerMismatch,
+    ProtocolMismatch,
+    SpawnFailed,
+    WorkerError,
+    WorkerGone,
+    WorkerUnfit,
+)
+from meshd_mps.protocol import frames
+from meshd_mps.protocol.frames import Hello, Op
 from meshd_mps.supervision import child, procfs
-from meshd_mps.supervision.proc import WorkerProc
+from meshd_mps.supervision.proc import DETACHABLE, WorkerProc, WorkerState
 
 log = structlog.get_logger("meshd_mps")
 
@@ -106,20 +127,185 @@ class Supervisor:
 
         self._group().start_soon(run, name=name)
 
-    async def spawn(self, argv: Sequence[str], env: Mapping[str, str], program: str | None = None) -> WorkerProc:
-        """A new worker process with its reader task; stderr passes through to ours."""
+    async def spawn(self, argv: Sequence[str], env: Mapping[str, str], program: str | None = None, *,
+                    listen: str | None = None) -> WorkerProc:
+        """A new worker process with its reader task; stderr passes through to ours.
+
+        ``listen``: a directory (made 0700 if missing) where the worker serves its frames on
+        ``<pid>.sock`` and writes its output to ``<pid>.log``, so that it outlives us (live
+        restore): it is started with ``--listen`` and its orphan and halt deadlines, we connect
+        (within ``Deadlines.connect``) and read its HELLO (``Deadlines.hello``) into ``w.hello``."""
         self._group()
+        if listen is not None:
+            return await self._spawn_listening(argv, env, program, listen)
         try:
             process = await child.spawn(argv, env)
         except OSError as e:
             raise SpawnFailed(f"mps worker: {argv[0]}: {e.strerror or e}") from e
         w = WorkerProc(process, self._unfit, self.deadlines)
         w.program = program
+        self._own(w)
+        log.debug("worker spawned", pid=w.pid)
+        return w
+
+    def _own(self, w: WorkerProc) -> None:
         self.workers[w.pid] = w
         self._children[w.pid] = w
         self._owned(self._read, w, name=f"reader {w.pid}")
-        log.debug("worker spawned", pid=w.pid)
+
+    async def _spawn_listening(self, argv: Sequence[str], env: Mapping[str, str], program: str | None,
+                               dir: str) -> WorkerProc:
+        dir, fd, spawning = _listen_dir(dir)
+        d = self.deadlines
+        argv = [*argv, "--listen", dir, "--orphan-timeout", f"{d.orphan:g}", "--halt-within", f"{d.orphan_halt:g}"]
+        try:
+            process = await child.spawn(argv, env, output=fd)
+        except OSError as e:
+            os.unlink(spawning)
+            raise SpawnFailed(f"mps worker: {argv[0]}: {e.strerror or e}") from e
+        finally:
+            os.close(fd)
+        log_file = os.path.join(dir, f"{process.pid}.log")
+        os.replace(spawning, log_file)
+        path = frames.listen_path(dir, process.pid)
+        try:
+            streams = await self._connect(path, process)
+            try:
+                hello = await self._hello(streams, process.pid, path)
+            except BaseException:
+                streams[1].close()
+                raise
+        except BaseException:
+            process.kill()
+            with anyio.move_on_after(self.deadlines.retire_kill, shield=True):
+                await process.wait()
+            if process.returncode is None:
+                self.left_behind.append(process.pid)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        w = WorkerProc(process, self._unfit, self.deadlines, streams=streams)
+        w.program, w.socket, w.log_file, w.hello = program, path, log_file, hello
+        self._own(w)
+        log.debug("worker spawned", pid=w.pid, socket=path)
         return w
+
+    async def _connect(self, path: str, process: child.Child) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Our connection to a worker we just started: retried until its socket is there."""
+        within = self.deadlines.connect
+        try:
+            with anyio.fail_after(within):
+                while True:
+                    try:
+                        return await asyncio.open_unix_connection(path, limit=2**20)
+                    except (FileNotFoundError, ConnectionRefusedError):
+                        if process.exited:
+                            raise WorkerGone(f"worker {process.pid} exited (status {process.returncode}) before it"
+                                             f" listened on {path}", pid=process.pid) from None
+                        await anyio.sleep(0.005)  # it is starting: poll for its socket
+        except TimeoutError as e:
+            raise NoReply(f"worker {process.pid}: no socket at {path} within {within:g}s", pid=process.pid,
+                          within=within) from e
+
+    async def _hello(self, streams: tuple[asyncio.StreamReader, asyncio.StreamWriter], pid: int | None,
+                     path: str) -> Hello:
+        """The HELLO a worker sends first on our connection, checked: the peer's credentials
+        (SO_PEERCRED: the process that listens) must be ours and name the pid it claims (and
+        ``pid``, where we know it), its protocol version ours."""
+        reader, writer = streams
+        sock = writer.get_extra_info("socket")
+        peer, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        who = pid if pid is not None else peer
+        if uid != os.getuid():
+            raise PeerMismatch(f"worker socket {path}: served by uid {uid}, not ours ({os.getuid()}); refusing",
+                               pid=peer, claimed=who)
+        if pid is not None and peer != pid:
+            raise PeerMismatch(f"worker {pid}: its socket {path} is served by process {peer}; refusing",
+                               pid=peer, claimed=pid)
+        within = self.deadlines.hello
+        try:
+            with anyio.fail_after(within):
+                head = await reader.readexactly(frames.HEADER.size)
+                (n,) = frames.HEADER.unpack(head)
+                frames.check_length(n)
+                rest = await reader.readexactly(n)
+            op = frames.check_op(rest[0])
+            if op != Op.HELLO:
+                raise FrameError(f"{op.name} where HELLO comes first")
+            version, claimed = Hello.head(rest[1:])
+            if version != frames.PROTOCOL_VERSION:
+                raise ProtocolMismatch(peer, version, frames.PROTOCOL_VERSION)
+            hello = Hello.decode(rest[1:])
+        except TimeoutError as e:
+            raise NoReply(f"worker {who}: no HELLO in {within:g}s", pid=who, within=within) from e
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise WorkerGone(f"worker {who} closed its socket before its HELLO", pid=who) from e
+        except FrameError as e:
+            raise WorkerUnfit(f"worker {who}: bad frame: {e}", pid=who) from e
+        if claimed != peer:
+            raise PeerMismatch(f"worker socket {path}: HELLO names pid {claimed}, but process {peer} serves it;"
+                               " refusing", pid=peer, claimed=claimed)
+        return hello
+
+    async def adopt(self, path: str) -> WorkerProc:
+        """The worker that listens on ``path`` (started by an earlier meshd-mps with ``listen``),
+        taken over: connected, its HELLO checked (``PeerMismatch``, ``ProtocolMismatch``: left as
+        it runs) and taken in (``w.hello``; ``w.outstanding``: a future per launch not yet
+        reported, resolved by its DONE; ``w.gen``, ``w.device``).  Its exit is watched through a
+        pidfd; it is not our child, so its exit status stays unknown.  ``WorkerGone`` if no
+        process listens there any more; a socket file left by a dead worker is removed.  The
+        worker is in state STARTING, as a spawned one: the caller asks READY."""
+        self._group()
+        named = os.path.basename(path).removesuffix(".sock")
+        pid_of_name = int(named) if named.isdigit() else 0
+        try:
+            streams = await asyncio.open_unix_connection(path, limit=2**20)
+        except FileNotFoundError as e:
+            raise WorkerGone(f"worker {pid_of_name}: no socket at {path}", pid=pid_of_name) from e
+        except ConnectionRefusedError as e:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise WorkerGone(f"worker {pid_of_name} is gone (nothing listens on {path}); its socket removed",
+                             pid=pid_of_name) from e
+        except OSError as e:
+            raise WorkerGone(f"worker {pid_of_name}: {path}: {e.strerror or e}", pid=pid_of_name) from e
+        try:
+            hello = await self._hello(streams, None, path)
+            try:
+                process = child.Adopted.watch(hello.pid)
+            except ProcessLookupError as e:
+                raise WorkerGone(f"worker {hello.pid} exited as it was adopted", pid=hello.pid) from e
+        except BaseException:
+            streams[1].close()
+            raise
+        w = WorkerProc(process, self._unfit, self.deadlines, streams=streams)
+        w.socket = path
+        w.log_file = os.path.join(os.path.dirname(path), f"{hello.pid}.log")  # if it has one: removed with it
+        w.adopted(hello)
+        self._own(w)
+        log.info(f"mps: worker {w.pid} adopted", pid=w.pid, device=hello.device,
+                 modules=[m.name for m in hello.modules], launches=len(hello.launches))
+        return w
+
+    async def detach(self) -> list[int]:
+        """Stop without retiring the workers on sockets (live restore): their connections closed,
+        nothing killed; each waits for its orphan timeout, for the next meshd-mps to adopt it.
+        Their reader tasks end quietly, their launches' futures stay unresolved.  Workers on pipes
+        cannot outlive us and are closed as ``close()`` closes them.  Returns the detached pids."""
+        if self.closed:
+            return []
+        kept = [w for w in self._children.values()
+                if w.socket is not None and w.state in DETACHABLE and not w.process.exited]
+        for w in kept:
+            w.detach()
+            w.process.detach()
+            self._children.pop(w.pid, None)
+            self.workers.pop(w.pid, None)
+        if kept:
+            log.info(f"mps: {len(kept)} workers detached; they run on for the next meshd-mps",
+                     pids=sorted(w.pid for w in kept))
+        await self.close()
+        return sorted(w.pid for w in kept)
 
     async def _read(self, w: WorkerProc) -> None:
         """The worker's reader; once its stdout ends (it exited, or closed it) the worker is retired
@@ -178,17 +364,18 @@ class Supervisor:
             d = self.deadlines
             with anyio.move_on_after(d.retire_quit):
                 await w.process.wait()
-            if w.process.returncode is None:
+            if not w.process.exited:
                 log.error(f"mps: worker {w.pid} did not exit in {d.retire_quit:g} s; killing it")
                 _kill(w)
                 with anyio.move_on_after(d.retire_kill):
                     await w.process.wait()
-            if w.process.returncode is None:
+            if not w.process.exited:
                 log.error(f"mps: worker {w.pid} not reaped {d.retire_kill:g} s after SIGKILL; left behind")
                 self.left_behind.append(w.pid)
             else:
                 log.info(f"mps: worker {w.pid} exited", status=w.process.returncode)
                 self._children.pop(w.pid, None)
+                _forget_files(w)
             self.retired += 1
 
     def live(self) -> list[int]:
@@ -211,7 +398,7 @@ class Supervisor:
         with anyio.move_on_after(self.deadlines.cleanup_reap, shield=True):
             for w in kids:
                 await w.process.wait()
-        late = [w for w in kids if w.process.returncode is None]
+        late = [w for w in kids if not w.process.exited]
         for w in late:
             log.error(f"mps: worker {w.pid} not reaped {self.deadlines.cleanup_reap * 1e3:.0f} ms after SIGKILL; left behind")
         if late:
@@ -221,12 +408,13 @@ class Supervisor:
                 for w in late:
                     await w.process.wait()
         for w in kids:
-            if w.process.returncode is None:
+            if not w.process.exited:
                 self.left_behind.append(w.pid)
             else:
                 self._children.pop(w.pid, None)
+                _forget_files(w)
         if late:
-            log.info(f"mps: {sum(w.process.returncode is not None for w in late)} of {len(late)} late workers reaped after all")
+            log.info(f"mps: {sum(w.process.exited for w in late)} of {len(late)} late workers reaped after all")
         self.workers.clear()
         log.debug("workers reaped", n=len(kids), ms=round((time.monotonic() - t0) * 1e3, 1),
                   statuses={w.pid: w.process.returncode for w in kids})
@@ -239,11 +427,37 @@ class Supervisor:
             self._runner.result()  # what a task of the group raised
 
 
+def _listen_dir(dir: str) -> tuple[str, int, str]:
+    """The absolute ``dir`` (made 0700 if missing) and a fresh log file in it (0600, fd and path),
+    named by the worker's pid once it runs."""
+    dir = os.path.abspath(dir)
+    if not frames.listen_dir_fits(dir):
+        raise ConfigError(f"worker sockets under {dir} would be over the {frames.SUN_PATH_MAX}-byte limit of a"
+                          " Unix socket's path; choose a shorter state directory")
+    try:
+        os.makedirs(dir, mode=0o700, exist_ok=True)
+        fd, spawning = tempfile.mkstemp(prefix="spawn.", suffix=".log", dir=dir)
+    except OSError as e:
+        raise SpawnFailed(f"mps worker: {dir}: {e.strerror or e}") from e
+    return dir, fd, spawning
+
+
 def _kill(w: WorkerProc) -> None:
     """Our SIGKILL.  One that finds the process exited already (a zombie not yet reaped: killed from
     outside, say) is not ours: ``killed`` stays False, which is the fault evidence (faults.py)."""
-    if w.process.returncode is None:
+    if not w.process.exited:
         w.retiring()
         w.killed = procfs.running(w.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(w.pid, 9)
+        w.process.kill()
+
+
+def _forget_files(w: WorkerProc) -> None:
+    """A listen-mode worker reaped: its socket removed (a SIGKILL leaves it), and its log too
+    unless it exited on its own (then it is the evidence)."""
+    if w.socket is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(w.socket)
+    on_its_own = w.exited_from not in (None, WorkerState.RETIRING)
+    if w.log_file is not None and not on_its_own:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(w.log_file)
