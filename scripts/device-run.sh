@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One batched run on the GPU machine: the GPU test suite, `serve` end to end through the
 # CLI in both modes, and the benchmark.  Outputs land in $OUT (the device tool) or ./out.
+# Narrower runs: TESTS="tests/gpu/test_x.py ..." (default tests/gpu), SERVE=0 (skip the CLI run),
+# BENCH="--only i" (the bench's arguments; BENCH=skip: no bench).
 set -u
+TESTS=${TESTS:-tests/gpu}; SERVE=${SERVE:-1}; BENCH=${BENCH:-}
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -9,9 +12,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONUNBUFFERED=1
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; which nvidia-cuda-mps-control; } > "$OUT/env.txt" 2>&1
-timeout 420 python3 -m pytest tests/gpu -v -rA -p no:cacheprovider > "$OUT/gpu-tests.txt" 2>&1
+timeout 420 python3 -m pytest $TESTS -v -rA -p no:cacheprovider > "$OUT/gpu-tests.txt" 2>&1
 echo "pytest rc=$?" >> "$OUT/gpu-tests.txt"
-for iso in mps blink; do
+for iso in $([ "$SERVE" = 1 ] && echo mps blink); do
   SD=$(mktemp -d /tmp/msv.XXXXXX); S=$SD/$iso.sock; L="$OUT/serve-$iso.txt"  # a private dir: the daemon refuses a shared one
   python3 -m meshd_mps serve --isolation $iso --pool 2 --socket $S --log-format console 2>/tmp/serve-$iso-log.txt &
   P=$!
@@ -32,7 +35,9 @@ for iso in mps blink; do
     set +x; } > "$L" 2>&1
   { echo "== the daemon's log"; tail -n 40 /tmp/serve-$iso-log.txt; } >> "$L"
 done
-timeout 300 python3 -m meshd_mps bench --json "$OUT/bench.json" > "$OUT/bench.txt" 2>"$OUT/bench-log.txt"
-echo "bench rc=$?" >> "$OUT/bench.txt"
+if [ "$BENCH" != skip ]; then
+  timeout 300 python3 -m meshd_mps bench $BENCH --json "$OUT/bench.json" > "$OUT/bench.txt" 2>"$OUT/bench-log.txt"
+  echo "bench rc=$?" >> "$OUT/bench.txt"
+fi
 pgrep -af "nvidia-cuda-mps|meshd_mps" > "$OUT/left.txt" || echo "nothing left" > "$OUT/left.txt"
-tail -5 "$OUT/gpu-tests.txt"; cat "$OUT/bench.txt"
+grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/gpu-tests.txt" | tail -60; tail -3 "$OUT/gpu-tests.txt"; cat "$OUT/bench.txt" 2>/dev/null

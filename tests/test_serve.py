@@ -55,17 +55,19 @@ def poll(cond, within: float, what: str, every: float = 0.02):
 
 
 class Serve:
-    """One ``meshd-mps serve --gpu sim`` subprocess, its log in a file."""
+    """One ``meshd-mps serve --gpu sim`` subprocess (``gpu="cuda"``: the real GPU and NVIDIA's MPS
+    control, tests/gpu), its log in a file."""
 
-    def __init__(self, dir: str, isolation: str, sock: str, *extra: str, group: bool = False):
+    def __init__(self, dir: str, isolation: str, sock: str, *extra: str, group: bool = False, gpu: str = "sim"):
         """``group``: the leader of a process group of its own, as a shell job is (a signal to the
         group is then what a terminal, or ``kill %1``, sends)."""
         self.dir, self.isolation, self.sock = dir, isolation, sock
         self.logpath = os.path.join(dir, f"serve-{time.monotonic_ns()}.log")
-        argv = [sys.executable, "-m", "meshd_mps", "serve", "--gpu", "sim", "--isolation", isolation,
+        argv = [sys.executable, "-m", "meshd_mps", "serve", "--gpu", gpu, "--isolation", isolation,
                 "--socket", sock, "--log-format", "json", *extra]
+        e = env() if gpu == "sim" else {**env(), "PATH": os.environ.get("PATH", "")}
         with open(self.logpath, "wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO,
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=e, cwd=REPO,
                                          process_group=0 if group else None)
         self.client = Client(sock, timeout=60)
 

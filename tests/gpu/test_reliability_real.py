@@ -1,0 +1,259 @@
+"""Issue 16's cases against the REAL GPU and NVIDIA's own MPS control (point 9): the same cases as
+the simulated GPU's tests (tests/test_restart.py, test_pool_truth.py, test_hard_deaths.py,
+test_native_clients.py), so that what the sim models is checked where it comes from.
+
+- a program whose worker is killed from outside comes back (restart policy on-failure);
+- a program that keeps faulting the GPU becomes a crash loop; its neighbour runs on;
+- blink mode recovers from a fault in its one context, and from the context's death;
+- a dead idle pooled worker is dropped at once and replaced, paced;
+- a terminal's signals to ``meshd-mps serve``'s group reach only the daemon; a SIGKILL of
+  ``serve`` leaves nothing that blocks the next start, and faults no GPU (the workers halt their
+  kernels at EOF);
+- a native client joins our server, is counted, and is dropped when it exits.
+
+Skipped, with the reason printed, where there is no NVIDIA driver or no NVIDIA MPS control.  On
+the device: ``python3 -m pytest tests/gpu/test_reliability_real.py -v -rA``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import anyio
+import pytest
+
+from meshd_mps.backend import Backend
+from meshd_mps.deadlines import DEFAULT
+from meshd_mps.programs import Programs, ProgramState
+from meshd_mps.protocol import abi
+from meshd_mps.restart import CRASH_LOOP_BURST
+from meshd_mps.serving.client import program_body
+from meshd_mps.supervision import procfs
+
+from ..test_backend import beats, example
+from ..test_hard_deaths import _owner, events, left_by, reap
+from ..test_serve import EXAMPLES, REPO, Serve, poll
+from .test_faults_real import real_gpu_and_mps  # noqa: F401 - a fixture
+from .test_mps_real import mps_processes
+
+pytestmark = [pytest.mark.gpu, pytest.mark.mps, pytest.mark.timeout(180), pytest.mark.usefixtures("real_gpu_and_mps")]
+
+QUICK = dataclasses.replace(DEFAULT, restart_backoff=0.05, restart_backoff_max=0.4)
+
+
+async def wait_for(cond, within=60.0):
+    with anyio.fail_after(within):
+        while not cond():
+            await anyio.sleep(0.005)
+
+
+def report(what: str, r) -> None:
+    print(f"{what}: {r}", file=sys.stderr)
+
+
+async def test_a_worker_killed_from_outside_comes_back():
+    async with await Backend.open(isolation="mps", gpu="cuda", pool=2, deadlines=QUICK) as b:
+        progs = Programs(b)
+        hb = await progs.load(*example("heartbeat"))
+        echo = await progs.load(*example("echo"))
+        await beats(b, hb.slot, 1000)
+        pid = echo.kernel.pid
+        os.kill(pid, signal.SIGKILL)
+        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
+        r = progs.faults[-1]
+        report("fault report", r)
+        assert r.gpu_wide and r.faulted == "echo" and r.pid == pid and r.relaunched == ["heartbeat"], r
+        await wait_for(lambda: progs.by_name["echo"].restarts == 1
+                       and progs.by_name["echo"].observe() is ProgramState.RUNNING)
+        assert await progs.call("echo", b"back") == b"back"
+        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot) + 100)
+        await progs.close()
+    assert mps_processes() == []
+
+
+async def test_a_program_that_keeps_faulting_is_a_crash_loop():
+    async with await Backend.open(isolation="mps", gpu="cuda", pool=1, deadlines=QUICK) as b:
+        progs = Programs(b)
+        hb = await progs.load(*example("heartbeat"))
+        await beats(b, hb.slot, 1000)
+        await progs.load(*example("fault"))
+        await wait_for(lambda: progs.by_name["fault"].observe() is ProgramState.CRASH_LOOP, within=120)
+        faults = [r for r in progs.faults if r.gpu_wide]
+        for r in faults:
+            report("fault", r)
+        assert len(faults) == CRASH_LOOP_BURST and all(r.faulted == "fault" for r in faults)
+        assert all(r.relaunched == ["heartbeat"] for r in faults)
+        assert progs.by_name["fault"].error.startswith("crash loop: 5 failures")
+        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot) + 100)
+        await progs.unload("fault")
+        await progs.close()
+    assert mps_processes() == []
+
+
+async def test_blink_recovers_from_a_fault_in_its_context():
+    async with await Backend.open(isolation="blink", gpu="cuda", deadlines=QUICK) as b:
+        progs = Programs(b)
+        hb = await progs.load(*example("heartbeat"))
+        await progs.load(*example("echo"))
+        await beats(b, hb.slot, 1000)
+        ctx = b.blinks[0].proc.pid
+        await progs.load(*example("fault"), policy="never")
+        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
+        r = progs.faults[-1]
+        report("blink fault report", r)
+        assert r.gpu_wide and r.faulted == "fault" and r.by == "ended" and "ILLEGAL_ADDRESS" in r.error, r
+        assert sorted(r.relaunched) == ["echo", "heartbeat"]
+        assert b.blinks[0].proc.pid != ctx
+        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot) + 100)
+        assert await progs.call("echo", b"new context") == b"new context"
+        await progs.unload("fault")
+        await progs.close()
+
+
+async def test_blink_recovers_when_its_context_is_killed():
+    async with await Backend.open(isolation="blink", gpu="cuda", deadlines=QUICK) as b:
+        progs = Programs(b)
+        hb = await progs.load(*example("heartbeat"))
+        await progs.load(*example("echo"))
+        await beats(b, hb.slot, 1000)
+        ctx = b.blinks[0].proc.pid
+        os.kill(ctx, signal.SIGKILL)
+        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
+        r = progs.faults[-1]
+        report("blink context killed", r)
+        assert r.faulted == f"worker {ctx}" and r.by == "stray" and sorted(r.relaunched) == ["echo", "heartbeat"], r
+        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot) + 100)
+        assert await progs.call("echo", b"x") == b"x"
+        await progs.close()
+
+
+async def test_a_dead_pooled_worker_is_dropped_and_replaced():
+    """SIGKILL of an idle pooled worker: out of the pool at once, replaced (paced); a running
+    program's worst gap meanwhile is reported (docs/reliability.md)."""
+    async with await Backend.open(isolation="mps", gpu="cuda", pool=2, deadlines=QUICK) as b:
+        progs = Programs(b)
+        hb = await progs.load(*example("heartbeat"))
+        await beats(b, hb.slot, 1000)
+        pool = b.isolations[0].pool
+        await wait_for(lambda: len(pool) == 2)
+        victim = pool.pids()[0]
+        b.mailbox.set_u32(hb.slot, abi.GAP_RESET, 1)
+        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot) + 100)
+        os.kill(victim, signal.SIGKILL)
+        await wait_for(lambda: victim not in pool.pids())
+        assert victim not in b.status()["pool"]  # status says what the pool holds
+        await wait_for(lambda: len(pool) == 2 and victim not in pool.pids())
+        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot) + 1000)
+        gap = b.mailbox.u64(hb.slot, abi.MAX_GAP) / 1e3
+        print(f"heartbeat's worst gap across an idle pooled worker's SIGKILL and its replacement: {gap:.1f} us",
+              file=sys.stderr)
+        await progs.close()
+    assert mps_processes() == []
+
+
+@pytest.fixture
+def tmp():
+    d = tempfile.mkdtemp(prefix="mhr-")
+    yield d
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP, signal.SIGTERM])
+def test_a_signal_to_serves_group_reaches_only_the_daemon(tmp, sig):
+    s = Serve(tmp, "mps", os.path.join(tmp, "s.sock"), "--pool", "1", "--log-level", "debug", group=True, gpu="cuda")
+    try:
+        s.wait_ready()
+        s.client.load(program_body(str(EXAMPLES / "heartbeat")))
+        workers = s.client.status()["workers"]
+        assert workers and all(os.getpgid(w) == w for w in workers)
+        os.killpg(s.proc.pid, sig)
+        assert s.proc.wait(120) == 0, s.log()
+        text = s.log()
+        assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+        reaped = [e for e in events(s) if e.get("msg") == "workers reaped"]
+        statuses = {int(pid): rc for pid, rc in reaped[0]["statuses"].items()}
+        assert set(workers) <= set(statuses) and not {-sig} & set(statuses.values()), statuses
+    finally:
+        s.kill()
+    poll(lambda: mps_processes() == [], 30.0, "no MPS process left")
+
+
+def test_a_sigkill_of_serve_faults_nothing_and_blocks_no_restart(tmp):
+    """The workers see EOF, halt their kernels and exit (no client exits with its kernel running:
+    the control log shows no fault); the next serve in the same --mps-dir quits the left daemon."""
+    mps_dir = os.path.join(tmp, "mps")
+    first = Serve(tmp, "mps", os.path.join(tmp, "a.sock"), "--pool", "1", "--mps-dir", mps_dir, gpu="cuda")
+    try:
+        first.wait_ready()
+        first.client.load(program_body(str(EXAMPLES / "heartbeat")))
+        first.client.load(program_body(str(EXAMPLES / "echo")))
+        left = _owner(mps_dir)
+        orphans = left_by(left) + first.client.status()["workers"]
+        first.proc.kill()
+        first.proc.wait(30)
+        assert left.daemon_alive() and not left.meshd_alive()
+        workers = [p for p in orphans if p not in left_by(left)]
+        poll(lambda: not any(procfs.running(p) for p in workers), 60.0, f"the orphaned workers {workers} exited")
+        server_log = os.path.join(mps_dir, "log", "server.log")
+        with open(server_log, errors="replace") as f:
+            text = f.read()
+        print(f"server.log after the SIGKILL:\n{text[-3000:]}", file=sys.stderr)
+        assert "fatal GPU error" not in text, "a worker exited with its kernel running"
+        second = Serve(tmp, "mps", os.path.join(tmp, "b.sock"), "--pool", "1", "--mps-dir", mps_dir, gpu="cuda")
+        try:
+            second.wait_ready()
+            assert not left.daemon_alive()
+            reap(orphans)
+            second.client.load(program_body(str(EXAMPLES / "heartbeat")))
+            assert second.stop() == 0
+        finally:
+            second.kill()
+    finally:
+        first.kill()
+    poll(lambda: mps_processes() == [], 30.0, "no MPS process left")
+
+
+NATIVE = ("import os, sys\n"
+          "from cuda.bindings import driver as cu\n"
+          "assert int(cu.cuInit(0)[0]) == 0\n"
+          "err, dev = cu.cuDeviceGet(0)\n"
+          "err, ctx = cu.cuDevicePrimaryCtxRetain(dev)\n"
+          "assert int(err) == 0, err\n"
+          "cu.cuCtxSetCurrent(ctx)\n"
+          "err, p = cu.cuMemAlloc(1 << 20)\n"
+          "assert int(err) == 0, err\n"
+          "print('joined', flush=True)\n"
+          "sys.stdin.read()\n")
+
+
+def test_a_native_client_joins_is_counted_and_is_dropped(tmp):
+    s = Serve(tmp, "mps", os.path.join(tmp, "s.sock"), "--pool", "1", gpu="cuda")
+    try:
+        s.wait_ready()
+        got = s.client.native()
+        p = subprocess.Popen([sys.executable, "-c", NATIVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, **got["env"]}, cwd=REPO)
+        try:
+            assert p.stdout is not None and p.stdout.readline().strip() == "joined"
+            ans = s.client.native(add=p.pid)
+            assert ans["clients"] == [p.pid] and p.pid in s.client.status()["clients"]
+
+            def seen_native():  # NVML's next look (every 2 s) names it native, not foreign
+                n = (s.client.status().get("neighbours") or [{}])[0]
+                return p.pid in n.get("native", []) and p.pid not in [f["pid"] for f in n.get("foreign", [])]
+
+            poll(seen_native, 30.0, "NVML seeing the native client as ours")
+        finally:
+            p.communicate("", timeout=60)
+        poll(lambda: s.client.native()["clients"] == [], 30.0, "the exited native client dropped")
+        assert s.stop() == 0
+    finally:
+        s.kill()
+    poll(lambda: mps_processes() == [], 30.0, "no MPS process left")
