@@ -183,7 +183,7 @@ def test_a_signal_to_serves_group_reaches_only_the_daemon(tmp, sig):
         assert set(workers) <= set(statuses) and not {-sig} & set(statuses.values()), statuses
     finally:
         s.kill()
-    poll(lambda: mps_processes() == [], 30.0, "no MPS process left")
+    poll(lambda: mps_processes() == [], 30.0, f"no MPS process left: {mps_processes()}")
 
 
 def test_a_sigkill_of_serve_faults_nothing_and_blocks_no_restart(tmp):
@@ -218,7 +218,8 @@ def test_a_sigkill_of_serve_faults_nothing_and_blocks_no_restart(tmp):
             second.kill()
     finally:
         first.kill()
-    poll(lambda: mps_processes() == [], 30.0, "no MPS process left")
+    reap([*orphans, left.daemon_pid or 0])  # re-parented to this test (a subreaper), as to init on a host
+    poll(lambda: mps_processes() == [], 30.0, f"no MPS process left: {mps_processes()}")
 
 
 NATIVE = ("import os, sys\n"
@@ -257,4 +258,4 @@ def test_a_native_client_joins_is_counted_and_is_dropped(tmp):
         assert s.stop() == 0
     finally:
         s.kill()
-    poll(lambda: mps_processes() == [], 30.0, "no MPS process left")
+    poll(lambda: mps_processes() == [], 30.0, f"no MPS process left: {mps_processes()}")
