@@ -57,6 +57,7 @@ from meshd_mps.serving import reaper
 from meshd_mps.serving.api import Api
 from meshd_mps.serving.client import default_socket, private_dirs
 from meshd_mps.serving.metrics import Metrics
+from meshd_mps.state.config import DeclaredProgram
 
 log = structlog.get_logger("meshd_mps")
 
@@ -90,6 +91,12 @@ class Config:
     loop: str = "auto"  # auto (uvloop if installed) | uvloop | asyncio
     devices: tuple[int, ...] | None = None  # the GPUs to drive (None: every visible one)
     stall_after: float | None = None  # seconds without a heartbeat before "stalled" (None: Programs' default)
+    # Issue 17, parsed and passed along, not acted on yet: --state-dir as given (None: state.store.resolve_state_dir's
+    # default), --live-restore, the --config file (absolute) and its [program.NAME] tables.
+    state_dir: str | None = None
+    live_restore: bool = False
+    config_file: str | None = None
+    programs: tuple[DeclaredProgram, ...] = ()
 
 
 class StartError(MeshError):
