@@ -53,7 +53,7 @@ from meshd_mps.log import setup_logging
 from meshd_mps.mps.control import become_subreaper
 from meshd_mps.neighbours import NeighbourWatch, classify, look
 from meshd_mps.programs import Programs
-from meshd_mps.serving import reaper
+from meshd_mps.serving import reaper, sdnotify
 from meshd_mps.serving.api import Api
 from meshd_mps.serving.client import default_socket, private_dirs
 from meshd_mps.serving.metrics import Metrics
@@ -269,6 +269,7 @@ class Daemon:
                 f" gpu {b.gpu}, {where}",
                 socket=self.socket_path, isolation=b.isolation, gpu=b.gpu, device=b.caps.name, devices=list(b.devices),
             )
+            sdnotify.notify("READY=1", f"STATUS=serving on {self.socket_path}")  # systemd's Type=notify
             watch: anyio.CancelScope = await tg.start(self._neighbours, name="neighbours")
             try:
                 await self._stop.wait()
@@ -339,6 +340,7 @@ class Daemon:
                 handled += 1
                 if handled == 1:
                     log.info(f"{signal.Signals(sig).name}: shutting down (a second signal forces the exit)")
+                    sdnotify.notify("STOPPING=1", f"STATUS=shutting down on {signal.Signals(sig).name}")
                     self._stop.set()
                     if self._starting is not None:
                         self._starting.cancel()
