@@ -142,6 +142,14 @@ def test_record_forget_reload(sdir):
         assert s.ptx(s.programs()["one"]) == PTX
 
 
+def test_of_a_loaded_program(sdir):
+    r = ProgramRecord.of("one", {"name": "one"}, PTX, slot=2, nodes=3, device=1, hash=0xABC)
+    assert (r.ptx_key, r.hash, r.restart, r.slot, r.nodes, r.device) == (ptx_key(PTX), "0000000000000abc", "on-failure", 2, 3, 1)
+    with Store(sdir) as s:
+        s.record(r, PTX)
+        assert s.programs() == {"one": r}
+
+
 def test_record_refuses_what_it_could_not_load_back(sdir):
     with Store(sdir) as s:
         with pytest.raises(ValueError, match="ptx_key"):

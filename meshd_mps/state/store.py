@@ -101,9 +101,10 @@ def open_state_dir(path: str, *, uid: int | None = None) -> str:
                            why=e.strerror or str(e)) from e
     try:
         lst = os.lstat(path)
-        st = os.stat(path)
-    except FileNotFoundError as e:
-        raise _refused(path, lst.st_uid, "it is a dangling symlink") from e
+        try:
+            st = os.stat(path)
+        except FileNotFoundError as e:
+            raise _refused(path, lst.st_uid, "it is a dangling symlink") from e
     except OSError as e:
         raise StateIOError(f"state directory {path}: {e.strerror}", file=path, why=e.strerror or str(e)) from e
     check_state_dir(path, lst, st, me)
@@ -162,6 +163,15 @@ class ProgramRecord:
     restart: str
     hash: str
     recorded_at: float
+
+    @classmethod
+    def of(cls, name: str, manifest: Mapping[str, Any], ptx: bytes, *, slot: int, nodes: int, device: int,
+           hash: int | str, restart: str = RESTART[0]) -> ProgramRecord:
+        """The record of a program just loaded: ``ptx_key`` computed from ``ptx``, ``hash`` as
+        ``Program.hash`` (an int) or its 16 hex digits, recorded now; checked."""
+        h = f"{hash:016x}" if isinstance(hash, int) else hash
+        return cls(name=name, manifest=dict(manifest), ptx_key=ptx_key(ptx), slot=slot, nodes=nodes, device=device,
+                   restart=restart, hash=h, recorded_at=time.time()).check()
 
     def check(self) -> ProgramRecord:
         """Itself, or ValueError naming the field that is wrong."""
