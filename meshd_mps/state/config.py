@@ -33,6 +33,7 @@ from typing import Any
 
 from meshd_mps.errors import BadName, ConfigError, ConfigFileError, ManifestError
 from meshd_mps.names import check_name
+from meshd_mps.restart import DEFAULT as DEFAULT_RESTART
 from meshd_mps.state.store import RESTART
 
 #: serve's options and their defaults, applied after the file and the flags: the one place they are.
@@ -68,8 +69,8 @@ _HASH = re.compile(r"[0-9a-fA-F]{16}")
 @dataclass(frozen=True)
 class DeclaredProgram:
     """A ``[program.NAME]`` table, checked, its paths absolute: the files of
-    ``serving.client.program_body(dir, manifest, ptx, cuda, hash, nodes, device, arch=...)``, which
-    makes the load body from them (compiling ``cuda`` for ``arch``).  ``line``: the table's line."""
+    ``serving.client.program_body(dir, manifest, ptx, cuda, hash, nodes, device, arch=..., restart=...)``,
+    which makes the load body from them (compiling ``cuda`` for ``arch``).  ``line``: the table's line."""
 
     name: str
     manifest: str
@@ -242,7 +243,7 @@ class _Reader:
             name=name, manifest=manifest, ptx=ptx, cuda=cuda, dir=d,
             nodes=self.integer((*keys, "nodes"), t["nodes"], 1) if "nodes" in t else None,
             device=self.integer((*keys, "device"), t["device"], 0) if "device" in t else None,
-            restart=self.choice((*keys, "restart"), t.get("restart", RESTART[0]), RESTART),
+            restart=self.choice((*keys, "restart"), t.get("restart", DEFAULT_RESTART.value), RESTART),
             hash=h, line=key_line(self.text, keys),
         )
 

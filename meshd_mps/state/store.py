@@ -41,6 +41,7 @@ import structlog
 
 from meshd_mps.errors import BadName, StateDirRefused, StateFileNewer, StateIOError
 from meshd_mps.names import check_name
+from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
 
 log = structlog.get_logger("meshd_mps")
 
@@ -51,8 +52,8 @@ SLOTS = ("programs.a.json", "programs.b.json")
 PTX_DIR = "ptx"
 LOCK = "lock"
 TMP_SUFFIX = ".tmp"
-#: A program's restart policy, as supervisord's autorestart: restarted after a failure, always, never.
-RESTART = ("on-failure", "always", "never")
+#: A program's restart policies (``restart.Policy``), by name.
+RESTART = tuple(p.value for p in Policy)
 ROOT_STATE_DIR = "/var/lib/meshd-mps"
 
 _HASH = re.compile(r"[0-9a-f]{16}")
@@ -166,7 +167,7 @@ class ProgramRecord:
 
     @classmethod
     def of(cls, name: str, manifest: Mapping[str, Any], ptx: bytes, *, slot: int, nodes: int, device: int,
-           hash: int | str, restart: str = RESTART[0]) -> ProgramRecord:
+           hash: int | str, restart: str = DEFAULT_RESTART.value) -> ProgramRecord:
         """The record of a program just loaded: ``ptx_key`` computed from ``ptx``, ``hash`` as
         ``Program.hash`` (an int) or its 16 hex digits, recorded now; checked."""
         h = f"{hash:016x}" if isinstance(hash, int) else hash
