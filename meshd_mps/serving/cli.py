@@ -8,11 +8,9 @@ the client subcommands import only :mod:`meshd_mps.client` (standard library);
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import shlex
-import shutil
 import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
@@ -238,6 +236,8 @@ def serve_config(args: argparse.Namespace) -> Config:
 
 def version_line() -> str:
     """``meshd-mps X.Y.Z (program ABI N, state schema M)``."""
+    import importlib.metadata  # here, not at the top: the worker starts through this module (24 ms)
+
     from meshd_mps.protocol.abi import RT_ABI
     from meshd_mps.state.store import SCHEMA
 
@@ -276,6 +276,8 @@ def unit_text(executable: str | None = None) -> str:
 def own_executable() -> str | None:
     """The meshd-mps script of this installation: the one running, else the one beside this
     Python (a virtual environment's), else the one on PATH; None if none is found."""
+    import shutil
+
     if os.path.basename(sys.argv[0]) == "meshd-mps" and os.access(sys.argv[0], os.X_OK):
         return os.path.abspath(sys.argv[0])
     beside = os.path.join(os.path.dirname(sys.executable), "meshd-mps")
