@@ -235,17 +235,18 @@ def serve_config(args: argparse.Namespace) -> Config:
 
 
 def version_line() -> str:
-    """``meshd-mps X.Y.Z (program ABI N, state schema M)``."""
+    """``meshd-mps X.Y.Z (frame protocol P, program ABI N, state schema M)``."""
     import importlib.metadata  # here, not at the top: the worker starts through this module (24 ms)
 
     from meshd_mps.protocol.abi import RT_ABI
+    from meshd_mps.protocol.frames import PROTOCOL_VERSION
     from meshd_mps.state.store import SCHEMA
 
     try:
         v = importlib.metadata.version("meshd-mps")
     except importlib.metadata.PackageNotFoundError:
         v = "unknown (not installed)"
-    return f"meshd-mps {v} (program ABI {RT_ABI}, state schema {SCHEMA})"
+    return f"meshd-mps {v} (frame protocol {PROTOCOL_VERSION}, program ABI {RT_ABI}, state schema {SCHEMA})"
 
 
 class _Version(argparse.Action):
