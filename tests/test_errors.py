@@ -22,6 +22,7 @@ EXPECTED = {
     E.SpawnFailed: 500, E.MpsError: 500, E.StateError: 500, E.WrongMode: 409,
     E.NotNative: 404, E.NotOurClient: 409, E.NvmlUnavailable: 500,
     E.ProtocolMismatch: 500, E.PeerMismatch: 500, E.NotAdoptable: 500,
+    E.ConfigFileError: 400, E.StateDirRefused: 400, E.StateFileNewer: 400, E.StateIOError: 500,
 }
 
 

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from types import ModuleType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from meshd_mps.serving.server import Config
 
 DESCRIPTION = "Resident CUDA kernels, one MPS client process each: the daemon and its client."
 EPILOG = """\
@@ -23,6 +27,7 @@ examples:
   meshd-mps call echo hello                # a request through a program's ring
   meshd-mps upgrade echo examples/echo     # a new image on the same slot
   meshd-mps unload echo
+  meshd-mps serve --config /etc/meshd-mps.toml   # options and always-loaded programs from a TOML file
 the socket: --socket, else $MESHD_MPS_SOCKET, else $XDG_RUNTIME_DIR/meshd-mps.sock, else
   /run/meshd-mps/meshd-mps.sock (root) or /tmp/meshd-mps-$UID/meshd-mps.sock (a directory only you can write)
 CUDA C is compiled by this command, as you, for the daemon's oldest GPU, and sent as PTX: the daemon takes PTX only
@@ -32,6 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("run the daemon: programs, workers and the control API on a Unix socket",
               "meshd-mps serve --isolation mps --pool 4\n  meshd-mps serve --isolation mps --devices 0,1"
               "\n  meshd-mps serve --gpu sim   # no GPU: the explicit CPU simulation"),
+    "unit": ("print the systemd unit file (Type=notify, KillMode=process), this installation's executable in it",
+             "meshd-mps unit > /etc/systemd/system/meshd-mps.service"),
     "worker": ("one MPS client process (started by the daemon, not by hand)", "(started by meshd-mps serve)"),
     "bench": ("measure stalls, round trips, pool and load costs on this GPU (meshd-mps bench --help)",
               "meshd-mps bench\n  meshd-mps bench --gpu sim --quick"),
@@ -86,20 +93,25 @@ def _image_opts(p: argparse.ArgumentParser, nodes: bool) -> None:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="meshd-mps", description=DESCRIPTION, epilog=EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action=_Version, nargs=0, help="print meshd-mps's version and the ABI it speaks")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     s = _sub(sub, "serve")
-    s.add_argument("--isolation", choices=("blink", "mps"), default="blink",
+    # Every default here is None, so that a flag not given is seen as such: the config file's value,
+    # else state/config.py's SERVE_DEFAULTS, applies then (serve_config).
+    s.add_argument("--config", metavar="FILE", help="serve's options ([serve]) and the programs always loaded"
+                   " ([program.NAME]) from a TOML file; flags given here override it")
+    s.add_argument("--isolation", choices=("blink", "mps"),
                    help="blink: one CUDA context, a load halts every program briefly; mps: one MPS client per program"
                         " (default blink)")
-    s.add_argument("--sms", type=int, default=0, metavar="N",
+    s.add_argument("--sms", type=int, metavar="N",
                    help="SMs per program, a green context (default 0: the whole device)")
     s.add_argument("--mps-dir", metavar="DIR",
                    help="the private MPS daemon's directory (default: a temporary one, removed at exit)")
     s.add_argument("--pool", type=int, metavar="N", help="idle workers kept ready on each GPU (default 2 in mps mode)")
-    s.add_argument("--devices", metavar="LIST", default="all",
+    s.add_argument("--devices", metavar="LIST",
                    help="the GPUs to drive: CUDA ordinals such as 0,1, or all (default all visible)")
-    s.add_argument("--gpu", choices=("cuda", "sim"), default="cuda",
+    s.add_argument("--gpu", choices=("cuda", "sim"),
                    help="cuda: the GPU; sim: the explicit CPU simulation, for trying meshd-mps without one (default cuda)")
     s.add_argument("--socket", metavar="PATH", help="the control socket (default: $MESHD_MPS_SOCKET, "
                    "$XDG_RUNTIME_DIR/meshd-mps.sock, /run/meshd-mps/meshd-mps.sock for root, else"
@@ -107,11 +119,21 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--cache-dir", metavar="DIR", help="keep compiled cubins here across restarts")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="default info ($MESHD_MPS_LOG_LEVEL)")
     s.add_argument("--log-format", choices=("json", "console"), help="default: JSON lines unless stderr is a terminal")
-    s.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+    s.add_argument("--loop", choices=("auto", "uvloop", "asyncio"),
                    help="the event loop: auto takes uvloop where it is installed (default auto)")
     s.add_argument("--stall-after", type=float, metavar="S",
                    help="a running program whose heartbeat has not advanced for S seconds is shown as stalled"
                         " (default 5)")
+    s.add_argument("--state-dir", metavar="DIR", help="the desired state kept across restarts (default: $STATE_DIRECTORY,"
+                   " else /var/lib/meshd-mps for root, else $XDG_STATE_HOME/meshd-mps or ~/.local/state/meshd-mps);"
+                   " it must be this user's, mode 0700 (issue 17: parsed, not used yet)")
+    s.add_argument("--live-restore", action=argparse.BooleanOptionalAction,
+                   help="leave the programs running when the daemon stops, for the next one to adopt (default off;"
+                        " issue 17: parsed, not acted on yet)")
+
+    p = _sub(sub, "unit")
+    p.add_argument("--exec", metavar="PATH", dest="executable",
+                   help="the meshd-mps executable for ExecStart= (default: this one's, found beside its Python or on PATH)")
 
     _sub(sub, "worker")
     _sub(sub, "bench")
@@ -169,25 +191,101 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.cmd == "serve":
         from meshd_mps.errors import ConfigError
-        from meshd_mps.gpu.device import parse_devices
         from meshd_mps.serving import server
 
-        if args.pool is not None and args.pool < 0:
-            print("meshd-mps: --pool must not be negative", file=sys.stderr)
-            return 2
-        if args.stall_after is not None and not 0 < args.stall_after < float("inf"):
-            print(f"meshd-mps: --stall-after {args.stall_after:g}: seconds, more than 0", file=sys.stderr)
-            return 2
         try:
-            devices = parse_devices(args.devices)
+            cfg = serve_config(args)
         except ConfigError as e:
             print(f"meshd-mps: {e}", file=sys.stderr)
             return 2
-        return server.main(server.Config(isolation=args.isolation, sms=args.sms, mps_dir=args.mps_dir, pool=args.pool,
-                                         gpu=args.gpu, socket=args.socket, cache_dir=args.cache_dir,
-                                         log_level=args.log_level, log_format=args.log_format, loop=args.loop,
-                                         devices=devices, stall_after=args.stall_after))
+        return server.main(cfg)
+    if args.cmd == "unit":
+        print(unit_text(args.executable), end="")
+        return 0
     return _client(args)
+
+
+# ---- serve's options ------------------------------------------------------------------------
+
+
+def serve_config(args: argparse.Namespace) -> Config:
+    """serve's options: the flags given, over the ``--config`` file's ``[serve]``, over
+    ``SERVE_DEFAULTS`` (``state/config.py``), with the file's ``[program.NAME]`` tables; ConfigError
+    (ConfigFileError naming the file, line and key) for a value that cannot work."""
+    from meshd_mps.errors import ConfigError
+    from meshd_mps.gpu.device import parse_devices
+    from meshd_mps.serving import server
+    from meshd_mps.state.config import load_config, merge_serve
+
+    file = load_config(args.config) if args.config is not None else None
+    o = merge_serve(vars(args), file)
+    if o["pool"] is not None and o["pool"] < 0:
+        raise ConfigError("--pool must not be negative")
+    if o["stall_after"] is not None and not 0 < o["stall_after"] < float("inf"):
+        raise ConfigError(f"--stall-after {o['stall_after']:g}: seconds, more than 0")
+    return server.Config(isolation=o["isolation"], sms=o["sms"], mps_dir=o["mps_dir"], pool=o["pool"], gpu=o["gpu"],
+                         socket=o["socket"], cache_dir=o["cache_dir"], log_level=o["log_level"],
+                         log_format=o["log_format"], loop=o["loop"], devices=parse_devices(o["devices"]),
+                         stall_after=o["stall_after"], state_dir=o["state_dir"], live_restore=o["live_restore"],
+                         config_file=None if file is None else os.path.abspath(file.path),
+                         programs=() if file is None else tuple(file.programs.values()))
+
+
+# ---- --version and the unit file ----------------------------------------------------------------
+
+
+def version_line() -> str:
+    """``meshd-mps X.Y.Z (frame protocol P, program ABI N, state schema M)``."""
+    import importlib.metadata  # here, not at the top: the worker starts through this module (24 ms)
+
+    from meshd_mps.protocol.abi import RT_ABI
+    from meshd_mps.protocol.frames import PROTOCOL_VERSION
+    from meshd_mps.state.store import SCHEMA
+
+    try:
+        v = importlib.metadata.version("meshd-mps")
+    except importlib.metadata.PackageNotFoundError:
+        v = "unknown (not installed)"
+    return f"meshd-mps {v} (frame protocol {PROTOCOL_VERSION}, program ABI {RT_ABI}, state schema {SCHEMA})"
+
+
+class _Version(argparse.Action):
+    """--version, computed only when asked (the client commands start without the metadata scan)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(version_line())
+        parser.exit()
+
+
+UNIT = "data/meshd-mps.service"
+
+
+def unit_text(executable: str | None = None) -> str:
+    """The shipped unit file, ``executable`` (default: this installation's meshd-mps, where it is
+    found) in ExecStart= instead of the bare name systemd would look up in its own PATH."""
+    from importlib.resources import files
+
+    text = files("meshd_mps").joinpath(UNIT).read_text(encoding="utf-8")
+    exe = executable or own_executable()
+    if exe is not None:
+        quoted = f'"{exe}"' if any(c.isspace() for c in exe) else exe  # systemd splits ExecStart= at blanks
+        text = text.replace("\nExecStart=meshd-mps ", f"\nExecStart={quoted} ")
+    return text
+
+
+def own_executable() -> str | None:
+    """The meshd-mps script of this installation: the one running, else the one beside this
+    Python (a virtual environment's), else the one on PATH; None if none is found."""
+    import shutil
+
+    if os.path.basename(sys.argv[0]) == "meshd-mps" and os.access(sys.argv[0], os.X_OK):
+        return os.path.abspath(sys.argv[0])
+    beside = os.path.join(os.path.dirname(sys.executable), "meshd-mps")
+    if os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("meshd-mps")
+    return os.path.abspath(found) if found else None
 
 
 # ---- the client commands ------------------------------------------------------------------

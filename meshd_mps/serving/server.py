@@ -53,10 +53,11 @@ from meshd_mps.log import setup_logging
 from meshd_mps.mps.control import become_subreaper
 from meshd_mps.neighbours import NeighbourWatch, classify, look
 from meshd_mps.programs import Programs
-from meshd_mps.serving import reaper
+from meshd_mps.serving import reaper, sdnotify
 from meshd_mps.serving.api import Api
 from meshd_mps.serving.client import default_socket, private_dirs
 from meshd_mps.serving.metrics import Metrics
+from meshd_mps.state.config import DeclaredProgram
 
 log = structlog.get_logger("meshd_mps")
 
@@ -90,6 +91,12 @@ class Config:
     loop: str = "auto"  # auto (uvloop if installed) | uvloop | asyncio
     devices: tuple[int, ...] | None = None  # the GPUs to drive (None: every visible one)
     stall_after: float | None = None  # seconds without a heartbeat before "stalled" (None: Programs' default)
+    # Issue 17, parsed and passed along, not acted on yet: --state-dir as given (None: state.store.resolve_state_dir's
+    # default), --live-restore, the --config file (absolute) and its [program.NAME] tables.
+    state_dir: str | None = None
+    live_restore: bool = False
+    config_file: str | None = None
+    programs: tuple[DeclaredProgram, ...] = ()
 
 
 class StartError(MeshError):
@@ -262,6 +269,7 @@ class Daemon:
                 f" gpu {b.gpu}, {where}",
                 socket=self.socket_path, isolation=b.isolation, gpu=b.gpu, device=b.caps.name, devices=list(b.devices),
             )
+            sdnotify.notify("READY=1", f"STATUS=serving on {self.socket_path}")  # systemd's Type=notify
             watch: anyio.CancelScope = await tg.start(self._neighbours, name="neighbours")
             try:
                 await self._stop.wait()
@@ -332,6 +340,7 @@ class Daemon:
                 handled += 1
                 if handled == 1:
                     log.info(f"{signal.Signals(sig).name}: shutting down (a second signal forces the exit)")
+                    sdnotify.notify("STOPPING=1", f"STATUS=shutting down on {signal.Signals(sig).name}")
                     self._stop.set()
                     if self._starting is not None:
                         self._starting.cancel()

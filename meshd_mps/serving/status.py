@@ -83,7 +83,9 @@ STATUS: dict[type[BaseException], int] = {
     HeadTooLarge: 431,
     RequestTimeout: 408,
     VersionNotSupported: 505,
-    E.BadRequest: 400,  # ConfigError, ManifestError, BadName, CompileError, LimitError, ImageRefused, BadBody, ...
+    # ConfigError (ConfigFileError, StateDirRefused, StateFileNewer), ManifestError, BadName, CompileError,
+    # LimitError, ImageRefused, BadBody, ...; StateIOError is a failure of ours: 500, not in the table.
+    E.BadRequest: 400,
     E.MailboxError: 400,  # a slot or an entry out of the layout
     E.NotFound: 404,  # NotLoaded, NoRoute
     E.Conflict: 409,  # AlreadyLoaded, CapacityError, ClientLimit, NotStarted, NotRunning, HaltTimeout, RingFull, ...

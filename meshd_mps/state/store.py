@@ -1,0 +1,500 @@
+"""The desired state on disk: which programs meshd-mps was asked to run, with what, so that a
+restarted daemon can run them again (issue 17).  Restoring them is serve's; this module only keeps
+the records, and keeps them whole.
+
+The state directory (``resolve_state_dir``; made and checked by ``open_state_dir``) holds:
+
+- ``programs.a.json`` and ``programs.b.json``: two generations of the program records.  Each file
+  carries a schema version, a generation counter and a SHA-256 over its own content.  A write goes,
+  through a temp file in the same directory (write, fsync, ``os.replace``, fsync the directory),
+  over the file that does *not* hold the newest good generation, so at every instant the newest
+  good state is untouched on disk: a crash mid-write leaves a stray temp file (removed at the
+  next open), a torn or corrupt file is skipped (and logged) and the other generation is loaded.
+- ``ptx/<sha256>.ptx``: each program's PTX, content-addressed (so an upgrade back to an image
+  already stored writes nothing), written before the record that names it and checked against its
+  name when loaded.  A PTX file that neither generation names is removed (``gc``).
+- ``lock``: held (flock) by the one :class:`Store` open on the directory, so two daemons never
+  write over each other's state.
+
+Everything here blocks (reads, fsyncs): from the event loop, call it through
+``anyio.to_thread.run_sync``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import math
+import os
+import pwd
+import re
+import stat
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import structlog
+
+from meshd_mps.errors import BadName, StateDirRefused, StateFileNewer, StateIOError
+from meshd_mps.names import check_name
+from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
+
+log = structlog.get_logger("meshd_mps")
+
+#: The state file's schema; a file of a higher one is refused (StateFileNewer), never overwritten.
+SCHEMA = 1
+#: The two generations' files: a write replaces the one that does not hold the newest good state.
+SLOTS = ("programs.a.json", "programs.b.json")
+PTX_DIR = "ptx"
+LOCK = "lock"
+TMP_SUFFIX = ".tmp"
+#: A program's restart policies (``restart.Policy``), by name.
+RESTART = tuple(p.value for p in Policy)
+ROOT_STATE_DIR = "/var/lib/meshd-mps"
+
+_HASH = re.compile(r"[0-9a-f]{16}")
+_KEY = re.compile(r"[0-9a-f]{64}")
+
+
+# ---- where the state lives ----------------------------------------------------------------------
+
+
+def resolve_state_dir(given: str | None, environ: Mapping[str, str] = os.environ, uid: int | None = None) -> str:
+    """The state directory: ``given`` (``--state-dir``), else systemd's ``$STATE_DIRECTORY`` (the
+    first of its colon-separated paths), else ``/var/lib/meshd-mps`` for root, else the XDG state
+    directory (``$XDG_STATE_HOME/meshd-mps``, ``~/.local/state/meshd-mps`` by default; a relative
+    ``$XDG_STATE_HOME`` is ignored, as the XDG spec says).  Nothing is created here."""
+    if given:
+        return os.path.abspath(given)
+    first = environ.get("STATE_DIRECTORY", "").split(":")[0]
+    if first:
+        return os.path.abspath(first)
+    uid = os.getuid() if uid is None else uid
+    if uid == 0:
+        return ROOT_STATE_DIR
+    xdg = environ.get("XDG_STATE_HOME", "")
+    if os.path.isabs(xdg):
+        return os.path.join(xdg, "meshd-mps")
+    home = environ.get("HOME") or pwd.getpwuid(uid).pw_dir
+    return os.path.join(home, ".local", "state", "meshd-mps")
+
+
+def open_state_dir(path: str, *, uid: int | None = None) -> str:
+    """``path`` made (0700) if it is missing, then refused (StateDirRefused, saying why) unless it
+    is the daemon's alone: what it holds is loaded back as the programs to run, so whoever else can
+    write it could make the daemon run their code.  ``uid``: the daemon's (default the effective
+    uid; a parameter so that the refusal of another owner can be tested without root).  The
+    absolute path."""
+    me = os.geteuid() if uid is None else uid
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(path, mode=0o700)
+        os.chmod(path, 0o700)  # the umask could have taken bits off, never added: this is exact
+        log.info(f"state: made the state directory {path}", path=path)
+    except FileExistsError:
+        pass  # checked below, whatever it is
+    except OSError as e:
+        raise StateIOError(f"state directory {path}: cannot create it: {e.strerror}", file=path,
+                           why=e.strerror or str(e)) from e
+    try:
+        lst = os.lstat(path)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError as e:
+            raise _refused(path, lst.st_uid, "it is a dangling symlink") from e
+    except OSError as e:
+        raise StateIOError(f"state directory {path}: {e.strerror}", file=path, why=e.strerror or str(e)) from e
+    check_state_dir(path, lst, st, me)
+    ptx = os.path.join(path, PTX_DIR)
+    try:
+        os.makedirs(ptx, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise StateIOError(f"state directory {ptx}: cannot create it: {e.strerror}", file=ptx,
+                           why=e.strerror or str(e)) from e
+    return path
+
+
+def check_state_dir(path: str, lst: os.stat_result, st: os.stat_result, me: int) -> None:
+    """The refusals of :func:`open_state_dir`, on the directory's ``lstat`` and ``stat``: a pure
+    function of them, so every branch is tested with the stat results it refuses."""
+    link = stat.S_ISLNK(lst.st_mode)
+    via = f" (through the symlink {path} -> {os.path.realpath(path)})" if link else ""
+    if link and lst.st_uid not in (me, 0):
+        raise _refused(path, lst.st_uid, f"it is a symlink owned by uid {lst.st_uid}, not by this daemon's uid {me} or root")
+    if not stat.S_ISDIR(st.st_mode):
+        raise _refused(path, st.st_uid, f"it is not a directory{via}")
+    if st.st_uid != me:
+        raise _refused(path, st.st_uid, f"it is owned by uid {st.st_uid}, not by this daemon's uid {me}{via}")
+    if st.st_mode & 0o022:
+        who = " and ".join(w for w, bit in (("its group", 0o020), ("other users", 0o002)) if st.st_mode & bit)
+        raise _refused(path, st.st_uid, f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}){via}")
+
+
+def _refused(path: str, owner: int, why: str) -> StateDirRefused:
+    return StateDirRefused(f"state directory {path}: {why}; refusing it (what it holds is loaded back as the programs"
+                           f" to run): make it yours, mode 0700, or name another with --state-dir", path=path, owner=owner,
+                           why=why)
+
+
+# ---- a program's record -------------------------------------------------------------------------
+
+
+def ptx_key(ptx: bytes) -> str:
+    """The PTX's name in ``ptx/``: its SHA-256, in hex."""
+    return hashlib.sha256(ptx).hexdigest()
+
+
+@dataclass(frozen=True)
+class ProgramRecord:
+    """What it takes to run a program again as it ran: its manifest and PTX (by ``ptx_key``), the
+    mailbox ``slot`` it had, its ``nodes``, its GPU (``device``), its ``restart`` policy
+    (``RESTART``), its image ``hash`` (16 hex digits) and when it was recorded (wall time, for
+    people: nothing orders by it)."""
+
+    name: str
+    manifest: dict[str, Any]
+    ptx_key: str
+    slot: int
+    nodes: int
+    device: int
+    restart: str
+    hash: str
+    recorded_at: float
+
+    @classmethod
+    def of(cls, name: str, manifest: Mapping[str, Any], ptx: bytes, *, slot: int, nodes: int, device: int,
+           hash: int | str, restart: str = DEFAULT_RESTART.value) -> ProgramRecord:
+        """The record of a program just loaded: ``ptx_key`` computed from ``ptx``, ``hash`` as
+        ``Program.hash`` (an int) or its 16 hex digits, recorded now; checked."""
+        h = f"{hash:016x}" if isinstance(hash, int) else hash
+        return cls(name=name, manifest=dict(manifest), ptx_key=ptx_key(ptx), slot=slot, nodes=nodes, device=device,
+                   restart=restart, hash=h, recorded_at=time.time()).check()
+
+    def check(self) -> ProgramRecord:
+        """Itself, or ValueError naming the field that is wrong."""
+        try:
+            check_name(self.name, "name")
+        except BadName as e:
+            raise ValueError(str(e)) from e
+        if not isinstance(self.manifest, dict):
+            raise ValueError(f"manifest: a JSON object expected, got {type(self.manifest).__name__}")
+        if not isinstance(self.ptx_key, str) or not _KEY.fullmatch(self.ptx_key):
+            raise ValueError(f"ptx_key {self.ptx_key!r}: 64 hex digits expected (a SHA-256)")
+        for k, lo in (("slot", 0), ("nodes", 1), ("device", 0)):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{k} {v!r}: an integer, {lo} or more, expected")
+        if self.restart not in RESTART:
+            raise ValueError(f"restart {self.restart!r}: one of {', '.join(RESTART)} expected")
+        if not isinstance(self.hash, str) or not _HASH.fullmatch(self.hash):
+            raise ValueError(f"hash {self.hash!r}: 16 lowercase hex digits expected")
+        t = self.recorded_at
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+            raise ValueError(f"recorded_at {t!r}: a time in seconds expected")
+        return self
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: object) -> ProgramRecord:
+        """A record read back, checked; ValueError says what is wrong with it."""
+        if not isinstance(obj, dict):
+            raise ValueError(f"a JSON object expected, got {type(obj).__name__}")
+        names = [f.name for f in fields(cls)]
+        missing = [k for k in names if k not in obj]
+        if missing:
+            raise ValueError(f"field {missing[0]!r} is missing")
+        extra = sorted(set(obj) - set(names))
+        if extra:
+            raise ValueError(f"unknown field {extra[0]!r}")
+        return cls(**{k: obj[k] for k in names}).check()
+
+
+# ---- the store -----------------------------------------------------------------------------------
+
+
+class _Skip(Exception):
+    """A state file that is not used (torn, corrupt, of an older schema): why, in words."""
+
+
+class Store:
+    """The program records of one state directory (already checked by :func:`open_state_dir`),
+    loaded at construction from the newest good generation.
+
+    ``programs()`` are the records that can be used; ``skipped`` maps each record that cannot (its
+    PTX missing or corrupt, the record malformed) to why, and ``skipped_files`` each state file
+    passed over to why; both are logged.  A skipped record is not written back: the next write
+    drops it."""
+
+    def __init__(self, dir: str, *, lock: bool = True):
+        self.dir = os.path.abspath(dir)
+        self.ptx_dir = os.path.join(self.dir, PTX_DIR)
+        self.skipped: dict[str, str] = {}
+        self.skipped_files: dict[str, str] = {}
+        self.generation = 0
+        self._slot: int | None = None  # which of SLOTS holds the newest good generation
+        self._records: dict[str, ProgramRecord] = {}
+        self._prev_keys: set[str] = set()  # the PTX the other (older) good generation names: kept by gc
+        self._lock_fd = self._lock() if lock else None
+        try:
+            os.makedirs(self.ptx_dir, mode=0o700, exist_ok=True)
+            self._sweep_temps()
+            self._load()
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def open(cls, given: str | None = None, *, environ: Mapping[str, str] = os.environ) -> Store:
+        """The store of ``--state-dir`` (``given``) or its default: resolved, made, checked, loaded."""
+        return cls(open_state_dir(resolve_state_dir(given, environ)))
+
+    def close(self) -> None:
+        """Releases the directory's lock (the records stay on disk)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- reading ------------------------------------------------------------------------------
+    def programs(self) -> dict[str, ProgramRecord]:
+        """The usable records by name (a copy)."""
+        return dict(self._records)
+
+    def ptx(self, rec: ProgramRecord) -> bytes:
+        """The record's PTX, checked against its name; StateIOError if it is gone or changed."""
+        path = self._ptx_path(rec.ptx_key)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise StateIOError(f"state: program {rec.name}: {path}: {e.strerror}", file=path, why=e.strerror or str(e)) from e
+        if ptx_key(data) != rec.ptx_key:
+            raise StateIOError(f"state: program {rec.name}: {path}: its SHA-256 is not its name (corrupt)", file=path,
+                               why="sha256 mismatch")
+        return data
+
+    # ---- writing ------------------------------------------------------------------------------
+    def record(self, rec: ProgramRecord, ptx: bytes) -> None:
+        """Keeps ``rec`` (replacing the record of that name) and its PTX, durably, before it returns.
+        ValueError if ``rec`` is malformed or ``rec.ptx_key`` is not ``ptx_key(ptx)`` (the caller's
+        bug); StateIOError if the disk refuses."""
+        rec.check()
+        if ptx_key(ptx) != rec.ptx_key:
+            raise ValueError(f"program {rec.name}: ptx_key {rec.ptx_key} is not the PTX's SHA-256 {ptx_key(ptx)}")
+        self._write_ptx(rec.ptx_key, ptx)
+        self._write({**self._records, rec.name: rec})
+        self.gc()
+
+    def forget(self, name: str) -> bool:
+        """Drops the record of ``name`` (an unload), durably; False if there was none."""
+        if name not in self._records:
+            return False
+        self._write({k: v for k, v in self._records.items() if k != name})
+        self.gc()
+        return True
+
+    def gc(self) -> list[str]:
+        """Removes each PTX file that neither the newest nor the previous generation names (the
+        previous one's are kept: a fallback to it must find them), and stray temp files; the
+        names removed."""
+        keep = {r.ptx_key for r in self._records.values()} | self._prev_keys
+        removed: list[str] = []
+        try:
+            names = os.listdir(self.ptx_dir)
+        except OSError as e:
+            log.warning(f"state: {self.ptx_dir}: not collected: {e.strerror}", path=self.ptx_dir)
+            return removed
+        for n in names:
+            stem, ext = os.path.splitext(n)
+            if (ext == ".ptx" and stem not in keep) or n.endswith(TMP_SUFFIX):
+                try:
+                    os.unlink(os.path.join(self.ptx_dir, n))
+                    removed.append(n)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.warning(f"state: {n}: not removed: {e.strerror}", path=os.path.join(self.ptx_dir, n))
+        if removed:
+            log.debug(f"state: removed {len(removed)} PTX files no record names", files=removed)
+        return removed
+
+    # ---- the files ----------------------------------------------------------------------------
+    def _lock(self) -> int:
+        path = os.path.join(self.dir, LOCK)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise StateIOError(f"state: {path}: {e.strerror}", file=path, why=e.strerror or str(e)) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            os.close(fd)
+            why = "another meshd-mps holds its lock (two daemons would write over each other's state)"
+            raise _refused(self.dir, os.stat(self.dir).st_uid, why) from e
+        return fd
+
+    def _sweep_temps(self) -> None:
+        """A temp file is what a crash between its write and its rename leaves: never a state."""
+        for d in (self.dir, self.ptx_dir):
+            for n in os.listdir(d):
+                if n.endswith(TMP_SUFFIX):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(d, n))
+                    log.info(f"state: removed {n}, left by a write that did not finish", file=os.path.join(d, n))
+
+    def _load(self) -> None:
+        good: list[tuple[int, int, dict[str, Any], str]] = []  # generation, slot, programs, path
+        for i, name in enumerate(SLOTS):
+            path = os.path.join(self.dir, name)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                self._skip_file(path, f"unreadable: {e.strerror}")
+                continue
+            try:
+                gen, programs = _decode(path, data)
+            except _Skip as e:
+                self._skip_file(path, str(e))
+                continue
+            good.append((gen, i, programs, path))
+        if not good:
+            if self.skipped_files:
+                log.warning(f"state: no readable state file in {self.dir}; starting with no programs", dir=self.dir)
+            return
+        good.sort(reverse=True)
+        gen, self._slot, programs, path = good[0]
+        self.generation = max(g[0] for g in good)
+        if len(good) > 1:
+            self._prev_keys = {r["ptx_key"] for r in good[1][2].values() if isinstance(r, dict)
+                               and isinstance(r.get("ptx_key"), str)}
+        if self.skipped_files:
+            log.warning(f"state: loaded generation {gen} from {path}, the newest readable one", file=path, generation=gen)
+        for name, obj in programs.items():
+            try:
+                rec = ProgramRecord.from_json(obj)
+                if rec.name != name:
+                    raise ValueError(f"recorded under {name!r} but named {rec.name!r}")
+            except ValueError as e:
+                self._skip(name, f"malformed record: {e}")
+                continue
+            why = self._ptx_problem(rec.ptx_key)
+            if why is not None:
+                self._skip(name, why)
+                continue
+            self._records[name] = rec
+        log.info(f"state: {len(self._records)} programs recorded in {path} (generation {gen})", file=path, generation=gen,
+                 programs=sorted(self._records), skipped=sorted(self.skipped))
+
+    def _ptx_problem(self, key: str) -> str | None:
+        path = self._ptx_path(key)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return f"its PTX {path} is missing"
+        except OSError as e:
+            return f"its PTX {path} is unreadable: {e.strerror}"
+        if ptx_key(data) != key:
+            return f"its PTX {path} is corrupt (its SHA-256 is not its name)"
+        return None
+
+    def _skip_file(self, path: str, why: str) -> None:
+        self.skipped_files[os.path.basename(path)] = why
+        log.warning(f"state: {path}: skipped: {why}", file=path, why=why)
+
+    def _skip(self, name: str, why: str) -> None:
+        self.skipped[name] = why
+        log.warning(f"state: program {name}: cannot be restored: {why}", program=name, why=why)
+
+    def _ptx_path(self, key: str) -> str:
+        return os.path.join(self.ptx_dir, f"{key}.ptx")
+
+    def _write_ptx(self, key: str, ptx: bytes) -> None:
+        if self._ptx_problem(key) is None:
+            return  # content-addressed: already there, and whole
+        _atomic_write(self.ptx_dir, f"{key}.ptx", ptx)
+
+    def _write(self, records: dict[str, ProgramRecord]) -> None:
+        gen = self.generation + 1
+        slot = 0 if self._slot is None else 1 - self._slot
+        body: dict[str, Any] = {"schema": SCHEMA, "generation": gen, "written_at": time.time(),
+                                "programs": {n: records[n].to_json() for n in sorted(records)}}
+        body["checksum"] = _checksum(body)
+        _atomic_write(self.dir, SLOTS[slot], json.dumps(body, indent=1, sort_keys=True).encode() + b"\n")
+        self._prev_keys = {r.ptx_key for r in self._records.values()}
+        self._records = dict(records)
+        self.generation, self._slot = gen, slot
+
+
+def _checksum(body: Mapping[str, Any]) -> str:
+    """SHA-256 over the canonical JSON of everything in the file but the checksum itself."""
+    canon = json.dumps({k: v for k, v in body.items() if k != "checksum"}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canon.encode()).hexdigest()
+
+
+def _decode(path: str, data: bytes) -> tuple[int, dict[str, Any]]:
+    """A state file's generation and programs; _Skip says why it is not used, StateFileNewer
+    refuses a newer schema."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _Skip(f"not JSON (torn?): {e}") from e
+    if not isinstance(obj, dict):
+        raise _Skip(f"a JSON object expected, got {type(obj).__name__}")
+    schema = obj.get("schema")
+    if isinstance(schema, bool) or not isinstance(schema, int):
+        raise _Skip(f"no schema version (schema {schema!r})")
+    if schema > SCHEMA:
+        raise StateFileNewer(f"state file {path}: schema {schema}, written by a newer meshd-mps; this one reads schema"
+                             f" {SCHEMA}: refusing to start over it (run the newer meshd-mps, or name another --state-dir)",
+                             file=path, schema=schema, supported=SCHEMA)
+    if schema != SCHEMA:
+        raise _Skip(f"schema {schema}, this meshd-mps reads schema {SCHEMA}")
+    if obj.get("checksum") != _checksum(obj):
+        raise _Skip("its checksum does not match its content (corrupt)")
+    gen, programs = obj.get("generation"), obj.get("programs")
+    if isinstance(gen, bool) or not isinstance(gen, int) or gen < 1:
+        raise _Skip(f"generation {gen!r}: a positive integer expected")
+    if not isinstance(programs, dict):
+        raise _Skip("no programs object")
+    return gen, programs
+
+
+def _atomic_write(dir: str, name: str, data: bytes) -> None:
+    """``dir/name`` is the old content or the new one, whole, at every instant, even across a
+    crash: a temp file in ``dir``, written and fsynced, renamed over it, then ``dir`` fsynced so
+    that the rename itself is durable."""
+    path = os.path.join(dir, name)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=dir, prefix=f".{name}.", suffix=TMP_SUFFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        dfd = os.open(dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        raise StateIOError(f"state: {path}: not written: {e.strerror or e}", file=path, why=e.strerror or str(e)) from e
