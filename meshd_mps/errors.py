@@ -257,6 +257,18 @@ class NoFreeSlot(Conflict):
         self.slots = slots
 
 
+class SlotTaken(Conflict):
+    """The mailbox slot asked for (a restore's) is out of range or held by another program."""
+
+    FIELDS = ("slot", "by")
+
+    def __init__(self, slot: int, by: str | None):
+        held = f"held by program {by!r}" if by else "not a slot of the mailbox"
+        super().__init__(f"mailbox slot {slot}: {held}")
+        self.slot = slot
+        self.by = by
+
+
 class NotRunning(Conflict):
     """A call to a program that is not running, or that ended before it answered."""
 

@@ -19,7 +19,7 @@ import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -37,6 +37,7 @@ from meshd_mps.errors import (
     NotLoaded,
     NotRunning,
     NotStarted,
+    SlotTaken,
     StateError,
     UpgradeMismatch,
     WorkerError,
@@ -47,6 +48,9 @@ from meshd_mps.isolation.base import Isolation
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Done
+
+if TYPE_CHECKING:
+    from meshd_mps.state.desired import Recorder
 
 log = structlog.get_logger("meshd_mps")
 
@@ -227,11 +231,19 @@ class Programs:
         self.failed_total = 0  # launches of loaded programs that failed (the metrics' counters)
         self.deaths_total = 0  # ... of them because the worker process died
         self.relaunched_total = 0  # programs relaunched by a recovery or their restart policy
+        #: Where successful loads, upgrades and unloads are recorded (state/desired.py); None: nowhere.
+        self.recorder: Recorder | None = None
         self._closing = False
         self.b.sup.start_soon(self._beats, name="heartbeats")
 
-    def _free_slot(self) -> int:
+    def _free_slot(self, want: int | None = None) -> int:
+        """A mailbox slot no program holds: ``want`` (a restore's), else the lowest."""
         used = {p.slot for p in self.by_name.values()}
+        if want is not None:
+            if not 0 <= want < abi.SLOTS or want in used:
+                holder = next((p.name for p in self.by_name.values() if p.slot == want), None)
+                raise SlotTaken(want, holder)
+            return want
         for s in range(abi.SLOTS):
             if s not in used:
                 return s
@@ -314,9 +326,11 @@ class Programs:
         return [p for p in self.by_name.values() if p.device == device]
 
     async def load(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, expect: int | None = None,
-                   nodes: int = 1, device: int | None = None, policy: restart.Policy | str | None = None) -> Program:
-        """Compile, preload and launch on a free slot, on GPU ``device`` (None: ``place``'s choice);
-        ``policy``: its restart policy (None: the default of these Programs)."""
+                   nodes: int = 1, device: int | None = None, policy: restart.Policy | str | None = None,
+                   slot: int | None = None) -> Program:
+        """Compile, preload and launch on a free slot (``slot``: that one, a restore's), on GPU
+        ``device`` (None: ``place``'s choice); ``policy``: its restart policy (None: the default of
+        these Programs)."""
         m = self._manifest(manifest)
         pol = self.policy if policy is None else restart.Policy.parse(policy)
         if isinstance(nodes, bool) or not isinstance(nodes, int):
@@ -324,7 +338,7 @@ class Programs:
         async with self._lock:
             if m.name in self.by_name:
                 raise AlreadyLoaded(m.name)
-            slot = self._free_slot()
+            slot = self._free_slot(slot)
             gpu = self.place(device)
             used = self._used(gpu)
             self.b.admit(gpu, m.name, nodes, used)  # every limit, before anything changes
@@ -342,7 +356,24 @@ class Programs:
             self._count(t0)
             log.info(f"program {m.name} loaded on slot {slot}, GPU {k.device}", program=m.name, pid=k.pid, slot=slot,
                      device=k.device)
+            await self._record(p)
             return p
+
+    async def _record(self, p: Program) -> None:
+        """The change into the desired state (if one is kept) before the request is answered; a
+        write that fails is logged, the program runs on (the state is then behind, and says so)."""
+        if self.recorder is not None:
+            try:
+                await self.recorder.loaded(p)
+            except MeshError as e:
+                log.error(f"program {p.name}: not recorded in the desired state: {e}", program=p.name)
+
+    async def _forget(self, name: str) -> None:
+        if self.recorder is not None:
+            try:
+                await self.recorder.unloaded(name)
+            except MeshError as e:
+                log.error(f"program {name}: its unload not recorded in the desired state: {e}", program=name)
 
     def _install(self, p: Program) -> None:
         self.by_name[p.name] = p
@@ -402,6 +433,7 @@ class Programs:
             self._install(p)
             self._count(t0)
             log.info(f"program {name} upgraded on slot {p.slot}", program=name, pid=k.pid)
+            await self._record(p)
             return p
 
     async def _restore(self, old: Program) -> None:
@@ -420,6 +452,7 @@ class Programs:
             del self.by_name[name]
             await self.b.unload(p.kernel)
             log.info(f"program {name} unloaded from slot {p.slot}", program=name)
+            await self._forget(name)
 
     async def call(self, name: str, payload: bytes, within: float | None = None) -> bytes:
         """A request through the program's ring, and its response."""

@@ -34,6 +34,9 @@ become_subreaper()
 SESSION_TMP = tempfile.mkdtemp(prefix="meshd-tests.")
 os.chmod(SESSION_TMP, 0o711)
 os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMP
+# meshd-mps serve keeps its desired state in $XDG_STATE_HOME/meshd-mps by default: never the user's own.
+os.environ["XDG_STATE_HOME"] = os.path.join(SESSION_TMP, "xdg-state")
+os.environ.pop("STATE_DIRECTORY", None)
 atexit.register(shutil.rmtree, SESSION_TMP, ignore_errors=True)
 
 

@@ -16,7 +16,7 @@ EXPECTED = {
     E.ConfigError: 400, E.NoDriver: 500, E.DeviceError: 500, E.NotServedHere: 400, E.CompileError: 400,
     E.ManifestError: 400, E.BadName: 400, E.BadRestartPolicy: 400, E.HashMismatch: 400, E.LimitError: 400, E.ImageRefused: 400,
     E.AbiMismatch: 400, E.UpgradeMismatch: 400, E.PayloadTooLarge: 400, E.NotLoaded: 404, E.AlreadyLoaded: 409,
-    E.NoFreeSlot: 409, E.NotRunning: 409, E.StillRunning: 409, E.CapacityError: 409, E.ClientLimit: 409,
+    E.NoFreeSlot: 409, E.SlotTaken: 409, E.NotRunning: 409, E.StillRunning: 409, E.CapacityError: 409, E.ClientLimit: 409,
     E.NotStarted: 409, E.HaltTimeout: 409, E.CallTimeout: 504, E.MailboxError: 400, E.RingFull: 409,
     E.FrameError: 500, E.WorkerError: 500, E.WorkerGone: 500, E.NoContext: 503, E.WorkerUnfit: 500, E.NoReply: 500,
     E.SpawnFailed: 500, E.MpsError: 500, E.StateError: 500, E.WrongMode: 409,

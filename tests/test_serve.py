@@ -63,8 +63,11 @@ class Serve:
         group is then what a terminal, or ``kill %1``, sends)."""
         self.dir, self.isolation, self.sock = dir, isolation, sock
         self.logpath = os.path.join(dir, f"serve-{time.monotonic_ns()}.log")
+        # A state dir of its own unless given (a restart test gives the same one twice): else the
+        # next daemon would restore this one's programs, or be refused the dir while this one runs.
+        state = [] if "--state-dir" in extra else ["--state-dir", os.path.join(dir, f"state-{time.monotonic_ns()}")]
         argv = [sys.executable, "-m", "meshd_mps", "serve", "--gpu", gpu, "--isolation", isolation,
-                "--socket", sock, "--log-format", "json", *extra]
+                "--socket", sock, "--log-format", "json", *state, *extra]
         e = env() if gpu == "sim" else {**env(), "PATH": os.environ.get("PATH", "")}
         with open(self.logpath, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=e, cwd=REPO,

@@ -121,6 +121,8 @@ class Api:
         self.socket_path, self.versions, self.started, self.t0 = socket_path, versions, started, t0
         self.deadlines = deadlines
         self.stopping = False
+        #: The desired state's dir and what the start restored from it (serving/server.py).
+        self.state: dict[str, Any] | None = None
         self.busy: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -257,6 +259,7 @@ class Api:
             "loads": ps.loads,
             "requests_in_flight": len(self.busy),  # this one included
             "faults": [_fault(f) for f in getattr(ps, "faults", [])[-10:]],
+            "state": self.state,
             "uptime_s": round(time.monotonic() - self.t0, 3),
             "started": self.started.isoformat(),
             "versions": self.versions,

@@ -126,10 +126,11 @@ def parser() -> argparse.ArgumentParser:
                         " (default 5)")
     s.add_argument("--state-dir", metavar="DIR", help="the desired state kept across restarts (default: $STATE_DIRECTORY,"
                    " else /var/lib/meshd-mps for root, else $XDG_STATE_HOME/meshd-mps or ~/.local/state/meshd-mps);"
-                   " it must be this user's, mode 0700 (issue 17: parsed, not used yet)")
+                   " it must be this user's, mode 0700; every load, upgrade and unload is recorded there, and the"
+                   " next start loads the recorded programs again on their slots")
     s.add_argument("--live-restore", action=argparse.BooleanOptionalAction,
-                   help="leave the programs running when the daemon stops, for the next one to adopt (default off;"
-                        " issue 17: parsed, not acted on yet)")
+                   help="leave the programs running when the daemon stops, for the next one to adopt: not built yet,"
+                        " refused (the programs are restored by reload from --state-dir)")
 
     p = _sub(sub, "unit")
     p.add_argument("--exec", metavar="PATH", dest="executable",

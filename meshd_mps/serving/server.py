@@ -36,6 +36,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -55,9 +56,11 @@ from meshd_mps.neighbours import NeighbourWatch, classify, look
 from meshd_mps.programs import Programs
 from meshd_mps.serving import reaper, sdnotify
 from meshd_mps.serving.api import Api
-from meshd_mps.serving.client import default_socket, private_dirs
+from meshd_mps.serving.client import default_socket, private_dirs, program_body
 from meshd_mps.serving.metrics import Metrics
 from meshd_mps.state.config import DeclaredProgram
+from meshd_mps.state.desired import Recorder, Restored, restore
+from meshd_mps.state.store import Store
 
 log = structlog.get_logger("meshd_mps")
 
@@ -91,8 +94,8 @@ class Config:
     loop: str = "auto"  # auto (uvloop if installed) | uvloop | asyncio
     devices: tuple[int, ...] | None = None  # the GPUs to drive (None: every visible one)
     stall_after: float | None = None  # seconds without a heartbeat before "stalled" (None: Programs' default)
-    # Issue 17, parsed and passed along, not acted on yet: --state-dir as given (None: state.store.resolve_state_dir's
-    # default), --live-restore, the --config file (absolute) and its [program.NAME] tables.
+    # Issue 17: --state-dir as given (None: state.store.resolve_state_dir's default), --live-restore (refused at
+    # the start until adoption is built), the --config file (absolute) and its [program.NAME] tables.
     state_dir: str | None = None
     live_restore: bool = False
     config_file: str | None = None
@@ -178,6 +181,8 @@ class Daemon:
         self.backend: Backend | None = None
         self.programs: Programs | None = None
         self.metrics: Metrics | None = None
+        self.store: Store | None = None
+        self.restored: Restored | None = None
         self.signals: list[int] = []
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
@@ -236,6 +241,9 @@ class Daemon:
 
     async def _open(self) -> None:
         c = self.cfg
+        if c.live_restore:
+            raise StartError("--live-restore: adopting the running workers at the next start is not built yet (the"
+                             " worker side is); the programs are restored by reload from the state dir instead")
         pool = c.pool if c.pool is not None else (2 if c.isolation == "mps" else 0)
         self.versions = await anyio.to_thread.run_sync(versions)
         b = await Backend.open(isolation=c.isolation, sms=c.sms, mps_dir=c.mps_dir, pool=pool,  # type: ignore[arg-type]
@@ -244,6 +252,22 @@ class Daemon:
         # stall_after only when given: Programs' own default (programs.STALL_S) otherwise.
         self.programs = Programs(b) if c.stall_after is None else Programs(b, stall_after=c.stall_after)
         self.metrics = Metrics(b, self.programs, self.versions.get("meshd-mps", ""), self.t0)
+        await self._restore()
+
+    async def _restore(self) -> None:
+        """The desired state opened (refused: another user's dir, another daemon on it), every
+        recorded program and every declared one loaded again, before the daemon reports ready; from
+        here on every change is recorded (state/desired.py)."""
+        c, b, ps = self.cfg, self.backend, self.programs
+        assert b is not None and ps is not None and b.info is not None
+        self.store = await anyio.to_thread.run_sync(Store.open, c.state_dir)
+        arch = b.info.compute
+
+        def body(d: DeclaredProgram) -> dict[str, Any]:
+            return program_body(d.dir, d.manifest, d.ptx, d.cuda, d.hash, d.nodes, d.device, arch=arch, restart=d.restart)
+
+        ps.recorder = Recorder(self.store)  # the declared programs loaded now are recorded too
+        self.restored = await restore(ps, self.store, c.programs, body)
 
     async def _serve(self, sock: socket.socket, tg: anyio.abc.TaskGroup) -> None:
         """The control API on the bound socket until the first signal, then its drain."""
@@ -251,6 +275,8 @@ class Daemon:
         assert b is not None and ps is not None and metrics is not None and b.caps is not None
         api = Api(b, ps, metrics, socket_path=self.socket_path, versions=self.versions, started=self.started, t0=self.t0,
                   deadlines=self.deadlines)
+        api.state = {"dir": self.store.dir if self.store else None,
+                     "restore": self.restored.as_dict() if self.restored else None}
         # Idle connections and the handlers cancelled by the drain get as long again to go.
         runner = web.AppRunner(api.app(), shutdown_timeout=self.deadlines.http_grace, access_log=None)
         await runner.setup()
@@ -284,6 +310,8 @@ class Daemon:
                 await runner.cleanup()  # idle connections closed, the app's cleanup
 
     async def _close_backend(self) -> None:
+        if self.store is not None:
+            self.store.close()
         if self.programs is not None:
             try:
                 await self.programs.close()
