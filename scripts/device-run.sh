@@ -36,7 +36,7 @@ for iso in $([ "$SERVE" = 1 ] && echo mps blink); do
   { echo "== the daemon's log"; tail -n 40 /tmp/serve-$iso-log.txt; } >> "$L"
 done
 if [ "$BENCH" != skip ]; then
-  timeout 300 python3 -m meshd_mps bench $BENCH --json "$OUT/bench.json" > "$OUT/bench.txt" 2>"$OUT/bench-log.txt"
+  timeout 480 python3 -m meshd_mps bench $BENCH --json "$OUT/bench.json" > "$OUT/bench.txt" 2>"$OUT/bench-log.txt"
   echo "bench rc=$?" >> "$OUT/bench.txt"
 fi
 pgrep -af "nvidia-cuda-mps|meshd_mps" > "$OUT/left.txt" || echo "nothing left" > "$OUT/left.txt"
