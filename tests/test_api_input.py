@@ -170,6 +170,11 @@ def _deep(n: int, leaf: str = "1") -> str:
                                  "nodes": True}), 400, "field 'nodes': an integer expected, got boolean"),
     ("/v1/programs", json.dumps({"manifest": {"name": "z", "backend": "cuda", "warps": 1, "abi": 1}, "ptx": "x",
                                  "nodes": 1.5}), 400, "field 'nodes': an integer expected, got number"),
+    ("/v1/programs", json.dumps({"manifest": {"name": "z", "backend": "cuda", "warps": 1, "abi": 1}, "ptx": "x",
+                                 "restart": "sometimes"}), 400,
+     "field 'restart': restart policy 'sometimes': one of on-failure, always, never"),
+    ("/v1/programs", json.dumps({"manifest": {"name": "z", "backend": "cuda", "warps": 1, "abi": 1}, "ptx": "x",
+                                 "restart": 1}), 400, "field 'restart': restart policy 1: one of on-failure"),
     ("/v1/programs", json.dumps({"manifest": {"name": "z", "backend": "cuda", "warps": 2 ** 64, "abi": 1}, "ptx": "x"}),
      400, f"field 'warps' {2 ** 64} is out of range 1..32"),
     # duplicate keys: which one counts is the parser's guess, so neither does
