@@ -872,7 +872,9 @@ def restart_by_reload(bench: Bench) -> tuple[float, float, float, float]:
         c = Client(sock, timeout=5)
         while True:
             if p.poll() is not None:
-                raise RuntimeError(f"serve exited with {p.returncode} (its log: {d}/serve.log)")
+                with open(os.path.join(d, "serve.log"), errors="replace") as f:
+                    tail = f.read()[-600:]
+                raise RuntimeError(f"serve exited with {p.returncode}: {tail}")
             try:
                 c.status()
                 return p, time.monotonic() - t0
@@ -896,6 +898,7 @@ def restart_by_reload(bench: Bench) -> tuple[float, float, float, float]:
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(60)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 async def sec_restart(bench: Bench) -> list[Row]:
