@@ -525,6 +525,22 @@ async def sec_done(bench: Bench) -> list[Row]:
 
 
 # ---- (d) pool ----------------------------------------------------------------------------------
+async def end_all(procs: list[child.Child]) -> None:
+    """Bare clients ended: stdin closed (they exit), then killed if they linger; all reaped."""
+    for p in procs:
+        if p.stdin is not None:
+            p.stdin.close()
+    with anyio.move_on_after(10, shield=True):
+        for p in procs:
+            await p.wait()
+    for p in procs:
+        if p.returncode is None:
+            p.kill()
+    with anyio.move_on_after(5, shield=True):
+        for p in procs:
+            await p.wait()
+
+
 async def bare_clients(bench: Bench, b: Backend, n: int) -> tuple[float, float, int | None]:
     """n bare clients under b's daemon: (all ready s, median VmRSS MiB, how many are in the client list)."""
     mps = mps_gpu(b).mps
@@ -550,18 +566,7 @@ async def bare_clients(bench: Bench, b: Backend, n: int) -> tuple[float, float, 
             seen = sum(p.pid in listed for p in procs)
         return t, rss, seen
     finally:
-        for p in procs:
-            if p.stdin is not None:
-                p.stdin.close()
-        with anyio.move_on_after(10, shield=True):
-            for p in procs:
-                await p.wait()
-        for p in procs:
-            if p.returncode is None:
-                p.kill()
-        with anyio.move_on_after(5, shield=True):
-            for p in procs:
-                await p.wait()
+        await end_all(procs)
 
 
 async def sec_pool(bench: Bench) -> list[Row]:
@@ -763,18 +768,7 @@ async def held_contexts(bench: Bench, env: dict[str, str], n: int) -> float:
                     raise RuntimeError(f"held client {p.pid}: {' '.join(line) or 'exited before its context'}")
             return time.perf_counter() - t0
     finally:
-        for p in procs:
-            if p.stdin is not None:
-                p.stdin.close()
-        with anyio.move_on_after(10, shield=True):
-            for p in procs:
-                await p.wait()
-        for p in procs:
-            if p.returncode is None:
-                p.kill()
-        with anyio.move_on_after(5, shield=True):
-            for p in procs:
-                await p.wait()
+        await end_all(procs)
 
 
 async def recovery(bench: Bench, mode: str, n: int) -> tuple[float, dict[str, float], float, float]:

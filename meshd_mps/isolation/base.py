@@ -114,12 +114,6 @@ class Kernel:
     def pid(self) -> int:
         return self.module.proc.pid
 
-    @property
-    def worker(self) -> Module | None:
-        """Compat, for programs.py's fault recovery: the program's own worker (MPS), None in blink
-        mode or once unloaded.  ``proc``, and the isolation's ``teardown``, say it in both modes."""
-        return None if self.unloaded or not self.isolation.isolated else self.module
-
 
 class Isolation(ABC):
     """One GPU's isolation mode: prepare, load, launch, query, unload, status; and, for a fault of
