@@ -607,8 +607,8 @@ class Programs:
             t = max(t, ctx)
         step("contexts")
         if back and not ready:
-            for q in back:
-                r.not_relaunched[q.name] = f"GPU {gpu} took no new workers within {self.d.recover:g}s"
+            for q in back:  # tried again by their restart policy, at once
+                q.error = r.not_relaunched[q.name] = f"GPU {gpu} took no new workers within {self.d.recover:g}s"
                 self._after_end(q, restart.End.LOST)
             back = []
         failed = await self._bring_back(back)
