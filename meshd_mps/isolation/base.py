@@ -203,6 +203,10 @@ class Isolation(ABC):
         """The mailbox's device address in the GPU's shared context; 0 where each worker has its own."""
         return 0
 
+    def pooled(self) -> tuple[int, int]:
+        """(idle pooled workers, the pool's cap): none where there is no pool (blink)."""
+        return 0, 0
+
     @abstractmethod
     def load_count(self) -> int:
         """Images loaded or prepared here."""

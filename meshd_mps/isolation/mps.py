@@ -236,6 +236,9 @@ class MpsIsolation(Isolation):
         return (f"its blocks wait for SMs that the other resident programs of GPU {self.device} hold, or the program"
                 " does not set STATE = RUNNING when it starts (docs/program-abi.md)")
 
+    def pooled(self) -> tuple[int, int]:
+        return len(self.pool), self.pool.cap
+
     def load_count(self) -> int:
         """Its workers that are not idle in the pool (or kept for a fault's lost programs)."""
         return len(self.mps.workers_on(self.device)) - len(self.pool) - len(self._reserve) - len(self._held)

@@ -28,7 +28,6 @@ from meshd_mps.mps.control import PIPE_ENV, ControlDaemon
 from meshd_mps.mps.serverlog import FatalLog
 from meshd_mps.protocol import abi
 from meshd_mps.supervision import procfs
-from meshd_mps.supervision.pool import Pool
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
 
@@ -104,20 +103,6 @@ class Mps(Mode):
         from meshd_mps.isolation.mps import MpsIsolation  # it builds on this module
 
         return MpsIsolation(self, device)
-
-    # ---- compat: fault recovery (programs.py) and the server's metrics ------------------------
-    @property
-    def pools(self) -> dict[int, Pool]:
-        """Each GPU's pool (its isolation's ``pool``)."""
-        return {d: g.pool for d, g in self.gpus.items()}
-
-    def idle(self) -> int:
-        """Idle pooled workers on every GPU."""
-        return sum(len(g.pool) for g in self.gpus.values())
-
-    async def prewarm(self, n: int, device: int) -> None:
-        """GPU ``device``'s ``prewarm``."""
-        await self.gpus[device].prewarm(n)
 
     # ---- clients --------------------------------------------------------------------------
     def device_of(self, pid: int) -> int | None:
