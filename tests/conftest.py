@@ -61,6 +61,15 @@ def no_leaks():
 
 
 @pytest.fixture
+def tmp():
+    """A short temporary directory, removed after the test: a daemon's socket and its MPS pipes live
+    under it, and AF_UNIX paths stop at 108 bytes."""
+    d = tempfile.mkdtemp(prefix="mt-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
 def standin_on_path(monkeypatch):
     """The explicit stand-in for nvidia-cuda-mps-control, first on PATH (CI has no GPU)."""
     # This interpreter's bin next: the stand-in runs under the first python3 on PATH.

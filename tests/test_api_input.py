@@ -67,13 +67,6 @@ def spin_ptx() -> str:
     return ptx_of("spin")
 
 
-@pytest.fixture
-def tmp():
-    d = tempfile.mkdtemp(prefix="mai-")  # short: AF_UNIX paths stop at 108 bytes
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def snapshot(c: Client):
     """What a refused request must leave as it was: every program, and the load count."""
     progs = [(p["name"], p["slot"], p["pid"], p["hash"], p["state"], p["upgrades"]) for p in c.programs()]

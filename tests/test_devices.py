@@ -27,7 +27,7 @@ from workers.main import parse_args
 
 from .conftest import TEST_DEADLINES, Rig, sim
 from .test_backend import beats, example
-from .test_serve import EXAMPLES, cli, parse_metrics, serve, tmp  # noqa: F401 - fixtures
+from .test_serve import EXAMPLES, cli, parse_metrics, serve  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -316,7 +316,7 @@ def test_serve_devices_end_to_end(serve, tmp, monkeypatch):  # noqa: F811 - the 
     assert s.stop() == 0, s.log()
 
 
-def test_serve_refuses_bad_devices(tmp, monkeypatch):  # noqa: F811 - the fixture
+def test_serve_refuses_bad_devices(tmp, monkeypatch):
     monkeypatch.setenv(SIM_GPUS_ENV, "2")
     sock = os.path.join(tmp, "x.sock")
     r = cli("serve", "--gpu", "sim", "--devices", "0,2", "--socket", sock)

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import tempfile
 
 import pytest
 
@@ -33,15 +32,6 @@ def events(s: Serve) -> list[dict]:
         with contextlib.suppress(ValueError):
             out.append(json.loads(line))
     return out
-
-
-@pytest.fixture
-def tmp():
-    d = tempfile.mkdtemp(prefix="mhd-")
-    yield d
-    import shutil
-
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.parametrize("isolation, sig", [("mps", signal.SIGINT), ("mps", signal.SIGTERM), ("mps", signal.SIGHUP),

@@ -5,10 +5,8 @@ dropped when it exits.  End to end on the stand-in MPS daemon."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -24,13 +22,6 @@ NATIVE = ("import os, sys\n"
           "s = connect_client(os.environ['CUDA_MPS_PIPE_DIRECTORY'], os.getpid())\n"
           "print('joined' if s else 'plain', flush=True)\n"
           "sys.stdin.read()\n")
-
-
-@pytest.fixture
-def tmp():
-    d = tempfile.mkdtemp(prefix="mnc-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_a_native_client_joins_is_counted_and_is_dropped_at_its_exit(tmp):

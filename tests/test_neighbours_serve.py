@@ -5,21 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import pytest
 
 from .test_serve import Serve, env, parse_metrics, poll
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def tmp():
-    d = tempfile.mkdtemp(prefix="mnb-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.parametrize("isolation", ["mps", "blink"])

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
-import tempfile
 
 import pytest
 
@@ -19,13 +17,6 @@ from meshd_mps.state.store import Store
 from .test_serve import EXAMPLES, Serve, cli
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def tmp():
-    d = tempfile.mkdtemp(prefix="mrs-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def serve(tmp: str, state: str, *extra: str, name: str = "s") -> Serve:

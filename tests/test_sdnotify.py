@@ -13,11 +13,11 @@ from structlog.testing import capture_logs
 
 from meshd_mps.serving.sdnotify import notify
 
-from .test_serve import Serve, tmp  # noqa: F401 - a fixture (a short directory: AF_UNIX paths stop at 108 bytes)
+from .test_serve import Serve
 
 
 @pytest.fixture
-def receiver(tmp):  # noqa: F811 - the fixture
+def receiver(tmp):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     path = os.path.join(tmp, "notify")
     s.bind(path)
@@ -55,7 +55,7 @@ def test_a_gone_or_odd_socket_is_logged_not_raised(tmp_path):
     assert logs[0]["socket"] == gone and logs[0]["fields"] == ["READY=1"]
 
 
-def test_serve_notifies_ready_and_stopping(receiver, tmp, monkeypatch):  # noqa: F811 - the fixture
+def test_serve_notifies_ready_and_stopping(receiver, tmp, monkeypatch):
     s, path = receiver
     monkeypatch.setenv("NOTIFY_SOCKET", path)
     sock = os.path.join(tmp, "s.sock")

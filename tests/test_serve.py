@@ -8,13 +8,11 @@ import errno
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -104,14 +102,6 @@ class Serve:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-@pytest.fixture
-def tmp():
-    # Short: AF_UNIX paths stop at 108 bytes.
-    d = tempfile.mkdtemp(prefix="msv-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 
 import anyio
 import pytest
@@ -156,15 +155,6 @@ async def test_a_dead_pooled_worker_is_dropped_and_replaced():
               file=sys.stderr)
         await progs.close()
     assert mps_processes() == []
-
-
-@pytest.fixture
-def tmp():
-    d = tempfile.mkdtemp(prefix="mhr-")
-    yield d
-    import shutil
-
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP, signal.SIGTERM])
