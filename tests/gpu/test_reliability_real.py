@@ -37,6 +37,7 @@ from meshd_mps.supervision import procfs
 
 from ..test_backend import beats, example
 from ..test_hard_deaths import _owner, events, left_by, reap
+from ..test_restart import blink_fault_case, blink_killed_case
 from ..test_serve import EXAMPLES, REPO, Serve, poll
 from .test_faults_real import real_gpu_and_mps  # noqa: F401 - a fixture
 from .test_mps_real import mps_processes
@@ -96,40 +97,11 @@ async def test_a_program_that_keeps_faulting_is_a_crash_loop():
 
 
 async def test_blink_recovers_from_a_fault_in_its_context():
-    async with await Backend.open(isolation="blink", gpu="cuda", deadlines=QUICK) as b:
-        progs = Programs(b)
-        hb = await progs.load(*example("heartbeat"))
-        await progs.load(*example("echo"))
-        await beats(b, hb.slot, 1000)
-        ctx = b.blinks[0].proc.pid
-        await progs.load(*example("fault"), policy="never")
-        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
-        r = progs.faults[-1]
-        report("blink fault report", r)
-        assert r.gpu_wide and r.faulted == "fault" and r.by == "ended" and "ILLEGAL_ADDRESS" in r.error, r
-        assert sorted(r.relaunched) == ["echo", "heartbeat"]
-        assert b.blinks[0].proc.pid != ctx
-        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot) + 100)
-        assert await progs.call("echo", b"new context") == b"new context"
-        await progs.unload("fault")
-        await progs.close()
+    await blink_fault_case("cuda", warm=1000, more=100)
 
 
 async def test_blink_recovers_when_its_context_is_killed():
-    async with await Backend.open(isolation="blink", gpu="cuda", deadlines=QUICK) as b:
-        progs = Programs(b)
-        hb = await progs.load(*example("heartbeat"))
-        await progs.load(*example("echo"))
-        await beats(b, hb.slot, 1000)
-        ctx = b.blinks[0].proc.pid
-        os.kill(ctx, signal.SIGKILL)
-        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
-        r = progs.faults[-1]
-        report("blink context killed", r)
-        assert r.faulted == f"worker {ctx}" and r.by == "stray" and sorted(r.relaunched) == ["echo", "heartbeat"], r
-        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot) + 100)
-        assert await progs.call("echo", b"x") == b"x"
-        await progs.close()
+    await blink_killed_case("cuda", warm=1000, more=100)
 
 
 async def test_a_dead_pooled_worker_is_dropped_and_replaced():
