@@ -515,10 +515,8 @@ class Programs:
                               kernel_error=q.kernel_error())
 
     async def _fatal_pids(self, iso: Isolation) -> list[int]:
-        """The server log's culprits on ``iso``'s GPU, watched for up to the fault window (the server
-        writes its line within milliseconds of the fault); none where there is no server."""
-        if not iso.isolated:
-            return []
+        """The server log's culprits on ``iso``'s GPU (MPS), watched for up to the fault window (the
+        server writes its line within milliseconds of the fault)."""
         pids: list[int] = []
         with anyio.move_on_after(self.d.fault_window):
             while not (pids := iso.fatal_pids()):

@@ -162,11 +162,6 @@ class Opened:
         if self.gpu is not None:
             self._open = None
 
-    @classmethod
-    def given(cls, gpu: Gpu | None, error: str | None = None) -> Opened:
-        """A GPU opened by the caller (tests)."""
-        return cls(lambda: (gpu, error))
-
 
 def serve(ch: Channel, gpu: Opened, inject: dict[str, str] | None = None, link: live.Link | None = None) -> int | None:
     """Answer requests until EOF or QUIT; returns the exit status at QUIT (or a protocol error),
