@@ -3,6 +3,7 @@ that no torn, corrupt or half-written file ever loses the previous good state.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -140,6 +141,19 @@ def test_record_forget_reload(sdir):
     with Store(sdir) as s:
         assert s.programs() == {"one": a} and s.generation == gen and s.skipped == {} and s.skipped_files == {}
         assert s.ptx(s.programs()["one"]) == PTX
+
+
+def test_an_unchanged_record_is_not_written_again(sdir):
+    """A restore reloads every recorded program, and records it as it loads: the same record again
+    costs no write (the generation stays) and keeps its time; a changed one is written."""
+    with Store(sdir) as s:
+        a = rec("one", slot=3)
+        s.record(a, PTX)
+        gen = s.generation
+        s.record(dataclasses.replace(a, recorded_at=a.recorded_at + 60), PTX)
+        assert s.generation == gen and s.programs()["one"].recorded_at == a.recorded_at
+        s.record(dataclasses.replace(a, slot=4), PTX)
+        assert s.generation == gen + 1 and s.programs()["one"].slot == 4
 
 
 def test_of_a_loaded_program(sdir):

@@ -34,7 +34,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import structlog
@@ -292,6 +292,9 @@ class Store:
         rec.check()
         if ptx_key(ptx) != rec.ptx_key:
             raise ValueError(f"program {rec.name}: ptx_key {rec.ptx_key} is not the PTX's SHA-256 {ptx_key(ptx)}")
+        old = self._records.get(rec.name)
+        if old is not None and replace(old, recorded_at=rec.recorded_at) == rec:
+            return  # kept already, as it is (a restore's reload): no write, and its time stays when it was kept
         self._write_ptx(rec.ptx_key, ptx)
         self._write({**self._records, rec.name: rec})
         self.gc()
