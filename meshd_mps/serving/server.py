@@ -15,7 +15,7 @@ as SIGTERM, never the default's death without cleanup; it does not reload anythi
 process groups of their own (``supervision/child.py``), so a signal sent to the daemon's group
 (Ctrl-C, the shell's ``kill %1``) reaches only the daemon.
 
-Every task of the daemon (the signal watcher, the monitor) lives in the one task group of
+Every task of the daemon (the signal watcher, the NVML watch) lives in the one task group of
 :meth:`Daemon.run`; the start-up runs in its own cancel scope, which the first signal cancels.
 """
 
