@@ -30,10 +30,11 @@ from .test_serve import EXAMPLES, Serve, leftovers, poll
 pytestmark = pytest.mark.timeout(150)
 
 
-def serve(tmp: str, state: str, isolation: str = "mps", *extra: str, name: str = "s", live: bool = True) -> Serve:
+def serve(tmp: str, state: str, isolation: str = "mps", *extra: str, name: str = "s", live: bool = True,
+          gpu: str = "sim") -> Serve:
     pool = ["--pool", "1"] if isolation == "mps" else []
     s = Serve(tmp, isolation, os.path.join(tmp, f"{name}.sock"), *pool, "--state-dir", state,
-              *(["--live-restore"] if live else []), *extra)
+              *(["--live-restore"] if live else []), *extra, gpu=gpu)
     s.wait_ready()
     return s
 
@@ -79,8 +80,13 @@ def wait_beats(mb: Mailbox, slot: int, more_than: int) -> int:
 @pytest.mark.parametrize("isolation, how", [("mps", signal.SIGTERM), ("mps", signal.SIGKILL), ("blink", signal.SIGTERM),
                                             ("blink", signal.SIGKILL)])
 def test_the_next_daemon_adopts_every_program_as_it_runs(tmp, isolation, how):
+    adopt_case(tmp, isolation, how)
+
+
+def adopt_case(tmp: str, isolation: str, how: int, gpu: str = "sim") -> None:
+    """Shared with tests/gpu/test_live_restore_real.py, which runs it on the H200."""
     state = os.path.join(tmp, "state")
-    a = serve(tmp, state, isolation, name="a")
+    a = serve(tmp, state, isolation, name="a", gpu=gpu)
     try:
         a.client.load(program_body(str(EXAMPLES / "heartbeat")))
         a.client.load(program_body(str(EXAMPLES / "echo")))
@@ -98,7 +104,7 @@ def test_the_next_daemon_adopts_every_program_as_it_runs(tmp, isolation, how):
             pids = {p["pid"] for p in before.values()} | set(pool)
             assert all(alive(p) for p in pids), "the workers run on with no daemon"
             last = wait_beats(mb, slot, last + 2)  # and the kernel beats meanwhile
-            b = serve(tmp, state, isolation, name="b")
+            b = serve(tmp, state, isolation, name="b", gpu=gpu)
             try:
                 after = rows(b)
                 same = ("pid", "slot", "hash", "device", "nodes", "restart")
@@ -107,6 +113,7 @@ def test_the_next_daemon_adopts_every_program_as_it_runs(tmp, isolation, how):
                 assert all(p["state"] == "running" for p in after.values()), after
                 assert after["heartbeat"]["heartbeat"] >= last, "the heartbeat counted on, never reset"
                 st = b.client.status()
+                assert not st["faults"], st["faults"]
                 assert st["state"]["restore"]["adopted"] == ["heartbeat", "echo"], st["state"]
                 assert not st["state"]["restore"]["restored"] and not st["state"]["restore"]["halted"]
                 assert set(st["state"]["adoption"]["adopted"]) == pids
@@ -129,9 +136,13 @@ def test_the_next_daemon_adopts_every_program_as_it_runs(tmp, isolation, how):
 
 
 def test_with_no_daemon_back_the_workers_halt_their_kernels_and_exit(tmp):
+    orphan_case(tmp)
+
+
+def orphan_case(tmp: str, gpu: str = "sim") -> None:
     """The orphan timeout; then a start without live restore ends what is left and reloads."""
     state = os.path.join(tmp, "state")
-    a = serve(tmp, state, "mps", "--orphan-timeout", "1", name="a")
+    a = serve(tmp, state, "mps", "--orphan-timeout", "1", name="a", gpu=gpu)
     try:
         a.client.load(program_body(str(EXAMPLES / "heartbeat")))
         pids = a.client.status()["workers"]
@@ -146,7 +157,7 @@ def test_with_no_daemon_back_the_workers_halt_their_kernels_and_exit(tmp):
     finally:
         mb.close()
     assert Owner.read(live_paths(state).mps) is not None, "the MPS daemon outlives the workers"
-    b = serve(tmp, state, "mps", name="b", live=False)
+    b = serve(tmp, state, "mps", name="b", live=False, gpu=gpu)
     try:
         assert Owner.read(live_paths(state).mps) is None, "the daemon left in the state dir was quit"
         assert not os.path.exists(live_paths(state).mailbox)
@@ -188,6 +199,10 @@ FAKE_WORKER = textwrap.dedent("""
 
 
 def test_reconcile_adopts_what_matches_halts_what_does_not_and_loads_what_is_missing(tmp):
+    reconcile_case(tmp)
+
+
+def reconcile_case(tmp: str, gpu: str = "sim") -> None:
     state = os.path.join(tmp, "state")
     paths = live_paths(state)
     heartbeat2 = os.path.join(tmp, "heartbeat2")  # a second heartbeat program, under another name
@@ -198,7 +213,7 @@ def test_reconcile_adopts_what_matches_halts_what_does_not_and_loads_what_is_mis
         f.write(manifest)
     with open(EXAMPLES / "heartbeat" / "heartbeat.cu") as f, open(os.path.join(heartbeat2, "heartbeat.cu"), "w") as g:
         g.write(f.read())
-    a = serve(tmp, state, "mps", name="a")
+    a = serve(tmp, state, "mps", name="a", gpu=gpu)
     try:
         for d in (str(EXAMPLES / "heartbeat"), str(EXAMPLES / "echo"), str(EXAMPLES / "spin"), heartbeat2):
             a.client.load(program_body(d))
@@ -229,7 +244,7 @@ def test_reconcile_adopts_what_matches_halts_what_does_not_and_loads_what_is_mis
                                 stdout=subprocess.PIPE, text=True)
         try:
             assert fake.stdout is not None and fake.stdout.readline().strip() == "listening"
-            b = serve(tmp, state, "mps", name="b")
+            b = serve(tmp, state, "mps", name="b", gpu=gpu)
             try:
                 assert fake.wait(30) == 0
                 with open(out) as f:
@@ -268,8 +283,12 @@ def test_reconcile_adopts_what_matches_halts_what_does_not_and_loads_what_is_mis
 
 
 def test_in_blink_mode_a_halted_module_costs_one_blink_and_the_adopted_run_on(tmp):
+    blink_discard_case(tmp)
+
+
+def blink_discard_case(tmp: str, gpu: str = "sim") -> None:
     state = os.path.join(tmp, "state")
-    a = serve(tmp, state, "blink", name="a")
+    a = serve(tmp, state, "blink", name="a", gpu=gpu)
     try:
         a.client.load(program_body(str(EXAMPLES / "heartbeat")))
         a.client.load(program_body(str(EXAMPLES / "spin")))
@@ -279,7 +298,7 @@ def test_in_blink_mode_a_halted_module_costs_one_blink_and_the_adopted_run_on(tm
         a.kill()
     with Store(state, lock=False) as st:
         st.forget("spin")
-    b = serve(tmp, state, "blink", name="b")
+    b = serve(tmp, state, "blink", name="b", gpu=gpu)
     try:
         r = b.client.status()["state"]["restore"]
         assert r["adopted"] == ["heartbeat"] and [h["program"] for h in r["halted"]] == ["spin"], r
