@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
@@ -73,18 +74,26 @@ log = structlog.get_logger("meshd_mps")
 IsolationName = Literal["blink", "mps"]
 
 
+#: Where the live-restore mailbox lives: shared memory (tmpfs).  The GPU maps the mailbox as host
+#: memory (cuMemHostRegister), which the H200's driver refused for a regular file's pages
+#: (CUDA_ERROR_INVALID_VALUE, 2026-12-03) and takes for shmem, as for today's memfd.
+SHM_DIR = "/dev/shm"
+
+
 @dataclass(frozen=True)
 class LivePaths:
-    """What outlives the daemon under a live-restore directory (the state dir)."""
+    """What outlives the daemon for a live-restore directory (the state dir)."""
 
-    mailbox: str  # the mailbox, a regular file every worker maps
+    mailbox: str  # the mailbox every worker maps: a file in SHM_DIR named after the state dir, this user's
     mps: str  # the MPS control daemon's directory (pipes, logs, its marker)
     workers: str  # each worker's <pid>.sock and <pid>.log
 
 
 def live_paths(dir: str) -> LivePaths:
     d = os.path.abspath(dir)  # the workers compare the mailbox path they were given with ours
-    return LivePaths(os.path.join(d, "mailbox"), os.path.join(d, "mps"), os.path.join(d, "workers"))
+    tag = hashlib.sha256(os.fsencode(d)).hexdigest()[:16]
+    return LivePaths(os.path.join(SHM_DIR, f"meshd-mps.{os.getuid()}.{tag}.mailbox"), os.path.join(d, "mps"),
+                     os.path.join(d, "workers"))
 
 
 def _live_mailbox(path: str) -> Mailbox:
@@ -601,8 +610,8 @@ class Backend:
         return s
 
     async def _give_up(self) -> None:
-        """A failed open: closed, or (live restore) detached, so that the programs it adopted run on."""
-        if self.live is not None:
+        """A failed open: closed, or (live restore, with programs adopted) detached, so that they run on."""
+        if self.live is not None and any(g.found for g in self.isolations.values()):
             await self.detach()
         else:
             await self.close()
@@ -643,3 +652,6 @@ class Backend:
                         await self.mode.close()
         finally:
             self.mailbox.close()
+            if self.live is not None:  # nothing runs on it any more: not left in shared memory
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.mailbox.path)

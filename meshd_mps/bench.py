@@ -58,8 +58,8 @@ the backend's nvJitLink); nothing ships as PTX.  Rows (issue 6):
 (k) live restore (issue 17): ``serve --live-restore`` with ``heartbeat``, across a restart
     (SIGTERM), an upgrade (a copy of this source tree with a later version started) and a SIGKILL
     followed by a start: the kernel's own largest beat gap (MAX_GAP, read from the mailbox file)
-    against its idle MAX_GAP over 1 s (target: within 2x), and the stop to the API answering
-    again against (j)'s.
+    against its idle MAX_GAP over a window as long as the longest of them (target: within 2x),
+    and the stop to the API answering again against (j)'s.
 """
 
 from __future__ import annotations
@@ -960,9 +960,6 @@ def restart_live(bench: Bench) -> tuple[float, dict[str, tuple[float, float]], s
         old = c.status()["versions"]["meshd-mps"]
         slot = c.load(program_body(str(EXAMPLES / "heartbeat"), arch=c.arch))["program"]["slot"]
         mb = Mailbox.open(live_paths(s.state).mailbox)
-        _gap_since_reset(mb, slot, reset=True)
-        time.sleep(1.0)
-        idle = _gap_since_reset(mb, slot, reset=False) / 1e9
         env, new = _next_release(s.d)
         out: dict[str, tuple[float, float]] = {}
         for how in ("restart", "upgrade", "sigkill"):
@@ -978,6 +975,10 @@ def restart_live(bench: Bench) -> tuple[float, dict[str, tuple[float, float]], s
             out[how] = (_gap_since_reset(mb, slot, reset=False) / 1e9, api)
             if how == "upgrade" and st["versions"]["meshd-mps"] != old:
                 new = st["versions"]["meshd-mps"]
+        # The baseline: as long a window with nothing happening as the longest of the three.
+        _gap_since_reset(mb, slot, reset=True)
+        time.sleep(max(a for _, a in out.values()) + 0.2)
+        idle = _gap_since_reset(mb, slot, reset=False) / 1e9
         Client(s.sock, timeout=60).unload("heartbeat")
         return idle, out, f"{old} -> {new}"
     finally:
@@ -1006,7 +1007,7 @@ async def sec_restart(bench: Bench) -> list[Row]:
             "sigkill": "a SIGKILL, then serve"}
     for how, (g, _) in live.items():
         rows.append(Row("k", f"live restore across {what[how]}: heartbeat's largest beat gap", "us", g * 1e6,
-                        live_idle * 1e6, "its idle gap (MAX_GAP over 1 s)", "<= 2x", g <= 2 * live_idle,
+                        live_idle * 1e6, "its idle gap (MAX_GAP, as long a window)", "<= 2x", g <= 2 * live_idle,
                         "the kernel's own MAX_GAP (globaltimer) read from the mailbox file: it beats on while no"
                         " daemon runs; adopted, never halted"))
     for how, (_, a) in live.items():

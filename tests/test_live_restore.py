@@ -71,6 +71,7 @@ def nothing_left(state: str) -> None:
         return not leftovers([state])
 
     poll(clean, 20.0, f"no process of the state dir left: {leftovers([state])}")
+    assert not os.path.exists(live_paths(state).mailbox), "the mailbox left in shared memory"
 
 
 def wait_beats(mb: Mailbox, slot: int, more_than: int) -> int:

@@ -113,7 +113,7 @@ class Mps(Mode):
         self._saved_pipe_env = os.environ.get(PIPE_ENV)
         self._set_pipe_env = True
         os.environ[PIPE_ENV] = os.path.join(self.daemon.dir, "none")
-        log.info(f"mps: mailbox {abi.MAILBOX_BYTES} bytes in a memfd ({self.mailbox}); workers run --gpu {self.gpu}")
+        log.info(f"mps: mailbox {abi.MAILBOX_BYTES} bytes ({self.mailbox}); workers run --gpu {self.gpu}")
 
     def _make(self, device: int) -> MpsIsolation:
         from meshd_mps.isolation.mps import MpsIsolation  # it builds on this module
