@@ -226,13 +226,16 @@ def _entry_len(entry: bytes) -> int:
     return min(int.from_bytes(entry[:4], "little"), abi.ENTRY_PAYLOAD)
 
 
-def _echo(r: _Ring, poisoned: Any) -> None:
-    """examples/echo/echo.cu, line for line."""
-    while n := r.wait(poisoned):
-        e = [r.load(r.next + k) for k in range(n)]
-        for k in range(n):
-            r.store(r.next + k, e[k], _entry_len(e[k]))
+def _echo_turn(r: _Ring, poisoned: Any) -> int:
+    """One turn of examples/echo/echo.cu's loop, line for line: how many requests it answered
+    (0: HALT)."""
+    n = r.wait(poisoned)
+    e = [r.load(r.next + k) for k in range(n)]
+    for k in range(n):
+        r.store(r.next + k, e[k], _entry_len(e[k]))
+    if n:
         r.post(n)
+    return n
 
 
 class SimGpu:
@@ -501,7 +504,9 @@ class SimGpu:
         helpers do (``_Ring``) and beats on their timer."""
         b = _Beat(self.mailbox, slot, pause, lambda: bool(self._poison))
         if echo:
-            _echo(_Ring(self.mailbox, slot, b, abi.BEAT_EVERY), lambda: bool(self._poison))
+            ring = _Ring(self.mailbox, slot, b, abi.BEAT_EVERY)
+            while _echo_turn(ring, lambda: bool(self._poison)):
+                pass
         else:
             while self.mailbox.u32(slot, abi.CONTROL) != abi.HALT and not self._poison:
                 b.beat(time.monotonic_ns(), self.mailbox.u32(slot, abi.GAP_RESET))
