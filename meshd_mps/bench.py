@@ -415,7 +415,7 @@ def raw_pipe(n: int) -> list[float]:
 
 async def answering_child(d: Deadlines) -> tuple[WorkerProc, asyncio.Task[None]]:
     """ANSWER_CHILD as a WorkerProc with its reader task: an ask to it is the supervisor's share alone."""
-    w = WorkerProc(await child.spawn([sys.executable, "-c", ANSWER_CHILD], os.environ), lambda _w: None, d)
+    w = WorkerProc(await child.spawn([sys.executable, "-c", ANSWER_CHILD], os.environ, framed=True), lambda _w: None, d)
     return w, asyncio.ensure_future(w.read_frames())
 
 
