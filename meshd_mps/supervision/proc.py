@@ -148,20 +148,19 @@ class WorkerProc:
     # ---- reading ----------------------------------------------------------------------------
     async def read_frames(self) -> None:
         """Until the worker's stdout (or socket) ends or a frame breaks the protocol: the frames
-        themselves are taken as they arrive (``_frame``, from the FrameReader); this awaits the end."""
-        self._reader.attach(self._frame, self._ended)
+        themselves are taken as they arrive (``_frame``, from the FrameReader's read callback);
+        the end is dealt with here, in this task, so that its owner's reaction to the exit
+        (Supervisor._read) follows in the same step, before any waiter of its futures runs."""
+        self._reader.attach(self._frame)
         try:
             await self._reader.ended.wait()
+            why = self._reader.why
+            if isinstance(why, FrameError):
+                self.mark_unfit(f"worker {self.pid}: bad frame: {why}")
+            elif why is not None:
+                self.mark_unfit(f"worker {self.pid}: stdout: {why}")
         finally:
-            if not self._reader.ended.is_set():  # cancelled (the supervisor closes): as an end
-                self._closed()
-
-    def _ended(self, why: BaseException | None) -> None:
-        if isinstance(why, FrameError):
-            self.mark_unfit(f"worker {self.pid}: bad frame: {why}")
-        elif why is not None:
-            self.mark_unfit(f"worker {self.pid}: stdout: {why}")
-        self._closed()
+            self._closed()
 
     def _frame(self, op: Op, body: bytes) -> None:
         if op == Op.DONE:

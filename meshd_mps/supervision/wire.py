@@ -23,20 +23,18 @@ from meshd_mps.protocol.frames import Op
 
 _HEADER = frames.HEADER.unpack_from
 Sink = Callable[[Op, bytes], None]
-#: Called once at the end: None at a clean EOF, else why (a FrameError, or the transport's error).
-End = Callable[[BaseException | None], None]
 
 
 class FrameReader(asyncio.Protocol):
     """Frames before ``attach`` (a socket's HELLO) are kept for ``first()``; from ``attach`` on,
     each goes to the sink as it is read.  A FrameError (raised by the parse or by the sink) ends
-    the reading there: the rest of the stream is dropped."""
+    the reading there: the rest of the stream is dropped.  The end sets ``ended``, with ``why``:
+    None at a clean EOF, else the FrameError or the transport's error."""
 
     def __init__(self) -> None:
         self.transport: asyncio.BaseTransport | None = None
         self._buf = bytearray()
         self._sink: Sink | None = None
-        self._on_end: End | None = None
         self._early: deque[tuple[Op, bytes]] = deque()
         self._arrived: asyncio.Event = asyncio.Event()  # a frame was kept, or the end came
         self.ended = asyncio.Event()
@@ -98,18 +96,15 @@ class FrameReader(asyncio.Protocol):
         self._writable = None
 
     # ---- ours ----------------------------------------------------------------------------------
-    def attach(self, sink: Sink, on_end: End) -> None:
-        """From now on every frame goes to ``sink`` (those kept so far first), and the end to
-        ``on_end``."""
-        self._sink, self._on_end = sink, on_end
+    def attach(self, sink: Sink) -> None:
+        """From now on every frame goes to ``sink`` (those kept so far first)."""
+        self._sink = sink
         while self._early and not self.ended.is_set():
             op, body = self._early.popleft()
             try:
                 sink(op, body)
             except FrameError as e:
                 self._end(e)
-        if self.ended.is_set():
-            on_end(self.why)
 
     async def first(self) -> tuple[Op, bytes]:
         """The first frame (before ``attach``); EOFError if the stream ends first."""
@@ -132,8 +127,6 @@ class FrameReader(asyncio.Protocol):
         self._buf.clear()
         self.ended.set()
         self._arrived.set()
-        if self._on_end is not None:
-            self._on_end(why)
 
 
 class SocketWriter:
