@@ -171,10 +171,10 @@ static __device__ __forceinline__ void mesh_post(mesh_slot_t s, unsigned int seq
 
 /* ---- the request ring, served by one warp (section 6 of docs/program-abi.md) --------------- */
 /* The fast path: a warp polls the request head in a tight loop and copies whole
- * entries a word per lane, so a request costs about what the bus does (on the H200
- * a 64 B round trip within ~1.2x of a bare poll-and-copy kernel: docs/benchmarks.md,
- * row f).  Every lane of one warp calls these together (converged); the warp's lane
- * 0 writes the heads and beats.  A warp holds its mesh_ring_t in registers. */
+ * entries a word per lane, so that a request costs little more than the bus does
+ * (docs/benchmarks.md, row f, has it beside a bare poll-and-copy kernel).  Every
+ * lane of one warp calls these together (converged); the warp's lane 0 writes the
+ * heads and beats.  A warp holds its mesh_ring_t in registers. */
 
 #define MESH_BEAT_EVERY 100000u /* ns: mesh_ring_wait's beat interval, unless the program picks another */
 #define MESH_ENTRY_WORDS (MESH_ENTRY_BYTES / 4u) /* 48: an entry's length word and 47 payload words */
