@@ -17,15 +17,30 @@ the GPU named, else on the least loaded one.  ``info``, ``caps`` and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import os
 from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
 import structlog
 
 from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import ConfigError, MailboxError, MpsError, NotOurClient, NotServedHere, Unavailable, WrongMode
+from meshd_mps.errors import (
+    ConfigError,
+    MailboxError,
+    MpsError,
+    NotOurClient,
+    NotServedHere,
+    ProtocolMismatch,
+    Unavailable,
+    WorkerError,
+    WorkerGone,
+    WrongMode,
+)
 from meshd_mps.gpu.compiler import Compiler, Manifest
 from meshd_mps.gpu.device import (
     Caps,
@@ -41,22 +56,55 @@ from meshd_mps.gpu.device import (
     simulated_device,
 )
 from meshd_mps.isolation import limits
-from meshd_mps.isolation.base import Admit, Image, Isolation, Kernel, Mode
+from meshd_mps.isolation.base import Admit, Found, Image, Isolation, Kernel, Mode
 from meshd_mps.isolation.blink import Blink, BlinkIsolation, last_blink_ms
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.log import setup_logging
 from meshd_mps.mps.clients import MAX_CLIENTS, Mps
-from meshd_mps.mps.control import ControlDaemon
+from meshd_mps.mps.control import ControlDaemon, Owner
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
 
-__all__ = ["Backend", "Image", "Kernel", "Opening"]
+__all__ = ["Backend", "Found", "Image", "Kernel", "LivePaths", "Opening", "live_paths"]
 
 log = structlog.get_logger("meshd_mps")
 
 IsolationName = Literal["blink", "mps"]
+
+
+#: Where the live-restore mailbox lives: shared memory (tmpfs).  The GPU maps the mailbox as host
+#: memory (cuMemHostRegister), which the H200's driver refused for a regular file's pages
+#: (CUDA_ERROR_INVALID_VALUE, 2026-12-03) and takes for shmem, as for today's memfd.
+SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class LivePaths:
+    """What outlives the daemon for a live-restore directory (the state dir)."""
+
+    mailbox: str  # the mailbox every worker maps: a file in SHM_DIR named after the state dir, this user's
+    mps: str  # the MPS control daemon's directory (pipes, logs, its marker)
+    workers: str  # each worker's <pid>.sock and <pid>.log
+
+
+def live_paths(dir: str) -> LivePaths:
+    d = os.path.abspath(dir)  # the workers compare the mailbox path they were given with ours
+    tag = hashlib.sha256(os.fsencode(d)).hexdigest()[:16]
+    return LivePaths(os.path.join(SHM_DIR, f"meshd-mps.{os.getuid()}.{tag}.mailbox"), os.path.join(d, "mps"),
+                     os.path.join(d, "workers"))
+
+
+def _live_mailbox(path: str) -> Mailbox:
+    """The mailbox an earlier meshd-mps left (its kernels may run on it: its contents kept), else a
+    new one."""
+    if os.path.exists(path):
+        try:
+            return Mailbox.open(path)
+        except MailboxError as e:
+            log.warning(f"live restore: {e}; making a new one")
+    return Mailbox.create(path)
 
 
 class Opening:
@@ -79,7 +127,7 @@ class Opening:
             await b._open()
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await b.close()
+                await b._give_up()
             raise
         return b
 
@@ -89,6 +137,8 @@ class Opening:
         try:
             await b._open()
         except BaseException as e:
+            with anyio.CancelScope(shield=True):
+                await b._give_up()
             await self.__aexit__(type(e), e, e.__traceback__)
             raise
         return b
@@ -107,7 +157,8 @@ class Opening:
 
 class Backend:
     def __init__(self, isolation: IsolationName, sms: int, mps_dir: str | None, pool: int, gpu: str,
-                 cache_dir: str | None, deadlines: Deadlines, max_clients: int, devices: Sequence[int] | None = None):
+                 cache_dir: str | None, deadlines: Deadlines, max_clients: int, devices: Sequence[int] | None = None,
+                 live: str | None = None, clear: str | None = None):
         if isolation not in ("blink", "mps"):
             raise ConfigError(f"--isolation {isolation}: expected blink or mps")
         if gpu not in ("cuda", "sim"):
@@ -123,7 +174,15 @@ class Backend:
         self._cache_dir = cache_dir
         self._max_clients = max_clients
         self.sup = Supervisor(deadlines)
-        self.mailbox = Mailbox.create()
+        #: Live restore: the directory (the state dir's) that holds what outlives us: the mailbox
+        #: file, the MPS directory and the workers' sockets (``live_paths``); None: nothing does.
+        self.live = live
+        self._clear = clear
+        self.mailbox = _live_mailbox(live_paths(live).mailbox) if live is not None else Mailbox.create()
+        #: Live restore: the modules the adopted workers hold, for the programs to take or halt.
+        self.found: list[Found] = []
+        #: Live restore: what adoption did with each worker left, for status and the log.
+        self.adoption: dict[str, list[int]] = {}
         #: The mode's host-wide part, which holds each GPU's isolation (made at open).
         self.mode: Mode | None = None
         self.devices: tuple[int, ...] = ()  # the GPUs driven, ascending (known once open)
@@ -135,15 +194,19 @@ class Backend:
     @classmethod
     def open(cls, *, isolation: IsolationName = "blink", sms: int = 0, mps_dir: str | None = None, pool: int = 0,
              gpu: str = "cuda", cache_dir: str | None = None, deadlines: Deadlines = Deadlines(),
-             max_clients: int = MAX_CLIENTS, devices: Sequence[int] | None = None) -> Opening:
+             max_clients: int = MAX_CLIENTS, devices: Sequence[int] | None = None, live: str | None = None,
+             clear: str | None = None) -> Opening:
         """Start the backend: in MPS mode the private daemon and the pools first.  ``devices``: the
         GPUs to drive (CUDA ordinals; None: every visible one); ``pool`` idle workers per GPU.
-        ``await`` it, or enter it with ``async with`` (:class:`Opening`)."""
+        ``live``: a directory of ours (the state dir) where the workers, the mailbox and the MPS
+        daemon outlive the backend (``detach``), and where the next open adopts them (``found``).
+        ``clear``: such a directory, whose leftovers are halted and ended at open (a start without
+        live restore after one with it).  ``await`` it, or enter it with ``async with`` (:class:`Opening`)."""
 
         def make() -> Backend:
             if not structlog.is_configured():
                 setup_logging()  # structlog's default is stdout: a host's output is not ours to fill
-            return cls(isolation, sms, mps_dir, pool, gpu, cache_dir, deadlines, max_clients, devices)
+            return cls(isolation, sms, mps_dir, pool, gpu, cache_dir, deadlines, max_clients, devices, live, clear)
 
         return Opening(make)
 
@@ -155,15 +218,145 @@ class Backend:
 
     def _choose(self) -> Mode:
         """The one place the mode is chosen: its host-wide part, which makes every GPU's isolation."""
+        paths = live_paths(self.live) if self.live is not None else None
+        listen = paths.workers if paths is not None else None
         if self.isolation == "mps":
-            return Mps.under(self._mps_dir, self.sup, self.mailbox.path, self.sms, self.gpu, self._pool_n, self._max_clients)
-        return Blink(self.sup, self.mailbox, self.sms, self.gpu)
+            mps_dir = self._mps_dir or (paths.mps if paths is not None else None)
+            return Mps.under(mps_dir, self.sup, self.mailbox.path, self.sms, self.gpu, self._pool_n, self._max_clients,
+                             listen)
+        return Blink(self.sup, self.mailbox, self.sms, self.gpu, listen)
 
     async def _open(self) -> None:
+        if self._clear is not None:
+            await self._clear_left(self._clear)
         self.mode = self._choose()
         await self.mode.start()
         await self._devices()
-        await self.mode.open(self.devices)
+        adopted = await self._adopt() if self.live is not None else {}
+        await self.mode.open(self.devices, adopted)
+        self.found = [f for g in self.isolations.values() for f in g.found]
+
+    async def _adopt(self) -> dict[int, list[WorkerProc]]:
+        """Live restore: every worker an earlier meshd-mps left on its socket, adopted (its HELLO:
+        what it runs).  Those this backend cannot keep (another protocol version, another mailbox,
+        a GPU not served here, clients of an MPS server that is gone) have their kernels halted
+        through the mailbox and are told to QUIT; every slot that no kept worker runs on is zeroed.
+        Each GPU's kept workers, for its isolation to take in."""
+        assert self.mode is not None and self.live is not None
+        d = live_paths(self.live).workers
+        try:
+            paths = sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".sock"))
+        except FileNotFoundError:
+            paths = []
+        kept: list[WorkerProc] = []
+        unwanted: list[WorkerProc] = []
+        out: dict[str, list[int]] = {"adopted": [], "dismissed": [], "gone": []}
+        for path in paths:
+            try:
+                w = await self.sup.adopt(path)
+            except ProtocolMismatch as e:
+                log.warning(f"live restore: {e}: its programs are reloaded", pid=e.pid, theirs=e.theirs, ours=e.ours)
+                continue
+            except WorkerError as e:  # gone, not ours (PeerMismatch), or no HELLO
+                log.warning(f"live restore: {path}: {e}", pid=e.pid)
+                if isinstance(e, WorkerGone):
+                    out["gone"].append(e.pid or 0)
+                continue
+            assert w.hello is not None
+            why = ("" if self.mode.keeps_workers else "its MPS server is gone") or (
+                f"it maps mailbox {w.hello.mailbox}, not ours" if w.hello.mailbox != self.mailbox.path else "") or (
+                f"its GPU {w.device} is not served here" if w.device not in self.devices else "")
+            if why:
+                log.warning(f"live restore: worker {w.pid} not kept: {why}", pid=w.pid)
+                unwanted.append(w)
+            else:
+                kept.append(w)
+        keep = {la.slot for w in kept for la in (w.hello.launches if w.hello else ()) if la.running}
+        stale = [s for s in range(abi.SLOTS) if s not in keep and self.mailbox.u32(s, abi.STATE) == abi.RUNNING]
+        if stale:
+            await self._halt_slots(stale)
+        for w in unwanted:
+            self.sup.retire(w, before_exit=False)
+        out["dismissed"] = [w.pid for w in unwanted] + await self.sup.dismiss()
+        for s in range(abi.SLOTS):
+            if s not in keep:
+                self.mailbox.reset_slot(s)
+        out["adopted"] = sorted(w.pid for w in kept)
+        self.adoption = out
+        by: dict[int, list[WorkerProc]] = {}
+        for w in kept:
+            by.setdefault(w.device, []).append(w)
+        return by
+
+    async def _halt_slots(self, slots: list[int], mailbox: Mailbox | None = None) -> None:
+        """HALT on ``slots`` of ``mailbox`` (ours), whose kernels no worker of ours runs (left by
+        workers we cannot keep), and their STATE awaited off RUNNING within ``halt``: they must not
+        exit with a kernel running (under MPS that faults the GPU), nor share a slot with a new one."""
+        mb = mailbox or self.mailbox
+        for s in slots:
+            mb.halt(s)
+        within = self.sup.deadlines.halt
+        with anyio.move_on_after(within):
+            while any(mb.u32(s, abi.STATE) == abi.RUNNING for s in slots):
+                await anyio.sleep(0.005)  # the kernels answer in host memory: nothing to await but the words
+        left = [s for s in slots if mb.u32(s, abi.STATE) == abi.RUNNING]
+        log.info(f"live restore: halted the kernels on slots {slots} that no adopted worker runs",
+                 still_running=left)
+        if left:
+            log.error(f"live restore: slots {left} still RUNNING {within:g}s after HALT (no kernel answers there, or"
+                      " one that ignores HALT); they are zeroed and reused", slots=left)
+
+    async def _clear_left(self, dir: str) -> None:
+        """Without live restore: what an earlier meshd-mps with live restore left under ``dir``
+        (workers on sockets, their kernels, the MPS daemon, the mailbox file) halted and ended, so
+        that nothing of it runs on unseen: kernels halted through that mailbox, workers told to
+        QUIT (killed past ``retire_quit``), the daemon adopted and quit."""
+        paths = live_paths(dir)
+        try:
+            socks = sorted(os.path.join(paths.workers, n) for n in os.listdir(paths.workers) if n.endswith(".sock"))
+        except FileNotFoundError:
+            socks = []
+        mb = None
+        if socks:
+            try:
+                mb = Mailbox.open(paths.mailbox)
+            except MailboxError as e:
+                log.error(f"left by live restore: {e}: its kernels cannot be halted")
+        try:
+            ws: list[WorkerProc] = []
+            for path in socks:
+                with contextlib.suppress(ProtocolMismatch):  # kept for dismiss
+                    try:
+                        ws.append(await self.sup.adopt(path))
+                    except WorkerError as e:
+                        log.warning(f"left by live restore: {path}: {e}", pid=e.pid)
+            if mb is not None:
+                running = [s for s in range(abi.SLOTS) if mb.u32(s, abi.STATE) == abi.RUNNING]
+                if running:
+                    await self._halt_slots(running, mb)
+            for w in ws:
+                self.sup.retire(w, before_exit=False)
+            dismissed = await self.sup.dismiss()
+            d = self.sup.deadlines
+            with anyio.move_on_after(d.retire_quit + d.retire_kill):
+                for w in ws:
+                    await w.process.wait()
+            if ws or dismissed:
+                log.warning(f"without --live-restore: {len(ws) + len(dismissed)} workers an earlier meshd-mps left"
+                            f" running in {paths.workers} halted and ended", pids=[w.pid for w in ws] + dismissed)
+        finally:
+            if mb is not None:
+                mb.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(paths.mailbox)
+        if Owner.read(paths.mps) is not None:  # a marker: a daemon of ours may run there
+            left = ControlDaemon(paths.mps, temporary=False, deadlines=self.sup.deadlines)
+            try:
+                await left.adopt()
+            except MpsError:
+                return  # none runs there (or not ours to quit: its meshd-mps is alive)
+            log.warning(f"without --live-restore: the MPS control daemon {left.pid} left in {paths.mps} quit")
+            await left.quit()
 
     async def _devices(self) -> None:
         """Which GPUs (checked against those visible), their figures, caps and compilers."""
@@ -416,6 +609,33 @@ class Backend:
             s.update(self.mode.status())
         return s
 
+    async def _give_up(self) -> None:
+        """A failed open: closed, or (live restore, with programs adopted) detached, so that they run on."""
+        if self.live is not None and any(g.found for g in self.isolations.values()):
+            await self.detach()
+        else:
+            await self.close()
+
+    async def detach(self) -> list[int]:
+        """Live restore's stop: nothing halted or killed; every worker on its socket (pooled ones
+        too), the MPS daemon and the mailbox file are left running for the next ``open(live=...)``
+        to adopt.  The detached workers' pids."""
+        if self._closed:
+            return []
+        if self.live is None:
+            raise ConfigError("detach: this backend was opened without live=DIR; nothing of it can outlive it")
+        self._closed = True
+        try:
+            with anyio.CancelScope(shield=True):
+                for g in self.isolations.values():
+                    g.detach()
+                pids = await self.sup.detach()  # re-raises what a task of its group raised
+                if self.mode is not None:
+                    await self.mode.detach()
+        finally:
+            self.mailbox.close()
+        return pids
+
     async def close(self) -> None:
         """Every worker killed and reaped, then the daemon quit; nothing is left behind."""
         if self._closed:
@@ -432,3 +652,6 @@ class Backend:
                         await self.mode.close()
         finally:
             self.mailbox.close()
+            if self.live is not None:  # nothing runs on it any more: not left in shared memory
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.mailbox.path)

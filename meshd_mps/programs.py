@@ -47,7 +47,7 @@ from meshd_mps.errors import (
 )
 from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.isolation import limits
-from meshd_mps.isolation.base import Isolation
+from meshd_mps.isolation.base import Found, Isolation
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Done
@@ -404,6 +404,49 @@ class Programs:
             log.error(f"program {p.name} did not halt in {within:g}s; retiring its worker", pid=p.kernel.pid)
             return
         raise HaltTimeout(f"program {p.name} did not halt within {within:g}s", programs=(p.name,), within=within)
+
+    # ---- live restore -------------------------------------------------------------------------
+    async def adopt(self, f: Found, manifest: Manifest, ptx: bytes, hash: int, nodes: int,
+                    policy: restart.Policy | str | None = None) -> Program:
+        """A program an earlier meshd-mps left running (live restore, ``Backend.found``), taken
+        over as it runs: its worker, kernel and launch unchanged, nothing halted, its heartbeat
+        counted on from the mailbox.  The caller (state/desired.py) matched it to its record."""
+        pol = self.policy if policy is None else restart.Policy.parse(policy)
+        assert f.launch is not None, "adopt: a module with no launch runs nothing"
+        async with self._lock:
+            if f.name in self.by_name:
+                raise AlreadyLoaded(f.name)
+            slot = self._free_slot(f.launch.slot)
+            k = f.isolation.take(f, manifest)
+            assert k.launch is not None
+            p = Program(f.name, slot, k, k.launch, hash, nodes, cached=True, manifest=manifest, ptx=ptx, policy=pol)
+            p.beat = self.b.mailbox.heartbeat(slot)
+            p.beaten = p.beat > 0  # it beat before we came: a stall from here on is one
+            self._install(p)
+            log.info(f"program {f.name} adopted on slot {slot}, GPU {k.device}, worker {k.pid}: it runs on",
+                     program=f.name, pid=k.pid, slot=slot, device=k.device, heartbeat=p.beat)
+            return p
+
+    async def discard(self, f: Found, why: str) -> None:
+        """An adopted module that the desired state does not want (no record names it, another
+        version, a half-done load or upgrade): its kernel halted through its slot if it runs, and
+        the module unloaded (MPS: its worker back to the pool; blink: in one blink)."""
+        async with self._lock:
+            k = f.isolation.take(f, None)
+            log.warning(f"program {f.name} on worker {k.pid}: halted and unloaded at adoption: {why}", program=f.name,
+                        pid=k.pid, slot=f.launch.slot if f.launch else None)
+            if k.launch is not None:
+                await self.b.abandon(k, k.launch.slot)
+            else:
+                await self.b.unload(k)
+
+    async def detach(self) -> None:
+        """Live restore's stop: the programs are forgotten here, never halted; their workers run on
+        for the next meshd-mps (Backend.detach)."""
+        self._closing = True
+        n = len(self.by_name)
+        self.by_name.clear()
+        log.info(f"{n} programs left running for the next meshd-mps")
 
     async def upgrade(self, name: str, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes,
                       expect: int | None = None, policy: restart.Policy | str | None = None) -> Program:

@@ -237,4 +237,4 @@ def test_serve_reports_a_config_error_and_exits_2(tmp_path):
 def test_version():
     r = run_cli("--version")
     assert r.returncode == 0 and r.stdout.startswith("meshd-mps "), r
-    assert "(frame protocol 1, program ABI 1, state schema 1)" in r.stdout
+    assert "(frame protocol 2, program ABI 1, state schema 1)" in r.stdout

@@ -15,7 +15,7 @@ from workers.main import Channel
 
 
 def test_round_trips():
-    load = Load(0, 256, 49152, 1 << 20, "echo", b"\x7fELF...")
+    load = Load(0, 256, 49152, 1 << 20, "echo", b"\x7fELF...", 0x0123456789ABCDEF)
     assert Load.decode(load.encode()) == load
     launch = Launch(3, 7, 12, 132)
     assert Launch.decode(launch.encode()) == launch
@@ -54,8 +54,8 @@ def test_malformed_frames(buf, why):
 @pytest.mark.parametrize(
     "fn, body, why",
     [
-        (Load.decode, b"\x00" * 19, "shorter than its 20-byte head"),
-        (Load.decode, struct.pack("<IIIII", 0, 1, 0, 0, 9) + b"abc", "name length 9"),
+        (Load.decode, b"\x00" * 27, "shorter than its 28-byte head"),
+        (Load.decode, struct.pack("<IIIIQI", 0, 1, 0, 0, 0, 9) + b"abc", "name length 9"),
         (Launch.decode, b"\x00" * 15, "LAUNCH body of 15 bytes, expected 16"),
         (Done.decode, b"\x00" * 11, "DONE body of 11 bytes"),
         (Done.decode, struct.pack("<III", 0, 1, 7), "ok word 7"),

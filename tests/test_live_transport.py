@@ -405,15 +405,20 @@ async def test_a_control_daemon_whose_pid_was_reused_is_not_adopted(standin_on_p
 
 
 def test_hello_round_trips_and_refuses_what_does_not_fit():
-    h = Hello(frames.PROTOCOL_VERSION, 1234, 1, (frames.HelloModule(0, 3, "heartbeat"), frames.HelloModule(2, 0, "é")),
+    info = frames.Loaded(1, 40, 2, 0, 132, 0x7F0000001000, 4096)
+    h = Hello(frames.PROTOCOL_VERSION, 1234, 1, (frames.HelloModule(0, 3, "heartbeat", 0xFEEDFACE12345678, info),
+                                                 frames.HelloModule(2, 0, "é")),
               (HelloLaunch(0, 3, 7, 132, True), HelloLaunch(2, 1, 8, 1, False)), "/run/meshd/mailbox")
     body = h.encode()
     assert Hello.decode(body) == h and Hello.head(body) == (frames.PROTOCOL_VERSION, 1234)
+    assert Hello.decode(body).modules[0].info == info and Hello.decode(body).modules[0].tag == 0xFEEDFACE12345678
     assert Hello.decode(Hello(1, 5, 0).encode()) == Hello(1, 5, 0)
-    for cut in (0, 7, 19, 25, 40):
+    m = frames.HELLO_MODULE.size
+    for cut in (0, 7, 19, 25, 40, frames.HELLO_HEAD.size + m + 3):
         with pytest.raises(frames.FrameError):
             Hello.decode(body[:cut])
     bad = bytearray(body)
-    bad[frames.HELLO_HEAD.size + 12 + 9 + 12 + 2 + 16 : frames.HELLO_HEAD.size + 12 + 9 + 12 + 2 + 20] = b"\x02\0\0\0"
+    second = frames.HELLO_HEAD.size + m + 9 + m + 2 + frames.HELLO_LAUNCH.size  # the second launch's
+    bad[second + 16 : second + 20] = b"\x02\0\0\0"
     with pytest.raises(frames.FrameError, match="running word 2"):
         Hello.decode(bytes(bad))

@@ -46,7 +46,8 @@ def test_programs_come_back_on_their_slots_after_a_restart(tmp):
     b = serve(tmp, state, name="b")
     try:
         st = b.client.status()["state"]
-        assert st["dir"] == state and st["restore"] == {"restored": ["heartbeat", "echo"], "declared": [], "skipped": {}}
+        assert st["dir"] == state and st["restore"] == {"adopted": [], "restored": ["heartbeat", "echo"], "declared": [],
+                                                  "halted": [], "skipped": {}}
         got = rows(b)
         assert {n: (p["slot"], p["hash"], p["restart"]) for n, p in got.items()} == before
         assert got["echo"]["hash"] == up["hash"] and all(p["state"] == "running" for p in got.values())
@@ -97,7 +98,8 @@ def test_programs_declared_in_the_config_file_are_loaded(tmp):
                 f'[program.echo]\ndir = "{EXAMPLES / "echo"}"\n')
     a = serve(tmp, state, "--config", conf, name="a")
     try:
-        assert a.client.status()["state"]["restore"] == {"restored": [], "declared": ["heartbeat", "echo"], "skipped": {}}
+        assert a.client.status()["state"]["restore"] == {"adopted": [], "restored": [], "declared": ["heartbeat", "echo"],
+                                                     "halted": [], "skipped": {}}
         got = rows(a)
         assert got["heartbeat"]["restart"] == "never" and got["echo"]["restart"] == "on-failure"
         a.client.upgrade("heartbeat", program_body(str(EXAMPLES / "heartbeat"), restart="always"))
@@ -121,10 +123,3 @@ def test_a_state_dir_others_may_write_is_refused(tmp):
     os.chmod(state, 0o777)
     r = cli("serve", "--gpu", "sim", "--socket", os.path.join(tmp, "s.sock"), "--state-dir", state)
     assert r.returncode != 0 and state in r.stderr and "Traceback" not in r.stderr, r.stderr
-
-
-def test_live_restore_is_refused_for_now(tmp):
-    r = cli("serve", "--gpu", "sim", "--socket", os.path.join(tmp, "s.sock"), "--state-dir", os.path.join(tmp, "st"),
-            "--live-restore")
-    assert r.returncode != 0 and "--live-restore: adopting the running workers" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr

@@ -321,3 +321,28 @@ def test_a_malformed_record_is_skipped(sdir):
         json.dump(obj, f)
     with Store(sdir) as s:
         assert s.programs() == {"two": b} and "restart" in s.skipped["one"]
+
+
+def test_a_skipped_record_is_kept_by_later_writes_and_comes_back_once_repaired(sdir):
+    a, b = _two_generations(sdir)
+    path = os.path.join(sdir, "ptx", f"{ptx_key(PTX)}.ptx")
+    with open(path, "ab") as f:
+        f.write(b"damaged")
+    ptx3 = b"// program three\n.version 8.0\n"
+    c = rec("three", ptx3, slot=2)
+    with Store(sdir) as s:
+        assert "corrupt" in s.skipped["one"]
+        s.record(c, ptx3)  # a later write: "one" stays in the file as it was, its PTX file too
+        assert s.programs() == {"two": b, "three": c}
+    with Store(sdir) as s:
+        assert "corrupt" in s.skipped["one"] and s.programs() == {"two": b, "three": c}
+    with open(path, "wb") as f:  # repaired
+        f.write(PTX)
+    with Store(sdir) as s:
+        assert s.programs() == {"one": a, "two": b, "three": c} and not s.skipped
+    with open(path, "ab") as f:
+        f.write(b"damaged")
+    with Store(sdir) as s:
+        assert s.forget("one") and "one" not in s.skipped
+    with Store(sdir) as s:
+        assert s.programs() == {"two": b, "three": c} and not s.skipped

@@ -9,7 +9,9 @@ launches not yet reported), then the DONEs that came while none was connected.  
 time, the worker halts its own kernels (CONTROL = HALT in each running slot, their ends awaited
 for ``--halt-within`` seconds) before it exits 0: under MPS a client that exits with its kernel
 running faults the GPU's other clients (docs/reliability.md).  At stdin EOF (today's pipes) it
-halts them the same way before it exits.
+halts them the same way before it exits.  QUIT exits at once, as ever: the daemon halts first (a
+daemon that cannot adopt a worker of another protocol version halts its slots through the mailbox,
+then tells it to QUIT, the op every version understands).
 
 ``Book`` is the worker's account of its modules and launches; ``Link`` is the channel to
 whichever daemon is connected now, and the one place a DONE is either written or queued, so that
@@ -19,6 +21,7 @@ HELLO and the queue always agree.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import threading
@@ -30,7 +33,7 @@ from typing import Protocol
 import structlog
 
 from meshd_mps.protocol import frames
-from meshd_mps.protocol.frames import Done, Hello, HelloLaunch, HelloModule, Op
+from meshd_mps.protocol.frames import Done, Hello, HelloLaunch, HelloModule, Loaded, Op
 from meshd_mps.protocol.mailbox import Mailbox
 
 log = structlog.get_logger("meshd_mps.worker")
@@ -53,14 +56,14 @@ class Link:
         self.mailbox = mailbox
         self._cv = threading.Condition()
         self._ch: _Writer | None = None
-        self._modules: dict[int, tuple[str, int]] = {}  # id -> (name, last launch's gen)
+        self._modules: dict[int, HelloModule] = {}  # id -> name, last launch's gen, tag, LOADED report
         self._launches: dict[tuple[int, int], _Launch] = {}  # whose DONE no daemon has had yet
         self._queue: list[Done] = []  # DONEs of launches that ended while no daemon was connected
 
     # ---- the book -------------------------------------------------------------------------
-    def loaded(self, module: int, name: str) -> None:
+    def loaded(self, module: int, name: str, tag: int, info: Loaded) -> None:
         with self._cv:
-            self._modules[module] = (name, 0)
+            self._modules[module] = HelloModule(module, 0, name, tag, info)
 
     def unloaded(self, module: int) -> None:
         with self._cv:
@@ -69,8 +72,9 @@ class Link:
     def launching(self, module: int, gen: int, slot: int, nodes: int) -> None:
         """Before the launch itself: its DONE can come before the launch call returns."""
         with self._cv:
-            name, _ = self._modules.get(module, ("", 0))
-            self._modules[module] = (name, gen)
+            m = self._modules.get(module)
+            if m is not None:
+                self._modules[module] = dataclasses.replace(m, gen=gen)
             self._launches[(module, gen)] = _Launch(slot, nodes)
 
     def not_launched(self, module: int, gen: int) -> None:
@@ -89,7 +93,7 @@ class Link:
     def _hello(self) -> Hello:
         return Hello(
             frames.PROTOCOL_VERSION, os.getpid(), self.device,
-            tuple(HelloModule(i, g, n) for i, (n, g) in sorted(self._modules.items())),
+            tuple(m for _, m in sorted(self._modules.items())),
             tuple(HelloLaunch(m, g, la.slot, la.nodes, la.running) for (m, g), la in sorted(self._launches.items())),
             self.mailbox)
 

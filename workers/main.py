@@ -228,7 +228,7 @@ def _serve(ch: Channel, opened: Opened, inject: dict[str, str], link: live.Link 
                     ms = round((time.monotonic() - t0) * 1e3, 2)
                     log.info("module loaded", program=load.name, module=load.module, ms=ms)
                     if link is not None:
-                        link.loaded(load.module, load.name)
+                        link.loaded(load.module, load.name, load.tag, info)
                     reply = info.encode()
                 except GpuError as e:
                     reply = frames.error_reply(str(e), refused=e.refused)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -25,7 +25,7 @@ from meshd_mps.faults import Stray
 from meshd_mps.gpu.compiler import Manifest, Prepared
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.protocol import abi, frames
-from meshd_mps.protocol.frames import Done, Loaded, Op
+from meshd_mps.protocol.frames import Done, HelloModule, Loaded, Op
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
 
@@ -77,12 +77,33 @@ class Image:
 
 
 @dataclass(eq=False)
+class Found:
+    """A module that an adopted worker holds, as its HELLO said (live restore): which version of
+    which program it is (``tag``: the hash its LOAD carried), and its launch whose DONE no daemon
+    has had (``launch``, resolved by ``done``; None: none, so nothing of it runs)."""
+
+    module: Module
+    isolation: Isolation
+    tag: int
+    launch: frames.HelloLaunch | None = None
+    done: asyncio.Future[Done] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.module.name
+
+    @property
+    def device(self) -> int:
+        return self.isolation.device
+
+
+@dataclass(eq=False)
 class Kernel:
     """A loaded program: its module, in the process it runs in (MPS: a worker of its own; blink:
     its GPU's context), and the isolation that loaded it, which every later operation is."""
 
     name: str
-    manifest: Manifest
+    manifest: Manifest | None  # None: an adopted module that no record names (it is halted and unloaded)
     module: Module
     isolation: Isolation = field(repr=False)
     launch: Launch | None = None
@@ -128,10 +149,32 @@ class Isolation(ABC):
         #: perf_counter time the last ``refill``'s first new context came up (0: none yet): the
         #: server took clients again (a recovery's steps).
         self.first_context_at = 0.0
+        #: Live restore: the modules the adopted workers hold, until the programs take them.
+        self.found: list[Found] = []
 
     @abstractmethod
-    async def open(self) -> None:
-        """Its workers started (blink: the context; MPS: the pool)."""
+    async def open(self, adopted: Sequence[WorkerProc] = ()) -> None:
+        """Its workers started (blink: the context; MPS: the pool); ``adopted``: this GPU's workers
+        that an earlier meshd-mps left running (live restore), taken in first (``found``)."""
+
+    def take(self, f: Found, manifest: Manifest | None) -> Kernel:
+        """An adopted module as a kernel of ours, its outstanding launch (if any) its launch."""
+        k = Kernel(f.name, manifest, f.module, self)
+        if f.launch is not None and f.done is not None:
+            k.launch = Launch(k.name, f.launch.slot, f.launch.nodes, f.done)
+            self._launched(k, k.launch)
+        return k
+
+    def found_in(self, w: WorkerProc, make: Callable[[HelloModule], Module]) -> list[Found]:
+        """The modules an adopted worker's HELLO says it holds (each made by ``make``), with the
+        latest launch of each whose DONE we have not had."""
+        assert w.hello is not None
+        out = []
+        for hm in w.hello.modules:
+            launches = [la for la in w.hello.launches if la.module == hm.id]
+            la = max(launches, key=lambda la: la.gen) if launches else None
+            out.append(Found(make(hm), self, hm.tag, la, None if la is None else w.outstanding.get((la.module, la.gen))))
+        return out
 
     @abstractmethod
     async def prepare(self, prepared: Prepared) -> Image:
@@ -254,6 +297,10 @@ class Isolation(ABC):
     async def close(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
         """Before the supervisor kills every worker (MPS: the idle ones get EOF first)."""
 
+    def detach(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
+        """Live restore's stop, before the supervisor detaches the workers: nothing more is started
+        (MPS: the pool is not refilled); every worker, pooled ones too, is left for the next meshd-mps."""
+
     async def _check_abi(self, k: Kernel) -> None:
         """A module built for another program ABI is unloaded and refused."""
         if k.rt_abi != abi.RT_ABI:
@@ -280,15 +327,15 @@ class Mode(ABC):
         g = self.gpus[device] = self._make(device)
         return g
 
-    async def open(self, devices: Sequence[int]) -> None:
+    async def open(self, devices: Sequence[int], adopted: Mapping[int, Sequence[WorkerProc]] | None = None) -> None:
         """Every GPU's isolation made and opened, all at once: contexts on different GPUs do not
-        wait for each other."""
+        wait for each other.  ``adopted``: each GPU's workers left running by an earlier meshd-mps."""
         for d in devices:
             self.add(d)
         try:
             async with anyio.create_task_group() as tg:
-                for g in self.gpus.values():
-                    tg.start_soon(g.open)
+                for d, g in self.gpus.items():
+                    tg.start_soon(g.open, (adopted or {}).get(d, ()))
         except ExceptionGroup as e:
             raise e.exceptions[0] from e
 
@@ -296,5 +343,12 @@ class Mode(ABC):
     def status(self) -> dict[str, Any]:
         """The host-wide part of the backend's status (every GPU's, added up)."""
 
+    #: Live restore: the workers an earlier meshd-mps left are usable (MPS: their server is the
+    #: one we adopted; blink: always).  False: they are halted and told to QUIT, and reloaded.
+    keeps_workers: bool = True
+
     async def close(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
         """After every worker is gone (MPS: the daemon quit)."""
+
+    async def detach(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
+        """Live restore's stop, once the workers are detached (MPS: the daemon left running)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -66,9 +66,11 @@ class BlinkIsolation(Isolation):
     isolated = False
     shared_fate = True  # one context: a launch's error is sticky, every program of it fails with it
 
-    def __init__(self, sup: Supervisor, mailbox: Mailbox, sms: int, gpu: str, device: int = 0):
+    def __init__(self, sup: Supervisor, mailbox: Mailbox, sms: int, gpu: str, device: int = 0,
+                 listen: str | None = None):
         super().__init__(sup, device)
         self.mailbox = mailbox
+        self.listen = listen  # live restore: the context's worker serves on a socket there and outlives us
         self.sms = sms
         self.gpu = gpu
         #: How long a resident program may take to see HALT and return (tests shorten it).
@@ -86,18 +88,35 @@ class BlinkIsolation(Isolation):
         self._held: WorkerProc | None = None  # the next context's worker, started during a teardown
         self._torn: WorkerProc | None = None  # the context the last teardown retired
 
-    async def open(self) -> None:
-        self.proc = self._held or await self._spawn()
-        self._held = None
+    async def open(self, adopted: Sequence[WorkerProc] = ()) -> None:
+        """The context: the adopted one that holds modules (live restore), else a new one."""
+        ctx = next((p for p in adopted if p.hello is not None and p.hello.modules), None)
+        for p in adopted:
+            if p is not ctx:  # no module of ours in it, or a second context of this GPU
+                self.sup.retire(p, before_exit=False)
+        self.proc = ctx or self._held or await self._spawn()
+        if ctx is None:
+            self._held = None
         await self.proc.ask(Op.READY)
         self.first_context_at = time.perf_counter()
+        if ctx is not None:
+            self.found = self.found_in(ctx, self._adopted_module)
+            self._next = max(self.modules) + 1
+            log.info(f"blink: GPU {self.device}: context {ctx.pid} adopted with {len(self.found)} modules",
+                     device=self.device, pid=ctx.pid, found=[f.name for f in self.found])
+
+    def _adopted_module(self, hm: frames.HelloModule) -> BlinkModule:
+        assert self.proc is not None
+        m = self.modules[hm.id] = BlinkModule(hm.name, self.proc, hm.id, hm.info)
+        self.dev = hm.info.dev
+        return m
 
     async def _spawn(self, hold: bool = False) -> WorkerProc:
         """The context's worker (``hold``: imported, its context created at READY)."""
         from meshd_mps.mps.clients import worker_argv
 
         argv = worker_argv(self.mailbox.path, self.sms, self.gpu, self.device, queues=self.queues, hold=hold)
-        p = await self.sup.spawn(argv, dict(os.environ), f"blink context (GPU {self.device})")
+        p = await self.sup.spawn(argv, dict(os.environ), f"blink context (GPU {self.device})", listen=self.listen)
         p.device = self.device
         return p
 
@@ -180,7 +199,7 @@ class BlinkIsolation(Isolation):
         self.check_room(m.name)
         module = self._next
         self._next += 1
-        req = Load(module, m.threads, m.smem, m.scratch, m.name, img.prepared.cubin)
+        req = Load(module, m.threads, m.smem, m.scratch, m.name, img.prepared.cubin, img.prepared.hash)
 
         async def work() -> BlinkModule:
             p = self._p()
@@ -336,14 +355,15 @@ class Blink(Mode):
 
     gpus: dict[int, BlinkIsolation]  # type: ignore[assignment]
 
-    def __init__(self, sup: Supervisor, mailbox: Mailbox, sms: int, gpu: str):
+    def __init__(self, sup: Supervisor, mailbox: Mailbox, sms: int, gpu: str, listen: str | None = None):
         super().__init__(sup)
         self.mailbox = mailbox
         self.sms = sms
         self.gpu = gpu
+        self.listen = listen
 
     def _make(self, device: int) -> BlinkIsolation:
-        return BlinkIsolation(self.sup, self.mailbox, self.sms, self.gpu, device)
+        return BlinkIsolation(self.sup, self.mailbox, self.sms, self.gpu, device, self.listen)
 
     def status(self) -> dict[str, Any]:
         """Every GPU's blinks, the latest one's length, and the first GPU's context (as on a one-GPU host)."""

@@ -10,7 +10,9 @@ while the programs already there go on running.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +70,48 @@ class MpsIsolation(Isolation):
         self._reserve: list[WorkerProc] = []  # ready for a fault's lost programs: taken before the pool
         mps.sup.exit_hooks.append(self._exited)
 
-    async def open(self) -> None:
-        await self.prewarm(self.pool.cap)
+    async def open(self, adopted: Sequence[WorkerProc] = ()) -> None:
+        """The pool prewarmed; with ``adopted`` workers (live restore) it is what they left idle, and
+        refills as it always does: each new MPS client stalls the running ones once (~0.44 ms on the
+        H200), which the adopted programs' restart is not to cost them (bench (k))."""
+        if adopted:
+            await self._adopt(adopted)
+        else:
+            await self.prewarm(self.pool.cap)
+
+    async def _adopt(self, procs: Sequence[WorkerProc]) -> None:
+        """Live restore: each adopted worker asked READY and checked to be a client of our server
+        (else retired); one that holds no module goes to the pool (past its cap: retired), the
+        others' modules are ``found``, for the programs to take or halt."""
+        ready: list[WorkerProc] = []
+        for p in procs:
+            try:
+                await _ready(p)
+                ready.append(p)
+            except MeshError as e:
+                log.error(f"mps: adopted worker {p.pid}: {e}; retiring it", pid=p.pid)
+                self.sup.retire(p, before_exit=False)
+        server = await self.mps.server_pid()
+        clients = set(await self.mps.clients(server)) if server is not None else set()
+        ours = [p for p in ready if p.pid in clients]
+        for p in ready:
+            if p not in ours:
+                log.error(f"mps: adopted worker {p.pid} is not a client of our server {server}; retiring it", pid=p.pid)
+                self.sup.retire(p, before_exit=False)
+        if ours:
+            await self.mps.check_clients([p.pid for p in ours])
+        for p in ours:
+            assert p.hello is not None
+            self.mps.took(p)
+            if p.hello.modules:
+                self.found += self.found_in(p, functools.partial(_worker_of, p))
+            elif len(self.pool) < self.pool.cap:
+                self.pool.add(p)
+            else:
+                self.sup.retire(p)
+        log.info(f"mps: GPU {self.device}: adopted {len(ours)} workers: {len(self.found)} modules,"
+                 f" {len(self.pool)} pooled", device=self.device, found=[f.name for f in self.found],
+                 pool=self.pool.pids())
 
     # ---- workers ----------------------------------------------------------------------------
     async def prewarm(self, n: int, into: list[WorkerProc] | None = None, again: bool = False) -> None:
@@ -118,12 +160,12 @@ class MpsIsolation(Isolation):
         log.info(f"mps: {'pool of ' if into is None else ''}{n} idle workers {pids_debug([p.pid for p in procs])} on GPU {d}"
                  f" ready in {(time.monotonic() - t0) * 1e3:.0f} ms")
 
-    async def preload(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int) -> Worker:
+    async def preload(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int, tag: int = 0) -> Worker:
         """The image's module loaded in a pooled worker if one is fit, else in a fresh one."""
         d = self.device
         self.mps.daemon.check_alive()  # a pooled worker would fail its LOAD, a fresh one its check
         t0 = time.monotonic()
-        req = Load(0, threads, smem, scratch, name, cubin)
+        req = Load(0, threads, smem, scratch, name, cubin, tag)
         while True:
             p = self._reserve.pop(0) if self._reserve else self.pool.take()
             fresh = p is None
@@ -189,7 +231,8 @@ class MpsIsolation(Isolation):
 
     async def prepare(self, prepared: Prepared) -> Image:
         m = prepared.manifest
-        return Image(prepared, self.device, await self.preload(m.name, prepared.cubin, m.threads, m.smem, m.scratch))
+        return Image(prepared, self.device,
+                     await self.preload(m.name, prepared.cubin, m.threads, m.smem, m.scratch, prepared.hash))
 
     async def load(self, img: Image, admit: Admit | None = None) -> Kernel:
         """The preloaded worker handed over."""
@@ -347,12 +390,22 @@ class MpsIsolation(Isolation):
         finally:
             self._replacing = False
 
+    def detach(self) -> None:
+        """The pool is not refilled any more; its workers, like every other, are left running."""
+        self._closing = True
+        self.pool.drain()
+        self._reserve, self._held = [], []
+
     async def close(self) -> None:
         """The idle workers see EOF first (then the supervisor kills every worker)."""
         self._closing = True
         for w in self.pool.drain() + self._reserve + self._held:
             w.close_stdin()
         self._reserve, self._held = [], []
+
+
+def _worker_of(p: WorkerProc, hm: frames.HelloModule) -> Worker:
+    return Worker(hm.name, p, hm.id, hm.info)
 
 
 async def _ready(p: WorkerProc) -> None:

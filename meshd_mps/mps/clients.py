@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from meshd_mps.errors import ClientLimit, MpsError, WorkerError
+from meshd_mps.errors import ClientLimit, MpsError, NotAdoptable, WorkerError
 from meshd_mps.isolation.base import Mode
 from meshd_mps.isolation.limits import MPS_QUEUES
 from meshd_mps.mps.control import PIPE_ENV, ControlDaemon
@@ -64,9 +64,12 @@ class Mps(Mode):
     gpus: dict[int, MpsIsolation]  # type: ignore[assignment]
 
     def __init__(self, daemon: ControlDaemon, sup: Supervisor, mailbox: str, sms: int, gpu: str, pool_cap: int,
-                 max_clients: int = MAX_CLIENTS):
+                 max_clients: int = MAX_CLIENTS, listen: str | None = None):
         super().__init__(sup)
         self.daemon = daemon
+        #: Live restore: workers serve on sockets there and outlive us, and the daemon an earlier
+        #: meshd-mps left running in our directory is adopted rather than quit.
+        self.listen = listen
         self.mailbox = mailbox
         self.sms = sms
         self.gpu = gpu
@@ -85,19 +88,32 @@ class Mps(Mode):
 
     @classmethod
     def under(cls, mps_dir: str | None, sup: Supervisor, mailbox: str, sms: int, gpu: str, pool_cap: int,
-              max_clients: int = MAX_CLIENTS) -> Mps:
+              max_clients: int = MAX_CLIENTS, listen: str | None = None) -> Mps:
         """With a daemon of its own under ``mps_dir`` (None: a temporary directory, removed at close)."""
         d = mps_dir or tempfile.mkdtemp(prefix=f"meshd-mps.{os.getpid()}.")
-        return cls(ControlDaemon(d, temporary=mps_dir is None), sup, mailbox, sms, gpu, pool_cap, max_clients)
+        return cls(ControlDaemon(d, temporary=mps_dir is None), sup, mailbox, sms, gpu, pool_cap, max_clients, listen)
+
+    @property
+    def keeps_workers(self) -> bool:  # type: ignore[override]
+        """The workers an earlier meshd-mps left are clients of the server we adopted with its
+        daemon; with a fresh daemon their server is gone, and so are their contexts."""
+        return self.daemon.adopted
 
     async def start(self) -> None:
-        """The daemon started; meshd-mps's own cuInit (device attributes, no context) joins no daemon."""
-        await self.daemon.start()
+        """The daemon started (live restore: the one left running in our directory adopted, if it
+        can be); meshd-mps's own cuInit (device attributes, no context) joins no daemon."""
+        if self.listen is not None:
+            try:
+                await self.daemon.adopt()
+            except NotAdoptable as e:
+                log.info(f"{e}; starting a fresh one (the workers left, if any, are reloaded)", why=e.why)
+        if not self.daemon.adopted:
+            await self.daemon.start()
         self.fatal = FatalLog(f"{self.daemon.log_dir}/server.log")
         self._saved_pipe_env = os.environ.get(PIPE_ENV)
         self._set_pipe_env = True
         os.environ[PIPE_ENV] = os.path.join(self.daemon.dir, "none")
-        log.info(f"mps: mailbox {abi.MAILBOX_BYTES} bytes in a memfd ({self.mailbox}); workers run --gpu {self.gpu}")
+        log.info(f"mps: mailbox {abi.MAILBOX_BYTES} bytes ({self.mailbox}); workers run --gpu {self.gpu}")
 
     def _make(self, device: int) -> MpsIsolation:
         from meshd_mps.isolation.mps import MpsIsolation  # it builds on this module
@@ -213,15 +229,20 @@ class Mps(Mode):
         live = self.sup.workers
         self._spawned = {p: w for p, w in self._spawned.items() if p in live}
         try:
-            w = await self.sup.spawn(worker_argv(self.mailbox, self.sms, self.gpu, device, hold=hold), env, program)
+            w = await self.sup.spawn(worker_argv(self.mailbox, self.sms, self.gpu, device, hold=hold), env, program,
+                                     listen=self.listen)
         except WorkerError as e:
             raise e.prefixed("load") from e
         w.device = device
+        self.took(w)
+        return w
+
+    def took(self, w: WorkerProc) -> None:
+        """``w`` (spawned, or adopted) one of our workers, on its GPU."""
         self._spawned[w.pid] = w
-        self._device_by_pid[w.pid] = device
+        self._device_by_pid[w.pid] = w.device
         if len(self._device_by_pid) > 4 * self.max_clients * max(1, len(self.gpus)):
             del self._device_by_pid[next(iter(self._device_by_pid))]
-        return w
 
     # ---- state ----------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -235,6 +256,14 @@ class Mps(Mode):
     async def close(self) -> None:
         """The daemon quit (its directory removed if temporary), our environment as it was."""
         await self.daemon.quit()
+        self._env_back()
+
+    async def detach(self) -> None:
+        """The daemon left running, for the next meshd-mps to adopt; our environment as it was."""
+        self.daemon.detach()
+        self._env_back()
+
+    def _env_back(self) -> None:
         if self._set_pipe_env:
             self._set_pipe_env = False
             if self._saved_pipe_env is None:

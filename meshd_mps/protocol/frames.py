@@ -16,9 +16,15 @@ from dataclasses import dataclass
 from meshd_mps.errors import FrameError as FrameError  # re-exported: the frame code's callers catch it here
 
 HEADER = struct.Struct("<I")
-#: The frame protocol's version, sent in HELLO: a daemon adopts only a worker that speaks its own.
-#: Bumped at any change of a frame's layout or meaning (1: the ops below, HELLO included).
-PROTOCOL_VERSION = 1
+#: The frame protocol's version, sent in HELLO.  Bumped at any change of a frame's layout or meaning
+#: (1: the ops below, HELLO included; 2: LOAD carries the program's tag, HELLO each module's tag and
+#: LOADED report, so that a daemon that did not load a module can adopt it).
+PROTOCOL_VERSION = 2
+#: The versions whose workers this daemon adopts (docs/protocol.md, "Versions").  A worker of
+#: another version is told to QUIT (it halts its kernels first) and its programs are reloaded:
+#: what stays readable across every version is the frame header, the op numbers of HELLO and
+#: QUIT, and HELLO's first two words (version, pid).
+ADOPTS = frozenset({2})
 #: Largest ``length`` accepted (op + body): a cubin travels in one LOAD frame.
 MAX_FRAME = 64 << 20
 
@@ -91,7 +97,7 @@ def decode(buf: bytes) -> tuple[Op, bytes, int]:
 
 U32 = struct.Struct("<I")
 READY_BODY = struct.Struct("<II")  # ok, pid
-LOAD_HEAD = struct.Struct("<IIIII")  # module, threads, smem, scratch, name length
+LOAD_HEAD = struct.Struct("<IIIIQI")  # module, threads, smem, scratch, tag, name length
 LOADED_BODY = struct.Struct("<IIIIIIQQ")  # ok, rt_abi, regs, per_sm, local, sms, dev, scratch
 LAUNCH_BODY = struct.Struct("<IIII")  # module, gen, slot, nodes
 UNLOAD_BODY = struct.Struct("<I")  # module
@@ -117,22 +123,25 @@ class Load:
     scratch: int
     name: str
     cubin: bytes
+    #: The program's hash (Prepared.hash), opaque to the worker: it says it back in HELLO, so that
+    #: an adopting daemon knows which version of the program a module is.
+    tag: int = 0
 
     def encode(self) -> bytes:
         name = self.name.encode()
         if len(name) > MAX_NAME:
             raise FrameError(f"program name of {len(name)} bytes is over {MAX_NAME}")
-        return LOAD_HEAD.pack(self.module, self.threads, self.smem, self.scratch, len(name)) + name + self.cubin
+        return LOAD_HEAD.pack(self.module, self.threads, self.smem, self.scratch, self.tag, len(name)) + name + self.cubin
 
     @classmethod
     def decode(cls, body: bytes) -> Load:
         if len(body) < LOAD_HEAD.size:
             raise FrameError(f"LOAD body of {len(body)} bytes, shorter than its {LOAD_HEAD.size}-byte head")
-        module, threads, smem, scratch, nn = LOAD_HEAD.unpack_from(body)
+        module, threads, smem, scratch, tag, nn = LOAD_HEAD.unpack_from(body)
         if nn > MAX_NAME or LOAD_HEAD.size + nn > len(body):
             raise FrameError(f"LOAD name length {nn} does not fit its {len(body)}-byte body")
         name = body[LOAD_HEAD.size : LOAD_HEAD.size + nn]
-        return cls(module, threads, smem, scratch, _text(name), bytes(body[LOAD_HEAD.size + nn :]))
+        return cls(module, threads, smem, scratch, _text(name), bytes(body[LOAD_HEAD.size + nn :]), tag)
 
 
 @dataclass(frozen=True)
@@ -193,7 +202,9 @@ class Done:
 
 
 HELLO_HEAD = struct.Struct("<IIIII")  # version, pid, device, modules, launches
-HELLO_MODULE = struct.Struct("<III")  # id, gen (its last launch's; 0: none), name length; then the name
+#: id, gen (its last launch's; 0: none), tag (LOAD's), its LOADED report (LOADED_BODY less ok), name
+#: length; then the name
+HELLO_MODULE = struct.Struct("<IIQIIIIIQQI")
 HELLO_LAUNCH = struct.Struct("<IIIII")  # module, gen, slot, nodes, running (1; 0: ended, its DONE follows)
 
 
@@ -202,6 +213,8 @@ class HelloModule:
     id: int
     gen: int  # the module's last launch's generation (0: never launched)
     name: str
+    tag: int = 0  # its LOAD's tag: the program's hash
+    info: Loaded = Loaded(0, 0, 0, 0, 0, 0, 0)  # what its LOADED reported
 
 
 @dataclass(frozen=True)
@@ -233,7 +246,9 @@ class Hello:
         out = [HELLO_HEAD.pack(self.version, self.pid, self.device, len(self.modules), len(self.launches))]
         for m in self.modules:
             name = m.name.encode()[:MAX_NAME]
-            out.append(HELLO_MODULE.pack(m.id, m.gen, len(name)) + name)
+            i = m.info
+            out.append(HELLO_MODULE.pack(m.id, m.gen, m.tag, i.rt_abi, i.regs, i.per_sm, i.local, i.sms, i.dev,
+                                         i.scratch, len(name)) + name)
         for la in self.launches:
             out.append(HELLO_LAUNCH.pack(la.module, la.gen, la.slot, la.nodes, 1 if la.running else 0))
         out.append(self.mailbox.encode())
@@ -257,11 +272,11 @@ class Hello:
         for _ in range(nm):
             if at + HELLO_MODULE.size > len(body):
                 raise FrameError(f"HELLO: {nm} modules do not fit its {len(body)}-byte body")
-            mid, gen, n = HELLO_MODULE.unpack_from(body, at)
+            mid, gen, tag, *info, n = HELLO_MODULE.unpack_from(body, at)
             at += HELLO_MODULE.size
             if n > MAX_NAME or at + n > len(body):
                 raise FrameError(f"HELLO: module {mid}'s name length {n} does not fit its {len(body)}-byte body")
-            modules.append(HelloModule(mid, gen, _text(body[at : at + n])))
+            modules.append(HelloModule(mid, gen, _text(body[at : at + n]), tag, Loaded(*info)))
             at += n
         launches = []
         for _ in range(nl):

@@ -4,9 +4,11 @@ meshd creates it; a worker opens it by the path passed with ``--mailbox`` and
 registers it with the GPU (host-mapped memory), so that a resident kernel and
 the host talk through plain loads and stores.  By default it is a memfd, opened
 as ``/proc/<meshd pid>/fd/<fd>``: that path dies with meshd.  For live restore
-it is a regular file in the state directory instead (``create(path)``), which
-outlives meshd, so that the next meshd maps the same memory (``open(path)``)
-while the kernels keep running on it.
+it is a file in shared memory (/dev/shm, named after the state directory;
+``create(path)``) instead, which outlives meshd, so that the next meshd maps the
+same memory (``open(path)``) while the kernels keep running on it.  Shared
+memory, not a file on disk: the GPU registers the mailbox as host memory, and
+the H200's driver refused a regular file's pages (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -58,13 +60,16 @@ class Mailbox:
     def open(cls, path: str) -> Mailbox:
         """An existing mailbox, its contents as they are (a worker's, or an adopting meshd's)."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (0 if path.startswith("/proc/") else os.O_NOFOLLOW))
         except OSError as e:
             raise MailboxError(f"mailbox {path}: {e.strerror}") from e
-        size = os.fstat(fd).st_size
-        if size != abi.MAILBOX_BYTES:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():  # a name in a shared directory (/dev/shm) that another user made
             os.close(fd)
-            raise MailboxError(f"mailbox {path}: {size} bytes, expected {abi.MAILBOX_BYTES}")
+            raise MailboxError(f"mailbox {path}: owned by uid {st.st_uid}, not ours ({os.getuid()}); refusing it")
+        if st.st_size != abi.MAILBOX_BYTES:
+            os.close(fd)
+            raise MailboxError(f"mailbox {path}: {st.st_size} bytes, expected {abi.MAILBOX_BYTES}")
         return cls(fd, path)
 
     def close(self) -> None:

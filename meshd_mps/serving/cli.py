@@ -129,8 +129,12 @@ def parser() -> argparse.ArgumentParser:
                    " it must be this user's, mode 0700; every load, upgrade and unload is recorded there, and the"
                    " next start loads the recorded programs again on their slots")
     s.add_argument("--live-restore", action=argparse.BooleanOptionalAction,
-                   help="leave the programs running when the daemon stops, for the next one to adopt: not built yet,"
-                        " refused (the programs are restored by reload from --state-dir)")
+                   help="leave the programs running when the daemon stops (SIGTERM, SIGINT, SIGHUP) or dies, for the"
+                        " next one with the same --state-dir to adopt: the workers, their kernels, the MPS daemon and"
+                        " the mailbox stay (default off: a stop halts every program)")
+    s.add_argument("--orphan-timeout", type=float, metavar="S",
+                   help="with --live-restore: how long the programs run on with no daemon before their workers halt"
+                        " them and exit (default 30)")
 
     p = _sub(sub, "unit")
     p.add_argument("--exec", metavar="PATH", dest="executable",
@@ -222,13 +226,14 @@ def serve_config(args: argparse.Namespace) -> Config:
     o = merge_serve(vars(args), file)
     if o["pool"] is not None and o["pool"] < 0:
         raise ConfigError("--pool must not be negative")
-    if o["stall_after"] is not None and not 0 < o["stall_after"] < float("inf"):
-        raise ConfigError(f"--stall-after {o['stall_after']:g}: seconds, more than 0")
+    for k in ("stall_after", "orphan_timeout"):
+        if o[k] is not None and not 0 < o[k] < float("inf"):
+            raise ConfigError(f"--{k.replace('_', '-')} {o[k]:g}: seconds, more than 0")
     return server.Config(isolation=o["isolation"], sms=o["sms"], mps_dir=o["mps_dir"], pool=o["pool"], gpu=o["gpu"],
                          socket=o["socket"], cache_dir=o["cache_dir"], log_level=o["log_level"],
                          log_format=o["log_format"], loop=o["loop"], devices=parse_devices(o["devices"]),
                          stall_after=o["stall_after"], state_dir=o["state_dir"], live_restore=o["live_restore"],
-                         config_file=None if file is None else os.path.abspath(file.path),
+                         orphan_timeout=o["orphan_timeout"], config_file=None if file is None else os.path.abspath(file.path),
                          programs=() if file is None else tuple(file.programs.values()))
 
 

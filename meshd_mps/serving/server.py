@@ -22,6 +22,7 @@ Every task of the daemon (the signal watcher, the NVML watch) lives in the one t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import importlib.metadata
 import os
@@ -94,10 +95,11 @@ class Config:
     loop: str = "auto"  # auto (uvloop if installed) | uvloop | asyncio
     devices: tuple[int, ...] | None = None  # the GPUs to drive (None: every visible one)
     stall_after: float | None = None  # seconds without a heartbeat before "stalled" (None: Programs' default)
-    # Issue 17: --state-dir as given (None: state.store.resolve_state_dir's default), --live-restore (refused at
-    # the start until adoption is built), the --config file (absolute) and its [program.NAME] tables.
+    # Issue 17: --state-dir as given (None: state.store.resolve_state_dir's default), --live-restore and the
+    # workers' --orphan-timeout (None: Deadlines.orphan), the --config file (absolute) and its [program.NAME] tables.
     state_dir: str | None = None
     live_restore: bool = False
+    orphan_timeout: float | None = None
     config_file: str | None = None
     programs: tuple[DeclaredProgram, ...] = ()
 
@@ -241,13 +243,16 @@ class Daemon:
 
     async def _open(self) -> None:
         c = self.cfg
-        if c.live_restore:
-            raise StartError("--live-restore: adopting the running workers at the next start is not built yet (the"
-                             " worker side is); the programs are restored by reload from the state dir instead")
         pool = c.pool if c.pool is not None else (2 if c.isolation == "mps" else 0)
         self.versions = await anyio.to_thread.run_sync(versions)
+        # First: its lock makes the state dir ours alone, and with it (live restore) the mailbox file, the MPS
+        # directory and the workers' sockets under it.  Refused: another user's dir, another daemon on it.
+        self.store = await anyio.to_thread.run_sync(Store.open, c.state_dir)
+        d = self.deadlines if c.orphan_timeout is None else dataclasses.replace(self.deadlines, orphan=c.orphan_timeout)
         b = await Backend.open(isolation=c.isolation, sms=c.sms, mps_dir=c.mps_dir, pool=pool,  # type: ignore[arg-type]
-                               gpu=c.gpu, cache_dir=c.cache_dir, devices=c.devices)
+                               gpu=c.gpu, cache_dir=c.cache_dir, devices=c.devices, deadlines=d,
+                               live=self.store.dir if c.live_restore else None,
+                               clear=None if c.live_restore else self.store.dir)
         self.backend = b
         # stall_after only when given: Programs' own default (programs.STALL_S) otherwise.
         self.programs = Programs(b) if c.stall_after is None else Programs(b, stall_after=c.stall_after)
@@ -255,19 +260,18 @@ class Daemon:
         await self._restore()
 
     async def _restore(self) -> None:
-        """The desired state opened (refused: another user's dir, another daemon on it), every
-        recorded program and every declared one loaded again, before the daemon reports ready; from
-        here on every change is recorded (state/desired.py)."""
-        c, b, ps = self.cfg, self.backend, self.programs
-        assert b is not None and ps is not None and b.info is not None
-        self.store = await anyio.to_thread.run_sync(Store.open, c.state_dir)
+        """Reconciled with the desired state before the daemon reports ready: the adopted programs
+        (live restore) taken over, the unwanted ones halted, every other recorded program and every
+        declared one loaded again; from here on every change is recorded (state/desired.py)."""
+        c, b, ps, store = self.cfg, self.backend, self.programs, self.store
+        assert b is not None and ps is not None and b.info is not None and store is not None
         arch = b.info.compute
 
         def body(d: DeclaredProgram) -> dict[str, Any]:
             return program_body(d.dir, d.manifest, d.ptx, d.cuda, d.hash, d.nodes, d.device, arch=arch, restart=d.restart)
 
-        ps.recorder = Recorder(self.store)  # the declared programs loaded now are recorded too
-        self.restored = await restore(ps, self.store, c.programs, body)
+        ps.recorder = Recorder(store)  # the declared programs loaded now are recorded too
+        self.restored = await restore(ps, store, c.programs, body, b.found)
 
     async def _serve(self, sock: socket.socket, tg: anyio.abc.TaskGroup) -> None:
         """The control API on the bound socket until the first signal, then its drain."""
@@ -275,8 +279,9 @@ class Daemon:
         assert b is not None and ps is not None and metrics is not None and b.caps is not None
         api = Api(b, ps, metrics, socket_path=self.socket_path, versions=self.versions, started=self.started, t0=self.t0,
                   deadlines=self.deadlines)
-        api.state = {"dir": self.store.dir if self.store else None,
-                     "restore": self.restored.as_dict() if self.restored else None}
+        api.state = {"dir": self.store.dir if self.store else None, "live_restore": self.cfg.live_restore,
+                     "restore": self.restored.as_dict() if self.restored else None,
+                     "adoption": b.adoption if b.live is not None else None}
         # Idle connections and the handlers cancelled by the drain get as long again to go.
         runner = web.AppRunner(api.app(), shutdown_timeout=self.deadlines.http_grace, access_log=None)
         await runner.setup()
@@ -310,15 +315,24 @@ class Daemon:
                 await runner.cleanup()  # idle connections closed, the app's cleanup
 
     async def _close_backend(self) -> None:
+        """Every program halted and the backend closed; with live restore both left running instead,
+        for the next daemon to adopt (Backend.detach)."""
         if self.store is not None:
             self.store.close()
+        # With no program running there is nothing to keep: a full stop, which leaves nothing behind.
+        live = self.backend is not None and self.backend.live is not None and bool(self.programs and self.programs.by_name)
         if self.programs is not None:
             try:
-                await self.programs.close()
+                await (self.programs.detach() if live else self.programs.close())
             except Exception:
                 log.error("closing the programs failed", traceback=traceback.format_exc())
         if self.backend is not None:
-            await self.backend.close()
+            if live:
+                pids = await self.backend.detach()
+                log.info(f"live restore: {len(pids)} workers left running for the next meshd-mps (for up to"
+                         f" {self.backend.sup.deadlines.orphan:g} s)", pids=pids)
+            else:
+                await self.backend.close()
 
     async def _neighbours(self, *, task_status: anyio.abc.TaskStatus[anyio.CancelScope] = anyio.TASK_STATUS_IGNORED) -> None:
         """Every NEIGHBOURS_S, NVML's view of our GPUs: a process outside our server is logged once
@@ -377,12 +391,19 @@ class Daemon:
 
     def _force_exit(self, sig: int) -> None:
         name = signal.Signals(sig).name
+        b = self.backend
+        if b is not None and b.live is not None:
+            # As a SIGKILL would: the workers run on, and halt themselves past their orphan timeout.
+            log.error(f"{name} during shutdown: forcing the exit; live restore: the workers and the MPS daemon are"
+                      " left for the next meshd-mps")
+            self._remove_socket()
+            sys.stderr.flush()
+            os._exit(128 + sig)
         kids = reaper.descendants(os.getpid())
         log.error(f"{name} during shutdown: forcing the exit; killing {len(kids)} processes", pids=sorted(kids))
         reaper.kill_all(kids)
         reaper.reap_all(within=REAP_S)
         self._remove_socket()
-        b = self.backend
         if b is not None and b.daemon is not None and b.daemon.temporary:
             shutil.rmtree(b.daemon.dir, ignore_errors=True)
         log.error(f"meshd-mps exits on {name} (status {128 + sig})")

@@ -52,6 +52,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "stall_after": None,  # Programs' own default
     "state_dir": None,  # store.resolve_state_dir's default
     "live_restore": False,
+    "orphan_timeout": None,  # Deadlines.orphan
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -181,7 +182,7 @@ class _Reader:
             if not isinstance(v, bool):
                 raise self.fail(keys, f"true or false expected, got {_tname(v)}")
             return v
-        if k == "stall_after":
+        if k in ("stall_after", "orphan_timeout"):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise self.fail(keys, f"seconds (a number) expected, got {_tname(v)}")
             if not 0 < v < math.inf:

@@ -2,9 +2,11 @@
 
 ``Recorder`` writes every successful load, upgrade and unload into the :class:`Store` before the
 request is answered (off the event loop: each write is fsynced).  ``restore`` runs at ``serve``'s
-start, before it reports ready: every recorded program is loaded again on its slot and GPU, with
-its restart policy, then every program the config file declares and the state lacks; a program
-that no longer loads is reported and skipped, never blocking the others.  A record wins over a
+start, before it reports ready: with live restore the modules the adopted workers hold are
+reconciled with the records first (``unwanted``: adopted as they run, or halted and unloaded);
+every recorded program not adopted is loaded again on its slot and GPU, with its restart policy,
+then every program the config file declares and the state lacks; a program that no longer loads
+is reported and skipped, never blocking the others.  A record wins over a
 declared program of the same name: it is the latest an operator did (an upgrade through the API,
 say), the declaration only says that the program is wanted.
 """
@@ -20,6 +22,9 @@ import anyio
 import structlog
 
 from meshd_mps.errors import MeshError
+from meshd_mps.gpu.compiler import Manifest
+from meshd_mps.isolation.base import Found
+from meshd_mps.protocol import abi
 from meshd_mps.serving.client import ClientError
 from meshd_mps.state.config import DeclaredProgram
 from meshd_mps.state.store import ProgramRecord, Store
@@ -51,8 +56,10 @@ class Recorder:
 class Restored:
     """What ``restore`` did, for the log and ``status``."""
 
-    restored: list[str] = field(default_factory=list)  # recorded programs running again
+    adopted: list[str] = field(default_factory=list)  # live restore: recorded programs taken over as they ran
+    restored: list[str] = field(default_factory=list)  # recorded programs loaded and launched again
     declared: list[str] = field(default_factory=list)  # declared in the config file, loaded anew
+    halted: list[dict[str, Any]] = field(default_factory=list)  # live restore: modules found and not wanted
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why it is not running
 
     def as_dict(self) -> dict[str, Any]:
@@ -63,12 +70,65 @@ class Restored:
 Body = Callable[[DeclaredProgram], dict[str, Any]]
 
 
-async def restore(programs: Programs, store: Store, declared: Sequence[DeclaredProgram], body: Body) -> Restored:
-    """Every recorded program loaded again on its slot, then the declared ones the state lacks."""
+def unwanted(f: Found, rec: ProgramRecord | None, taken: set[str]) -> str:
+    """Why the adopted module ``f`` is not the recorded program ``rec`` as it should run ("": it
+    is, and is adopted).  A record is written before a load or upgrade is answered, so a module
+    that differs from it is a change that was never answered: rolled back."""
+    if rec is None:
+        return "no record names it (unloaded, or a load that was never answered)"
+    if f.name in taken:
+        return "a second copy of an adopted program"
+    if f.tag != int(rec.hash, 16):
+        return f"image {f.tag:016x}, the record's is {rec.hash} (an upgrade that was never answered)"
+    if f.launch is None or not f.launch.running:
+        return "loaded, not running (a load that was never answered, or a kernel that ended meanwhile): reloaded"
+    if (f.launch.slot, f.launch.nodes, f.device) != (rec.slot, rec.nodes, rec.device):
+        return (f"slot {f.launch.slot}, {f.launch.nodes} nodes on GPU {f.device}; the record's: slot {rec.slot},"
+                f" {rec.nodes} nodes on GPU {rec.device}")
+    if f.module.info.rt_abi != abi.RT_ABI:
+        return f"program ABI {f.module.info.rt_abi}, this meshd-mps runs {abi.RT_ABI}"
+    return ""
+
+
+async def restore(programs: Programs, store: Store, declared: Sequence[DeclaredProgram], body: Body,
+                  found: Sequence[Found] = ()) -> Restored:
+    """Reconcile: the adopted modules (live restore, ``found``) that match their records taken over
+    as they run, those that do not halted and unloaded; then every recorded program not adopted
+    loaded again on its slot, then the declared ones the state lacks."""
     out = Restored()
     for name, why in store.skipped.items():  # records the store could not use (logged by it)
         out.skipped[name] = why
-    for rec in sorted(store.programs().values(), key=lambda r: r.slot):
+    records = store.programs()
+    keep: list[tuple[Found, ProgramRecord]] = []
+    drop: list[tuple[Found, str]] = []
+    taken: set[str] = set()
+    for f in found:
+        rec = records.get(f.name)
+        why = unwanted(f, rec, taken)
+        if why:
+            drop.append((f, why))
+        else:
+            assert rec is not None
+            keep.append((f, rec))
+            taken.add(f.name)
+    for f, rec in keep:  # first: in blink mode each unload below is a blink, which must halt them too
+        try:
+            ptx = await anyio.to_thread.run_sync(store.ptx, rec)
+            await programs.adopt(f, Manifest.parse(rec.manifest), ptx, int(rec.hash, 16), rec.nodes, rec.restart)
+            out.adopted.append(rec.name)
+        except MeshError as e:
+            drop.append((f, f"not adopted: {e}"))
+    for f, why in drop:  # before any load: a slot they run on may be a record's
+        entry = {"program": f.name, "pid": f.module.proc.pid, "slot": f.launch.slot if f.launch else None, "why": why}
+        try:
+            await programs.discard(f, why)
+        except MeshError as e:
+            entry["error"] = str(e)
+            log.error(f"restore: {f.name} on worker {f.module.proc.pid} not discarded: {e}", program=f.name)
+        out.halted.append(entry)
+    for rec in sorted(records.values(), key=lambda r: r.slot):
+        if rec.name in programs.by_name:
+            continue
         try:
             ptx = await anyio.to_thread.run_sync(store.ptx, rec)
             await programs.load(rec.manifest, ptx, int(rec.hash, 16), rec.nodes, rec.device, rec.restart, slot=rec.slot)
@@ -88,6 +148,7 @@ async def restore(programs: Programs, store: Store, declared: Sequence[DeclaredP
         except (MeshError, ClientError) as e:
             out.skipped[d.name] = str(e)
             log.error(f"restore: declared program {d.name} (config line {d.line}) not loaded: {e}", program=d.name)
-    log.info(f"restore: {len(out.restored)} recorded and {len(out.declared)} declared programs running,"
-             f" {len(out.skipped)} skipped", restored=out.restored, declared=out.declared, skipped=out.skipped)
+    log.info(f"restore: {len(out.adopted)} adopted, {len(out.restored)} recorded and {len(out.declared)} declared"
+             f" programs loaded, {len(out.halted)} halted, {len(out.skipped)} skipped", adopted=out.adopted,
+             restored=out.restored, declared=out.declared, halted=out.halted, skipped=out.skipped)
     return out

@@ -228,13 +228,15 @@ class Store:
 
     ``programs()`` are the records that can be used; ``skipped`` maps each record that cannot (its
     PTX missing or corrupt, the record malformed) to why, and ``skipped_files`` each state file
-    passed over to why; both are logged.  A skipped record is not written back: the next write
-    drops it."""
+    passed over to why; both are logged.  A skipped record is kept as it was (its JSON, and its PTX
+    file however damaged) and written back by every later write, so that a repaired PTX brings the
+    program back at the next start; only a ``record`` or ``forget`` of its name replaces it."""
 
     def __init__(self, dir: str, *, lock: bool = True):
         self.dir = os.path.abspath(dir)
         self.ptx_dir = os.path.join(self.dir, PTX_DIR)
         self.skipped: dict[str, str] = {}
+        self._unusable: dict[str, Any] = {}  # the skipped records as they were, written back as they are
         self.skipped_files: dict[str, str] = {}
         self.generation = 0
         self._slot: int | None = None  # which of SLOTS holds the newest good generation
@@ -296,13 +298,17 @@ class Store:
         if old is not None and replace(old, recorded_at=rec.recorded_at) == rec:
             return  # kept already, as it is (a restore's reload): no write, and its time stays when it was kept
         self._write_ptx(rec.ptx_key, ptx)
+        self._unusable.pop(rec.name, None)  # a good record in its place
+        self.skipped.pop(rec.name, None)
         self._write({**self._records, rec.name: rec})
         self.gc()
 
     def forget(self, name: str) -> bool:
-        """Drops the record of ``name`` (an unload), durably; False if there was none."""
-        if name not in self._records:
+        """Drops the record of ``name`` (an unload), durably, a skipped one too; False if there was none."""
+        if name not in self._records and name not in self._unusable:
             return False
+        self._unusable.pop(name, None)
+        self.skipped.pop(name, None)
         self._write({k: v for k, v in self._records.items() if k != name})
         self.gc()
         return True
@@ -311,7 +317,8 @@ class Store:
         """Removes each PTX file that neither the newest nor the previous generation names (the
         previous one's are kept: a fallback to it must find them), and stray temp files; the
         names removed."""
-        keep = {r.ptx_key for r in self._records.values()} | self._prev_keys
+        keep = {r.ptx_key for r in self._records.values()} | self._prev_keys | {
+            o["ptx_key"] for o in self._unusable.values() if isinstance(o, dict) and isinstance(o.get("ptx_key"), str)}
         removed: list[str] = []
         try:
             names = os.listdir(self.ptx_dir)
@@ -392,11 +399,11 @@ class Store:
                 if rec.name != name:
                     raise ValueError(f"recorded under {name!r} but named {rec.name!r}")
             except ValueError as e:
-                self._skip(name, f"malformed record: {e}")
+                self._skip(name, f"malformed record: {e}", obj)
                 continue
             why = self._ptx_problem(rec.ptx_key)
             if why is not None:
-                self._skip(name, why)
+                self._skip(name, why, obj)
                 continue
             self._records[name] = rec
         log.info(f"state: {len(self._records)} programs recorded in {path} (generation {gen})", file=path, generation=gen,
@@ -419,8 +426,9 @@ class Store:
         self.skipped_files[os.path.basename(path)] = why
         log.warning(f"state: {path}: skipped: {why}", file=path, why=why)
 
-    def _skip(self, name: str, why: str) -> None:
+    def _skip(self, name: str, why: str, obj: Any) -> None:
         self.skipped[name] = why
+        self._unusable[name] = obj
         log.warning(f"state: program {name}: cannot be restored: {why}", program=name, why=why)
 
     def _ptx_path(self, key: str) -> str:
@@ -435,7 +443,7 @@ class Store:
         gen = self.generation + 1
         slot = 0 if self._slot is None else 1 - self._slot
         body: dict[str, Any] = {"schema": SCHEMA, "generation": gen, "written_at": time.time(),
-                                "programs": {n: records[n].to_json() for n in sorted(records)}}
+                                "programs": {**self._unusable, **{n: records[n].to_json() for n in sorted(records)}}}
         body["checksum"] = _checksum(body)
         _atomic_write(self.dir, SLOTS[slot], json.dumps(body, indent=1, sort_keys=True).encode() + b"\n")
         self._prev_keys = {r.ptx_key for r in self._records.values()}

@@ -85,6 +85,7 @@ class Supervisor:
         #: Called with each worker whose stdout ended on its own (not at close): the pool drops a
         #: pooled worker that died while idle at once, so that status and metrics never count it.
         self.exit_hooks: list[Callable[[WorkerProc], None]] = []
+        self._dismissing: list[WorkerProc] = []  # refused by adopt for their protocol version (dismiss)
 
     async def __aenter__(self) -> Supervisor:
         """The task group entered in the owner's task: the structured form."""
@@ -235,7 +236,7 @@ class Supervisor:
             if op != Op.HELLO:
                 raise FrameError(f"{op.name} where HELLO comes first")
             version, claimed = Hello.head(body)
-            if version != frames.PROTOCOL_VERSION:
+            if version not in frames.ADOPTS:
                 raise ProtocolMismatch(peer, version, frames.PROTOCOL_VERSION)
             hello = Hello.decode(body)
         except TimeoutError as e:
@@ -253,7 +254,8 @@ class Supervisor:
 
     async def adopt(self, path: str) -> WorkerProc:
         """The worker that listens on ``path`` (started by an earlier meshd-mps with ``listen``),
-        taken over: connected, its HELLO checked (``PeerMismatch``, ``ProtocolMismatch``: left as
+        taken over: connected, its HELLO checked (``PeerMismatch``: left as it runs; ``ProtocolMismatch``: kept for
+        ``dismiss``, or left as
         it runs) and taken in (``w.hello``; ``w.outstanding``: a future per launch not yet
         reported, resolved by its DONE; ``w.gen``, ``w.device``).  Its exit is watched through a
         pidfd; it is not our child, so its exit status stays unknown.  ``WorkerGone`` if no
@@ -275,13 +277,17 @@ class Supervisor:
             raise WorkerGone(f"worker {pid_of_name}: {path}: {e.strerror or e}", pid=pid_of_name) from e
         try:
             hello = await self._hello(link, None, path)
-            try:
-                process = child.Adopted.watch(hello.pid)
-            except ProcessLookupError as e:
-                raise WorkerGone(f"worker {hello.pid} exited as it was adopted", pid=hello.pid) from e
+        except ProtocolMismatch as e:
+            self._unadopted(e.pid, path, link)  # its connection kept: dismiss tells it to QUIT
+            raise
         except BaseException:
             link[1].close()
             raise
+        try:
+            process = child.Adopted.watch(hello.pid)
+        except ProcessLookupError as e:
+            link[1].close()
+            raise WorkerGone(f"worker {hello.pid} exited as it was adopted", pid=hello.pid) from e
         w = WorkerProc(process, self._unfit, self.deadlines, link=link)
         w.socket = path
         w.log_file = os.path.join(os.path.dirname(path), f"{hello.pid}.log")  # if it has one: removed with it
@@ -290,6 +296,44 @@ class Supervisor:
         log.info(f"mps: worker {w.pid} adopted", pid=w.pid, device=hello.device,
                  modules=[m.name for m in hello.modules], launches=len(hello.launches))
         return w
+
+    def _unadopted(self, pid: int, path: str, link: tuple[FrameReader, SocketWriter]) -> None:
+        """A worker of another protocol version: kept (its connection, a pidfd) for ``dismiss``."""
+        try:
+            process = child.Adopted.watch(pid)
+        except ProcessLookupError:
+            return
+        w = WorkerProc(process, self._unfit, self.deadlines, link=link)
+        w.socket = path
+        self._dismissing.append(w)
+
+    async def dismiss(self) -> list[int]:
+        """The workers ``adopt`` refused for their protocol version, told to QUIT (the op every
+        version has) and awaited (``retire_quit``), killed past it (``retire_kill``).  The caller
+        halts their kernels first, through the mailbox: a worker exits at QUIT at once, and under
+        MPS an exit with a kernel running faults the GPU.  Returns their pids."""
+        ws, self._dismissing = self._dismissing, []
+        for w in ws:
+            with contextlib.suppress(WorkerError):
+                await w.send(Op.QUIT)
+            w.close_stdin()
+        d = self.deadlines
+        with anyio.move_on_after(d.retire_quit):
+            for w in ws:
+                await w.process.wait()
+        for w in ws:
+            if not w.process.exited:
+                log.error(f"mps: worker {w.pid} (another protocol version) did not QUIT in {d.retire_quit:g} s; killing it")
+                w.process.kill()
+        with anyio.move_on_after(d.retire_kill):
+            for w in ws:
+                await w.process.wait()
+        for w in ws:
+            if not w.process.exited:
+                self.left_behind.append(w.pid)
+            elif w.socket is not None:
+                _forget_files(w)
+        return [w.pid for w in ws]
 
     async def detach(self) -> list[int]:
         """Stop without retiring the workers on sockets (live restore): their connections closed,
@@ -393,6 +437,10 @@ class Supervisor:
         if self.closed:
             return
         self.closed = True
+        for w in self._dismissing:  # never told to QUIT (no dismiss): left as they run
+            w.close_stdin()
+            w.process.detach()
+        self._dismissing = []
         for w in idle:
             w.close_stdin()
         kids = list(self._children.values())
