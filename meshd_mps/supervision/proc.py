@@ -19,7 +19,6 @@ import asyncio
 import enum
 import time
 from collections.abc import Callable
-from typing import Any
 
 import structlog
 
@@ -330,9 +329,8 @@ class WorkerProc:
         if (left := self._deadline - time.monotonic()) <= 0:
             fut.set_exception(_NoReply())
         else:
-            loop: Any = fut.get_loop()
             self._watching_until = self._deadline
-            self._watchdog = loop.call_later(left, self._watch)
+            self._watchdog = asyncio.get_running_loop().call_later(left, self._watch)
 
     # ---- launches ---------------------------------------------------------------------------
     def next_gen(self, module: int) -> tuple[int, asyncio.Future[Done]]:
