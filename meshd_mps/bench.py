@@ -102,6 +102,7 @@ from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Launch as LaunchReq, Op
 from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.protocol.ring import SPIN, Ring
 from meshd_mps.supervision import child
 from meshd_mps.supervision.proc import WorkerProc
 
@@ -421,7 +422,7 @@ def raw_pipe(n: int) -> list[float]:
 
 async def answering_child(d: Deadlines) -> tuple[WorkerProc, asyncio.Task[None]]:
     """ANSWER_CHILD as a WorkerProc with its reader task: an ask to it is the supervisor's share alone."""
-    w = WorkerProc(await child.spawn([sys.executable, "-c", ANSWER_CHILD], os.environ), lambda _w: None, d)
+    w = WorkerProc(await child.spawn([sys.executable, "-c", ANSWER_CHILD], os.environ, framed=True), lambda _w: None, d)
     return w, asyncio.ensure_future(w.read_frames())
 
 
@@ -442,7 +443,10 @@ async def sec_ask(bench: Bench) -> list[Row]:
         await answerer.process.wait()
     async with await bench.backend("mps", pool=1) as b:  # one worker: the MPS server has one client
         asked = await returning_worker(bench, b, 99)
+        c0 = resource.getrusage(resource.RUSAGE_SELF)
         one = await timed(n1, lambda: launch_sync(asked, 99, ask_only=True))
+        c1 = resource.getrusage(resource.RUSAGE_SELF)
+    alone = (c1.ru_utime - c0.ru_utime + c1.ru_stime - c0.ru_stime) / (n1 + 10) * 1e6
     async with await bench.backend("mps", pool=nw + 1) as b:
         asked = await returning_worker(bench, b, 99)
         among_idle = await timed(n1, lambda: launch_sync(asked, 99, ask_only=True))
@@ -487,8 +491,10 @@ async def sec_ask(bench: Bench) -> list[Row]:
         Row("b", f"ask p99, {nw} workers busy", "us", q99, rp99, "raw pipe p99", "< 1000 us", q99 < 1000, note=busy_note),
         Row("b", f"ask p50, {nw} workers asking at once", "us", m50, rp50, "raw pipe p50",
             note=f"{nw} workers x {each} asks, concurrently: they queue on the one event loop"),
-        Row("b", f"ask p99, {nw} workers asking at once", "us", m99, rp99, "raw pipe p99",
+        Row("b", f"ask p99, {nw} workers asking at once", "us", m99, rp99, "raw pipe p99", "< 1000 us", m99 < 1000,
             note=f"loop CPU {per_ask:.0f} us per ask (LAUNCHED and DONE), {cpu / (t1 - t0) * 100:.0f} % of a core"),
+        Row("b", f"ask: loop CPU per ask, {nw} workers asking at once", "us", per_ask, alone, "the same, 1 worker",
+            note="getrusage(RUSAGE_SELF) user+sys over the asks, LAUNCHED and DONE each, divided by the asks"),
     ]
 
 
@@ -637,31 +643,221 @@ async def sec_load(bench: Bench) -> list[Row]:
 
 
 # ---- (f) ring ----------------------------------------------------------------------------------
+#: The floor: a minimal resident kernel and no framework.  One warp polls a request word of
+#: host-mapped memory, copies the payload a word per lane (every load in flight before the stores),
+#: fences, writes the response word; the host writes the payload, then the request word, and spins
+#: on the response word.  m[0]: request (host), m[1]: response (kernel); 0xffffffff: return.
+FLOOR_CU = rb"""
+extern "C" __global__ void floor_ring(volatile unsigned int *m, unsigned int words) {
+    const unsigned int lane = threadIdx.x;
+    unsigned int seen = 0;
+    for (;;) {
+        const unsigned int r = m[0];
+        if (r == seen)
+            continue;
+        if (r == 0xffffffffu)
+            return;
+        __threadfence_system();
+        const unsigned int a = lane < words ? m[64 + lane] : 0u, b = lane + 32u < words ? m[96 + lane] : 0u;
+        if (lane < words)
+            m[128 + lane] = a;
+        if (lane + 32u < words)
+            m[160 + lane] = b;
+        __threadfence_system();
+        if (lane == 0)
+            m[1] = r;
+        __threadfence_system();
+        seen = r;
+    }
+}
+"""
+# The floor's host, in a child process of its own (GPU work stays out of the bench's process):
+# argv = PTX file, sizes (JSON), requests per size; prints {size: [ns, ...]}.  Each request's
+# payload is written before the doorbell and not timed, as probe/ringfloor.py measured it.
+FLOOR_HOST = r"""
+import ctypes, json, sys, time
+SIZES, N = json.loads(sys.argv[2]), int(sys.argv[3])
+def run(w, start, stop):
+    pc = time.perf_counter_ns
+    lat = []
+    for i in range(1, N + 1):  # the host's own share: the same loop, the word it waits on its own
+        t0 = pc()
+        w[0] = i
+        while w[0] != i:
+            pass
+        lat.append(pc() - t0)
+    out = {-1: lat[N // 10:]}
+    for size in SIZES:
+        words = (size + 3) // 4
+        ctypes.memset(ctypes.addressof(w), 0, 4096)
+        w[2] = words
+        done = start(words)
+        lat = []
+        for i in range(1, N + 1):
+            for k in range(words):
+                w[64 + k] = i + k
+            t0 = pc()
+            w[0] = i
+            while w[1] != i:
+                pass
+            lat.append(pc() - t0)
+        w[0] = 0xFFFFFFFF
+        stop(done)
+        if any(w[128 + k] != N + k for k in range(words)):
+            sys.exit(f"floor: the {size} B payload came back wrong")
+        out[size] = lat[N // 10:]
+    print(json.dumps(out), flush=True)
+"""
+FLOOR_CUDA = FLOOR_HOST + r"""
+from cuda.bindings import driver as cu
+def ck(r):
+    err, *v = r if isinstance(r, tuple) else (r,)
+    if int(err) != 0:
+        sys.exit(f"floor: {err}")
+    return v[0] if len(v) == 1 else v
+ck(cu.cuInit(0))
+ck(cu.cuCtxSetCurrent(ck(cu.cuDevicePrimaryCtxRetain(ck(cu.cuDeviceGet(0))))))
+fn = ck(cu.cuModuleGetFunction(ck(cu.cuModuleLoadData(open(sys.argv[1], "rb").read() + b"\0")), b"floor_ring"))
+host = ck(cu.cuMemHostAlloc(4096, cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE))
+dev = ctypes.c_uint64(int(ck(cu.cuMemHostGetDevicePointer(host, 0))))
+stream = ck(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+def start(words):
+    n = ctypes.c_uint32(words)
+    params = (ctypes.c_void_p * 2)(ctypes.addressof(dev), ctypes.addressof(n))
+    ck(cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(params), 0))
+    return n, params
+run((ctypes.c_uint32 * 1024).from_address(int(host)), start, lambda _: ck(cu.cuStreamSynchronize(stream)))
+"""
+# The simulated GPU's floor: its "kernel" a process that polls the word of shared memory without pause.
+FLOOR_SIM = FLOOR_HOST + r"""
+import mmap, os
+mm = mmap.mmap(-1, 4096)
+w = (ctypes.c_uint32 * 1024).from_buffer(mm)
+def start(words):
+    pid = os.fork()
+    if pid == 0:
+        seen = 0
+        while True:
+            r = w[0]
+            if r != seen:
+                if r == 0xFFFFFFFF:
+                    os._exit(0)
+                n = w[2]
+                w[128 : 128 + n] = w[64 : 64 + n]
+                w[1] = seen = r
+    return pid
+run(w, start, lambda pid: os.waitpid(pid, 0))
+"""
+#: The payload sizes of the sweep (bytes); 0 is the doorbell alone (the floor's only).
+SWEEP = (4, 64, 128, 188)
+
+
+async def ring_floor(bench: Bench, b: Backend, n: int) -> dict[int, list[float]]:
+    """The floor's round trips (seconds), by payload size, from a child process with a plain
+    context of its own: run before any kernel of ``b`` is resident (two contexts' kernels would
+    time-slice)."""
+    d = tempfile.mkdtemp(prefix="floor-", dir=bench.base)
+    try:
+        argv = [sys.executable, "-c", FLOOR_SIM if bench.gpu == "sim" else FLOOR_CUDA, os.path.join(d, "floor.ptx"),
+                json.dumps([0, *SWEEP]), str(n)]
+        if bench.gpu == "cuda":
+            assert b.info is not None
+            arch = b.info.compute
+            await anyio.to_thread.run_sync(lambda: Path(argv[3]).write_bytes(cuda_to_ptx(FLOOR_CU, "floor", arch=arch)))
+        r = await anyio.to_thread.run_sync(lambda: subprocess.run(argv, capture_output=True, text=True, timeout=120))
+        if r.returncode != 0:
+            raise RuntimeError(f"the floor's child exited {r.returncode}: {r.stderr.strip()[-300:]}")
+        return {int(k): [x / 1e9 for x in v] for k, v in json.loads(r.stdout).items()}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+async def throughput(progs: Programs, payload: bytes, window: int, n: int) -> float:
+    """Requests per second through echo's ring, ``window`` outstanding (Programs.call_many)."""
+    msgs = [payload] * n
+    t0 = time.perf_counter()
+    got = await progs.call_many("echo", msgs, window=window)
+    dt = time.perf_counter() - t0
+    if got != msgs:
+        raise RuntimeError("echo answered something else")
+    return n / dt
+
+
 async def sec_ring(bench: Bench) -> list[Row]:
-    n, payload = bench.n(500, 50), bytes(range(64))
+    n, nf, nt = bench.n(2000, 100), bench.n(20000, 500), bench.n(20000, 400)
     async with await bench.backend("mps", pool=2) as b:
-        progs, mb = Programs(b), b.mailbox
+        floor = await ring_floor(bench, b, nf)
+        progs = Programs(b)
         try:
             p = await progs.load(*await bench.src(b, "echo"))
-            await until(lambda: mb.heartbeat(p.slot) > 0, 10, "echo's first beat")
+            await until(lambda: b.mailbox.heartbeat(p.slot) > 0, 10, "echo's first beat")
+            ring = p.ring or Ring(b.mailbox, p.slot)
+            p.ring = ring
 
-            async def call() -> None:
-                if await progs.call("echo", payload) != payload:
-                    raise RuntimeError("echo answered something else")
+            def caller(payload: bytes) -> Any:
+                async def call() -> None:
+                    if await progs.call("echo", payload) != payload:
+                        raise RuntimeError("echo answered something else")
+                return call
 
             async def spun_call() -> None:  # the same ring, the response awaited by a host spin
-                seq = mb.post(p.slot, payload)
-                spin(lambda: mb.response(p.slot, seq) is not None, 5, "echo's response")
+                seq = ring.post(payload)
+                if ring.spin(seq, 5.0) != payload:
+                    raise RuntimeError("echo did not answer within 5 s, or answered something else")
 
-            ring, spun = await timed(n, call), await timed(n // 2, spun_call)
+            payload = bytes(range(64))
+            called, spun = await timed(n, caller(payload)), await timed(n, spun_call)
+            sweep = {size: await timed(n // 2, caller(bytes(range(size)))) for size in SWEEP if size != 64}
+            sweep[64] = called
+            rates = {w: await throughput(progs, payload, w, nt) for w in (1, 4, 8)}
+            by_size = {size: await throughput(progs, bytes(range(size)), abi.RING, nt) for size in SWEEP}
             w = await returning_worker(bench, b, 20)
-            base = await timed(n, lambda: launch_sync(w, 20))
+            base = await timed(n // 4, lambda: launch_sync(w, 20))
         finally:
             await progs.close()
-    r, s, lb = (pct(x, 0.5) * 1e6 for x in (ring, spun, base))
-    return [Row("f", "ring: request/response p50", "us", r, lb, "launch+sync p50", "<= 0.5x", r <= 0.5 * lb,
-                f"Programs.call on echo, {n} calls of 64 B; the same ring with a host spin instead: p50 {s:.1f} us;"
-                f" launch+sync: LAUNCH of a kernel that returns at once, DONE awaited")]
+    us = {k: (pct(v, 0.5) * 1e6, pct(v, 0.99) * 1e6) for k, v in floor.items()}
+    c50, c99 = pct(called, 0.5) * 1e6, pct(called, 0.99) * 1e6
+    s50, s99 = pct(spun, 0.5) * 1e6, pct(spun, 0.99) * 1e6
+    lb = pct(base, 0.5) * 1e6
+    fnote = (f"floor: one warp polling a word of host-mapped memory, a word per lane, the host spinning on plain"
+             f" memory (payload written before the doorbell, untimed); {len(floor[64])} requests per size")
+    spin_note = f"ring.post, then a host spin on RESP_HEAD (Ring.spin), {n} requests"
+    call_note = (f"Programs.call on echo, {n} calls: a yield, then a spin of at most {SPIN * 1e6:.0f} us,"
+                 f" then back-off")
+    rows = [
+        Row("f", "ring floor: doorbell alone, p50", "us", us[0][0], us[-1][0], "the host loop alone", note=fnote),
+        Row("f", "ring floor: doorbell alone, p99", "us", us[0][1], us[0][0], "its p50"),
+        Row("f", "ring floor: 64 B, p50", "us", us[64][0], us[0][0], "doorbell alone", note=fnote),
+        Row("f", "ring floor: 64 B, p99", "us", us[64][1], us[0][1], "doorbell alone p99"),
+        Row("f", "ring: Programs.call 64 B, p50", "us", c50, us[64][0], "floor 64 B p50", "<= 2x", c50 <= 2 * us[64][0],
+            call_note),
+        Row("f", "ring: Programs.call 64 B, p99", "us", c99, us[64][1], "floor 64 B p99", "<= 3x", c99 <= 3 * us[64][1],
+            call_note),
+        Row("f", "ring: host spin 64 B, p50", "us", s50, us[64][0], "floor 64 B p50", "<= 1.3x", s50 <= 1.3 * us[64][0],
+            spin_note),
+        Row("f", "ring: host spin 64 B, p99", "us", s99, us[64][1], "floor 64 B p99", "<= 3x", s99 <= 3 * us[64][1],
+            spin_note),
+        Row("f", "ring: Programs.call p50 against relaunching", "us", c50, lb, "launch+sync p50", "<= 0.5x",
+            c50 <= 0.5 * lb, "launch+sync: LAUNCH of a kernel that returns at once, its DONE awaited"),
+    ]
+    for size in SWEEP:
+        if size != 64:
+            v = pct(sweep[size], 0.5) * 1e6
+            rows.append(Row("f", f"ring: Programs.call {size} B, p50", "us", v, us[size][0], f"floor {size} B p50",
+                            note=f"p99 {pct(sweep[size], 0.99) * 1e6:.1f} us (floor {us[size][1]:.1f}); {n // 2} calls"))
+    tput = f"Programs.call_many on echo, {nt} requests of 64 B"
+    rows.append(Row("f", "ring throughput, 1 outstanding", "k/s", rates[1] / 1e3, 1e3 / us[64][0], "1 / floor 64 B p50",
+                    note=tput + "; baseline: the floor's round trips back to back"))
+    for wdw in (4, 8):
+        r = Row("f", f"ring throughput, {wdw} outstanding", "k/s", rates[wdw] / 1e3, rates[1] / 1e3, "1 outstanding",
+                note=tput)
+        if wdw == 8:
+            r.target, r.ok = ">= 4x", rates[8] >= 4 * rates[1]
+        rows.append(r)
+    rows.append(Row("f", "ring throughput, 8 outstanding, 188 B", "k/s", by_size[188] / 1e3, by_size[4] / 1e3,
+                    "the same, 4 B", note="8 outstanding by size: " + ", ".join(
+                        f"{k} B {v / 1e3:.0f} k/s" for k, v in by_size.items())))
+    return rows
 
 
 # ---- (g) idle ----------------------------------------------------------------------------------
@@ -675,11 +871,22 @@ async def cpu_percent(window: float) -> float:
 async def sec_idle(bench: Bench) -> list[Row]:
     window, nw = bench.n(5, 2), bench.n(32, 8)
     base = await cpu_percent(window)
-    async with await bench.backend("mps", pool=nw):
+    async with await bench.backend("mps", pool=nw) as b:
         await anyio.sleep(0.5)  # the prewarm's tail settles
         v = await cpu_percent(window)
-    return [Row("g", f"idle: supervisor CPU, {nw} pooled workers", "%", v, base, "no backend", "< 1 %", v < 1,
-                f"getrusage(RUSAGE_SELF) user+sys over {window} s, % of one core")]
+        progs = Programs(b)
+        try:  # the ring's host side spins only while a call waits: none now
+            await progs.load(*await bench.src(b, "echo"))
+            if await progs.call_many("echo", [b"x"] * 100) != [b"x"] * 100:
+                raise RuntimeError("echo answered something else")
+            await anyio.sleep(0.5)
+            e = await cpu_percent(window)
+        finally:
+            await progs.close()
+    how = f"getrusage(RUSAGE_SELF) user+sys over {window} s, % of one core"
+    return [Row("g", f"idle: supervisor CPU, {nw} pooled workers", "%", v, base, "no backend", "< 1 %", v < 1, how),
+            Row("g", "idle: supervisor CPU, echo resident, nothing asked", "%", e, base, "no backend", "< 1 %", e < 1,
+                how + "; after 100 calls")]
 
 
 # ---- (h) limits --------------------------------------------------------------------------------

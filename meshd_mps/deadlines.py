@@ -56,8 +56,14 @@ class Deadlines:
     http_grace: float = 10.0  # requests in flight at shutdown
 
     def reply(self, op: Op) -> float:
-        """The deadline of the reply to request ``op`` (``WorkerProc.ask``)."""
-        return {Op.READY: self.ready, Op.LOAD: self.load, Op.LAUNCH: self.launch, Op.LIMIT: self.load}[op]
+        """The deadline of the reply to request ``op`` (``WorkerProc.ask``; no dict built per ask)."""
+        if op == Op.LAUNCH:
+            return self.launch
+        if op == Op.READY:
+            return self.ready
+        if op in (Op.LOAD, Op.LIMIT):
+            return self.load
+        raise KeyError(op)
 
 
 #: The defaults, for components that are not handed a table of their own.

@@ -14,10 +14,12 @@ workers and pool are retired and only its programs relaunched.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +39,7 @@ from meshd_mps.errors import (
     NotLoaded,
     NotRunning,
     NotStarted,
+    RingFull,
     SlotTaken,
     StateError,
     UpgradeMismatch,
@@ -48,6 +51,7 @@ from meshd_mps.isolation.base import Found, Isolation
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Done
+from meshd_mps.protocol.ring import SPIN, Ring, check_payload
 
 if TYPE_CHECKING:
     from meshd_mps.state.desired import Recorder
@@ -120,6 +124,7 @@ class Program:
     beat_at: float = field(default_factory=time.monotonic)  # when it was last seen advancing
     beaten: bool = False  # seen advancing at least once: a program that never beats never stalls
     stalled_at: float = 0.0  # monotonic time it was found stalled (0: not stalled)
+    ring: Ring | None = field(default=None, repr=False)  # the host's end of its slot's ring (Programs.ring)
 
     @property
     def device(self) -> int:
@@ -497,26 +502,92 @@ class Programs:
             log.info(f"program {name} unloaded from slot {p.slot}", program=name)
             await self._forget(name)
 
-    async def call(self, name: str, payload: bytes, within: float | None = None) -> bytes:
-        """A request through the program's ring, and its response."""
-        within = self.d.call if within is None else within
+    # ---- the ring ----------------------------------------------------------------------------
+    #: After the spin (ring.SPIN), a wait yields to the loop for this long, then sleeps BACKOFF.
+    YIELDS = 200e-6
+    BACKOFF = 1e-3
+
+    def _ring(self, name: str) -> tuple[Program, Ring]:
         p = self.get(name)
         if p.launch.finished():
             raise NotRunning(f"program {name} is not running ({p.state()[0]})", program=name, state=p.state()[0])
-        seq = self.b.mailbox.post(p.slot, payload)
-        t0 = time.perf_counter()
-        with anyio.move_on_after(within):
-            while True:
-                got = self.b.mailbox.response(p.slot, seq)
-                if got is not None:
-                    return got
-                if p.launch.finished():
-                    raise NotRunning(f"program {name} ended before answering ({p.state()[1] or p.state()[0]})", program=name,
-                                     state=p.state()[0])
-                # The kernel answers in host memory: nothing to wait on but the word.  For the
-                # first 200 us just yield (the loop's timers round any sleep up to 1 ms), then back off.
-                await anyio.sleep(0 if time.perf_counter() - t0 < 200e-6 else 1e-3)
-        raise CallTimeout(name, within)
+        if p.ring is None:
+            p.ring = Ring(self.b.mailbox, p.slot)
+        return p, p.ring
+
+    def _current_ring(self, p: Program) -> None:
+        """A response read from ``p``'s slot is its own only while ``p`` is still the program of its
+        name: a new launch on the slot (an upgrade, a relaunch) starts the ring again and answers
+        other requests; an unload leaves nobody to answer."""
+        if self.by_name.get(p.name) is not p:
+            raise NotRunning(f"program {p.name} was replaced or unloaded before its response was read",
+                             program=p.name, state=p.state()[0])
+
+    async def _answer(self, p: Program, ring: Ring, seq: int, within: float, deadline: float) -> bytes:
+        """The response to ``seq``: a spin of ring.SPIN (the bus answers in ~5 us on the H200),
+        then yields to the loop for YIELDS, then BACKOFF sleeps, until ``deadline`` (monotonic)."""
+        got = ring.spin(seq, SPIN)
+        t0 = time.monotonic()
+        while got is None:
+            if p.launch.finished():
+                raise NotRunning(f"program {p.name} ended before answering ({p.state()[1] or p.state()[0]})",
+                                 program=p.name, state=p.state()[0])
+            self._current_ring(p)
+            now = time.monotonic()
+            if now >= deadline:
+                raise CallTimeout(p.name, within)
+            # asyncio.sleep, not anyio's: this is the hot path (anyio's costs its backend lookup).
+            await asyncio.sleep(0 if now - t0 < self.YIELDS else self.BACKOFF)
+            got = ring.response(seq)
+        self._current_ring(p)
+        return got
+
+    async def call(self, name: str, payload: bytes, within: float | None = None) -> bytes:
+        """A request through the program's ring, and its response.  The wait gives the loop back
+        once first (other callers post meanwhile, while the GPU answers), then spins for at most
+        ring.SPIN, then backs off: nothing is spent while nothing is asked."""
+        within = self.d.call if within is None else within
+        p, ring = self._ring(name)
+        seq = ring.post(payload)
+        try:
+            await asyncio.sleep(0)
+            return await self._answer(p, ring, seq, within, time.monotonic() + within)
+        except BaseException:
+            ring.forget(seq)
+            raise
+
+    async def call_many(self, name: str, payloads: Sequence[bytes], within: float | None = None,
+                        window: int = abi.RING) -> list[bytes]:
+        """Requests through the program's ring, pipelined: up to ``window`` (1..RING) outstanding,
+        each posted as soon as the ring has room; their responses, in order.  ``within`` bounds
+        each response's wait.  The loop is given back at least every ring.SPIN."""
+        within = self.d.call if within is None else within
+        window = max(1, min(window, abi.RING))
+        for x in payloads:
+            check_payload(x)
+        p, ring = self._ring(name)
+        out: list[bytes] = []
+        seqs: deque[int] = deque()
+        sent = 0
+        held = time.perf_counter()
+        try:
+            while len(out) < len(payloads):
+                if (k := min(window - len(seqs), ring.room(), len(payloads) - sent)) > 0:
+                    first = ring.post_many(payloads[sent : sent + k])
+                    seqs.extend((first + i) & 0xFFFFFFFF for i in range(k))
+                    sent += k
+                if not seqs:  # other callers hold the whole ring
+                    raise RingFull(p.slot, abi.RING)
+                out.append(await self._answer(p, ring, seqs[0], within, time.monotonic() + within))
+                seqs.popleft()
+                if (now := time.perf_counter()) - held > SPIN:
+                    await asyncio.sleep(0)
+                    held = now
+        except BaseException:
+            for seq in seqs:
+                ring.forget(seq)
+            raise
+        return out
 
     # ---- faults and restarts ------------------------------------------------------------------
     async def _watch(self, p: Program) -> None:

@@ -2,9 +2,10 @@
 # One batched run on the GPU machine: the GPU test suite, `serve` end to end through the
 # CLI in both modes, and the benchmark.  Outputs land in $OUT (the device tool) or ./out.
 # Narrower runs: TESTS="tests/gpu/test_x.py ..." (default tests/gpu), SERVE=0 (skip the CLI run),
-# BENCH="--only i" (the bench's arguments; BENCH=skip: no bench).
+# BENCH="--only i" (the bench's arguments; BENCH=skip: no bench), RING=1 (scripts/ring_variants.py
+# first, into ring-variants.txt: the ring's device side against a bare kernel, issue 18).
 set -u
-TESTS=${TESTS:-tests/gpu}; SERVE=${SERVE:-1}; BENCH=${BENCH:-}
+TESTS=${TESTS:-tests/gpu}; SERVE=${SERVE:-1}; BENCH=${BENCH:-}; RING=${RING:-0}
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -12,6 +13,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONUNBUFFERED=1
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; which nvidia-cuda-mps-control; } > "$OUT/env.txt" 2>&1
+if [ "$RING" = 1 ]; then timeout 60 python3 scripts/ring_variants.py -n 10000 > "$OUT/ring-variants.txt" 2>&1; fi
 timeout 420 python3 -m pytest $TESTS -v -rA -p no:cacheprovider > "$OUT/gpu-tests.txt" 2>&1
 echo "pytest rc=$?" >> "$OUT/gpu-tests.txt"
 for iso in $([ "$SERVE" = 1 ] && echo mps blink); do
@@ -40,4 +42,5 @@ if [ "$BENCH" != skip ]; then
   echo "bench rc=$?" >> "$OUT/bench.txt"
 fi
 pgrep -af "nvidia-cuda-mps|meshd_mps" > "$OUT/left.txt" || echo "nothing left" > "$OUT/left.txt"
-grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/gpu-tests.txt" | tail -60; tail -3 "$OUT/gpu-tests.txt"; cat "$OUT/bench.txt" 2>/dev/null
+grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/gpu-tests.txt" | tail -60; tail -3 "$OUT/gpu-tests.txt"
+cat "$OUT/ring-variants.txt" "$OUT/bench.txt" 2>/dev/null

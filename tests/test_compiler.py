@@ -65,7 +65,7 @@ def test_header_matches_abi_py() -> None:
     consts = {k: int(v) for k, v in re.findall(r"#define MESH_(\w+) (\d+)u\b", text)}
     for k in ["CONTROL", "STATE", "HEARTBEAT", "BEAT_TIME", "MAX_GAP", "GAP_RESET", "REQ_HEAD", "RESP_HEAD",
               "RING", "ENTRY_BYTES", "REQ_BASE", "SLOT_BYTES", "SLOTS", "RUN", "HALT", "IDLE", "RUNNING",
-              "EXITED", "RT_ABI"]:  # fmt: skip
+              "EXITED", "RT_ABI", "BEAT_EVERY"]:  # fmt: skip
         assert consts[k] == getattr(abi, k), k
     assert abi.RESP_BASE == 1664 and abi.USER_BASE == 3200  # the header's comments
     assert "extern \"C\" __global__ void mesh_main(unsigned long long mailbox, unsigned int slot)" in text

@@ -108,11 +108,10 @@ static __device__ __forceinline__ void mesh_beat_init(mesh_slot_t s, mesh_beat_t
     b->gap = 0;
 }
 
-/* One beat: HEARTBEAT + 1, BEAT_TIME now, MAX_GAP the largest gap since the
- * host last wrote GAP_RESET = 1 (which this zeroes). */
-static __device__ __forceinline__ void mesh_beat(mesh_slot_t s, mesh_beat_t *b) {
-    unsigned long long t = mesh_now();
-    if (*mesh_u32(s, MESH_GAP_RESET)) {
+/* One beat at time t: HEARTBEAT + 1, BEAT_TIME t, MAX_GAP the largest gap since
+ * the host last wrote GAP_RESET = 1; `reset` is GAP_RESET as read (this zeroes it). */
+static __device__ __forceinline__ void mesh_beat_at(mesh_slot_t s, mesh_beat_t *b, unsigned long long t, unsigned int reset) {
+    if (reset) {
         b->gap = 0;
         *mesh_u32(s, MESH_GAP_RESET) = 0;
     } else if (t - b->last > b->gap) {
@@ -123,6 +122,11 @@ static __device__ __forceinline__ void mesh_beat(mesh_slot_t s, mesh_beat_t *b) 
     *mesh_u64(s, MESH_BEAT_TIME) = t;
     *mesh_u64(s, MESH_HEARTBEAT) = ++b->n;
     __threadfence_system();
+}
+
+/* One beat now (a loop that beats every iteration, as heartbeat does). */
+static __device__ __forceinline__ void mesh_beat(mesh_slot_t s, mesh_beat_t *b) {
+    mesh_beat_at(s, b, mesh_now(), *mesh_u32(s, MESH_GAP_RESET));
 }
 
 /* ---- the request ring ----------------------------------------------------------------------- */
@@ -163,6 +167,120 @@ static __device__ __forceinline__ void mesh_post(mesh_slot_t s, unsigned int seq
     __threadfence_system(); /* the payload and length before the head */
     *mesh_u32(s, MESH_RESP_HEAD) = seq + 1u;
     __threadfence_system();
+}
+
+/* ---- the request ring, served by one warp (section 6 of docs/program-abi.md) --------------- */
+/* The fast path: a warp polls the request head in a tight loop and copies whole
+ * entries a word per lane, so that a request costs little more than the bus does
+ * (docs/benchmarks.md, row f, has it beside a bare poll-and-copy kernel).  Every
+ * lane of one warp calls these together (converged); the warp's lane 0 writes the
+ * heads and beats.  A warp holds its mesh_ring_t in registers. */
+
+#define MESH_BEAT_EVERY 100000u /* ns: mesh_ring_wait's beat interval, unless the program picks another */
+#define MESH_ENTRY_WORDS (MESH_ENTRY_BYTES / 4u) /* 48: an entry's length word and 47 payload words */
+#define MESH_WARP 0xffffffffu
+
+typedef struct {
+    mesh_slot_t s;
+    unsigned int next;        /* the next request to serve: RESP_HEAD, which only the program writes */
+    unsigned long long every; /* the beat interval, ns */
+    unsigned long long due;   /* %globaltimer of the next beat */
+    mesh_beat_t beat;         /* lane 0's */
+} mesh_ring_t;
+
+/* A ring entry in the warp's registers: lane i holds its words i and 32 + i
+ * (word 0 is the length; lanes 16..31 hold no second word). */
+typedef struct {
+    unsigned int lo, hi;
+} mesh_entry_t;
+
+/* Warp-wide.  Continues the slot's ring (RESP_HEAD) and heartbeat, and beats once:
+ * a relaunched program serves what is pending.  `every`: the beat interval in ns
+ * (MESH_BEAT_EVERY). */
+static __device__ __forceinline__ void mesh_ring_init(mesh_slot_t s, mesh_ring_t *r, unsigned long long every) {
+    r->s = s;
+    r->next = *mesh_u32(s, MESH_RESP_HEAD);
+    r->every = every;
+    if ((threadIdx.x & 31u) == 0) {
+        mesh_beat_init(s, &r->beat);
+        mesh_beat(s, &r->beat);
+    }
+    r->due = __shfl_sync(MESH_WARP, mesh_now(), 0) + every; /* one clock for the warp: its lanes agree */
+}
+
+/* Warp-wide: waits for requests and returns how many are pending (requests
+ * r->next .. r->next + n - 1, at most MESH_RING), or 0 once CONTROL says HALT.
+ * One poll is one read of the slot's first 128 bytes: lane 1 reads CONTROL, lane 2
+ * GAP_RESET, the others REQ_HEAD, all in one round trip, so HALT is seen within a
+ * poll.  It beats every r->every ns: while idle, or while busy once a beat is a
+ * whole interval late (a program served without pause still beats). */
+static __device__ __forceinline__ unsigned int mesh_ring_wait(mesh_ring_t *r) {
+    const unsigned int lane = threadIdx.x & 31u;
+    const unsigned int off = lane == 1u ? MESH_CONTROL : lane == 2u ? MESH_GAP_RESET : MESH_REQ_HEAD;
+    for (;;) {
+        const unsigned int v = *mesh_u32(r->s, off);
+        const unsigned int head = __shfl_sync(MESH_WARP, v, 0);
+        const unsigned int control = __shfl_sync(MESH_WARP, v, 1);
+        const unsigned int reset = __shfl_sync(MESH_WARP, v, 2);
+        if (control == MESH_HALT)
+            return 0;
+        const unsigned long long t = __shfl_sync(MESH_WARP, mesh_now(), 0);
+        if (t >= r->due && (head == r->next || t >= r->due + r->every)) {
+            if (lane == 0)
+                mesh_beat_at(r->s, &r->beat, t, reset);
+            r->due = t + r->every;
+        }
+        if (head != r->next) {
+            __threadfence_system(); /* the entries are read after the head that published them */
+            __syncwarp();
+            const unsigned int n = head - r->next;
+            return n < MESH_RING ? n : MESH_RING;
+        }
+    }
+}
+
+/* Warp-wide: request seq's whole entry, both halves in flight at once (no wait
+ * until a lane uses its words). */
+static __device__ __forceinline__ mesh_entry_t mesh_ring_load(const mesh_ring_t *r, unsigned int seq) {
+    const unsigned int lane = threadIdx.x & 31u;
+    const volatile unsigned int *e =
+        (const volatile unsigned int *)(r->s + MESH_REQ_BASE + (seq % MESH_RING) * MESH_ENTRY_BYTES);
+    mesh_entry_t w;
+    w.lo = e[lane];
+    w.hi = lane + 32u < MESH_ENTRY_WORDS ? e[lane + 32u] : 0u;
+    return w;
+}
+
+/* An entry's payload length, clamped to MESH_ENTRY_PAYLOAD, in every lane. */
+static __device__ __forceinline__ unsigned int mesh_entry_len(mesh_entry_t w) {
+    const unsigned int n = __shfl_sync(MESH_WARP, w.lo, 0);
+    return n < MESH_ENTRY_PAYLOAD ? n : MESH_ENTRY_PAYLOAD;
+}
+
+/* Warp-wide: `w` (its payload words; word 0 is set to the length) written as the
+ * response to request seq, `len` payload bytes: only the words that hold them.
+ * Published by mesh_ring_post. */
+static __device__ __forceinline__ void mesh_ring_store(const mesh_ring_t *r, unsigned int seq, mesh_entry_t w, unsigned int len) {
+    const unsigned int lane = threadIdx.x & 31u;
+    volatile unsigned int *e = (volatile unsigned int *)(r->s + MESH_RESP_BASE + (seq % MESH_RING) * MESH_ENTRY_BYTES);
+    const unsigned int n = len < MESH_ENTRY_PAYLOAD ? len : MESH_ENTRY_PAYLOAD;
+    const unsigned int words = 1u + (n + 3u) / 4u;
+    if (lane == 0)
+        w.lo = n;
+    if (lane < words)
+        e[lane] = w.lo;
+    if (lane + 32u < words)
+        e[lane + 32u] = w.hi;
+}
+
+/* Warp-wide: responses r->next .. r->next + n - 1 published.  One fence orders
+ * every lane's entry words before RESP_HEAD; nothing after the head needs one. */
+static __device__ __forceinline__ void mesh_ring_post(mesh_ring_t *r, unsigned int n) {
+    __threadfence_system();
+    __syncwarp();
+    r->next += n;
+    if ((threadIdx.x & 31u) == 0)
+        *mesh_u32(r->s, MESH_RESP_HEAD) = r->next;
 }
 
 #endif /* MESH_PROGRAM_H */

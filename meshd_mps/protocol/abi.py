@@ -31,6 +31,8 @@ ENTRY_PAYLOAD = ENTRY_BYTES - 4
 REQ_BASE = 128
 RESP_BASE = REQ_BASE + RING * ENTRY_BYTES  # 1664
 USER_BASE = RESP_BASE + RING * ENTRY_BYTES  # 3200: free for the program
+ENTRY_WORDS = ENTRY_BYTES // 4  # 48: a warp copies an entry a word per lane (mesh_ring_load)
+BEAT_EVERY = 100_000  # ns: mesh_ring_wait's beat interval (echo's; a program may pick another)
 
 RUN, HALT = 0, 1
 IDLE, RUNNING, EXITED = 0, 1, 2

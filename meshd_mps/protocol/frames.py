@@ -66,11 +66,14 @@ def check_length(n: int) -> None:
         raise FrameError(f"frame length {n} is over the {MAX_FRAME}-byte limit")
 
 
+_OPS = {int(op): op for op in Op}
+
+
 def check_op(b: int) -> Op:
-    try:
-        return Op(b)
-    except ValueError as e:
-        raise FrameError(f"unknown op {b}") from e
+    op = _OPS.get(b)  # a dict, not Op(b): this runs for every frame
+    if op is None:
+        raise FrameError(f"unknown op {b}")
+    return op
 
 
 def decode(buf: bytes) -> tuple[Op, bytes, int]:

@@ -18,11 +18,7 @@ import mmap
 import os
 import struct
 
-from meshd_mps.errors import (
-    MailboxError as MailboxError,  # re-exported for the workers
-    PayloadTooLarge,
-    RingFull,
-)
+from meshd_mps.errors import MailboxError as MailboxError  # re-exported for the workers
 from meshd_mps.protocol import abi
 
 _U32 = struct.Struct("<I")
@@ -35,6 +31,8 @@ class Mailbox:
         self.path = path
         self.size = abi.MAILBOX_BYTES
         self.mm = mmap.mmap(fd, self.size)
+        #: The mailbox as u32 words (index = byte offset / 4): the ring's hot reads (protocol/ring.py).
+        self.words = memoryview(self.mm).cast("I")
 
     @classmethod
     def create(cls, path: str | None = None) -> Mailbox:
@@ -77,31 +75,33 @@ class Mailbox:
     def close(self) -> None:
         if self.fd < 0:
             return
+        self.words.release()
         with contextlib.suppress(BufferError):  # still exported (registered with the GPU): unmapped at exit
             self.mm.close()
         os.close(self.fd)
         self.fd = -1
 
     # ---- slot words ---------------------------------------------------------------------
-    def _at(self, slot: int, off: int) -> int:
+    def offset(self, slot: int, off: int) -> int:
+        """The byte offset of ``off`` in ``slot``; MailboxError for a slot out of range."""
         if not 0 <= slot < abi.SLOTS:
             raise MailboxError(f"slot {slot} out of range 0..{abi.SLOTS - 1}")
         return slot * abi.SLOT_BYTES + off
 
     def u32(self, slot: int, off: int) -> int:
-        return _U32.unpack_from(self.mm, self._at(slot, off))[0]
+        return _U32.unpack_from(self.mm, self.offset(slot, off))[0]
 
     def set_u32(self, slot: int, off: int, v: int) -> None:
-        _U32.pack_into(self.mm, self._at(slot, off), v)
+        _U32.pack_into(self.mm, self.offset(slot, off), v)
 
     def u64(self, slot: int, off: int) -> int:
-        return _U64.unpack_from(self.mm, self._at(slot, off))[0]
+        return _U64.unpack_from(self.mm, self.offset(slot, off))[0]
 
     def set_u64(self, slot: int, off: int, v: int) -> None:
-        _U64.pack_into(self.mm, self._at(slot, off), v)
+        _U64.pack_into(self.mm, self.offset(slot, off), v)
 
     def reset_slot(self, slot: int) -> None:
-        base = self._at(slot, 0)
+        base = self.offset(slot, 0)
         self.mm[base : base + abi.SLOT_BYTES] = bytes(abi.SLOT_BYTES)
 
     def halt(self, slot: int) -> None:
@@ -112,26 +112,3 @@ class Mailbox:
 
     def heartbeat(self, slot: int) -> int:
         return self.u64(slot, abi.HEARTBEAT)
-
-    # ---- the request ring ---------------------------------------------------------------
-    def post(self, slot: int, payload: bytes) -> int:
-        """Write the next request; returns its sequence number."""
-        if len(payload) > abi.ENTRY_PAYLOAD:
-            raise PayloadTooLarge(f"request of {len(payload)} bytes: a ring entry holds at most {abi.ENTRY_PAYLOAD}",
-                                  size=len(payload), limit=abi.ENTRY_PAYLOAD)
-        head = self.u32(slot, abi.REQ_HEAD)
-        if head - self.u32(slot, abi.RESP_HEAD) >= abi.RING:
-            raise RingFull(slot, abi.RING)
-        at = self._at(slot, abi.REQ_BASE + (head % abi.RING) * abi.ENTRY_BYTES)
-        _U32.pack_into(self.mm, at, len(payload))
-        self.mm[at + 4 : at + 4 + len(payload)] = payload
-        self.set_u32(slot, abi.REQ_HEAD, (head + 1) & 0xFFFFFFFF)  # published last
-        return head
-
-    def response(self, slot: int, seq: int) -> bytes | None:
-        """The response to request ``seq`` once the program has written it."""
-        if (self.u32(slot, abi.RESP_HEAD) - seq) & 0xFFFFFFFF == 0 or (self.u32(slot, abi.RESP_HEAD) - seq) & 0x80000000:
-            return None
-        at = self._at(slot, abi.RESP_BASE + (seq % abi.RING) * abi.ENTRY_BYTES)
-        n = min(_U32.unpack_from(self.mm, at)[0], abi.ENTRY_PAYLOAD)
-        return bytes(self.mm[at + 4 : at + 4 + n])

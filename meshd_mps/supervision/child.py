@@ -6,7 +6,8 @@ with ``call_soon``), and every reply then costs one more trip round the loop
 before the reader task even sees it.  On the ask path, where the loop is most
 of the cost (docs/benchmarks.md, row b), that hop matters.  So a worker is
 started with ``subprocess.Popen`` (what asyncio itself calls, in the loop
-thread), its stdout and stdin become a ``StreamReader`` and ``StreamWriter``
+thread), its stdout and stdin become a ``StreamReader`` (a worker's: a
+``wire.FrameReader``, which parses frames in the read callback) and a ``StreamWriter``
 through ``connect_read_pipe`` / ``connect_write_pipe``, and its exit is seen
 through a pidfd the loop watches, then reaped by pid.  Never ``waitpid(-1)``:
 that would take the control daemon's orphans from daemon.py's reaper.
@@ -30,6 +31,8 @@ import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Protocol
+
+from meshd_mps.supervision.wire import FrameReader
 
 #: How often a child's exit is polled where the kernel has no pidfd_open (before Linux 5.3).
 POLL_S = 0.05
@@ -73,13 +76,15 @@ class Process(Protocol):
 
 
 class Child:
-    def __init__(self, popen: subprocess.Popen[bytes], loop: asyncio.AbstractEventLoop):
+    def __init__(self, popen: subprocess.Popen[bytes], loop: asyncio.AbstractEventLoop, framed: bool = False):
         self._popen = popen
+        self._framed = framed
         self._loop = loop
         self.pid = popen.pid
         self.returncode: int | None = None
         self.stdin: asyncio.StreamWriter | None = None
         self.stdout: asyncio.StreamReader | None = None
+        self.frames: FrameReader | None = None  # instead of stdout, for a worker (spawn's ``framed``)
         self._read_transport: asyncio.ReadTransport | None = None
         self._exited = asyncio.Event()
         self._pidfd = -1
@@ -87,7 +92,9 @@ class Child:
 
     async def _connect(self) -> None:
         loop = self._loop
-        if self._popen.stdout is not None:
+        if self._popen.stdout is not None and self._framed:
+            self._read_transport, self.frames = await loop.connect_read_pipe(FrameReader, self._popen.stdout)
+        elif self._popen.stdout is not None:
             reader = self.stdout = asyncio.StreamReader(limit=2**20, loop=loop)
             rt, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
                                                  self._popen.stdout)
@@ -169,9 +176,10 @@ class Child:
 
 
 async def spawn(argv: Sequence[str], env: Mapping[str, str], *, stdin: bool = True, merge_stderr: bool = False,
-                output: int | None = None) -> Child:
+                output: int | None = None, framed: bool = False) -> Child:
     """Start ``argv`` in a process group of its own, with a pipe on its stdout, and on its stdin
-    (else /dev/null); its stderr is ours, or with ``merge_stderr`` its stdout's pipe.  With
+    (else /dev/null); its stderr is ours, or with ``merge_stderr`` its stdout's pipe.  ``framed``:
+    its stdout carries worker frames (``Child.frames``, not ``stdout``).  With
     ``output`` (an fd: a log file) no pipe at all: stdin is /dev/null, stdout and stderr go to
     ``output``.  OSError if it cannot start."""
     loop = asyncio.get_running_loop()
@@ -187,7 +195,7 @@ async def spawn(argv: Sequence[str], env: Mapping[str, str], *, stdin: bool = Tr
     popen = subprocess.Popen(  # noqa: ASYNC220
         list(argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else None, env=dict(env), close_fds=True, bufsize=0, process_group=0)
-    return await _connected(Child(popen, loop))
+    return await _connected(Child(popen, loop, framed))
 
 
 async def _connected(child: Child) -> Child:

@@ -1,10 +1,11 @@
 """One worker process as the supervisor sees it (the seed's ``proc``).
 
-Its stdin and stdout are asyncio streams (or, for a worker in listen mode, the two
-directions of its socket); one reader task (owned by the
-:class:`~meshd_mps.supervision.supervisor.Supervisor`'s task group) turns them into
-frames.  A request and its reply meet in a future, one ask at a time; DONE
-frames arrive on their own and resolve the launch's completion future.  A
+Its frames come in through a :class:`~meshd_mps.supervision.wire.FrameReader` on its stdout
+(or, for a worker in listen mode, its socket), which hands each to ``_frame`` in the loop's read
+callback; they go out through its stdin's ``StreamWriter`` (or the socket's ``SocketWriter``).
+A task of the :class:`~meshd_mps.supervision.supervisor.Supervisor` (``read_frames``) awaits
+only the end.  A request and its reply meet in a future, one ask at a time; DONE frames arrive
+on their own and resolve the launch's completion future.  A
 frame that breaks the protocol, or a reply that comes late or unasked, makes
 the worker *unfit*: it is never asked again and its owner retires it.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from collections.abc import Callable
 
 import structlog
@@ -35,6 +37,7 @@ from meshd_mps.errors import (
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Done, Hello, Op
 from meshd_mps.supervision.child import Process
+from meshd_mps.supervision.wire import FrameReader, SocketWriter
 
 log = structlog.get_logger("meshd_mps")
 
@@ -76,24 +79,22 @@ class _NoReply(Exception):
     """The ask's deadline passed before its reply came."""
 
 
-def _expire(fut: asyncio.Future[tuple[Op, bytes]]) -> None:
-    if not fut.done():
-        fut.set_exception(_NoReply())
-
-
 class WorkerProc:
     def __init__(self, process: Process, on_unfit: Callable[[WorkerProc], None], deadlines: Deadlines = DEFAULT,
-                 streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None):
-        """``streams``: the worker's frames, read and written, when they are not the process's
+                 link: tuple[FrameReader, SocketWriter] | None = None):
+        """``link``: the worker's frames, read and written, when they are not the process's
         stdout and stdin (a worker in listen mode: its socket)."""
-        if streams is None:
-            stdout, stdin = getattr(process, "stdout", None), getattr(process, "stdin", None)
-            assert stdout is not None and stdin is not None
-            streams = (stdout, stdin)
+        reader: FrameReader | None
+        writer: asyncio.StreamWriter | SocketWriter | None
+        if link is None:
+            reader, writer = getattr(process, "frames", None), getattr(process, "stdin", None)
+        else:
+            reader, writer = link
+        assert reader is not None and writer is not None
         self.process = process
         self.pid = process.pid
         self.program: str | None = None  # for log lines: the image it runs, if any
-        self._stdout, self._stdin = streams
+        self._reader, self._stdin = reader, writer
         self.socket: str | None = None  # the socket it listens on (listen mode), for adoption
         self.log_file: str | None = None  # where its output goes (listen mode)
         self.hello: Hello | None = None  # what it said when we connected (listen mode)
@@ -104,6 +105,9 @@ class WorkerProc:
         self.deadlines = deadlines
         self._ask_lock = asyncio.Lock()
         self._pending: asyncio.Future[tuple[Op, bytes]] | None = None
+        self._deadline = 0.0  # the pending ask's (monotonic); its watchdog (_watch) re-arms itself
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._watching_until = 0.0  # when the armed watchdog fires
         self.gen: dict[int, int] = {}  # module -> last launch's generation
         self.done: dict[int, int] = {}  # module -> last generation whose stream finished
         self._waiters: dict[tuple[int, int], asyncio.Future[Done]] = {}
@@ -142,29 +146,20 @@ class WorkerProc:
 
     # ---- reading ----------------------------------------------------------------------------
     async def read_frames(self) -> None:
-        """The reader task: runs until stdout closes or a frame breaks the protocol."""
-        with structlog.contextvars.bound_contextvars(pid=self.pid):
-            try:
-                while True:
-                    try:
-                        head = await self._stdout.readexactly(frames.HEADER.size)
-                    except asyncio.IncompleteReadError as e:
-                        if e.partial:
-                            raise FrameError(f"stdout closed inside a frame header ({len(e.partial)} bytes)") from e
-                        break
-                    (n,) = frames.HEADER.unpack(head)
-                    frames.check_length(n)
-                    try:
-                        rest = await self._stdout.readexactly(n)
-                    except asyncio.IncompleteReadError as e:
-                        raise FrameError(f"stdout closed inside a frame ({len(e.partial)} of {n} bytes)") from e
-                    self._frame(frames.check_op(rest[0]), rest[1:])
-            except FrameError as e:
-                self.mark_unfit(f"worker {self.pid}: bad frame: {e}")
-            except (ConnectionError, OSError) as e:
-                self.mark_unfit(f"worker {self.pid}: stdout: {e}")
-            finally:
-                self._closed()
+        """Until the worker's stdout (or socket) ends or a frame breaks the protocol: the frames
+        themselves are taken as they arrive (``_frame``, from the FrameReader's read callback);
+        the end is dealt with here, in this task, so that its owner's reaction to the exit
+        (Supervisor._read) follows in the same step, before any waiter of its futures runs."""
+        self._reader.attach(self._frame)
+        try:
+            await self._reader.ended.wait()
+            why = self._reader.why
+            if isinstance(why, FrameError):
+                self.mark_unfit(f"worker {self.pid}: bad frame: {why}")
+            elif why is not None:
+                self.mark_unfit(f"worker {self.pid}: stdout: {why}")
+        finally:
+            self._closed()
 
     def _frame(self, op: Op, body: bytes) -> None:
         if op == Op.DONE:
@@ -258,7 +253,9 @@ class WorkerProc:
             raise WorkerGone(f"worker {self.pid}: stdin closed", pid=self.pid)
         try:
             self._stdin.write(frames.encode(op, body))
-            await self._stdin.drain()
+            t = self._stdin.transport
+            if t.get_write_buffer_size() or t.is_closing():  # a full pipe (a cubin), or a failed write
+                await self._stdin.drain()
         except (ConnectionError, OSError) as e:
             raise WorkerGone(f"worker {self.pid}: {e.strerror or e}", pid=self.pid) from e
 
@@ -282,9 +279,7 @@ class WorkerProc:
             loop = asyncio.get_running_loop()
             fut: asyncio.Future[tuple[Op, bytes]] = loop.create_future()
             self._pending = fut
-            # The deadline is a timer on the reply's own future, not an anyio scope: this is
-            # the hot path, and a CancelScope costs each ask ~5-10 us (docs/benchmarks.md, b).
-            timer = loop.call_later(within, _expire, fut)
+            self._watch_until(loop, time.monotonic() + within)
             try:
                 await self.send(op, body)
                 try:
@@ -294,7 +289,6 @@ class WorkerProc:
                     self.mark_unfit(why)  # a late reply would be taken for the next one's
                     raise NoReply(why, pid=self.pid, within=within) from e
             finally:
-                timer.cancel()
                 self._pending = None
             if got != want:
                 why = f"worker {self.pid}: reply {got.name}, expected {want.name}"
@@ -315,6 +309,28 @@ class WorkerProc:
                 kind = NoContext if op == Op.READY else WorkerError
                 raise kind(f"worker {self.pid}: {frames.reply_text(payload)}", pid=self.pid)
             return payload
+
+    def _watch_until(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """The pending ask's deadline.  Its watchdog is one timer per worker that re-arms itself
+        for the ask pending when it fires, and stays unarmed while nothing is: not a timer per ask,
+        nor an anyio scope (~2 us and ~5-10 us of the loop each, on the hot path of row b)."""
+        self._deadline = deadline
+        if self._watchdog is None or deadline < self._watching_until:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+            self._watching_until = deadline
+            self._watchdog = loop.call_at(loop.time() + (deadline - time.monotonic()), self._watch)
+
+    def _watch(self) -> None:
+        self._watchdog = None
+        fut = self._pending
+        if fut is None or fut.done():
+            return
+        if (left := self._deadline - time.monotonic()) <= 0:
+            fut.set_exception(_NoReply())
+        else:
+            self._watching_until = self._deadline
+            self._watchdog = asyncio.get_running_loop().call_later(left, self._watch)
 
     # ---- launches ---------------------------------------------------------------------------
     def next_gen(self, module: int) -> tuple[int, asyncio.Future[Done]]:

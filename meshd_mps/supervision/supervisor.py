@@ -50,8 +50,15 @@ from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Hello, Op
 from meshd_mps.supervision import child, procfs
 from meshd_mps.supervision.proc import DETACHABLE, WorkerProc, WorkerState
+from meshd_mps.supervision.wire import FrameReader, SocketWriter
 
 log = structlog.get_logger("meshd_mps")
+
+
+async def _open(path: str) -> tuple[FrameReader, SocketWriter]:
+    """A connection to the worker listening on ``path``: its frames read as they arrive."""
+    transport, reader = await asyncio.get_running_loop().create_unix_connection(FrameReader, path)
+    return reader, SocketWriter(transport, reader)
 
 
 class Supervisor:
@@ -140,7 +147,7 @@ class Supervisor:
         if listen is not None:
             return await self._spawn_listening(argv, env, program, listen)
         try:
-            process = await child.spawn(argv, env)
+            process = await child.spawn(argv, env, framed=True)
         except OSError as e:
             raise SpawnFailed(f"mps worker: {argv[0]}: {e.strerror or e}") from e
         w = WorkerProc(process, self._unfit, self.deadlines)
@@ -170,11 +177,11 @@ class Supervisor:
         os.replace(spawning, log_file)
         path = frames.listen_path(dir, process.pid)
         try:
-            streams = await self._connect(path, process)
+            link = await self._connect(path, process)
             try:
-                hello = await self._hello(streams, process.pid, path)
+                hello = await self._hello(link, process.pid, path)
             except BaseException:
-                streams[1].close()
+                link[1].close()
                 raise
         except BaseException:
             process.kill()
@@ -185,20 +192,20 @@ class Supervisor:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             raise
-        w = WorkerProc(process, self._unfit, self.deadlines, streams=streams)
+        w = WorkerProc(process, self._unfit, self.deadlines, link=link)
         w.program, w.socket, w.log_file, w.hello = program, path, log_file, hello
         self._own(w)
         log.debug("worker spawned", pid=w.pid, socket=path)
         return w
 
-    async def _connect(self, path: str, process: child.Child) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connect(self, path: str, process: child.Child) -> tuple[FrameReader, SocketWriter]:
         """Our connection to a worker we just started: retried until its socket is there."""
         within = self.deadlines.connect
         try:
             with anyio.fail_after(within):
                 while True:
                     try:
-                        return await asyncio.open_unix_connection(path, limit=2**20)
+                        return await _open(path)
                     except (FileNotFoundError, ConnectionRefusedError):
                         if process.exited:
                             raise WorkerGone(f"worker {process.pid} exited (status {process.returncode}) before it"
@@ -208,13 +215,12 @@ class Supervisor:
             raise NoReply(f"worker {process.pid}: no socket at {path} within {within:g}s", pid=process.pid,
                           within=within) from e
 
-    async def _hello(self, streams: tuple[asyncio.StreamReader, asyncio.StreamWriter], pid: int | None,
-                     path: str) -> Hello:
+    async def _hello(self, link: tuple[FrameReader, SocketWriter], pid: int | None, path: str) -> Hello:
         """The HELLO a worker sends first on our connection, checked: the peer's credentials
         (SO_PEERCRED: the process that listens) must be ours and name the pid it claims (and
         ``pid``, where we know it), its protocol version ours."""
-        reader, writer = streams
-        sock = writer.get_extra_info("socket")
+        reader, writer = link
+        sock: Any = writer.get_extra_info("socket")
         peer, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
         who = pid if pid is not None else peer
         if uid != os.getuid():
@@ -226,20 +232,18 @@ class Supervisor:
         within = self.deadlines.hello
         try:
             with anyio.fail_after(within):
-                head = await reader.readexactly(frames.HEADER.size)
-                (n,) = frames.HEADER.unpack(head)
-                frames.check_length(n)
-                rest = await reader.readexactly(n)
-            op = frames.check_op(rest[0])
+                op, body = await reader.first()
             if op != Op.HELLO:
                 raise FrameError(f"{op.name} where HELLO comes first")
-            version, claimed = Hello.head(rest[1:])
+            version, claimed = Hello.head(body)
             if version not in frames.ADOPTS:
                 raise ProtocolMismatch(peer, version, frames.PROTOCOL_VERSION)
-            hello = Hello.decode(rest[1:])
+            hello = Hello.decode(body)
         except TimeoutError as e:
             raise NoReply(f"worker {who}: no HELLO in {within:g}s", pid=who, within=within) from e
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
+        except EOFError as e:
+            if isinstance(reader.why, FrameError):
+                raise WorkerUnfit(f"worker {who}: bad frame: {reader.why}", pid=who) from e
             raise WorkerGone(f"worker {who} closed its socket before its HELLO", pid=who) from e
         except FrameError as e:
             raise WorkerUnfit(f"worker {who}: bad frame: {e}", pid=who) from e
@@ -261,7 +265,7 @@ class Supervisor:
         named = os.path.basename(path).removesuffix(".sock")
         pid_of_name = int(named) if named.isdigit() else 0
         try:
-            streams = await asyncio.open_unix_connection(path, limit=2**20)
+            link = await _open(path)
         except FileNotFoundError as e:
             raise WorkerGone(f"worker {pid_of_name}: no socket at {path}", pid=pid_of_name) from e
         except ConnectionRefusedError as e:
@@ -272,19 +276,19 @@ class Supervisor:
         except OSError as e:
             raise WorkerGone(f"worker {pid_of_name}: {path}: {e.strerror or e}", pid=pid_of_name) from e
         try:
-            hello = await self._hello(streams, None, path)
+            hello = await self._hello(link, None, path)
         except ProtocolMismatch as e:
-            self._unadopted(e.pid, path, streams)  # its connection kept: dismiss tells it to QUIT
+            self._unadopted(e.pid, path, link)  # its connection kept: dismiss tells it to QUIT
             raise
         except BaseException:
-            streams[1].close()
+            link[1].close()
             raise
         try:
             process = child.Adopted.watch(hello.pid)
         except ProcessLookupError as e:
-            streams[1].close()
+            link[1].close()
             raise WorkerGone(f"worker {hello.pid} exited as it was adopted", pid=hello.pid) from e
-        w = WorkerProc(process, self._unfit, self.deadlines, streams=streams)
+        w = WorkerProc(process, self._unfit, self.deadlines, link=link)
         w.socket = path
         w.log_file = os.path.join(os.path.dirname(path), f"{hello.pid}.log")  # if it has one: removed with it
         w.adopted(hello)
@@ -293,13 +297,13 @@ class Supervisor:
                  modules=[m.name for m in hello.modules], launches=len(hello.launches))
         return w
 
-    def _unadopted(self, pid: int, path: str, streams: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+    def _unadopted(self, pid: int, path: str, link: tuple[FrameReader, SocketWriter]) -> None:
         """A worker of another protocol version: kept (its connection, a pidfd) for ``dismiss``."""
         try:
             process = child.Adopted.watch(pid)
         except ProcessLookupError:
             return
-        w = WorkerProc(process, self._unfit, self.deadlines, streams=streams)
+        w = WorkerProc(process, self._unfit, self.deadlines, link=link)
         w.socket = path
         self._dismissing.append(w)
 

@@ -27,6 +27,7 @@ from meshd_mps.gpu.device import DeviceInfo, query_device
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Load, Loaded, Op
 from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.protocol.ring import Ring
 
 from .. import waits
 from ..worker_rig import ROOT, Worker
@@ -221,18 +222,29 @@ def test_heartbeat_beats(worker: Worker, mailbox: Mailbox) -> None:
     assert (HB, 1) not in worker.dones
 
 
+def answered(ring: Ring, seq: int) -> list[bytes] | None:
+    """The response, boxed (an empty one is an answer too), or None."""
+    got = ring.response(seq)
+    return None if got is None else [got]
+
+
 def test_echo_answers_the_ring(worker: Worker, mailbox: Mailbox) -> None:
     slot = ECHO - 1
     mailbox.reset_slot(slot)
     worker.launch(ECHO, 1, slot)
     wait_for("echo running", lambda: mailbox.u32(slot, abi.STATE) == abi.RUNNING)
-    for i in range(abi.RING * 2 + 3):  # round the ring twice
-        msg = f"hello {i} ".encode() * (i + 1)
-        msg = msg[: abi.ENTRY_PAYLOAD]
-        seq = mailbox.post(slot, msg)
+    ring = Ring(mailbox, slot)
+    for i in range(abi.RING * 2 + 3):  # round the ring twice, every length from 0 up
+        msg = bytes((i + j) & 0xFF for j in range(i * 9))[: abi.ENTRY_PAYLOAD]
+        seq = ring.post(msg)
         assert seq == i
-        got = wait_for(f"the response to request {i}", partial(mailbox.response, slot, seq), timeout=5)
-        assert got == msg
+        got = wait_for(f"the response to request {i}", partial(answered, ring, seq), timeout=5)
+        assert got == [msg]
+    # Pipelined: the whole ring posted at once (one REQ_HEAD), answered in order.
+    msgs = [bytes([k]) * (abi.ENTRY_PAYLOAD - k) for k in range(abi.RING)]
+    first = ring.post_many(msgs)
+    for k, msg in enumerate(msgs):
+        assert wait_for(f"the response to {first + k}", partial(answered, ring, first + k), timeout=5) == [msg]
     assert mailbox.heartbeat(slot) > 0
 
 

@@ -1,0 +1,121 @@
+"""The host's end of one slot's request ring (docs/program-abi.md, section 6).
+
+The program answers in host memory, so the host learns of a response only by reading RESP_HEAD.
+The ring's words are read through a ``memoryview`` of the mailbox cast to u32 (~0.1 us a read
+from Python, against ~0.2 us for ``struct``): a request's round trip on the H200 is ~5 us, and
+the host's share of it is what this module keeps small.  The host is little-endian (x86-64,
+aarch64) and its stores are seen in program order by the GPU (x86-64's TSO): a request's entry
+is written before the REQ_HEAD that publishes it.
+
+A response entry is reused by the request RING later, so the host lets at most RING requests be
+outstanding *counting the responses not read yet*: a caller that reads its response late (another
+task ran first) does not find it overwritten.  A caller that gives up (a deadline, a cancel)
+``forget``\\ s its request; its response is then never read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from meshd_mps.errors import PayloadTooLarge, RingFull
+from meshd_mps.protocol import abi
+from meshd_mps.protocol.mailbox import Mailbox
+
+MASK = 0xFFFFFFFF
+#: How long a wait spins on RESP_HEAD before it gives the loop back and backs off (seconds): 4x
+#: the H200's round trip for 188 B.  A program that answers later than this is not waited for at
+#: the bus's speed, and costs the loop at most this per request.
+SPIN = 20e-6
+
+
+def _answered(resp_head: int, seq: int) -> bool:
+    """RESP_HEAD is past ``seq`` (modulo 2**32, within half the sequence space)."""
+    return (resp_head - seq - 1) & MASK < 0x7FFFFFFF
+
+
+def check_payload(payload: bytes) -> None:
+    """PayloadTooLarge for a request that no ring entry holds."""
+    if len(payload) > abi.ENTRY_PAYLOAD:
+        raise PayloadTooLarge(f"request of {len(payload)} bytes: a ring entry holds at most {abi.ENTRY_PAYLOAD}",
+                              size=len(payload), limit=abi.ENTRY_PAYLOAD)
+
+
+class Ring:
+    def __init__(self, mailbox: Mailbox, slot: int):
+        base = mailbox.offset(slot, 0)
+        self._w = mailbox.words
+        self._mm = mailbox.mm
+        self.slot = slot
+        self._req_head = (base + abi.REQ_HEAD) >> 2
+        self._resp_head = (base + abi.RESP_HEAD) >> 2
+        self._req = tuple(base + abi.REQ_BASE + i * abi.ENTRY_BYTES for i in range(abi.RING))
+        self._resp = tuple(base + abi.RESP_BASE + i * abi.ENTRY_BYTES for i in range(abi.RING))
+        self._unread: deque[int] = deque()  # posted, their responses not read (nor forgotten), in order
+        self._read: set[int] = set()  # of those, read out of order
+
+    def room(self) -> int:
+        """How many more requests may be posted now."""
+        head = self._w[self._req_head]
+        oldest = self._unread[0] if self._unread else self._w[self._resp_head]
+        return abi.RING - min((head - oldest) & MASK, abi.RING)
+
+    def post(self, payload: bytes) -> int:
+        """Write the next request and publish it; its sequence number.  PayloadTooLarge, RingFull."""
+        return self.post_many((payload,))
+
+    def post_many(self, payloads: Sequence[bytes]) -> int:
+        """Write requests and publish them all with one REQ_HEAD; the first one's sequence number
+        (the others follow it).  Nothing is posted if one is too large or they do not fit."""
+        for p in payloads:
+            check_payload(p)
+        if len(payloads) > self.room():
+            raise RingFull(self.slot, abi.RING)
+        w, mm = self._w, self._mm
+        first = head = w[self._req_head]
+        for p in payloads:
+            at = self._req[head % abi.RING]
+            w[at >> 2] = len(p)
+            mm[at + 4 : at + 4 + len(p)] = p
+            self._unread.append(head)
+            head = (head + 1) & MASK
+        w[self._req_head] = head  # published last
+        return first
+
+    def response(self, seq: int) -> bytes | None:
+        """The response to request ``seq`` if the program has written it (then it counts as read)."""
+        if not _answered(self._w[self._resp_head], seq):
+            return None
+        return self._take(seq)
+
+    def spin(self, seq: int, budget: float = SPIN) -> bytes | None:
+        """The response to ``seq``, busy-waited for at most ``budget`` seconds; None after that."""
+        w, at = self._w, self._resp_head
+        end = time.perf_counter() + budget
+        while not _answered(w[at], seq):
+            if time.perf_counter() > end:
+                return None
+        return self._take(seq)
+
+    def forget(self, seq: int) -> None:
+        """Request ``seq``'s response will not be read (its caller gave up): its entry is free."""
+        if seq in self._unread:
+            self._done(seq)
+
+    def _take(self, seq: int) -> bytes:
+        at = self._resp[seq % abi.RING]
+        n = min(self._w[at >> 2], abi.ENTRY_PAYLOAD)
+        got = self._mm[at + 4 : at + 4 + n]
+        if seq in self._unread:
+            self._done(seq)
+        return got
+
+    def _done(self, seq: int) -> None:
+        unread = self._unread
+        if unread[0] != seq:
+            self._read.add(seq)
+            return
+        unread.popleft()
+        while unread and unread[0] in self._read:
+            self._read.discard(unread.popleft())

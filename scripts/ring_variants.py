@@ -1,0 +1,157 @@
+"""What each choice of the ring's device side costs, on the GPU, in one table (issue 18).
+
+    python scripts/ring_variants.py [-n 20000]
+
+Every variant is one warp of a kernel in a plain context (no meshd-mps, no MPS) polling a request
+word of host-mapped memory; the host writes the payload (untimed), then the request word, and
+spins on the response word, as the bench's floor row does.  p50 / p99 in us, 0 B and 64 B:
+
+  floor        the bench's floor kernel: a fence after the poll, after the copy, after the head
+  no-tail      the same without the fence after the response head
+  acq-rel      ld.acquire.sys for the poll, st.release.sys for the head, no fences
+  helpers      mesh_program.h's mesh_ring_wait / load / store / post, as echo uses them
+               (CONTROL, GAP_RESET and REQ_HEAD in one poll; a beat every 100 us)
+  helpers-nobeat  the same, never beating (the beat's share of the tail)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from meshd_mps.gpu.compiler import cuda_to_ptx  # noqa: E402
+
+BARE = r"""
+#define POLL(p) (*(p))
+extern "C" __global__ void v(volatile unsigned int *m, unsigned int words, unsigned long long every) {
+    const unsigned int lane = threadIdx.x;
+    unsigned int seen = 0;
+    for (;;) {
+        unsigned int r;
+#if ACQ
+        asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(r) : "l"(m + 16) : "memory");
+#else
+        r = m[16];
+#endif
+        if (r == seen)
+            continue;
+        if (r == 0xffffffffu)
+            return;
+#if !ACQ
+        __threadfence_system();
+#endif
+        const unsigned int a = lane < words ? m[33 + lane] : 0u, b = lane + 32u < words ? m[65 + lane] : 0u;
+        if (lane < words)
+            m[417 + lane] = a;
+        if (lane + 32u < words)
+            m[449 + lane] = b;
+#if ACQ
+        __syncwarp();
+        if (lane == 0)
+            asm volatile("st.release.sys.u32 [%0], %1;" :: "l"(m + 17), "r"(r) : "memory");
+#else
+        __threadfence_system();
+        if (lane == 0)
+            m[17] = r;
+#if TAIL
+        __threadfence_system();
+#endif
+#endif
+        seen = r;
+    }
+}
+"""
+HELPERS = r"""
+#include "mesh_program.h"
+extern "C" __global__ void v(volatile unsigned int *m, unsigned int words, unsigned long long every) {
+    mesh_slot_t s = (mesh_slot_t)m;
+    mesh_ring_t r;
+    mesh_ring_init(s, &r, every);
+    unsigned int n;
+    while ((n = mesh_ring_wait(&r)) != 0) {
+        mesh_entry_t e = mesh_ring_load(&r, r.next);
+        mesh_ring_store(&r, r.next, e, mesh_entry_len(e));
+        mesh_ring_post(&r, 1);
+    }
+}
+"""
+# The word layout both share: REQ_HEAD word 16 (offset 64), RESP_HEAD 17, the request entry at
+# offset 128 (length word 32, payload from 33), the response entry at 1664 (length 416, payload 417).
+VARIANTS = {
+    "floor": (BARE, "#define ACQ 0\n#define TAIL 1\n", 0),
+    "no-tail": (BARE, "#define ACQ 0\n#define TAIL 0\n", 0),
+    "acq-rel": (BARE, "#define ACQ 1\n#define TAIL 0\n", 0),
+    "helpers": (HELPERS, "", 100_000),
+    "helpers-nobeat": (HELPERS, "", 1 << 62),
+}
+
+
+def ck(r):
+    err, *v = r if isinstance(r, tuple) else (r,)
+    if int(err) != 0:
+        raise SystemExit(f"ring_variants: {err}")
+    return v[0] if len(v) == 1 else v
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=20000)
+    n = ap.parse_args().n
+    from cuda.bindings import driver as cu
+
+    ck(cu.cuInit(0))
+    dev = ck(cu.cuDeviceGet(0))
+    ck(cu.cuCtxSetCurrent(ck(cu.cuDevicePrimaryCtxRetain(dev))))
+    A = cu.CUdevice_attribute
+    cc = f"compute_{ck(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))}" \
+         f"{ck(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))}"
+    host = ck(cu.cuMemHostAlloc(4096, cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE))
+    dptr = ctypes.c_uint64(int(ck(cu.cuMemHostGetDevicePointer(host, 0))))
+    w = (ctypes.c_uint32 * 1024).from_address(int(host))
+    stream = ck(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    pc = time.perf_counter_ns
+    print(f"{'variant':16} {'0 B p50':>8} {'p99':>6} {'64 B p50':>9} {'p99':>6}  (us, {n} requests each)")
+    for name, (src, defs, every) in VARIANTS.items():
+        ptx = cuda_to_ptx((defs + src).encode(), name.replace("-", "_"), arch=cc)
+        fn = ck(cu.cuModuleGetFunction(ck(cu.cuModuleLoadData(ptx + b"\0")), b"v"))
+        row = []
+        for size in (0, 64):
+            words = (size + 3) // 4
+            ctypes.memset(int(host), 0, 4096)
+            a, b = ctypes.c_uint32(words), ctypes.c_uint64(every)
+            params = (ctypes.c_void_p * 3)(ctypes.addressof(dptr), ctypes.addressof(a), ctypes.addressof(b))
+            ck(cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(params), 0))
+            lat = []
+            ring = src is HELPERS  # request seq i - 1 sits in entry (i - 1) % 8; the bare kernels use entry 0
+            for i in range(1, n + 1):
+                e = 32 + ((i - 1) % 8) * 48 if ring else 32
+                w[e] = size
+                for k in range(words):
+                    w[e + 1 + k] = i + k
+                t0 = pc()
+                w[16] = i
+                while w[17] != i:
+                    pass
+                lat.append(pc() - t0)
+            if src is HELPERS:
+                w[0] = 1  # CONTROL = HALT
+            else:
+                w[16] = 0xFFFFFFFF
+            ck(cu.cuStreamSynchronize(stream))
+            out = 416 + ((n - 1) % 8) * 48 if ring else 416
+            ok = all(w[out + 1 + k] == n + k for k in range(words))
+            lat = sorted(lat[n // 10 :])
+            row += [lat[len(lat) // 2] / 1e3, lat[int(len(lat) * 0.99)] / 1e3]
+            if not ok:
+                print(f"{name}: {size} B payload came back wrong", file=sys.stderr)
+        print(f"{name:16} {row[0]:8.2f} {row[1]:6.2f} {row[2]:9.2f} {row[3]:6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
