@@ -325,11 +325,10 @@ class Backend:
         try:
             ws: list[WorkerProc] = []
             for path in socks:
-                with contextlib.suppress(ProtocolMismatch):  # kept for dismiss
-                    try:
-                        ws.append(await self.sup.adopt(path))
-                    except WorkerError as e:
-                        log.warning(f"left by live restore: {path}: {e}", pid=e.pid)
+                try:
+                    ws.append(await self.sup.adopt(path))
+                except WorkerError as e:  # ProtocolMismatch too: kept by the supervisor for dismiss
+                    log.warning(f"left by live restore: {path}: {e}", pid=e.pid)
             if mb is not None:
                 running = [s for s in range(abi.SLOTS) if mb.u32(s, abi.STATE) == abi.RUNNING]
                 if running:

@@ -98,6 +98,7 @@ from meshd_mps.isolation.limits import BLINK_QUEUES
 from meshd_mps.isolation.mps import MpsIsolation
 from meshd_mps.log import setup_logging
 from meshd_mps.mps.clients import MAX_CLIENTS
+from meshd_mps.mps.control import reap_mps_orphans
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Launch as LaunchReq, Op
@@ -1192,6 +1193,9 @@ def restart_live(bench: Bench) -> tuple[float, dict[str, tuple[float, float]], s
         if mb is not None:
             mb.close()
         s.stop()
+        # The SIGKILLed serve's control daemon became ours (the bench is a subreaper); its
+        # successor quit it at the full stop above: reaped here, as init would.
+        reap_mps_orphans(10.0)
         shutil.rmtree(s.d, ignore_errors=True)
 
 
