@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -98,7 +99,6 @@ from meshd_mps.isolation.limits import BLINK_QUEUES
 from meshd_mps.isolation.mps import MpsIsolation
 from meshd_mps.log import setup_logging
 from meshd_mps.mps.clients import MAX_CLIENTS
-from meshd_mps.mps.control import reap_mps_orphans
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Launch as LaunchReq, Op
@@ -1162,6 +1162,7 @@ def restart_live(bench: Bench) -> tuple[float, dict[str, tuple[float, float]], s
 
     s = _Serve(tempfile.mkdtemp(prefix="mbl-", dir=bench.base), bench, "--live-restore")
     mb: Mailbox | None = None
+    before = _children()
     try:
         s.start()
         c = Client(s.sock, timeout=60)
@@ -1193,9 +1194,9 @@ def restart_live(bench: Bench) -> tuple[float, dict[str, tuple[float, float]], s
         if mb is not None:
             mb.close()
         s.stop()
-        # The SIGKILLed serve's control daemon became ours (the bench is a subreaper); its
-        # successor quit it at the full stop above: reaped here, as init would.
-        reap_mps_orphans(10.0)
+        # What the SIGKILLed serve left (its workers, its control daemon) became ours: the bench is a
+        # subreaper.  Its successor ended them at the full stop above; reaped here, as init would.
+        _reap_new_children(before, 10.0)
         shutil.rmtree(s.d, ignore_errors=True)
 
 
@@ -1328,9 +1329,25 @@ def _ppid(pid: str) -> int:
         return -1
 
 
+def _children() -> set[int]:
+    """Our children, running or zombie."""
+    return {int(d) for d in os.listdir("/proc") if d.isdigit() and _ppid(d) == os.getpid()}
+
+
+def _reap_new_children(before: set[int], within: float) -> None:
+    """Children that were not ``before`` (orphans re-parented to us), reaped as they exit, for up to
+    ``within`` seconds; any still there then is the leftover check's to report."""
+    end = time.monotonic() + within
+    while (new := _children() - before) and time.monotonic() < end:
+        for pid in new:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.01)
+
+
 def leftovers() -> list[int]:
     """Our children still there (running or zombie), killed and reaped; their pids."""
-    left = [int(d) for d in os.listdir("/proc") if d.isdigit() and _ppid(d) == os.getpid()]
+    left = sorted(_children())
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -76,18 +76,6 @@ def _reap_now(pid: int) -> bool:
     return got == pid
 
 
-def reap_mps_orphans(within: float) -> list[int]:
-    """MPS processes re-parented to us (a subreaper) when the meshd-mps that started them died (a
-    SIGKILL), reaped as they exit (its successor quits them), for up to ``within`` seconds; the
-    pids still running then."""
-    end = time.monotonic() + within
-    left = {p for p in _mps_orphans() if not _reap_now(p)}
-    while left and time.monotonic() < end:
-        time.sleep(0.01)
-        left = {p for p in left if not _reap_now(p)}
-    return sorted(left)
-
-
 def _make_private_dir(path: str) -> None:
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.lstat(path)
