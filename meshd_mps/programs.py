@@ -559,7 +559,8 @@ class Programs:
     async def call_many(self, name: str, payloads: Sequence[bytes], within: float | None = None,
                         window: int = abi.RING) -> list[bytes]:
         """Requests through the program's ring, pipelined: up to ``window`` (1..RING) outstanding,
-        each posted as soon as the ring has room; their responses, in order.  ``within`` bounds
+        posted in batches as the ring has room (each batch published by one REQ_HEAD, every
+        response already there taken at once); their responses, in order.  ``within`` bounds
         each response's wait.  The loop is given back at least every ring.SPIN."""
         within = self.d.call if within is None else within
         window = max(1, min(window, abi.RING))
@@ -580,6 +581,11 @@ class Programs:
                     raise RingFull(p.slot, abi.RING)
                 out.append(await self._answer(p, ring, seqs[0], within, time.monotonic() + within))
                 seqs.popleft()
+                # The program serves what is pending as one batch: take every later response that is
+                # there already, so that the next post refills the ring in one batch too.
+                while seqs and (got := ring.response(seqs[0])) is not None:
+                    out.append(got)
+                    seqs.popleft()
                 if (now := time.perf_counter()) - held > SPIN:
                     await asyncio.sleep(0)
                     held = now
