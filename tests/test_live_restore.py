@@ -78,8 +78,8 @@ def wait_beats(mb: Mailbox, slot: int, more_than: int) -> int:
     return poll(lambda: (hb := mb.heartbeat(slot)) > more_than and hb, 20.0, f"slot {slot} beating past {more_than}")
 
 
-@pytest.mark.parametrize("isolation, how", [("mps", signal.SIGTERM), ("mps", signal.SIGKILL), ("blink", signal.SIGTERM),
-                                            ("blink", signal.SIGKILL)])
+# Blink after a SIGTERM: test_in_blink_mode_a_halted_module_costs_one_blink_and_the_adopted_run_on.
+@pytest.mark.parametrize("isolation, how", [("mps", signal.SIGTERM), ("mps", signal.SIGKILL), ("blink", signal.SIGKILL)])
 def test_the_next_daemon_adopts_every_program_as_it_runs(tmp, isolation, how):
     adopt_case(tmp, isolation, how)
 

@@ -313,6 +313,7 @@ async def test_another_protocol_version_or_a_pid_that_lies_is_refused(state):
             with pytest.raises(ProtocolMismatch) as e:
                 await sup.adopt(path)
             assert (e.value.pid, e.value.theirs, e.value.ours) == (os.getpid(), 99, frames.PROTOCOL_VERSION)
+            sup.leave_unadopted()  # never dismiss it: the fake is this process
         finally:
             await fake.close()
         fake = FakeWorker(path, Hello(frames.PROTOCOL_VERSION, os.getpid() + 1, 0).encode())

@@ -335,6 +335,14 @@ class Supervisor:
                 _forget_files(w)
         return [w.pid for w in ws]
 
+    def leave_unadopted(self) -> None:
+        """The workers ``adopt`` refused for their protocol version, not dismissed: their
+        connections closed, left as they run (each waits for its orphan timeout)."""
+        for w in self._dismissing:
+            w.close_stdin()
+            w.process.detach()
+        self._dismissing = []
+
     async def detach(self) -> list[int]:
         """Stop without retiring the workers on sockets (live restore): their connections closed,
         nothing killed; each waits for its orphan timeout, for the next meshd-mps to adopt it.
@@ -437,10 +445,7 @@ class Supervisor:
         if self.closed:
             return
         self.closed = True
-        for w in self._dismissing:  # never told to QUIT (no dismiss): left as they run
-            w.close_stdin()
-            w.process.detach()
-        self._dismissing = []
+        self.leave_unadopted()
         for w in idle:
             w.close_stdin()
         kids = list(self._children.values())
