@@ -579,7 +579,9 @@ class Programs:
                     sent += k
                 if not seqs:  # other callers hold the whole ring
                     raise RingFull(p.slot, abi.RING)
-                out.append(await self._answer(p, ring, seqs[0], within, time.monotonic() + within))
+                got = ring.response(seqs[0])  # there already (a batch answered together): no wait to set up
+                out.append(got if got is not None else
+                           await self._answer(p, ring, seqs[0], within, time.monotonic() + within))
                 seqs.popleft()
                 # The program serves what is pending as one batch: take every later response that is
                 # there already, so that the next post refills the ring in one batch too.
