@@ -21,6 +21,7 @@ import threading
 import anyio
 import pytest
 
+from meshd_mps.backend import live_paths
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import ConfigError, NotAdoptable, PeerMismatch, ProtocolMismatch, WorkerGone
 from meshd_mps.mps.clients import worker_argv
@@ -111,7 +112,7 @@ class Rig:
 
     def __init__(self, state: str, daemon: ControlDaemon, deadlines: Deadlines = D):
         self.dir = os.path.join(state, "workers")
-        self.mailbox = Mailbox.create(os.path.join(state, "mailbox"))
+        self.mailbox = Mailbox.create(live_paths(state).mailbox)  # shared memory: the GPU registers it
         self.env = {**os.environ, **daemon.env}
         self.deadlines = deadlines
         self.sups: list[Supervisor] = []
@@ -129,6 +130,7 @@ class Rig:
         for s in self.sups:
             await s.close()
         self.mailbox.close()
+        os.unlink(self.mailbox.path)
 
 
 @pytest.fixture

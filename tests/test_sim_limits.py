@@ -328,3 +328,41 @@ def test_warm_sets_the_variable_before_its_cuinit(monkeypatch):
 def test_the_driver_reads_the_variable_clamped():
     assert warm.driver_queues({}) == warm.DEFAULT_QUEUES == 8
     assert [warm.driver_queues({QUEUES_ENV: v}) for v in ("32", "100", "0", "4", "x", "")] == [32, 32, 1, 4, 8, 8]
+
+
+def _not_shared_memory_dir() -> str | None:
+    """A directory of ours on a filesystem that is not tmpfs (the repository's, or home), if any."""
+    from workers.sim_gpu import TMPFS_MAGIC
+
+    for d in (str(ROOT), os.path.expanduser("~")):
+        if os.access(d, os.W_OK) and subprocess.run(["stat", "-f", "-c", "%t", d], capture_output=True,
+                                                    text=True).stdout.strip() != f"{TMPFS_MAGIC:x}":
+            return d
+    return None
+
+
+def test_a_mailbox_that_is_not_shared_memory_is_refused_as_on_the_h200():
+    """cuMemHostRegister of a regular file's pages: CUDA_ERROR_INVALID_VALUE on the H200
+    (2026-12-03); a memfd's and /dev/shm's pages are taken."""
+    from workers.sim_gpu import SimGpu
+
+    d = _not_shared_memory_dir()
+    if d is None:
+        pytest.skip("no writable directory off tmpfs to put a mailbox file in")
+    fd, path = tempfile.mkstemp(dir=d, prefix=".meshd-mailbox-test.")
+    os.close(fd)
+    try:
+        mb = Mailbox.create(path)
+        try:
+            with pytest.raises(GpuError, match="cuMemHostRegister: CUDA_ERROR_INVALID_VALUE"):
+                SimGpu(mb, 0)
+        finally:
+            mb.close()
+    finally:
+        os.unlink(path)
+    with ExitStack() as stack:
+        for mb in (Mailbox.create(), Mailbox.create(f"/dev/shm/meshd-mps-test.{os.getpid()}.mailbox")):
+            stack.callback(mb.close)
+            if mb.path.startswith("/dev/shm/"):
+                stack.callback(os.unlink, mb.path)
+            stack.callback(SimGpu(mb, 0).close)

@@ -50,9 +50,11 @@ them down per device, and its mailbox's "device address" differs per GPU.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -238,6 +240,25 @@ def _echo_turn(r: _Ring, poisoned: Any) -> int:
     return n
 
 
+#: statfs's f_type of tmpfs, and of shmem (a memfd, /dev/shm).
+TMPFS_MAGIC = 0x01021994
+
+
+def _check_registrable(mailbox: Mailbox) -> None:
+    """The mailbox registered as host memory, as CudaGpu does (cuMemHostRegister): the H200's
+    driver refused a regular file's pages with CUDA_ERROR_INVALID_VALUE and took shared memory's
+    (2026-12-03, docs/reliability.md, "Live restore"), so the simulation refuses every mailbox not
+    on tmpfs or shmem the same way."""
+    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type (a long) first
+    if ctypes.CDLL(None, use_errno=True).fstatfs(mailbox.fd, buf) != 0:
+        raise GpuError(f"cuMemHostRegister: CUDA_ERROR_INVALID_VALUE (simulated: fstatfs: {os.strerror(ctypes.get_errno())})")
+    kind = int.from_bytes(buf.raw[:8], sys.byteorder, signed=True) & 0xFFFFFFFF
+    if kind != TMPFS_MAGIC:
+        raise GpuError(f"cuMemHostRegister: CUDA_ERROR_INVALID_VALUE (invalid argument) (simulated: the mailbox"
+                       f" {mailbox.path} is on a filesystem of type 0x{kind:x}, not shared memory; the H200's driver"
+                       " refuses a regular file's pages)")
+
+
 class SimGpu:
     def __init__(self, mailbox: Mailbox, sms: int, device: int = 0):
         from meshd_mps.gpu.device import simulated_count
@@ -256,6 +277,7 @@ class SimGpu:
                 f"cuDevSmResourceSplitByCount: CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION ({sms} of {SIM_SMS} SMs)"
             )
         self.sms = -(-sms // 8) * 8 if sms else SIM_SMS  # green contexts come in multiples of 8 SMs
+        _check_registrable(mailbox)
         self._client: socket.socket | None = None
         self._modules: dict[int, _Module] = {}
         self._pending: list[threading.Thread] = []
