@@ -262,11 +262,7 @@ class Backend:
                 if isinstance(e, WorkerGone):
                     out["gone"].append(e.pid or 0)
                 continue
-            assert w.hello is not None
-            why = ("" if self.mode.keeps_workers else "its MPS server is gone") or (
-                f"it maps mailbox {w.hello.mailbox}, not ours" if w.hello.mailbox != self.mailbox.path else "") or (
-                f"its GPU {w.device} is not served here" if w.device not in self.devices else "")
-            if why:
+            if why := self._not_kept(w):
                 log.warning(f"live restore: worker {w.pid} not kept: {why}", pid=w.pid)
                 unwanted.append(w)
             else:
@@ -287,6 +283,17 @@ class Backend:
         for w in kept:
             by.setdefault(w.device, []).append(w)
         return by
+
+    def _not_kept(self, w: WorkerProc) -> str:
+        """Why an adopted worker cannot be kept ("": it can)."""
+        assert self.mode is not None and w.hello is not None
+        if not self.mode.keeps_workers:
+            return "its MPS server is gone"
+        if w.hello.mailbox != self.mailbox.path:
+            return f"it maps mailbox {w.hello.mailbox}, not ours"
+        if w.device not in self.devices:
+            return f"its GPU {w.device} is not served here"
+        return ""
 
     async def _halt_slots(self, slots: list[int], mailbox: Mailbox | None = None) -> None:
         """HALT on ``slots`` of ``mailbox`` (ours), whose kernels no worker of ours runs (left by

@@ -343,9 +343,11 @@ class Mode(ABC):
     def status(self) -> dict[str, Any]:
         """The host-wide part of the backend's status (every GPU's, added up)."""
 
-    #: Live restore: the workers an earlier meshd-mps left are usable (MPS: their server is the
-    #: one we adopted; blink: always).  False: they are halted and told to QUIT, and reloaded.
-    keeps_workers: bool = True
+    @property
+    def keeps_workers(self) -> bool:
+        """Live restore: the workers an earlier meshd-mps left are usable (MPS: their server is the
+        one we adopted; blink: always).  False: they are halted and told to QUIT, and reloaded."""
+        return True
 
     async def close(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
         """After every worker is gone (MPS: the daemon quit)."""

@@ -94,7 +94,7 @@ class Mps(Mode):
         return cls(ControlDaemon(d, temporary=mps_dir is None), sup, mailbox, sms, gpu, pool_cap, max_clients, listen)
 
     @property
-    def keeps_workers(self) -> bool:  # type: ignore[override]
+    def keeps_workers(self) -> bool:
         """The workers an earlier meshd-mps left are clients of the server we adopted with its
         daemon; with a fresh daemon their server is gone, and so are their contexts."""
         return self.daemon.adopted
