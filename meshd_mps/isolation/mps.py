@@ -91,15 +91,14 @@ class MpsIsolation(Isolation):
             except MeshError as e:
                 log.error(f"mps: adopted worker {p.pid}: {e}; retiring it", pid=p.pid)
                 self.sup.retire(p, before_exit=False)
-        server = await self.mps.server_pid()
-        clients = set(await self.mps.clients(server)) if server is not None else set()
+        server, clients = await self.mps.client_list()
         ours = [p for p in ready if p.pid in clients]
         for p in ready:
             if p not in ours:
                 log.error(f"mps: adopted worker {p.pid} is not a client of our server {server}; retiring it", pid=p.pid)
                 self.sup.retire(p, before_exit=False)
-        if ours:
-            await self.mps.check_clients([p.pid for p in ours])
+        if server is not None:
+            self.mps.note_clients(server, clients)
         for p in ours:
             assert p.hello is not None
             self.mps.took(p)

@@ -155,16 +155,24 @@ class Mps(Mode):
         out = await self.daemon.control(f"get_client_list {server}")
         return [int(s) for s in (line.strip() for line in out.splitlines()) if s.isdigit()]
 
+    async def client_list(self) -> tuple[str | None, list[int]]:
+        """Our server's pid and its clients' (None and none: it runs no server)."""
+        server = await self.server_pid()
+        return server, (await self.clients(server) if server is not None else [])
+
     async def check_clients(self, want: Sequence[int]) -> None:
         """Every pid in ``want`` must be a client of our daemon's server, or MpsError."""
-        server = await self.server_pid()
+        server, pids = await self.client_list()
         if server is None:
             raise MpsError(f"mps: workers {pids_debug(want)} are up but our daemon runs no server:"
                            " they are not MPS clients; refusing")
-        pids = await self.clients(server)
         for p in want:
             if p not in pids:
                 raise MpsError(f"mps: worker {p} is not among server {server}'s clients {pids_debug(pids)}; refusing")
+        self.note_clients(server, pids)
+
+    def note_clients(self, server: str, pids: Sequence[int]) -> None:
+        """The server's client list seen: clients that are not ours logged, the server's pid kept."""
         foreign = [p for p in pids if p not in self.sup.workers and p not in self.native]
         if foreign:
             log.error(f"mps: server {server} has clients that are not meshd's workers: {pids_debug(foreign)}")
