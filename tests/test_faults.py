@@ -100,7 +100,7 @@ async def kill_in_launch(b: Backend, known: set[int], slot: int) -> int:
     """SIGKILL the first new worker whose LAUNCH is asked and not answered, once its kernel runs
     (its slot says RUNNING: the kill is then one with the kernel on the GPU); its pid."""
     with anyio.fail_after(20):
-        while not ((w := next((w for p, w in b.sup.workers.items() if p not in known and w.gen and w._pending), None))
+        while not ((w := next((w for p, w in b.sup.workers.items() if p not in known and w.gen and w.asking), None))
                    and b.mailbox.u32(slot, abi.STATE) == abi.RUNNING):
             await anyio.sleep(0.005)
     os.kill(w.pid, signal.SIGKILL)

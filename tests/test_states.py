@@ -15,7 +15,7 @@ from meshd_mps.supervision.proc import MOVES, WorkerProc, WorkerState
 
 def worker() -> WorkerProc:
     # WorkerProc.to touches only its own fields: a stand-in for the child's pipes is enough.
-    child: Any = SimpleNamespace(pid=4242, stdin=object(), frames=object(), returncode=None)
+    child: Any = SimpleNamespace(pid=4242, stdin=SimpleNamespace(transport=object()), frames=object(), returncode=None)
     return WorkerProc(child, on_unfit=lambda w: None)
 
 
@@ -49,7 +49,7 @@ async def test_worker_exited_records_where_from():
 
 async def test_mark_unfit_moves_once_and_keeps_why():
     seen: list[WorkerProc] = []
-    child: Any = SimpleNamespace(pid=7, stdin=object(), frames=object())
+    child: Any = SimpleNamespace(pid=7, stdin=SimpleNamespace(transport=object()), frames=object())
     w = WorkerProc(child, on_unfit=seen.append)
     w.to(WorkerState.READY)
     w.mark_unfit("worker 7: bad frame")

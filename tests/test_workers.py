@@ -286,7 +286,7 @@ async def kill_when_asked(m, spawned: list, phase: str, mailbox=None) -> None:
     with anyio.fail_after(20):
         while True:
             w = spawned[0] if spawned else None
-            if w is not None and w._pending is not None:
+            if w is not None and w.asking:
                 if phase == "launch" and w.gen and mailbox.u32(VICTIM, abi.STATE) == abi.RUNNING:
                     break
                 if phase == "load" and not w.gen and m.mps.server and w.pid in await m.mps.clients(m.mps.server):

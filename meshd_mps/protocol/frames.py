@@ -52,11 +52,14 @@ REPLIES = {Op.READY, Op.LOADED, Op.LAUNCHED}  # and LIMIT, answered with LIMIT
 REPLY = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT}
 
 
+_HEAD_OP = struct.Struct("<IB")  # a frame's length and op: one pack on every ask's path
+
+
 def encode(op: Op | int, body: bytes = b"") -> bytes:
     n = 1 + len(body)
     if n > MAX_FRAME:
         raise FrameError(f"frame of {n} bytes is over the {MAX_FRAME}-byte limit")
-    return HEADER.pack(n) + bytes((int(op),)) + body
+    return _HEAD_OP.pack(n, op) + body
 
 
 def check_length(n: int) -> None:
@@ -181,8 +184,11 @@ class Launch:
         return cls(*_exact("LAUNCH", LAUNCH_BODY, body))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Done:
+    """Not frozen: a frozen dataclass's ``__init__`` costs ~0.5 us, against ~0.13 us, and every
+    launch's DONE is decoded on the event loop (docs/benchmarks.md, row b)."""
+
     module: int
     gen: int
     ok: bool
@@ -196,6 +202,8 @@ class Done:
         if len(body) < DONE_HEAD.size:
             raise FrameError(f"DONE body of {len(body)} bytes, shorter than {DONE_HEAD.size}")
         module, gen, ok = DONE_HEAD.unpack_from(body)
+        if ok == 1 and len(body) == DONE_HEAD.size:  # the usual DONE: ended well, no text
+            return cls(module, gen, True)
         if ok not in (0, 1):
             raise FrameError(f"DONE ok word {ok}, expected 0 or 1")
         return cls(module, gen, ok == 1, _text(body[DONE_HEAD.size :]))

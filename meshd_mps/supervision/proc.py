@@ -5,9 +5,12 @@ Its frames come in through a :class:`~meshd_mps.supervision.wire.FrameReader` on
 callback; they go out through its stdin's ``StreamWriter`` (or the socket's ``SocketWriter``).
 A task of the :class:`~meshd_mps.supervision.supervisor.Supervisor` (``read_frames``) awaits
 only the end.  A request and its reply meet in a future, one ask at a time; DONE frames arrive
-on their own and resolve the launch's completion future.  A
-frame that breaks the protocol, or a reply that comes late or unasked, makes
-the worker *unfit*: it is never asked again and its owner retires it.
+on their own and resolve the launch's completion future.  A worker answers its
+requests one at a time, in the order it reads them, so asks are matched to
+replies in order (``_asked``): an ask waits for no other, and its deadline runs
+from when the worker is done with the ones before it.  A frame that breaks the
+protocol, a reply unasked, or one past its deadline makes the worker *unfit*: it
+is never asked again and its owner retires it.
 
 Its lifecycle is :class:`WorkerState`, changed only by :meth:`WorkerProc.to`, which refuses
 the moves the table does not allow (supervisord's ``ProcessStates``).
@@ -18,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections import deque
 from collections.abc import Callable
 
 import structlog
@@ -103,9 +107,11 @@ class WorkerProc:
         self.outstanding: dict[tuple[int, int], asyncio.Future[Done]] = {}
         self._on_unfit = on_unfit
         self.deadlines = deadlines
-        self._ask_lock = asyncio.Lock()
-        self._pending: asyncio.Future[tuple[Op, bytes]] | None = None
-        self._deadline = 0.0  # the pending ask's (monotonic); its watchdog (_watch) re-arms itself
+        self._transport: asyncio.WriteTransport = writer.transport
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop it is asked on (set at the first ask)
+        #: The asks sent and not answered, in order: each one's reply future and its deadline's length.
+        self._asked: deque[tuple[asyncio.Future[tuple[Op, bytes]], float]] = deque()
+        self._deadline = 0.0  # the oldest ask's (monotonic); its watchdog (_watch) re-arms itself
         self._watchdog: asyncio.TimerHandle | None = None
         self._watching_until = 0.0  # when the armed watchdog fires
         self.gen: dict[int, int] = {}  # module -> last launch's generation
@@ -177,10 +183,14 @@ class WorkerProc:
             return
         if op not in frames.REPLIES and op != Op.LIMIT:
             raise FrameError(f"op {op.name} is not a worker's frame")
-        fut = self._pending
-        if fut is None or fut.done():
+        asked = self._asked
+        if not asked:
             raise FrameError(f"unsolicited reply {op.name}")
-        fut.set_result((op, body))
+        fut, _ = asked.popleft()
+        if asked:  # the next ask's deadline runs from now: the worker starts on it
+            self._watch_until(time.monotonic() + asked[0][1])
+        if not fut.done():  # done: its caller gave up (a cancel), and its reply is dropped
+            fut.set_result((op, body))
 
     def _closed(self) -> None:
         if not self._stdin.is_closing():  # a socket's other direction (a pipe's is closed at the reap)
@@ -189,15 +199,13 @@ class WorkerProc:
             # Closed by us, quietly: the process and its launches go on, their DONEs go to the next
             # daemon; an ask in flight cannot be answered here any more.
             self.exited.set()
-            if self._pending is not None and not self._pending.done():
-                self._pending.set_exception(WorkerGone(f"worker {self.pid}: detached", pid=self.pid))
+            self._fail_asks(lambda: WorkerGone(f"worker {self.pid}: detached", pid=self.pid))
             return
         unfit = self.unfit
         self.to(WorkerState.EXITED, unfit or "stdout closed")
         self.exited.set()
-        if self._pending is not None and not self._pending.done():
-            self._pending.set_exception(WorkerUnfit(unfit, pid=self.pid) if unfit
-                                        else WorkerGone(f"worker {self.pid} exited", pid=self.pid))
+        self._fail_asks(lambda: WorkerUnfit(unfit, pid=self.pid) if unfit
+                        else WorkerGone(f"worker {self.pid} exited", pid=self.pid))
         for (_module, _gen), fut in self._waiters.items():
             if not fut.done():
                 fut.set_exception(WorkerGone(self.err or f"worker {self.pid} exited while its kernel ran", pid=self.pid))
@@ -210,9 +218,20 @@ class WorkerProc:
         log.error("worker unfit", pid=self.pid, program=self.program, why=why)
         if self.state in ASKABLE:
             self.to(WorkerState.UNFIT, why)
-        if self._pending is not None and not self._pending.done():
-            self._pending.set_exception(WorkerUnfit(why, pid=self.pid))
+        self._fail_asks(lambda: WorkerUnfit(why, pid=self.pid))
         self._on_unfit(self)
+
+    def _fail_asks(self, error: Callable[[], BaseException]) -> None:
+        """Every ask not answered fails with ``error()``; no reply is matched to them any more."""
+        for fut, _ in self._asked:
+            if not fut.done():
+                fut.set_exception(error())
+        self._asked.clear()
+
+    @property
+    def asking(self) -> bool:
+        """An ask is waiting for its reply."""
+        return bool(self._asked)
 
     def detach(self) -> None:
         """Close its connection without a word (its socket: a worker in listen mode waits for the
@@ -248,16 +267,25 @@ class WorkerProc:
         return faults.died_on_its_own(self.process.returncode, self.exited_running_at > 0, self.killed)
 
     # ---- writing ----------------------------------------------------------------------------
-    async def send(self, op: Op, body: bytes = b"") -> None:
-        if self._stdin.is_closing():
+    def _write(self, frame: bytes) -> bool:
+        """``frame`` handed to the transport (which writes it at once if the pipe has room);
+        True if the caller must wait for it to drain (a full pipe: a cubin), or see it fail."""
+        t = self._transport
+        if t.is_closing():
             raise WorkerGone(f"worker {self.pid}: stdin closed", pid=self.pid)
+        t.write(frame)
+        return bool(t.get_write_buffer_size()) or t.is_closing()
+
+    async def _drain(self) -> None:
         try:
-            self._stdin.write(frames.encode(op, body))
-            t = self._stdin.transport
-            if t.get_write_buffer_size() or t.is_closing():  # a full pipe (a cubin), or a failed write
-                await self._stdin.drain()
+            await self._stdin.drain()
         except (ConnectionError, OSError) as e:
             raise WorkerGone(f"worker {self.pid}: {e.strerror or e}", pid=self.pid) from e
+
+    async def send(self, op: Op, body: bytes = b"") -> None:
+        """A frame that is not answered (UNLOAD, QUIT)."""
+        if self._write(frames.encode(op, body)):
+            await self._drain()
 
     def close_stdin(self) -> None:
         """EOF on the worker's stdin: an idle worker exits on it."""
@@ -266,52 +294,60 @@ class WorkerProc:
 
     async def ask(self, op: Op, body: bytes = b"") -> bytes:
         """Send request ``op``, wait for its reply (``frames.REPLY``) within its deadline
-        (``Deadlines.reply``); the reply's payload.  WorkerGone if the worker is gone, WorkerUnfit
-        (NoReply) if it broke the protocol or missed the deadline, ImageRefused if the driver
-        refused an image, WorkerError for a request it refused."""
+        (``Deadlines.reply``), which runs from when the worker has answered the asks before it;
+        the reply's payload.  WorkerGone if the worker is gone, WorkerUnfit (NoReply) if it broke
+        the protocol or missed the deadline, ImageRefused if the driver refused an image,
+        WorkerError for a request it refused.  This is every LAUNCH's path (docs/benchmarks.md,
+        row b): no lock (the order of the replies matches them), no task, one timer per worker."""
         want = frames.REPLY[op]
         within = self.deadlines.reply(op)
-        async with self._ask_lock:
-            if self.unfit:
-                raise WorkerUnfit(self.unfit, pid=self.pid)
-            if self.state not in ASKABLE:
-                raise WorkerGone(f"worker {self.pid} exited" if self.dead else f"worker {self.pid} is retiring", pid=self.pid)
-            loop = asyncio.get_running_loop()
-            fut: asyncio.Future[tuple[Op, bytes]] = loop.create_future()
-            self._pending = fut
-            self._watch_until(loop, time.monotonic() + within)
-            try:
-                await self.send(op, body)
-                try:
-                    got, reply = await fut
-                except _NoReply as e:
-                    why = f"worker {self.pid}: no reply in {_secs(within)}"
-                    self.mark_unfit(why)  # a late reply would be taken for the next one's
-                    raise NoReply(why, pid=self.pid, within=within) from e
-            finally:
-                self._pending = None
-            if got != want:
-                why = f"worker {self.pid}: reply {got.name}, expected {want.name}"
-                self.mark_unfit(why)
-                raise WorkerUnfit(why, pid=self.pid)
-            try:
-                ok, payload = frames.split_reply(got, reply)
-            except FrameError as e:
-                why = f"worker {self.pid}: bad frame: {e}"
-                self.mark_unfit(why)
-                raise WorkerUnfit(why, pid=self.pid) from e
-            if self.state == WorkerState.STARTING:
-                self.to(WorkerState.READY)
-            if ok == frames.REFUSED:
-                text = frames.reply_text(payload)
-                raise ImageRefused(f"worker {self.pid}: {text}", error=text)
-            if ok != frames.OK:
-                kind = NoContext if op == Op.READY else WorkerError
-                raise kind(f"worker {self.pid}: {frames.reply_text(payload)}", pid=self.pid)
+        if self.unfit:
+            raise WorkerUnfit(self.unfit, pid=self.pid)
+        if self.state not in ASKABLE:
+            raise WorkerGone(f"worker {self.pid} exited" if self.dead else f"worker {self.pid} is retiring", pid=self.pid)
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        fut: asyncio.Future[tuple[Op, bytes]] = loop.create_future()
+        asked = self._asked
+        asked.append((fut, within))
+        if len(asked) == 1:
+            self._watch_until(time.monotonic() + within)
+        try:
+            if self._write(frames.encode(op, body)):
+                await self._drain()
+        except BaseException:
+            if asked and asked[-1][0] is fut:  # not written: no reply will come for it
+                asked.pop()
+            raise
+        try:
+            got, reply = await fut
+        except _NoReply as e:
+            why = f"worker {self.pid}: no reply in {_secs(within)}"
+            self.mark_unfit(why)  # a late reply would be taken for the next one's
+            raise NoReply(why, pid=self.pid, within=within) from e
+        if got != want:
+            why = f"worker {self.pid}: reply {got.name}, expected {want.name}"
+            self.mark_unfit(why)
+            raise WorkerUnfit(why, pid=self.pid)
+        try:
+            ok, payload = frames.split_reply(got, reply)
+        except FrameError as e:
+            why = f"worker {self.pid}: bad frame: {e}"
+            self.mark_unfit(why)
+            raise WorkerUnfit(why, pid=self.pid) from e
+        if self.state == WorkerState.STARTING:
+            self.to(WorkerState.READY)
+        if ok == frames.OK:
             return payload
+        if ok == frames.REFUSED:
+            text = frames.reply_text(payload)
+            raise ImageRefused(f"worker {self.pid}: {text}", error=text)
+        kind = NoContext if op == Op.READY else WorkerError
+        raise kind(f"worker {self.pid}: {frames.reply_text(payload)}", pid=self.pid)
 
-    def _watch_until(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
-        """The pending ask's deadline.  Its watchdog is one timer per worker that re-arms itself
+    def _watch_until(self, deadline: float) -> None:
+        """The oldest ask's deadline.  Its watchdog is one timer per worker that re-arms itself
         for the ask pending when it fires, and stays unarmed while nothing is: not a timer per ask,
         nor an anyio scope (~2 us and ~5-10 us of the loop each, on the hot path of row b)."""
         self._deadline = deadline
@@ -319,15 +355,20 @@ class WorkerProc:
             if self._watchdog is not None:
                 self._watchdog.cancel()
             self._watching_until = deadline
+            loop = self._loop
+            assert loop is not None
             self._watchdog = loop.call_at(loop.time() + (deadline - time.monotonic()), self._watch)
 
     def _watch(self) -> None:
         self._watchdog = None
-        fut = self._pending
-        if fut is None or fut.done():
+        if not self._asked:
             return
+        fut, within = self._asked[0]
         if (left := self._deadline - time.monotonic()) <= 0:
-            fut.set_exception(_NoReply())
+            if not fut.done():
+                fut.set_exception(_NoReply())  # its ask says so, and marks the worker unfit
+            else:  # given up by its caller (a cancel): the worker is still late
+                self.mark_unfit(f"worker {self.pid}: no reply in {_secs(within)}")
         else:
             self._watching_until = self._deadline
             self._watchdog = asyncio.get_running_loop().call_later(left, self._watch)

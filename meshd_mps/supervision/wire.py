@@ -49,18 +49,26 @@ class FrameReader(asyncio.Protocol):
         if self.ended.is_set():
             return
         buf = self._buf
-        buf += data
-        at, size = 0, len(buf)
+        if buf:  # the rest of a frame: parsed once it is whole (a long one is not copied at each read)
+            buf += data
+            if len(buf) < 4:
+                return
+            (n,) = _HEADER(buf, 0)
+            if 0 < n <= frames.MAX_FRAME and len(buf) < 4 + n:
+                return
+            data = bytes(buf)
+            buf.clear()
+        at, size = 0, len(data)
         try:
             while size - at >= 4:  # frames.HEADER.size
-                (n,) = _HEADER(buf, at)
+                (n,) = _HEADER(data, at)
                 if not 0 < n <= frames.MAX_FRAME:
                     frames.check_length(n)
                 end = at + 4 + n
                 if end > size:
                     break
-                op = frames.check_op(buf[at + 4])
-                body = bytes(buf[at + 5 : end])
+                op = frames.check_op(data[at + 4])
+                body = data[at + 5 : end]
                 at = end
                 if self._sink is not None:
                     self._sink(op, body)
@@ -70,7 +78,8 @@ class FrameReader(asyncio.Protocol):
         except FrameError as e:
             self._end(e)
             return
-        del buf[:at]
+        if at < size:
+            buf += data[at:]
 
     def eof_received(self) -> bool:
         return False  # the transport closes: connection_lost says the rest

@@ -149,7 +149,7 @@ async def kill_in_load(b: Backend, spawned: list) -> None:
     with anyio.fail_after(30):
         while True:
             w = spawned[0] if spawned else None
-            if w is not None and w._pending is not None and b.mps.server and w.pid in await b.mps.clients(b.mps.server):
+            if w is not None and w.asking and b.mps.server and w.pid in await b.mps.clients(b.mps.server):
                 break
             await anyio.sleep(0.005)
     os.kill(w.pid, signal.SIGKILL)

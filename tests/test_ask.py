@@ -1,0 +1,131 @@
+"""WorkerProc.ask (meshd_mps/supervision/proc.py): a worker answers in the order it is asked, so asks
+are matched to replies in order, none waits for another, and each one's deadline runs from when the
+worker is done with the ones before it.  Driven by hand over a FrameReader and a writer that keeps
+what is sent: no process, no pipe."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import pytest
+
+from meshd_mps.deadlines import Deadlines
+from meshd_mps.errors import NoReply
+from meshd_mps.protocol import frames
+from meshd_mps.protocol.frames import Op
+from meshd_mps.supervision.proc import WorkerProc, WorkerState
+from meshd_mps.supervision.wire import FrameReader, SocketWriter
+
+LAUNCH = frames.LAUNCH_BODY.pack(1, 1, 0, 1)
+
+
+class Kept:
+    """The transport's write side: every frame sent, in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[Op, bytes]] = []
+
+    def write(self, data: bytes) -> None:
+        op, body, used = frames.decode(data)
+        assert used == len(data)
+        self.sent.append((op, body))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def worker(d: Deadlines = Deadlines()) -> tuple[WorkerProc, FrameReader, Kept]:
+    reader, kept = FrameReader(), Kept()
+    link: Any = (reader, SocketWriter(kept, reader))  # type: ignore[arg-type]
+    w = WorkerProc(SimpleNamespace(pid=7, returncode=None), lambda _w: None, d, link=link)
+    reader.attach(w._frame)
+    return w, reader, kept
+
+
+def launched(n: int) -> bytes:
+    return frames.encode(Op.LAUNCHED, frames.ok_reply(frames.U32.pack(n)))
+
+
+async def test_asks_at_once_are_all_sent_and_answered_in_order():
+    w, reader, kept = worker()
+    got: dict[int, bytes] = {}
+
+    async def ask(i: int) -> None:
+        got[i] = await w.ask(Op.LAUNCH, LAUNCH)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(3):
+            tg.start_soon(ask, i)
+        with anyio.fail_after(5):
+            while len(kept.sent) < 3:  # every frame written before any reply: no ask waits for another
+                await anyio.sleep(0)
+        assert w.asking and [op for op, _ in kept.sent] == [Op.LAUNCH] * 3
+        reader.data_received(launched(10) + launched(11))
+        reader.data_received(launched(12))
+    assert got == {0: frames.U32.pack(10), 1: frames.U32.pack(11), 2: frames.U32.pack(12)}
+    assert not w.asking and w.state == WorkerState.READY and w.unfit is None
+
+
+async def test_a_cancelled_asks_reply_is_dropped_and_the_worker_stays_fit():
+    w, reader, kept = worker()
+    with anyio.move_on_after(0.01):
+        await w.ask(Op.LAUNCH, LAUNCH)  # never answered in time: its caller gives up
+    assert len(kept.sent) == 1 and w.asking
+    async with anyio.create_task_group() as tg:
+        box: list[bytes] = []
+
+        async def ask() -> None:
+            box.append(await w.ask(Op.LAUNCH, LAUNCH))
+
+        tg.start_soon(ask)
+        with anyio.fail_after(5):
+            while len(kept.sent) < 2:
+                await anyio.sleep(0)
+        reader.data_received(launched(1))  # the cancelled one's: dropped
+        reader.data_received(launched(2))
+    assert box == [frames.U32.pack(2)] and w.unfit is None and not w.asking
+
+
+async def test_a_queued_asks_deadline_runs_from_the_reply_before_it():
+    w, reader, kept = worker(Deadlines(launch=60.0))
+    async with anyio.create_task_group() as tg:
+        for _ in range(2):
+            tg.start_soon(w.ask, Op.LAUNCH, LAUNCH)
+        with anyio.fail_after(5):
+            while len(kept.sent) < 2:
+                await anyio.sleep(0)
+        first = w._deadline
+        before = time.monotonic()
+        reader.data_received(launched(1))
+        assert w._deadline >= before + 60.0 > first  # the second's 60 s start now, not when it was sent
+        reader.data_received(launched(2))
+
+
+async def test_no_reply_in_time_makes_the_worker_unfit_even_if_its_caller_gave_up():
+    w, _, _ = worker(Deadlines(launch=0.05))
+    with pytest.raises(NoReply):
+        await w.ask(Op.LAUNCH, LAUNCH)
+    assert w.unfit == "worker 7: no reply in 0.05s" and w.state == WorkerState.UNFIT
+
+    w, _, _ = worker(Deadlines(launch=0.05))
+    with anyio.move_on_after(0.001):
+        await w.ask(Op.LAUNCH, LAUNCH)
+    with anyio.fail_after(5):  # the watchdog, not the caller, sees the deadline pass
+        while w.unfit is None:
+            await anyio.sleep(0.01)
+    assert w.unfit == "worker 7: no reply in 0.05s"
+
+
+async def test_a_reply_nobody_asked_for_ends_the_reading():
+    w, reader, _ = worker()
+    reader.data_received(launched(1))
+    assert reader.ended.is_set() and "unsolicited reply LAUNCHED" in str(reader.why)
