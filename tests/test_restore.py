@@ -2,7 +2,7 @@
 the simulated GPU: every successful load, upgrade and unload is recorded in the state dir, and the
 next start loads the recorded programs again on their slots before it answers; a program that no
 longer loads is reported and skipped; programs declared in the config file are loaded when the
-state lacks them."""
+state lacks them, or its record of them cannot be used."""
 
 from __future__ import annotations
 
@@ -88,6 +88,18 @@ def test_a_program_that_no_longer_loads_is_skipped_and_reported(tmp):
         assert b.stop() == 0
     finally:
         b.kill()
+    # Declared in the config file, echo comes back from its declaration instead of its damaged record.
+    conf = os.path.join(tmp, "meshd-mps.toml")
+    with open(conf, "w") as f:
+        f.write(f'[program.echo]\ndir = "{EXAMPLES / "echo"}"\n')
+    c = serve(tmp, state, "--config", conf, name="c")
+    try:
+        r = c.client.status()["state"]["restore"]
+        assert r["restored"] == ["heartbeat"] and r["declared"] == ["echo"] and r["skipped"] == {}, r
+        assert c.client.call("echo", "from its declaration")["data"] == "from its declaration"
+        assert c.stop() == 0
+    finally:
+        c.kill()
 
 
 def test_programs_declared_in_the_config_file_are_loaded(tmp):

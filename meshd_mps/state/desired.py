@@ -5,8 +5,8 @@ request is answered (off the event loop: each write is fsynced).  ``restore`` ru
 start, before it reports ready: with live restore the modules the adopted workers hold are
 reconciled with the records first (``unwanted``: adopted as they run, or halted and unloaded);
 every recorded program not adopted is loaded again on its slot and GPU, with its restart policy,
-then every program the config file declares and the state lacks; a program that no longer loads
-is reported and skipped, never blocking the others.  A record wins over a
+then every program the config file declares and the state lacks (or holds a record of that could
+not be brought back); a program that no longer loads is reported and skipped, never blocking the others.  A record wins over a
 declared program of the same name: it is the latest an operator did (an upgrade through the API,
 say), the declaration only says that the program is wanted.
 """
@@ -138,15 +138,21 @@ async def restore(programs: Programs, store: Store, declared: Sequence[DeclaredP
             log.error(f"restore: program {rec.name} (slot {rec.slot}, GPU {rec.device}) not restored: {e}",
                       program=rec.name)
     for d in declared:
-        if d.name in programs.by_name or d.name in out.skipped:
+        if d.name in programs.by_name:
             continue
+        # A record that could not be brought back (its PTX damaged, say) leaves the declaration: the
+        # program is still wanted, and its own files may load where the record's copy did not.
+        unused = out.skipped.pop(d.name, None)
         try:
             b = await anyio.to_thread.run_sync(body, d)  # its files read, CUDA C compiled: ClientError
             expect = None if d.hash is None else int(d.hash, 16)
             await programs.load(b["manifest"], b["ptx"].encode(), expect, d.nodes or 1, d.device, d.restart)
             out.declared.append(d.name)
+            if unused is not None:
+                log.warning(f"restore: program {d.name} loaded from its declaration (config line {d.line}), not from its"
+                            f" record: {unused}", program=d.name)
         except (MeshError, ClientError) as e:
-            out.skipped[d.name] = str(e)
+            out.skipped[d.name] = str(e) if unused is None else f"{unused}; from its declaration: {e}"
             log.error(f"restore: declared program {d.name} (config line {d.line}) not loaded: {e}", program=d.name)
     log.info(f"restore: {len(out.adopted)} adopted, {len(out.restored)} recorded and {len(out.declared)} declared"
              f" programs loaded, {len(out.halted)} halted, {len(out.skipped)} skipped", adopted=out.adopted,
