@@ -29,6 +29,8 @@ RING, PAYLOAD = abi.RING, abi.ENTRY_PAYLOAD  # module globals: the hot path's lo
 #: the H200's round trip for 188 B.  A program that answers later than this is not waited for at
 #: the bus's speed, and costs the loop at most this per request.
 SPIN = 20e-6
+#: Turns of a spin between two reads of the clock.
+TURNS = 128
 
 
 def _answered(resp_head: int, seq: int) -> bool:
@@ -55,6 +57,11 @@ class Ring:
         self._resp = tuple(base + abi.RESP_BASE + i * abi.ENTRY_BYTES for i in range(abi.RING))
         self._unread: deque[int] = deque()  # posted, their responses not read (nor forgotten), in order
         self._read: set[int] = set()  # of those, read out of order
+
+    @property
+    def in_flight(self) -> int:
+        """Requests posted whose responses are not read (nor forgotten) yet."""
+        return len(self._unread)
 
     def room(self) -> int:
         """How many more requests may be posted now."""
@@ -105,14 +112,23 @@ class Ring:
 
     def spin(self, seq: int, budget: float = SPIN) -> bytes | None:
         """The response to ``seq``, busy-waited for at most ``budget`` seconds; None after that.
-        ``_answered`` written out in the loop: each turn of it is time the response waits."""
+        Each turn of the wait is time the response waits once it is there, so a turn is one read
+        and one compare (RESP_HEAD against its last value): ``_answered`` is worked out only when
+        RESP_HEAD moves, the clock read every ``TURNS`` turns (~5 us on the H200's host)."""
         w, at = self._w, self._resp_head
-        if (w[at] - seq - 1) & MASK >= 0x7FFFFFFF:
+        v = w[at]
+        if (v - seq - 1) & MASK >= 0x7FFFFFFF:
             clock = time.perf_counter
             end = clock() + budget
-            while (w[at] - seq - 1) & MASK >= 0x7FFFFFFF:
-                if clock() > end:
-                    return None
+            k = TURNS
+            while (v - seq - 1) & MASK >= 0x7FFFFFFF:
+                while w[at] == v:
+                    k -= 1
+                    if not k:
+                        if clock() > end:
+                            return None
+                        k = TURNS
+                v = w[at]
         return self._take(seq)
 
     def forget(self, seq: int) -> None:
