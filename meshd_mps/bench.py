@@ -809,8 +809,8 @@ async def throughput(progs: Programs, payload: bytes, window: int, n: int) -> fl
 
 #: Rounds of (f) and of (b)'s concurrent asks: each figure is the median of its rounds, each round's
 #: value beside its baseline from the same round.  The lent GPU host is a shared VM whose speed moves
-#: by 1.5x within a minute (docs/benchmarks.md, Issue 18): one round is a coin toss near a target.
-ROUNDS = 3
+#: by 1.5x within seconds (docs/benchmarks.md, Issue 18): one round is a coin toss near a target.
+ROUNDS = 5
 
 
 def median(xs: list[float]) -> float:
@@ -871,7 +871,7 @@ async def sec_ring(bench: Bench) -> list[Row]:
              f" memory (payload written before the doorbell, untimed); {nf - nf // 10} requests per size; the median of"
              f" {k} rounds (each figure of (f) is)")
     spin_note = f"Ring.post, then a host spin on RESP_HEAD (Ring.spin), in a plain loop as the floor's host; {n} requests"
-    call_note = (f"Programs.call on echo, {n} calls: alone on the ring: a spin of at most {SPIN * 1e6:.0f} us,"
+    call_note = (f"Programs.call on echo, {n} calls: a yield, then a spin of at most {SPIN * 1e6:.0f} us,"
                  f" then back-off")
     rows = [
         Row("f", "ring floor: doorbell alone, p50", "us", us[0][0], us[-1][0], "the host loop alone", note=fnote),

@@ -12,6 +12,12 @@ spins on the response word, as the bench's floor row does.  p50 / p99 in us, 0 B
   helpers      mesh_program.h's mesh_ring_wait / load / store / post, as echo uses them
                (CONTROL, GAP_RESET and REQ_HEAD in one poll; a beat every 100 us)
   helpers-nobeat  the same, never beating (the beat's share of the tail)
+  helpers-fences  the helpers with MESH_RING_FENCES: fences instead of the acquire poll and the
+               release of RESP_HEAD (what the header did before 2026-12-04)
+  mailbox      helpers on meshd-mps's own mailbox (a memfd, cuMemHostRegister'ed as a worker does)
+               instead of cuMemHostAlloc's memory: the memory's share
+  mailbox-Ring the same, the host's side meshd-mps's Ring.post and Ring.spin (the host spin path of
+               the bench's row f, less MPS): the host Python's share
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from meshd_mps.gpu.compiler import cuda_to_ptx  # noqa: E402
+from meshd_mps.protocol.mailbox import Mailbox  # noqa: E402
+from meshd_mps.protocol.ring import Ring  # noqa: E402
 
 BARE = r"""
 #define POLL(p) (*(p))
@@ -89,6 +97,9 @@ VARIANTS = {
     "acq-rel": (BARE, "#define ACQ 1\n#define TAIL 0\n", 0),
     "helpers": (HELPERS, "", 100_000),
     "helpers-nobeat": (HELPERS, "", 1 << 62),
+    "helpers-fences": (HELPERS, "#define MESH_RING_FENCES 1\n", 100_000),
+    "mailbox": (HELPERS, "", 100_000),
+    "mailbox-Ring": (HELPERS, "", 100_000),
 }
 
 
@@ -112,8 +123,12 @@ def main() -> None:
     cc = f"compute_{ck(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))}" \
          f"{ck(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))}"
     host = ck(cu.cuMemHostAlloc(4096, cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE))
-    dptr = ctypes.c_uint64(int(ck(cu.cuMemHostGetDevicePointer(host, 0))))
-    w = (ctypes.c_uint32 * 1024).from_address(int(host))
+    alloc = ctypes.c_uint64(int(ck(cu.cuMemHostGetDevicePointer(host, 0))))
+    mb = Mailbox.create()
+    anchor = (ctypes.c_char * mb.size).from_buffer(mb.mm)
+    ck(cu.cuMemHostRegister(ctypes.addressof(anchor), mb.size,
+                            cu.CU_MEMHOSTREGISTER_DEVICEMAP | cu.CU_MEMHOSTREGISTER_PORTABLE))
+    registered = ctypes.c_uint64(int(ck(cu.cuMemHostGetDevicePointer(ctypes.addressof(anchor), 0))))
     stream = ck(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
     pc = time.perf_counter_ns
     print(f"{'variant':16} {'0 B p50':>8} {'p99':>6} {'64 B p50':>9} {'p99':>6}  (us, {n} requests each)")
@@ -121,15 +136,29 @@ def main() -> None:
         ptx = cuda_to_ptx((defs + src).encode(), name.replace("-", "_"), arch=cc)
         fn = ck(cu.cuModuleGetFunction(ck(cu.cuModuleLoadData(ptx + b"\0")), b"v"))
         row = []
+        on_mailbox = name.startswith("mailbox")
+        at = ctypes.addressof(anchor) if on_mailbox else int(host)
+        dptr = registered if on_mailbox else alloc
+        w = (ctypes.c_uint32 * 1024).from_address(at)
         for size in (0, 64):
             words = (size + 3) // 4
-            ctypes.memset(int(host), 0, 4096)
+            ctypes.memset(at, 0, 4096)
             a, b = ctypes.c_uint32(words), ctypes.c_uint64(every)
             params = (ctypes.c_void_p * 3)(ctypes.addressof(dptr), ctypes.addressof(a), ctypes.addressof(b))
             ck(cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(params), 0))
             lat = []
             ring = src is HELPERS  # request seq i - 1 sits in entry (i - 1) % 8; the bare kernels use entry 0
-            for i in range(1, n + 1):
+            if name == "mailbox-Ring":  # the whole request through Ring: its payload written inside the timing
+                r = Ring(mb, 0)
+                wants = [bytes((i + k) & 0xFF for k in range(size)) for i in range(17)]  # a stale entry shows
+                for i in range(n):
+                    want = wants[i % 17]
+                    t0 = pc()
+                    got = r.spin(r.post(want), 5.0)
+                    lat.append(pc() - t0)
+                    if got != want:
+                        raise SystemExit(f"{name}: response {i} is not its request")
+            for i in range(1, n + 1 if name != "mailbox-Ring" else 0):
                 e = 32 + ((i - 1) % 8) * 48 if ring else 32
                 w[e] = size
                 for k in range(words):
@@ -145,7 +174,7 @@ def main() -> None:
                 w[16] = 0xFFFFFFFF
             ck(cu.cuStreamSynchronize(stream))
             out = 416 + ((n - 1) % 8) * 48 if ring else 416
-            ok = all(w[out + 1 + k] == n + k for k in range(words))
+            ok = name == "mailbox-Ring" or all(w[out + 1 + k] == n + k for k in range(words))
             lat = sorted(lat[n // 10 :])
             row += [lat[len(lat) // 2] / 1e3, lat[int(len(lat) * 0.99)] / 1e3]
             if not ok:

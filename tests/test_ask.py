@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from meshd_mps.deadlines import Deadlines
@@ -51,6 +52,13 @@ def worker(d: Deadlines = Deadlines()) -> tuple[WorkerProc, FrameReader, Kept]:
     return w, reader, kept
 
 
+async def until_sent(kept: Kept, n: int) -> None:
+    """The asks' tasks have run up to their frames' writes (each is written at once, unanswered)."""
+    with anyio.fail_after(5):
+        while len(kept.sent) < n:
+            await anyio.lowlevel.checkpoint()
+
+
 def launched(n: int) -> bytes:
     return frames.encode(Op.LAUNCHED, frames.ok_reply(frames.U32.pack(n)))
 
@@ -65,9 +73,7 @@ async def test_asks_at_once_are_all_sent_and_answered_in_order():
     async with anyio.create_task_group() as tg:
         for i in range(3):
             tg.start_soon(ask, i)
-        with anyio.fail_after(5):
-            while len(kept.sent) < 3:  # every frame written before any reply: no ask waits for another
-                await anyio.sleep(0)
+        await until_sent(kept, 3)  # every frame written before any reply: no ask waits for another
         assert w.asking and [op for op, _ in kept.sent] == [Op.LAUNCH] * 3
         reader.data_received(launched(10) + launched(11))
         reader.data_received(launched(12))
@@ -87,9 +93,7 @@ async def test_a_cancelled_asks_reply_is_dropped_and_the_worker_stays_fit():
             box.append(await w.ask(Op.LAUNCH, LAUNCH))
 
         tg.start_soon(ask)
-        with anyio.fail_after(5):
-            while len(kept.sent) < 2:
-                await anyio.sleep(0)
+        await until_sent(kept, 2)
         reader.data_received(launched(1))  # the cancelled one's: dropped
         reader.data_received(launched(2))
     assert box == [frames.U32.pack(2)] and w.unfit is None and not w.asking
@@ -100,9 +104,7 @@ async def test_a_queued_asks_deadline_runs_from_the_reply_before_it():
     async with anyio.create_task_group() as tg:
         for _ in range(2):
             tg.start_soon(w.ask, Op.LAUNCH, LAUNCH)
-        with anyio.fail_after(5):
-            while len(kept.sent) < 2:
-                await anyio.sleep(0)
+        await until_sent(kept, 2)
         first = w._deadline
         before = time.monotonic()
         reader.data_received(launched(1))
@@ -126,6 +128,6 @@ async def test_no_reply_in_time_makes_the_worker_unfit_even_if_its_caller_gave_u
 
 
 async def test_a_reply_nobody_asked_for_ends_the_reading():
-    w, reader, _ = worker()
+    _, reader, _ = worker()
     reader.data_received(launched(1))
     assert reader.ended.is_set() and "unsolicited reply LAUNCHED" in str(reader.why)

@@ -180,6 +180,35 @@ static __device__ __forceinline__ void mesh_post(mesh_slot_t s, unsigned int seq
 #define MESH_ENTRY_WORDS (MESH_ENTRY_BYTES / 4u) /* 48: an entry's length word and 47 payload words */
 #define MESH_WARP 0xffffffffu
 
+/* The ring's ordering.  From sm_70 on, the poll is an acquire load and RESP_HEAD a release
+ * store: the entries are read after the head that published them, and written before the head
+ * that publishes them, with no fence (a system-scope fence waits for every write in flight over
+ * the bus).  MESH_RING_FENCES, or an older GPU, uses __threadfence_system() for both instead
+ * (scripts/ring_variants.py measures the two). */
+#if defined(MESH_RING_FENCES) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 700)
+#define MESH_RING_ACQREL 0
+#else
+#define MESH_RING_ACQREL 1
+#endif
+
+static __device__ __forceinline__ unsigned int mesh_load_acquire(const volatile unsigned int *p) {
+#if MESH_RING_ACQREL
+    unsigned int v;
+    asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+#else
+    return *p;
+#endif
+}
+
+static __device__ __forceinline__ void mesh_store_release(volatile unsigned int *p, unsigned int v) {
+#if MESH_RING_ACQREL
+    asm volatile("st.release.sys.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+#else
+    *p = v;
+#endif
+}
+
 typedef struct {
     mesh_slot_t s;
     unsigned int next;        /* the next request to serve: RESP_HEAD, which only the program writes */
@@ -218,7 +247,7 @@ static __device__ __forceinline__ unsigned int mesh_ring_wait(mesh_ring_t *r) {
     const unsigned int lane = threadIdx.x & 31u;
     const unsigned int off = lane == 1u ? MESH_CONTROL : lane == 2u ? MESH_GAP_RESET : MESH_REQ_HEAD;
     for (;;) {
-        const unsigned int v = *mesh_u32(r->s, off);
+        const unsigned int v = mesh_load_acquire(mesh_u32(r->s, off));
         const unsigned int head = __shfl_sync(MESH_WARP, v, 0);
         const unsigned int control = __shfl_sync(MESH_WARP, v, 1);
         const unsigned int reset = __shfl_sync(MESH_WARP, v, 2);
@@ -231,8 +260,10 @@ static __device__ __forceinline__ unsigned int mesh_ring_wait(mesh_ring_t *r) {
             r->due = t + r->every;
         }
         if (head != r->next) {
+#if !MESH_RING_ACQREL
             __threadfence_system(); /* the entries are read after the head that published them */
-            __syncwarp();
+#endif
+            __syncwarp(); /* every lane's entry loads after lane 0's acquire of the head */
             const unsigned int n = head - r->next;
             return n < MESH_RING ? n : MESH_RING;
         }
@@ -273,14 +304,17 @@ static __device__ __forceinline__ void mesh_ring_store(const mesh_ring_t *r, uns
         e[lane + 32u] = w.hi;
 }
 
-/* Warp-wide: responses r->next .. r->next + n - 1 published.  One fence orders
- * every lane's entry words before RESP_HEAD; nothing after the head needs one. */
+/* Warp-wide: responses r->next .. r->next + n - 1 published.  Every lane's entry
+ * words are ordered before RESP_HEAD by the warp barrier and lane 0's release
+ * store (or one fence, MESH_RING_FENCES); nothing after the head needs ordering. */
 static __device__ __forceinline__ void mesh_ring_post(mesh_ring_t *r, unsigned int n) {
+#if !MESH_RING_ACQREL
     __threadfence_system();
+#endif
     __syncwarp();
     r->next += n;
     if ((threadIdx.x & 31u) == 0)
-        *mesh_u32(r->s, MESH_RESP_HEAD) = r->next;
+        mesh_store_release(mesh_u32(r->s, MESH_RESP_HEAD), r->next);
 }
 
 #endif /* MESH_PROGRAM_H */

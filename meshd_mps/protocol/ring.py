@@ -29,8 +29,6 @@ RING, PAYLOAD = abi.RING, abi.ENTRY_PAYLOAD  # module globals: the hot path's lo
 #: the H200's round trip for 188 B.  A program that answers later than this is not waited for at
 #: the bus's speed, and costs the loop at most this per request.
 SPIN = 20e-6
-#: Turns of a spin between two reads of the clock.
-TURNS = 128
 
 
 def _answered(resp_head: int, seq: int) -> bool:
@@ -57,11 +55,6 @@ class Ring:
         self._resp = tuple(base + abi.RESP_BASE + i * abi.ENTRY_BYTES for i in range(abi.RING))
         self._unread: deque[int] = deque()  # posted, their responses not read (nor forgotten), in order
         self._read: set[int] = set()  # of those, read out of order
-
-    @property
-    def in_flight(self) -> int:
-        """Requests posted whose responses are not read (nor forgotten) yet."""
-        return len(self._unread)
 
     def room(self) -> int:
         """How many more requests may be posted now."""
@@ -112,23 +105,16 @@ class Ring:
 
     def spin(self, seq: int, budget: float = SPIN) -> bytes | None:
         """The response to ``seq``, busy-waited for at most ``budget`` seconds; None after that.
-        Each turn of the wait is time the response waits once it is there, so a turn is one read
-        and one compare (RESP_HEAD against its last value): ``_answered`` is worked out only when
-        RESP_HEAD moves, the clock read every ``TURNS`` turns (~5 us on the H200's host)."""
+        ``_answered`` written out in the loop, with the clock read each turn: a tighter poll of
+        RESP_HEAD (the clock every 128 turns) measured no faster on the H200, where the host's reads
+        share RESP_HEAD's cache line with the GPU's polls of REQ_HEAD (docs/benchmarks.md, Issue 18)."""
         w, at = self._w, self._resp_head
-        v = w[at]
-        if (v - seq - 1) & MASK >= 0x7FFFFFFF:
+        if (w[at] - seq - 1) & MASK >= 0x7FFFFFFF:
             clock = time.perf_counter
             end = clock() + budget
-            k = TURNS
-            while (v - seq - 1) & MASK >= 0x7FFFFFFF:
-                while w[at] == v:
-                    k -= 1
-                    if not k:
-                        if clock() > end:
-                            return None
-                        k = TURNS
-                v = w[at]
+            while (w[at] - seq - 1) & MASK >= 0x7FFFFFFF:
+                if clock() > end:
+                    return None
         return self._take(seq)
 
     def forget(self, seq: int) -> None:
