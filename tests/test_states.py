@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
 from types import SimpleNamespace
 from typing import Any
 
@@ -10,7 +13,9 @@ import pytest
 
 from meshd_mps.errors import StateError
 from meshd_mps.programs import PROGRAM_MOVES, Program, ProgramState
+from meshd_mps.supervision import procfs
 from meshd_mps.supervision.proc import MOVES, WorkerProc, WorkerState
+from meshd_mps.supervision.supervisor import _kill
 
 
 def worker() -> WorkerProc:
@@ -109,3 +114,30 @@ async def test_a_worker_retired_after_an_outside_kill_died_on_its_own():
     ours.killed = True  # the retire's own SIGKILL, after QUIT was not answered
     ours.process.returncode = -9
     assert not ours.died_on_its_own()
+
+
+def test_a_process_in_its_exit_is_ending():
+    # H200, 2026-12-04 (test_faults_real.py, while-running): echo's worker, SIGKILLed from outside,
+    # stayed ~0.2 s in its exit while the driver tore its context down (its stdout still open, not
+    # yet a zombie); the fault's teardown killed it again meanwhile.  That kill is not ours.
+    head, rest = "4242 (python3 (x)) ", " 1 4242 4242 0 -1 {flags} 99 0 0 0 0 0 0 0 20 0 1 0 667001 3133440 362"
+    assert not procfs.exiting(head + "R" + rest.format(flags=0x400000))
+    assert procfs.exiting(head + "R" + rest.format(flags=0x400000 | procfs.PF_EXITING))
+    assert procfs.exiting(head + "Z" + rest.format(flags=0x400000))
+
+
+def test_our_kill_of_a_worker_killed_from_outside_is_not_ours():
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        w = worker()
+        w.process = SimpleNamespace(pid=p.pid, exited=False, returncode=None, kill=lambda: None)
+        w.pid = p.pid
+        assert not procfs.ending(p.pid)
+        os.kill(p.pid, signal.SIGKILL)  # from outside: a zombie until reaped
+        os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # its exit, the zombie left in place
+        assert procfs.ending(p.pid)
+        _kill(w)
+        assert not w.killed and w.state == WorkerState.RETIRING
+    finally:
+        p.kill()
+        p.wait()

@@ -71,3 +71,24 @@ def running(pid: int) -> bool:
     except OSError:
         return False
     return s[s.rindex(")") + 2 :].split()[0] not in ("Z", "X")
+
+
+#: The kernel's task flag for a process that has begun to exit (include/linux/sched.h).
+PF_EXITING = 0x4
+
+
+def exiting(stat: str) -> bool:
+    """A /proc/PID/stat line's process has begun to exit or has exited: a zombie, or a task
+    with PF_EXITING (a fatal signal taken: a SIGKILLed CUDA client stays so for ~0.2 s on the
+    H200 while the driver tears its context down, its pipes still open)."""
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
+
+
+def ending(pid: int) -> bool:
+    """``pid`` is gone, or ``exiting``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return exiting(f.read().decode(errors="replace"))
+    except OSError:
+        return True

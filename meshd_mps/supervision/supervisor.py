@@ -500,11 +500,12 @@ def _listen_dir(dir: str) -> tuple[str, int, str]:
 
 
 def _kill(w: WorkerProc) -> None:
-    """Our SIGKILL.  One that finds the process exited already (a zombie not yet reaped: killed from
-    outside, say) is not ours: ``killed`` stays False, which is the fault evidence (faults.py)."""
+    """Our SIGKILL.  One that finds the process exiting or exited already (killed from outside, say:
+    a zombie not yet reaped, or a CUDA client still in its exit) is not ours: ``killed`` stays False,
+    which is the fault evidence (faults.py)."""
     if not w.process.exited:
         w.retiring()
-        w.killed = procfs.running(w.pid)
+        w.killed = not procfs.ending(w.pid)
         w.process.kill()
 
 
