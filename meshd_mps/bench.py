@@ -762,10 +762,11 @@ run(w, start, lambda pid: os.waitpid(pid, 0))
 SWEEP = (4, 64, 128, 188)
 
 
-async def ring_floor(bench: Bench, b: Backend, n: int) -> dict[int, list[float]]:
+async def ring_floor(bench: Bench, b: Backend, n: int, env: dict[str, str] | None = None) -> dict[int, list[float]]:
     """The floor's round trips (seconds), by payload size, from a child process with a plain
-    context of its own: run before any kernel of ``b`` is resident (two contexts' kernels would
-    time-slice)."""
+    context of its own (``env``: another environment, b.native_env()'s for a client of b's MPS
+    server, scripts/issue18_probes.py): run before any kernel of ``b`` is resident (two contexts'
+    kernels would time-slice)."""
     d = tempfile.mkdtemp(prefix="floor-", dir=bench.base)
     try:
         argv = [sys.executable, "-c", FLOOR_SIM if bench.gpu == "sim" else FLOOR_CUDA, os.path.join(d, "floor.ptx"),
@@ -774,7 +775,8 @@ async def ring_floor(bench: Bench, b: Backend, n: int) -> dict[int, list[float]]
             assert b.info is not None
             arch = b.info.compute
             await anyio.to_thread.run_sync(lambda: Path(argv[3]).write_bytes(cuda_to_ptx(FLOOR_CU, "floor", arch=arch)))
-        r = await anyio.to_thread.run_sync(lambda: subprocess.run(argv, capture_output=True, text=True, timeout=120))
+        r = await anyio.to_thread.run_sync(lambda: subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                                                                  env=env))
         if r.returncode != 0:
             raise RuntimeError(f"the floor's child exited {r.returncode}: {r.stderr.strip()[-300:]}")
         return {int(k): [x / 1e9 for x in v] for k, v in json.loads(r.stdout).items()}

@@ -1,0 +1,206 @@
+"""The one-off measurements behind docs/benchmarks.md, "Issue 18, 2026-12-04 17:13-17:47", kept so
+that they can be run again (on the GPU machine: python3 scripts/issue18_probes.py WHICH).
+
+  ask       32 workers asking at once (bench row b's phase), 5 rounds under each scheduling of
+            the workers and the loop: as they are, workers SCHED_BATCH, the loop at nice -10, both
+            (root); p50/p90/p99 and the loop's user and sys CPU per ask
+  ring-ab   the ring's host side, variants swapped in on one echo and interleaved over 3 rounds:
+            the spin as it is (the clock read each turn) or reading the clock every 128 turns,
+            a pause of 1-3 us before the first poll, Programs.call yielding first (as it does) or
+            spinning at once; Programs.call and the host spin p50/p99, call_many 1 and 8 outstanding
+  mps-floor the bench's floor as a plain context and as a native client of our MPS server, then
+            echo's host spin, 3 rounds
+
+--gpu sim runs each on the simulated GPU and the stand-in MPS daemon (the figures mean nothing
+there; it checks that the script runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import resource
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from meshd_mps import bench as B
+from meshd_mps.isolation.base import Module
+from meshd_mps.programs import Programs
+from meshd_mps.protocol import ring as R
+from meshd_mps.protocol.ring import Ring
+
+
+def us(xs: list[float], q: float) -> float:
+    return B.pct(xs, q) * 1e6
+
+
+# ---- ask -------------------------------------------------------------------------------------
+async def asking(ws: list[Module], each: int, tag: str) -> None:
+    many: list[float] = []
+
+    async def asker(i: int) -> None:
+        many.extend(await B.timed(each, lambda: B.launch_sync(ws[i], 100 + i, ask_only=True)))
+
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    async with anyio.create_task_group() as tg:
+        for i in range(len(ws)):
+            tg.start_soon(asker, i)
+    r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    n, user, sys_ = len(many), r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime
+    print(f"{tag:10} p50 {us(many, .5):5.0f} p90 {us(many, .9):5.0f} p99 {us(many, .99):5.0f} us; per ask user"
+          f" {user / n * 1e6:4.1f} sys {sys_ / n * 1e6:4.1f} us; {(user + sys_) / (t1 - t0) * 100:3.0f} % of a core", flush=True)
+
+
+def schedule(ws: list[Module], batch: bool, nice: bool) -> None:
+    policy = os.SCHED_BATCH if batch else os.SCHED_OTHER
+    for w in ws:
+        for t in os.listdir(f"/proc/{w.proc.pid}/task"):
+            with contextlib.suppress(OSError):  # a thread gone meanwhile
+                os.sched_setscheduler(int(t), policy, os.sched_param(0))
+    os.setpriority(os.PRIO_PROCESS, 0, -10 if nice else 0)
+
+
+async def ask(bench: B.Bench) -> None:
+    nw = bench.n(32, 8)
+    async with await bench.backend("mps", pool=nw + 1) as b:
+        ws = [await B.returning_worker(bench, b, 100 + i) for i in range(nw)]
+        for _ in range(2):
+            for tag, batch, nice in (("as-is", False, False), ("batch", True, False), ("nice", False, True),
+                                     ("both", True, True)):
+                schedule(ws, batch, nice)
+                await asking(ws, bench.n(200, 20), tag)
+        schedule(ws, False, False)
+
+
+# ---- ring-ab -----------------------------------------------------------------------------------
+Spin = Callable[[Ring, int, float], "bytes | None"]
+
+
+def spin_turns(self: Ring, seq: int, budget: float = R.SPIN) -> bytes | None:
+    """The spin with the clock read every 128 turns, RESP_HEAD compared with its last value."""
+    w, at = self._w, self._resp_head
+    v = w[at]
+    if (v - seq - 1) & R.MASK >= 0x7FFFFFFF:
+        clock = time.perf_counter
+        end, k = clock() + budget, 128
+        while (v - seq - 1) & R.MASK >= 0x7FFFFFFF:
+            while w[at] == v:
+                k -= 1
+                if not k:
+                    if clock() > end:
+                        return None
+                    k = 128
+            v = w[at]
+    return self._take(seq)
+
+
+def paused(pause: float) -> Spin:
+    def spin(self: Ring, seq: int, budget: float = R.SPIN) -> bytes | None:
+        end = time.perf_counter() + pause
+        while time.perf_counter() < end:
+            pass
+        return AS_IS(self, seq, budget)
+    return spin
+
+
+async def call_at_once(self: Programs, name: str, payload: bytes, within: float | None = None) -> bytes:
+    within = self.d.call if within is None else within
+    p, ring = self._ring(name)
+    seq = ring.post(payload)
+    try:
+        return await self._answer(p, ring, seq, within, time.monotonic() + within)
+    except BaseException:
+        ring.forget(seq)
+        raise
+
+
+AS_IS: Spin = Ring.spin
+CALL: Callable[..., Awaitable[bytes]] = Programs.call
+VARIANTS: dict[str, tuple[Spin, Callable[..., Awaitable[bytes]]]] = {
+    "as-is": (AS_IS, CALL), "spin 128 turns": (spin_turns, CALL), "call spins at once": (AS_IS, call_at_once),
+    "pause 1 us": (paused(1e-6), CALL), "pause 2 us": (paused(2e-6), CALL), "pause 3 us": (paused(3e-6), CALL),
+}
+
+
+async def ring_ab(bench: B.Bench) -> None:
+    n, nt = bench.n(2000, 100), bench.n(20000, 400)
+    async with await bench.backend("mps", pool=2) as b:
+        fl = await B.ring_floor(bench, b, bench.n(10000, 500))
+        print(f"floor 64 B p50 {us(fl[64], .5):.2f} p99 {us(fl[64], .99):.2f} us", flush=True)
+        progs = Programs(b)
+        try:
+            p = await progs.load(*await bench.src(b, "echo"))
+            await B.until(lambda: b.mailbox.heartbeat(p.slot) > 0, 10, "echo's first beat")
+            ring = p.ring = p.ring or Ring(b.mailbox, p.slot)
+            payload = bytes(range(64))
+
+            async def call() -> None:
+                if await progs.call("echo", payload) != payload:
+                    raise RuntimeError("echo answered something else")
+
+            for rnd in range(3):
+                for name, (spin, callf) in VARIANTS.items():
+                    Ring.spin, Programs.call = spin, callf  # type: ignore[assignment, method-assign]
+                    c, s = await B.timed(n, call), B.spun_round_trips(ring, payload, n)
+                    r1, r8 = await B.throughput(progs, payload, 1, nt), await B.throughput(progs, payload, 8, nt)
+                    print(f"{rnd} {name:20} call {us(c, .5):5.2f}/{us(c, .99):5.1f}  spin {us(s, .5):5.2f}/{us(s, .99):5.1f} us"
+                          f"  1 outstanding {r1 / 1e3:4.0f} k/s, 8 {r8 / 1e3:4.0f} k/s ({r8 / r1:.2f}x)", flush=True)
+        finally:
+            Ring.spin, Programs.call = AS_IS, CALL  # type: ignore[method-assign]
+            await progs.close()
+
+
+# ---- mps-floor -----------------------------------------------------------------------------------
+async def mps_floor(bench: B.Bench) -> None:
+    async with await bench.backend("mps", pool=2) as b:
+        for rnd in range(3):
+            plain = await B.ring_floor(bench, b, bench.n(10000, 500))
+            client = await B.ring_floor(bench, b, bench.n(10000, 500), env={**os.environ, **b.native_env()})
+            progs = Programs(b)
+            try:
+                p = await progs.load(*await bench.src(b, "echo"))
+                slot = p.slot
+                await B.until(lambda: b.mailbox.heartbeat(slot) > 0, 10, "echo's first beat")  # noqa: B023
+                ring = p.ring = p.ring or Ring(b.mailbox, p.slot)
+                s = B.spun_round_trips(ring, bytes(range(64)), bench.n(3000, 100))
+            finally:
+                await progs.close()
+
+            def f(d: dict[int, list[float]], k: int) -> str:
+                return f"{us(d[k], .5):.2f}/{us(d[k], .99):.2f}"
+
+            print(f"{rnd} floor, a plain context: 0 B {f(plain, 0)}, 64 B {f(plain, 64)} | an MPS client: 0 B"
+                  f" {f(client, 0)}, 64 B {f(client, 64)} | echo's host spin, 64 B {us(s, .5):.2f}/{us(s, .99):.2f} us",
+                  flush=True)
+
+
+PROBES: dict[str, Callable[[B.Bench], Awaitable[None]]] = {"ask": ask, "ring-ab": ring_ab, "mps-floor": mps_floor}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("which", choices=sorted(PROBES))
+    ap.add_argument("--gpu", choices=("cuda", "sim"), default="cuda")
+    a = ap.parse_args()
+    bench = B.Bench(a.gpu, a.gpu == "sim", None)
+
+    async def run() -> Any:
+        try:
+            await PROBES[a.which](bench)
+        finally:
+            bench.cleanup()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()
