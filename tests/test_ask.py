@@ -63,6 +63,22 @@ def launched(n: int) -> bytes:
     return frames.encode(Op.LAUNCHED, frames.ok_reply(frames.U32.pack(n)))
 
 
+async def the_next_ask_gets_its_own_reply(w: WorkerProc, reader: FrameReader, kept: Kept) -> None:
+    """After one ask given up (its frame written): the next ask's reply is its own, the given-up
+    one's, which comes first, dropped; the worker stays fit."""
+    box: list[bytes] = []
+
+    async def ask() -> None:
+        box.append(await w.ask(Op.LAUNCH, LAUNCH))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ask)
+        await until_sent(kept, 2)
+        reader.data_received(launched(1))  # the given-up one's
+        reader.data_received(launched(2))
+    assert box == [frames.U32.pack(2)] and w.unfit is None and not w.asking
+
+
 async def test_asks_at_once_are_all_sent_and_answered_in_order():
     w, reader, kept = worker()
     got: dict[int, bytes] = {}
@@ -86,17 +102,7 @@ async def test_a_cancelled_asks_reply_is_dropped_and_the_worker_stays_fit():
     with anyio.move_on_after(0.01):
         await w.ask(Op.LAUNCH, LAUNCH)  # never answered in time: its caller gives up
     assert len(kept.sent) == 1 and w.asking
-    async with anyio.create_task_group() as tg:
-        box: list[bytes] = []
-
-        async def ask() -> None:
-            box.append(await w.ask(Op.LAUNCH, LAUNCH))
-
-        tg.start_soon(ask)
-        await until_sent(kept, 2)
-        reader.data_received(launched(1))  # the cancelled one's: dropped
-        reader.data_received(launched(2))
-    assert box == [frames.U32.pack(2)] and w.unfit is None and not w.asking
+    await the_next_ask_gets_its_own_reply(w, reader, kept)
 
 
 async def test_a_queued_asks_deadline_runs_from_the_reply_before_it():
@@ -131,3 +137,15 @@ async def test_a_reply_nobody_asked_for_ends_the_reading():
     _, reader, _ = worker()
     reader.data_received(launched(1))
     assert reader.ended.is_set() and "unsolicited reply LAUNCHED" in str(reader.why)
+
+
+async def test_an_ask_cancelled_while_its_frame_drains_keeps_its_place():
+    w, reader, kept = worker()
+    kept.get_write_buffer_size = lambda: 1  # type: ignore[method-assign]  # a full pipe: the ask waits to drain
+    reader.pause_writing()
+    with anyio.move_on_after(0.01):
+        await w.ask(Op.LAUNCH, LAUNCH)  # written, then given up while it drains
+    assert len(kept.sent) == 1 and w.asking
+    reader.resume_writing()
+    kept.get_write_buffer_size = lambda: 0  # type: ignore[method-assign]
+    await the_next_ask_gets_its_own_reply(w, reader, kept)

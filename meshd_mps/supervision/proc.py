@@ -4,7 +4,7 @@ Its frames come in through a :class:`~meshd_mps.supervision.wire.FrameReader` on
 (or, for a worker in listen mode, its socket), which hands each to ``_frame`` in the loop's read
 callback; they go out through its stdin's ``StreamWriter`` (or the socket's ``SocketWriter``).
 A task of the :class:`~meshd_mps.supervision.supervisor.Supervisor` (``read_frames``) awaits
-only the end.  A request and its reply meet in a future, one ask at a time; DONE frames arrive
+only the end.  A request and its reply meet in a future; DONE frames arrive
 on their own and resolve the launch's completion future.  A worker answers its
 requests one at a time, in the order it reads them, so asks are matched to
 replies in order (``_asked``): an ask waits for no other, and its deadline runs
@@ -314,12 +314,16 @@ class WorkerProc:
         if len(asked) == 1:
             self._watch_until(time.monotonic() + within)
         try:
-            if self._write(frames.encode(op, body)):
-                await self._drain()
+            drain = self._write(frames.encode(op, body))
         except BaseException:
-            if asked and asked[-1][0] is fut:  # not written: no reply will come for it
-                asked.pop()
+            asked.pop()  # ours (nothing ran since the append), and not written: no reply will come
             raise
+        if drain:
+            try:
+                await self._drain()
+            except BaseException:
+                fut.cancel()  # written: its reply, if one comes, keeps its place and is dropped
+                raise
         try:
             got, reply = await fut
         except _NoReply as e:
