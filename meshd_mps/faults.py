@@ -107,7 +107,11 @@ def name_culprit(hit: Sequence[Suspect], first: Suspect, fatal_pids: Sequence[in
 
 def fault_text(culprit: Suspect, first: Suspect) -> str:
     """The fault in words: a dead worker's own account, else the CUDA error a stream reported
-    (the culprit's, else the first failure's), else whatever was said."""
+    (the culprit's, else the first failure's), else whatever was said.  A worker that died with
+    no account of its own (its end came after the recovery took its program over) is said to
+    have died: another program's CUDA error is the fault's effect on that one, not the cause."""
     if culprit.died and culprit.error:
         return culprit.error
+    if culprit.died and not culprit.kernel_error:
+        return f"worker {culprit.pid} exited while its kernel ran"
     return culprit.kernel_error or first.kernel_error or culprit.error or first.error or "fatal GPU error"

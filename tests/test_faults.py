@@ -13,8 +13,10 @@ from meshd_mps.backend import Backend
 from meshd_mps.errors import WorkerError
 from meshd_mps.programs import RECOVERY_STEPS, Programs, ProgramState
 from meshd_mps.protocol import abi
+from workers.sim_gpu import EXIT_LINGER_ENV
 
 from .conftest import TEST_DEADLINES
+from .procs import children
 from .test_backend import beats, example
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_leaks")]
@@ -142,13 +144,18 @@ async def into(out: list, coro) -> None:
     out.append(await coro)
 
 
-async def test_a_worker_killed_with_its_kernel_running_is_a_gpu_fault(standin_on_path):
+@pytest.mark.parametrize("linger", [0.0, 0.3])
+async def test_a_worker_killed_with_its_kernel_running_is_a_gpu_fault(standin_on_path, monkeypatch, linger):
     """A SIGKILL from outside while a program's kernel runs: on the H200 that faults every other
     client of the GPU (the server names one of *them*), and the stand-in does the same.  The
     recovery takes the killed program for the culprit (its worker exited on its own; the torn-down
     ones live on until retired), reports its death as the fault, and relaunches the others on fresh
     workers with a refilled pool; the killed one comes back too, after its backoff (restart policy
-    on-failure: nothing was wrong with it), and unloads."""
+    on-failure: nothing was wrong with it), and unloads.  ``linger``: the killed worker's EOF comes
+    that long after its death, as on the H200 (2026-12-04 17:39 and 17:55 UTC), so the recovery
+    takes its program over before its worker is seen gone."""
+    monkeypatch.setenv(EXIT_LINGER_ENV, str(linger))
+    before = children()
     async with await Backend.open(isolation="mps", gpu="sim", pool=2, deadlines=TEST_DEADLINES) as b:
         progs = Programs(b)
         hb = await progs.load(*example("heartbeat"))
@@ -174,3 +181,7 @@ async def test_a_worker_killed_with_its_kernel_running_is_a_gpu_fault(standin_on
         await progs.unload("echo")
         await wait_for(lambda: not os.path.exists(f"/proc/{pid}") and not os.path.exists(f"/proc/{hb_pid}"))
         await progs.close()
+    # Each simulated worker's lingering child outlives it by ``linger``, re-parented to us (a subreaper).
+    with anyio.fail_after(10):
+        for pid in children() - before:
+            await anyio.to_thread.run_sync(os.waitpid, pid, 0)

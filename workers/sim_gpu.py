@@ -41,6 +41,11 @@ it, and one that does not fit beside the running ones waits until it does
 (the GPU does not preempt).  A kernel that waits has not started: it neither
 runs nor writes STATE.
 
+A SIGKILLed CUDA client on the H200 stays in its exit for ~0.2 s while the driver tears its
+context down, its pipes still open: the server faults the other clients at once, the supervisor
+reads the client's EOF later.  ``$MESHD_MPS_SIM_EXIT_LINGER`` (seconds; tests set it) makes the
+simulated client do the same: a child of it holds its stdout open that long after it dies.
+
 Several GPUs: ``--device N`` of ``$MESHD_MPS_SIM_GPUS`` (default 1; another
 ordinal is refused as cuDeviceGet refuses it); the worker tells the stand-in
 daemon its device (``HELLO <pid> <device>``), which counts clients and tears
@@ -77,6 +82,7 @@ MAGIC = b"MESHSIM1"
 SIM_SMS = 132
 FAKE_DEV = 0x7F00_0000_0000  # a recognisable "device address" of the mailbox
 STARTUP_ENV = "MESHD_MPS_SIM_STARTUP"
+EXIT_LINGER_ENV = "MESHD_MPS_SIM_EXIT_LINGER"
 #: What the H200's driver said to an idle client's call once its control daemon was killed.
 RPC_FAILURE = (
     "CUDA_ERROR_MPS_RPC_FAILURE (the remote procedural call between the MPS server and the MPS client failed;"
@@ -259,6 +265,24 @@ def _check_registrable(mailbox: Mailbox) -> None:
                        " refuses a regular file's pages)")
 
 
+def _linger_at_exit(seconds: float) -> None:
+    """A child that holds this process's stdout, and nothing else, open until ``seconds`` after
+    this process has died (``EXIT_LINGER_ENV``); the fork's only thread sleeps, then exits."""
+    parent = os.getpid()
+    if os.fork() != 0:
+        return
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 2)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the server's socket too: it sees the death at once
+        while os.getppid() == parent:
+            time.sleep(0.005)
+        time.sleep(seconds)
+    finally:
+        os._exit(0)
+
+
 class SimGpu:
     def __init__(self, mailbox: Mailbox, sms: int, device: int = 0):
         from meshd_mps.gpu.device import simulated_count
@@ -297,6 +321,8 @@ class SimGpu:
         self._connect()
         if self._client is not None:
             threading.Thread(target=self._listen, args=(self._client,), name="sim mps client", daemon=True).start()
+        if linger := float(os.environ.get(EXIT_LINGER_ENV) or 0):
+            _linger_at_exit(linger)
 
     def _connect(self) -> None:
         from meshd_mps.mps.standin import StandinRefused, connect_client
