@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import enum
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -506,6 +505,8 @@ class Programs:
     #: After the spin (ring.SPIN), a wait yields to the loop for this long, then sleeps BACKOFF.
     YIELDS = 200e-6
     BACKOFF = 1e-3
+    #: The most requests ``call_many`` publishes with one REQ_HEAD.
+    POST_BATCH = abi.RING
 
     def _ring(self, name: str) -> tuple[Program, Ring]:
         p = self.get(name)
@@ -568,33 +569,35 @@ class Programs:
         for x in payloads:
             check_payload(x)
         p, ring = self._ring(name)
+        total = len(payloads)
         out: list[bytes] = []
-        seqs: deque[int] = deque()
         sent = 0
+        base = 0  # the first request's sequence number (request i's is base + i)
         held = time.perf_counter()
         try:
-            while len(out) < len(payloads):
-                if (k := min(window - len(seqs), ring.room(), len(payloads) - sent)) > 0:
-                    first = ring.post_many(payloads[sent : sent + k])
-                    seqs.extend((first + i) & 0xFFFFFFFF for i in range(k))
+            while len(out) < total:
+                done = len(out)
+                # Posted in batches of at most POST_BATCH, each published by its own REQ_HEAD: the
+                # program starts on the first while the next is written.
+                while (k := min(window - (sent - done), ring.room(), total - sent, self.POST_BATCH)) > 0:
+                    first = ring.post_many(payloads[sent : sent + k], checked=True)
+                    if sent == 0:
+                        base = first
                     sent += k
-                if not seqs:  # other callers hold the whole ring
+                if sent == done:  # other callers hold the whole ring
                     raise RingFull(p.slot, abi.RING)
-                got = ring.response(seqs[0])  # there already (a batch answered together): no wait to set up
-                out.append(got if got is not None else
-                           await self._answer(p, ring, seqs[0], within, time.monotonic() + within))
-                seqs.popleft()
-                # The program serves what is pending as one batch: take every later response that is
-                # there already, so that the next post refills the ring in one batch too.
-                while seqs and (got := ring.response(seqs[0])) is not None:
-                    out.append(got)
-                    seqs.popleft()
+                # The program serves what is pending as one batch: every response there already is
+                # taken at once, so that the next post refills the ring in one batch too.
+                if not ring.take((base + done) & 0xFFFFFFFF, sent - done, out):
+                    seq = (base + done) & 0xFFFFFFFF
+                    out.append(await self._answer(p, ring, seq, within, time.monotonic() + within))
+                    ring.take((seq + 1) & 0xFFFFFFFF, sent - done - 1, out)
                 if (now := time.perf_counter()) - held > SPIN:
                     await asyncio.sleep(0)
                     held = now
         except BaseException:
-            for seq in seqs:
-                ring.forget(seq)
+            for i in range(len(out), sent):
+                ring.forget((base + i) & 0xFFFFFFFF)
             raise
         return out
 

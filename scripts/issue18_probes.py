@@ -8,6 +8,8 @@ that they can be run again (on the GPU machine: python3 scripts/issue18_probes.p
             the spin as it is (the clock read each turn) or reading the clock every 128 turns,
             a pause of 1-3 us before the first poll, Programs.call yielding first (as it does) or
             spinning at once; Programs.call and the host spin p50/p99, call_many 1 and 8 outstanding
+  batches   Programs.call_many's throughput with 1 and 8 outstanding, its posts published 8, 4 or
+            2 at a time (Programs.POST_BATCH), interleaved over 3 rounds
   mps-floor the bench's floor as a plain context and as a native client of our MPS server, then
             echo's host spin, 3 rounds
 
@@ -159,6 +161,27 @@ async def ring_ab(bench: B.Bench) -> None:
             await progs.close()
 
 
+# ---- batches -------------------------------------------------------------------------------------
+async def batches(bench: B.Bench) -> None:
+    nt = bench.n(20000, 400)
+    async with await bench.backend("mps", pool=2) as b:
+        progs = Programs(b)
+        try:
+            p = await progs.load(*await bench.src(b, "echo"))
+            slot = p.slot
+            await B.until(lambda: b.mailbox.heartbeat(slot) > 0, 10, "echo's first beat")
+            payload = bytes(range(64))
+            for rnd in range(3):
+                for batch in (8, 4, 2):
+                    Programs.POST_BATCH = batch
+                    r1, r8 = await B.throughput(progs, payload, 1, nt), await B.throughput(progs, payload, 8, nt)
+                    print(f"{rnd} posts of {batch}: 1 outstanding {r1 / 1e3:4.0f} k/s, 8 {r8 / 1e3:4.0f} k/s ({r8 / r1:.2f}x)",
+                          flush=True)
+        finally:
+            Programs.POST_BATCH = 8
+            await progs.close()
+
+
 # ---- mps-floor -----------------------------------------------------------------------------------
 async def mps_floor(bench: B.Bench) -> None:
     async with await bench.backend("mps", pool=2) as b:
@@ -183,7 +206,8 @@ async def mps_floor(bench: B.Bench) -> None:
                   flush=True)
 
 
-PROBES: dict[str, Callable[[B.Bench], Awaitable[None]]] = {"ask": ask, "ring-ab": ring_ab, "mps-floor": mps_floor}
+PROBES: dict[str, Callable[[B.Bench], Awaitable[None]]] = {"ask": ask, "ring-ab": ring_ab, "batches": batches,
+                                                            "mps-floor": mps_floor}
 
 
 def main() -> None:

@@ -79,23 +79,39 @@ class Ring:
         w[self._req_head] = (head + 1) & MASK  # published last
         return head
 
-    def post_many(self, payloads: Sequence[bytes]) -> int:
+    def post_many(self, payloads: Sequence[bytes], checked: bool = False) -> int:
         """Write requests and publish them all with one REQ_HEAD; the first one's sequence number
-        (the others follow it).  Nothing is posted if one is too large or they do not fit."""
-        for p in payloads:
-            check_payload(p)
+        (the others follow it).  Nothing is posted if one is too large or they do not fit.
+        ``checked``: every payload's size was checked already (``call_many`` checks them all
+        before its first post)."""
+        if not checked:
+            for p in payloads:
+                check_payload(p)
         if len(payloads) > self.room():
             raise RingFull(self.slot, abi.RING)
-        w, mm = self._w, self._mm
+        w, mm, req, unread = self._w, self._mm, self._req, self._unread
         first = head = w[self._req_head]
         for p in payloads:
-            at = self._req[head % abi.RING]
-            w[at >> 2] = len(p)
-            mm[at + 4 : at + 4 + len(p)] = p
-            self._unread.append(head)
+            at = req[head % RING]
+            n = len(p)
+            w[at >> 2] = n
+            mm[at + 4 : at + 4 + n] = p
+            unread.append(head)
             head = (head + 1) & MASK
         w[self._req_head] = head  # published last
         return first
+
+    def take(self, seq: int, most: int, out: list[bytes]) -> int:
+        """The responses to ``seq``, ``seq + 1``, ... that the program has written, at most
+        ``most``, appended to ``out`` in order (each then counts as read); how many.  RESP_HEAD is
+        read once: a batch the program published together is taken together."""
+        k = (self._w[self._resp_head] - seq) & MASK  # how many from seq on are answered
+        if k >= 0x7FFFFFFF:  # RESP_HEAD is behind seq (a response read out of order is ahead of it)
+            return 0
+        k = min(k, most)
+        for i in range(k):
+            out.append(self._take((seq + i) & MASK))
+        return k
 
     def response(self, seq: int) -> bytes | None:
         """The response to request ``seq`` if the program has written it (then it counts as read)."""
