@@ -44,6 +44,21 @@ def serve(r: _Ring) -> int:
     return _echo_turn(r, lambda: False)
 
 
+def test_take_gets_every_response_there_in_order_and_no_more(mb):
+    host, dev = Ring(mb, SLOT), device(mb)
+    first = host.post_many([b"a", b"b", b"c"])
+    out: list[bytes] = []
+    assert host.take(first, 3, out) == 0 and out == []  # none answered: RESP_HEAD behind the first
+    assert serve(dev) == 3
+    assert host.take(first, 2, out) == 2 and out == [b"a", b"b"]  # at most `most`
+    assert host.take(first + 2, 5, out) == 1 and out == [b"a", b"b", b"c"]  # only what is there
+    assert host.room() == abi.RING  # every one taken counts as read
+    seq = host.post(b"d")
+    assert host.take(seq, 1, out) == 0
+    serve(dev)
+    assert host.take(seq, 1, out) == 1 and out[-1] == b"d"
+
+
 def test_a_request_and_its_response(mb):
     host, dev = Ring(mb, SLOT), device(mb)
     seq = host.post(b"hello")
