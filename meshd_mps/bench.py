@@ -564,6 +564,24 @@ async def end_all(procs: list[child.Child]) -> None:
             await p.wait()
 
 
+async def said(p: child.Child, word: str, what: str) -> None:
+    """``p``'s next line starts with ``word``; RuntimeError naming ``what`` and the line otherwise."""
+    assert p.stdout is not None
+    line = (await p.stdout.readline()).decode(errors="replace").split()
+    if line[:1] != [word]:
+        raise RuntimeError(f"{what} {p.pid}: {' '.join(line) or 'exited before it said ' + word}")
+
+
+async def spawned(procs: list[child.Child], code: str, env: dict[str, str], n: int, word: str, what: str) -> None:
+    """n children of ``code`` spawned into ``procs`` (the caller ends them, whatever happens), each
+    awaited until it says ``word`` (2 minutes in all)."""
+    for _ in range(n):
+        procs.append(await child.spawn([sys.executable, "-c", code], env))
+    with anyio.fail_after(120):
+        for p in procs:
+            await said(p, word, what)
+
+
 async def bare_clients(bench: Bench, b: Backend, n: int) -> tuple[float, float, int | None]:
     """n bare clients under b's daemon: (all ready s, median VmRSS MiB, how many are in the client list)."""
     mps = mps_gpu(b).mps
@@ -572,14 +590,7 @@ async def bare_clients(bench: Bench, b: Backend, n: int) -> tuple[float, float, 
     procs: list[child.Child] = []
     t0 = time.perf_counter()
     try:
-        for _ in range(n):
-            procs.append(await child.spawn([sys.executable, "-c", code], env))
-        with anyio.fail_after(120):
-            for p in procs:
-                assert p.stdout is not None
-                line = (await p.stdout.readline()).decode(errors="replace").split()
-                if line[:1] != ["ok"]:
-                    raise RuntimeError(f"bare client {p.pid}: {' '.join(line) or 'exited before it was ready'}")
+        await spawned(procs, code, env, n, "ok", "bare client")
         t = time.perf_counter() - t0
         rss = statistics.median(vmrss_mib(p.pid) for p in procs)
         seen = None
@@ -1014,22 +1025,14 @@ async def held_contexts(bench: Bench, env: dict[str, str], n: int) -> float:
     code = HELD_CUDA if bench.gpu == "cuda" else HELD_SIM
     procs: list[child.Child] = []
     try:
-        for _ in range(n):
-            procs.append(await child.spawn([sys.executable, "-c", code], env))
+        await spawned(procs, code, env, n, "held", "held client")
         with anyio.fail_after(120):
-            for p in procs:
-                assert p.stdout is not None
-                if (await p.stdout.readline()).split()[:1] != [b"held"]:
-                    raise RuntimeError(f"held client {p.pid} exited before it was ready")
             t0 = time.perf_counter()
             for p in procs:
                 assert p.stdin is not None
                 p.stdin.write(b"go\n")
             for p in procs:
-                assert p.stdout is not None
-                line = (await p.stdout.readline()).decode(errors="replace").split()
-                if line[:1] != ["ok"]:
-                    raise RuntimeError(f"held client {p.pid}: {' '.join(line) or 'exited before its context'}")
+                await said(p, "ok", "held client")
             return time.perf_counter() - t0
     finally:
         await end_all(procs)
