@@ -10,8 +10,9 @@ that they can be run again (on the GPU machine: python3 scripts/issue18_probes.p
             spinning at once; Programs.call and the host spin p50/p99, call_many 1 and 8 outstanding
   batches   Programs.call_many's throughput with 1 and 8 outstanding, its posts published 8, 4 or
             2 at a time (Programs.POST_BATCH), interleaved over 3 rounds
-  mps-floor the bench's floor as a plain context and as a native client of our MPS server, then
-            echo's host spin, 3 rounds
+  mps-floor the bench's floor as a plain context, as a native client of our MPS server, and as
+            such a client on registered shared memory (a memfd, cuMemHostRegister'ed, as the
+            mailbox is) instead of cuMemHostAlloc's, then echo's host spin, 3 rounds
 
 --gpu sim runs each on the simulated GPU and the stand-in MPS daemon (the figures mean nothing
 there; it checks that the script runs).
@@ -183,11 +184,26 @@ async def batches(bench: B.Bench) -> None:
 
 
 # ---- mps-floor -----------------------------------------------------------------------------------
+ALLOC = "host = ck(cu.cuMemHostAlloc(4096, cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE))"
+REGISTERED = """import mmap
+_fd = os.memfd_create("floor"); os.ftruncate(_fd, 1 << 20); _mm = mmap.mmap(_fd, 1 << 20)
+_anchor = (ctypes.c_char * (1 << 20)).from_buffer(_mm); host = ctypes.addressof(_anchor)
+ck(cu.cuMemHostRegister(host, 1 << 20, cu.CU_MEMHOSTREGISTER_DEVICEMAP | cu.CU_MEMHOSTREGISTER_PORTABLE))"""
+
+
 async def mps_floor(bench: B.Bench) -> None:
+    assert ALLOC in B.FLOOR_CUDA, "the floor's host no longer allocates as this probe expects"
     async with await bench.backend("mps", pool=2) as b:
+        env = {**os.environ, **b.native_env()}
         for rnd in range(3):
             plain = await B.ring_floor(bench, b, bench.n(10000, 500))
-            client = await B.ring_floor(bench, b, bench.n(10000, 500), env={**os.environ, **b.native_env()})
+            client = await B.ring_floor(bench, b, bench.n(10000, 500), env=env)
+            alloc = B.FLOOR_CUDA
+            B.FLOOR_CUDA = alloc.replace(ALLOC, "import os\n" + REGISTERED)
+            try:
+                reg = await B.ring_floor(bench, b, bench.n(10000, 500), env=env)
+            finally:
+                B.FLOOR_CUDA = alloc
             progs = Programs(b)
             try:
                 p = await progs.load(*await bench.src(b, "echo"))
@@ -202,8 +218,8 @@ async def mps_floor(bench: B.Bench) -> None:
                 return f"{us(d[k], .5):.2f}/{us(d[k], .99):.2f}"
 
             print(f"{rnd} floor, a plain context: 0 B {f(plain, 0)}, 64 B {f(plain, 64)} | an MPS client: 0 B"
-                  f" {f(client, 0)}, 64 B {f(client, 64)} | echo's host spin, 64 B {us(s, .5):.2f}/{us(s, .99):.2f} us",
-                  flush=True)
+                  f" {f(client, 0)}, 64 B {f(client, 64)} | the same on registered memory: 0 B {f(reg, 0)}, 64 B"
+                  f" {f(reg, 64)} | echo's host spin, 64 B {us(s, .5):.2f}/{us(s, .99):.2f} us", flush=True)
 
 
 PROBES: dict[str, Callable[[B.Bench], Awaitable[None]]] = {"ask": ask, "ring-ab": ring_ab, "batches": batches,
