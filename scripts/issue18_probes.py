@@ -10,6 +10,7 @@ that they can be run again (on the GPU machine: python3 scripts/issue18_probes.p
             spinning at once; Programs.call and the host spin p50/p99, call_many 1 and 8 outstanding
   batches   Programs.call_many's throughput with 1 and 8 outstanding, its posts published 8, 4 or
             2 at a time (Programs.POST_BATCH), interleaved over 3 rounds
+  modes     echo's host spin in an MPS worker and in blink mode's context, beside the floor, 3 rounds
   mps-floor the bench's floor as a plain context, as a native client of our MPS server, and as
             such a client on registered shared memory (a memfd, cuMemHostRegister'ed, as the
             mailbox is) instead of cuMemHostAlloc's, then echo's host spin, 3 rounds
@@ -183,6 +184,31 @@ async def batches(bench: B.Bench) -> None:
             await progs.close()
 
 
+# ---- modes ---------------------------------------------------------------------------------------
+async def echo_spin(bench: B.Bench, b: Any, n: int) -> list[float]:
+    progs = Programs(b)
+    try:
+        p = await progs.load(*await bench.src(b, "echo"))
+        slot = p.slot
+        await B.until(lambda: b.mailbox.heartbeat(slot) > 0, 10, "echo's first beat")
+        ring = p.ring = p.ring or Ring(b.mailbox, p.slot)
+        return B.spun_round_trips(ring, bytes(range(64)), n)
+    finally:
+        await progs.close()
+
+
+async def modes(bench: B.Bench) -> None:
+    n = bench.n(3000, 100)
+    for rnd in range(3):
+        async with await bench.backend("mps", pool=2) as b:
+            fl = await B.ring_floor(bench, b, bench.n(10000, 500))
+            mps = await echo_spin(bench, b, n)
+        async with await bench.backend("blink") as b:
+            blink = await echo_spin(bench, b, n)
+        print(f"{rnd} floor 64 B {us(fl[64], .5):.2f}/{us(fl[64], .99):.2f} | echo's host spin, 64 B: MPS worker"
+              f" {us(mps, .5):.2f}/{us(mps, .99):.2f}, blink context {us(blink, .5):.2f}/{us(blink, .99):.2f} us", flush=True)
+
+
 # ---- mps-floor -----------------------------------------------------------------------------------
 ALLOC = "host = ck(cu.cuMemHostAlloc(4096, cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE))"
 REGISTERED = """import mmap
@@ -223,7 +249,7 @@ async def mps_floor(bench: B.Bench) -> None:
 
 
 PROBES: dict[str, Callable[[B.Bench], Awaitable[None]]] = {"ask": ask, "ring-ab": ring_ab, "batches": batches,
-                                                            "mps-floor": mps_floor}
+                                                            "modes": modes, "mps-floor": mps_floor}
 
 
 def main() -> None:
