@@ -11,6 +11,8 @@ that they can be run again (on the GPU machine: python3 scripts/issue18_probes.p
   batches   Programs.call_many's throughput with 1 and 8 outstanding, its posts published 8, 4 or
             2 at a time (Programs.POST_BATCH), interleaved over 3 rounds
   modes     echo's host spin in an MPS worker and in blink mode's context, beside the floor, 3 rounds
+  sm        the floor's kernel (one warp, fences) on each of a spread of SMs, in a plain context:
+            132 blocks launched, all but one returning at once; per block its SM and p50/p99 at 64 B
   mps-floor the bench's floor as a plain context, as a native client of our MPS server, and as
             such a client on registered shared memory (a memfd, cuMemHostRegister'ed, as the
             mailbox is) instead of cuMemHostAlloc's, then echo's host spin, 3 rounds
@@ -209,6 +211,91 @@ async def modes(bench: B.Bench) -> None:
               f" {us(mps, .5):.2f}/{us(mps, .99):.2f}, blink context {us(blink, .5):.2f}/{us(blink, .99):.2f} us", flush=True)
 
 
+# ---- sm ------------------------------------------------------------------------------------------
+SM_KERNEL = r"""
+extern "C" __global__ void v(volatile unsigned int *m, unsigned int words, unsigned int target) {
+    if (blockIdx.x != target)
+        return;
+    const unsigned int lane = threadIdx.x;
+    if (lane == 0) {
+        unsigned int smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        m[18] = smid;
+        __threadfence_system();
+    }
+    unsigned int seen = 0;
+    for (;;) {
+        const unsigned int r = m[16];
+        if (r == seen)
+            continue;
+        if (r == 0xffffffffu)
+            return;
+        __threadfence_system();
+        const unsigned int a = lane < words ? m[33 + lane] : 0u;
+        if (lane < words)
+            m[417 + lane] = a;
+        __threadfence_system();
+        if (lane == 0)
+            m[17] = r;
+        __threadfence_system();
+        seen = r;
+    }
+}
+"""
+
+
+async def sm(bench: B.Bench) -> None:
+    """Needs the GPU (no simulation): cuda.bindings straight, as scripts/ring_variants.py does."""
+    import ctypes
+
+    from cuda.bindings import driver as cu
+
+    from meshd_mps.gpu.compiler import cuda_to_ptx
+
+    def ck(r: Any) -> Any:
+        err, *v = r if isinstance(r, tuple) else (r,)
+        if int(err) != 0:
+            raise SystemExit(f"sm: {err}")
+        return v[0] if len(v) == 1 else v
+
+    ck(cu.cuInit(0))
+    dev = ck(cu.cuDeviceGet(0))
+    ck(cu.cuCtxSetCurrent(ck(cu.cuDevicePrimaryCtxRetain(dev))))
+    A = cu.CUdevice_attribute
+    sms = ck(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev))
+    cc = (f"compute_{ck(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))}"
+          f"{ck(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))}")
+    fn = ck(cu.cuModuleGetFunction(ck(cu.cuModuleLoadData(cuda_to_ptx(SM_KERNEL.encode(), "sm", arch=cc) + b"\0")), b"v"))
+    host = ck(cu.cuMemHostAlloc(4096, cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE))
+    dptr = ctypes.c_uint64(int(ck(cu.cuMemHostGetDevicePointer(host, 0))))
+    w = (ctypes.c_uint32 * 1024).from_address(int(host))
+    stream = ck(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    n, words, pc, rows = bench.n(2000, 100), 16, time.perf_counter_ns, []
+    for target in range(0, sms, 3):
+        ctypes.memset(int(host), 0, 4096)
+        w[18] = 0xFFFFFFFF
+        a, t = ctypes.c_uint32(words), ctypes.c_uint32(target)
+        params = (ctypes.c_void_p * 3)(ctypes.addressof(dptr), ctypes.addressof(a), ctypes.addressof(t))
+        ck(cu.cuLaunchKernel(fn, sms, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(params), 0))
+        while w[18] == 0xFFFFFFFF:
+            pass
+        lat = []
+        for i in range(1, n + 1):
+            for k in range(words):
+                w[33 + k] = i + k
+            t0 = pc()
+            w[16] = i
+            while w[17] != i:
+                pass
+            lat.append(pc() - t0)
+        w[16] = 0xFFFFFFFF
+        ck(cu.cuStreamSynchronize(stream))
+        lat = sorted(lat[n // 10 :])
+        rows.append((lat[len(lat) // 2] / 1e3, lat[int(len(lat) * 0.99)] / 1e3, target, w[18]))
+    for p50, p99, target, smid in sorted(rows):
+        print(f"block {target:3} on SM {smid:3}: 64 B p50 {p50:.2f} p99 {p99:.2f} us", flush=True)
+
+
 # ---- mps-floor -----------------------------------------------------------------------------------
 ALLOC = "host = ck(cu.cuMemHostAlloc(4096, cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE))"
 REGISTERED = """import mmap
@@ -249,7 +336,7 @@ async def mps_floor(bench: B.Bench) -> None:
 
 
 PROBES: dict[str, Callable[[B.Bench], Awaitable[None]]] = {"ask": ask, "ring-ab": ring_ab, "batches": batches,
-                                                            "modes": modes, "mps-floor": mps_floor}
+                                                            "modes": modes, "sm": sm, "mps-floor": mps_floor}
 
 
 def main() -> None:
