@@ -145,7 +145,8 @@ AS_IS: Spin = Ring.spin
 CALL: Callable[..., Awaitable[bytes]] = Programs.call
 VARIANTS: dict[str, tuple[Spin, Callable[..., Awaitable[bytes]]]] = {
     "as-is": (AS_IS, CALL), "spin 128 turns": (spin_turns, CALL), "call spins at once": (AS_IS, call_at_once),
-    "slower poll": (spin_slower, CALL), "pause 1 us": (paused(1e-6), CALL), "pause 2 us": (paused(2e-6), CALL), "pause 3 us": (paused(3e-6), CALL),
+    "slower poll": (spin_slower, CALL),
+    "pause 1 us": (paused(1e-6), CALL), "pause 2 us": (paused(2e-6), CALL), "pause 3 us": (paused(3e-6), CALL),
 }
 
 
