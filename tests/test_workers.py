@@ -19,7 +19,8 @@ from structlog.testing import capture_logs
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import ClientLimit, MeshError, MpsError, WorkerError
 from meshd_mps.mps import clients as mpsmod
-from meshd_mps.protocol import abi
+from meshd_mps.protocol import abi, frames
+from meshd_mps.protocol.frames import Op
 
 from .conftest import sim
 from .procs import alive, fds_exhausted
@@ -58,6 +59,18 @@ async def test_prewarm_load_launch_done_and_reuse(rig):
         assert w.proc.pid in m.pool.pids()
         again = await preload(m, kernel="sleep")
         assert again.proc.pid in pooled  # the same process serves the next image
+
+
+async def test_asks_at_once_to_one_worker_are_answered_in_order(rig):
+    # The supervisor writes each ask at once (no lock: replies are matched in order); a real worker
+    # reads them back to back off its pipe and answers each, in order.
+    async with rig() as m:
+        w = await preload(m, kernel="sleep", ms=0)
+        p = w.proc
+        first, done, last = await asyncio.gather(p.ask(Op.READY), w.start(slot=5, nodes=1), p.ask(Op.READY))
+        assert frames.ready_pid(first) == frames.ready_pid(last) == p.pid
+        d = await asyncio.wait_for(done, 10)
+        assert d.ok and d.gen == 1 and not p.asking and p.unfit is None
 
 
 async def test_fresh_worker_is_verified_as_client(rig):
