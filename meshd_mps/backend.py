@@ -57,7 +57,7 @@ from meshd_mps.gpu.device import (
 )
 from meshd_mps.isolation import limits
 from meshd_mps.isolation.base import Admit, Found, Image, Isolation, Kernel, Mode
-from meshd_mps.isolation.blink import Blink, BlinkIsolation, last_blink_ms
+from meshd_mps.isolation.blink import Blink, last_blink_ms
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.log import setup_logging
 from meshd_mps.mps.clients import MAX_CLIENTS, Mps
@@ -397,18 +397,13 @@ class Backend:
     @property
     def mps(self) -> Mps | None:
         """MPS mode's host-wide part (the daemon, client checks, each GPU's pool); None in blink mode."""
-        return self.mode if isinstance(self.mode, Mps) else None
+        return self.mode.as_mps() if self.mode is not None else None
 
     @property
     def daemon(self) -> ControlDaemon | None:
         """MPS mode: the private control daemon."""
         mps = self.mps
         return None if mps is None else mps.daemon
-
-    @property
-    def blinks(self) -> dict[int, BlinkIsolation]:
-        """Blink mode: each GPU's context (its isolation); empty in MPS mode."""
-        return {d: g for d, g in self.isolations.items() if isinstance(g, BlinkIsolation)}
 
     # ---- the first GPU's, for one-GPU callers ----------------------------------------------
     @property
@@ -598,7 +593,7 @@ class Backend:
 
     def last_blink_ms(self) -> float | None:
         """Blink mode: the length of the latest blink on any GPU (None before the first)."""
-        return last_blink_ms(self.blinks.values())
+        return last_blink_ms(self.isolations.values())
 
     def status(self) -> dict[str, Any]:
         """The first GPU's caps and context at the top (as on a one-GPU host), every GPU's under ``devices``;

@@ -178,7 +178,7 @@ async def heartbeat_and_echo(b: Backend, warm: int):
     hb = await progs.load(*example("heartbeat"))
     await progs.load(*example("echo"))
     await beats(b, hb.slot, warm)
-    return progs, hb, b.blinks[0].proc.pid
+    return progs, hb, b.isolations[0].proc.pid
 
 
 async def blink_fault_case(gpu: str, warm: int, more: int) -> None:
@@ -194,7 +194,7 @@ async def blink_fault_case(gpu: str, warm: int, more: int) -> None:
         assert r.gpu_wide and r.faulted == "fault" and r.by == "ended" and "ILLEGAL_ADDRESS" in r.error, r
         assert sorted(r.lost) == ["echo", "heartbeat"] and sorted(r.relaunched) == ["echo", "heartbeat"]
         assert list(r.steps) == list(RECOVERY_STEPS)
-        new = b.blinks[0].proc.pid
+        new = b.isolations[0].proc.pid
         assert new != ctx and ctx not in b.sup.live()
         rows = {p["name"]: p for p in progs.list()}
         assert rows["fault"]["state"] == "faulted" and rows["heartbeat"]["restarts"] == 1

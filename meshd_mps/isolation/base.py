@@ -16,7 +16,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 
@@ -28,6 +28,9 @@ from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Done, HelloModule, Loaded, Op
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
+
+if TYPE_CHECKING:
+    from meshd_mps.mps.clients import Mps
 
 #: ``admit``: sees what the worker reported of a loaded module, and raises to refuse it.
 Admit = Callable[[Loaded], None]
@@ -151,6 +154,12 @@ class Isolation(ABC):
         self.first_context_at = 0.0
         #: Live restore: the modules the adopted workers hold, until the programs take them.
         self.found: list[Found] = []
+        #: Blinks: module changes that halted and relaunched every running program of the GPU, the
+        #: last one's length (ms) and its monotonic end.  Blink mode's alone: an MPS isolation never
+        #: blinks, and its count stays 0.
+        self.blinks = 0
+        self.last_blink_ms: float | None = None
+        self.last_blink_at = 0.0
 
     @abstractmethod
     async def open(self, adopted: Sequence[WorkerProc] = ()) -> None:
@@ -315,6 +324,11 @@ class Mode(ABC):
     def __init__(self, sup: Supervisor):
         self.sup = sup
         self.gpus: dict[int, Isolation] = {}
+
+    def as_mps(self) -> Mps | None:
+        """MPS mode's host-wide part (the daemon, the client checks, the native clients); None in
+        blink mode, which has none of them."""
+        return None
 
     async def start(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
         """Before the GPUs are looked at (MPS: the daemon)."""

@@ -80,9 +80,6 @@ class BlinkIsolation(Isolation):
         self._next = 1
         self._lock = anyio.Lock()  # one blink at a time
         self.dev = 0
-        self.last_blink_ms: float | None = None
-        self.last_blink_at = 0.0  # its monotonic end, to find the latest across GPUs
-        self.blinks = 0
         #: Hardware work queues the context's worker asks for; a module gets a stream of its own queue.
         self.queues = BLINK_QUEUES
         self._held: WorkerProc | None = None  # the next context's worker, started during a teardown
@@ -374,7 +371,7 @@ class Blink(Mode):
                 "context_pid": first.proc.pid if first.proc else None}
 
 
-def last_blink_ms(contexts: Iterable[BlinkIsolation]) -> float | None:
+def last_blink_ms(contexts: Iterable[Isolation]) -> float | None:
     """The length of the latest blink of any of ``contexts`` (None before the first)."""
     done = [c for c in contexts if c.last_blink_ms is not None]
     return max(done, key=lambda c: c.last_blink_at).last_blink_ms if done else None

@@ -63,6 +63,9 @@ class Mps(Mode):
 
     gpus: dict[int, MpsIsolation]  # type: ignore[assignment]
 
+    def as_mps(self) -> Mps:
+        return self
+
     def __init__(self, daemon: ControlDaemon, sup: Supervisor, mailbox: str, sms: int, gpu: str, pool_cap: int,
                  max_clients: int = MAX_CLIENTS, listen: str | None = None):
         super().__init__(sup)
