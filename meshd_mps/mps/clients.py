@@ -63,9 +63,6 @@ class Mps(Mode):
 
     gpus: dict[int, MpsIsolation]  # type: ignore[assignment]
 
-    def as_mps(self) -> Mps:
-        return self
-
     def __init__(self, daemon: ControlDaemon, sup: Supervisor, mailbox: str, sms: int, gpu: str, pool_cap: int,
                  max_clients: int = MAX_CLIENTS, listen: str | None = None):
         super().__init__(sup)
@@ -88,6 +85,9 @@ class Mps(Mode):
         self.worker_env: dict[str, str] = dict(daemon.env)
         self._set_pipe_env = False  # start set our own PIPE_ENV; close puts back what it was
         self._saved_pipe_env: str | None = None
+
+    def as_mps(self) -> Mps:
+        return self
 
     @classmethod
     def under(cls, mps_dir: str | None, sup: Supervisor, mailbox: str, sms: int, gpu: str, pool_cap: int,
