@@ -50,7 +50,7 @@ from meshd_mps.isolation.base import Found, Isolation
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Done
-from meshd_mps.protocol.ring import SPIN, Ring, check_payload
+from meshd_mps.protocol.ring import MASK, SPIN, Ring, check_payload
 
 if TYPE_CHECKING:
     from meshd_mps.state.desired import Recorder
@@ -577,8 +577,8 @@ class Programs:
         try:
             while len(out) < total:
                 done = len(out)
-                # Posted in batches of at most POST_BATCH, each published by its own REQ_HEAD: the
-                # program starts on the first while the next is written.
+                # Posted in batches of at most POST_BATCH, each published by its own REQ_HEAD (at 8,
+                # the whole window in one: smaller batches measured no faster on the H200).
                 while (k := min(window - (sent - done), ring.room(), total - sent, self.POST_BATCH)) > 0:
                     first = ring.post_many(payloads[sent : sent + k], checked=True)
                     if sent == 0:
@@ -588,16 +588,16 @@ class Programs:
                     raise RingFull(p.slot, abi.RING)
                 # The program serves what is pending as one batch: every response there already is
                 # taken at once, so that the next post refills the ring in one batch too.
-                if not ring.take((base + done) & 0xFFFFFFFF, sent - done, out):
-                    seq = (base + done) & 0xFFFFFFFF
+                seq = (base + done) & MASK
+                if not ring.take(seq, sent - done, out):
                     out.append(await self._answer(p, ring, seq, within, time.monotonic() + within))
-                    ring.take((seq + 1) & 0xFFFFFFFF, sent - done - 1, out)
+                    ring.take((seq + 1) & MASK, sent - done - 1, out)
                 if (now := time.perf_counter()) - held > SPIN:
                     await asyncio.sleep(0)
                     held = now
         except BaseException:
             for i in range(len(out), sent):
-                ring.forget((base + i) & 0xFFFFFFFF)
+                ring.forget((base + i) & MASK)
             raise
         return out
 
