@@ -82,6 +82,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -809,6 +810,21 @@ def spun_round_trips(ring: Ring, payload: bytes, n: int, warm: int = 10) -> list
     return out
 
 
+@contextlib.asynccontextmanager
+async def echo_loaded(bench: Bench, b: Backend) -> AsyncIterator[tuple[Programs, Ring]]:
+    """``echo`` loaded on ``b`` and beating, with its ring's host end; unloaded (its Programs
+    closed) at the end."""
+    progs = Programs(b)
+    try:
+        p = await progs.load(*await bench.src(b, "echo"))
+        slot = p.slot
+        await until(lambda: b.mailbox.heartbeat(slot) > 0, 10, "echo's first beat")
+        ring = p.ring = p.ring or Ring(b.mailbox, slot)
+        yield progs, ring
+    finally:
+        await progs.close()
+
+
 async def throughput(progs: Programs, payload: bytes, window: int, n: int) -> float:
     """Requests per second through echo's ring, ``window`` outstanding (Programs.call_many)."""
     msgs = [payload] * n
@@ -835,12 +851,7 @@ async def ring_round(bench: Bench, b: Backend, n: int, nf: int, nt: int, sweep: 
     time-slice), then echo loaded and asked, then unloaded.  Its figures in us and k/s."""
     floor = await ring_floor(bench, b, nf)
     out = {f"floor{k}.{q}": pct(v, q) * 1e6 for k, v in floor.items() for q in (0.5, 0.99)}
-    progs = Programs(b)
-    try:
-        p = await progs.load(*await bench.src(b, "echo"))
-        await until(lambda: b.mailbox.heartbeat(p.slot) > 0, 10, "echo's first beat")
-        ring = p.ring or Ring(b.mailbox, p.slot)
-        p.ring = ring
+    async with echo_loaded(bench, b) as (progs, ring):
 
         def caller(payload: bytes) -> Any:
             async def call() -> None:
@@ -861,8 +872,6 @@ async def ring_round(bench: Bench, b: Backend, n: int, nf: int, nt: int, sweep: 
                 out[f"size{size}"] = await throughput(progs, bytes(range(size)), abi.RING, nt) / 1e3
             relaunched = await returning_worker(bench, b, 20)
             out["launch_sync"] = pct(await timed(n // 4, lambda: launch_sync(relaunched, 20)), 0.5) * 1e6
-    finally:
-        await progs.close()
     return out
 
 
@@ -935,15 +944,12 @@ async def sec_idle(bench: Bench) -> list[Row]:
     async with await bench.backend("mps", pool=nw) as b:
         await anyio.sleep(0.5)  # the prewarm's tail settles
         v = await cpu_percent(window)
-        progs = Programs(b)
-        try:  # the ring's host side spins only while a call waits: none now
-            await progs.load(*await bench.src(b, "echo"))
+        # The ring's host side spins only while a call waits: none now.
+        async with echo_loaded(bench, b) as (progs, _):
             if await progs.call_many("echo", [b"x"] * 100) != [b"x"] * 100:
                 raise RuntimeError("echo answered something else")
             await anyio.sleep(0.5)
             e = await cpu_percent(window)
-        finally:
-            await progs.close()
     how = f"getrusage(RUSAGE_SELF) user+sys over {window} s, % of one core"
     return [Row("g", f"idle: supervisor CPU, {nw} pooled workers", "%", v, base, "no backend", "< 1 %", v < 1, how),
             Row("g", "idle: supervisor CPU, echo resident, nothing asked", "%", e, base, "no backend", "< 1 %", e < 1,

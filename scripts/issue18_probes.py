@@ -11,14 +11,13 @@ that they can be run again (on the GPU machine: python3 scripts/issue18_probes.p
   batches   Programs.call_many's throughput with 1 and 8 outstanding, its posts published 8, 4 or
             2 at a time (Programs.POST_BATCH), interleaved over 3 rounds
   modes     echo's host spin in an MPS worker and in blink mode's context, beside the floor, 3 rounds
-  sm        the floor's kernel (one warp, fences) on each of a spread of SMs, in a plain context:
-            132 blocks launched, all but one returning at once; per block its SM and p50/p99 at 64 B
   mps-floor the bench's floor as a plain context, as a native client of our MPS server, and as
             such a client on registered shared memory (a memfd, cuMemHostRegister'ed, as the
             mailbox is) instead of cuMemHostAlloc's, then echo's host spin, 3 rounds
 
 --gpu sim runs each on the simulated GPU and the stand-in MPS daemon (the figures mean nothing
-there; it checks that the script runs).
+there; it checks that the script runs).  The floor on a spread of SMs, once "sm" here, is
+scripts/ring_variants.py --sm.
 """
 
 from __future__ import annotations
@@ -155,61 +154,47 @@ async def ring_ab(bench: B.Bench) -> None:
     async with await bench.backend("mps", pool=2) as b:
         fl = await B.ring_floor(bench, b, bench.n(10000, 500))
         print(f"floor 64 B p50 {us(fl[64], .5):.2f} p99 {us(fl[64], .99):.2f} us", flush=True)
-        progs = Programs(b)
-        try:
-            p = await progs.load(*await bench.src(b, "echo"))
-            await B.until(lambda: b.mailbox.heartbeat(p.slot) > 0, 10, "echo's first beat")
-            ring = p.ring = p.ring or Ring(b.mailbox, p.slot)
+        async with B.echo_loaded(bench, b) as (progs, ring):
             payload = bytes(range(64))
 
             async def call() -> None:
                 if await progs.call("echo", payload) != payload:
                     raise RuntimeError("echo answered something else")
 
-            for rnd in range(3):
-                for name, (spin, callf) in VARIANTS.items():
-                    Ring.spin, Programs.call = spin, callf  # type: ignore[assignment, method-assign]
-                    c, s = await B.timed(n, call), B.spun_round_trips(ring, payload, n)
-                    r1, r8 = await B.throughput(progs, payload, 1, nt), await B.throughput(progs, payload, 8, nt)
-                    print(f"{rnd} {name:20} call {us(c, .5):5.2f}/{us(c, .99):5.1f}  spin {us(s, .5):5.2f}/{us(s, .99):5.1f} us"
-                          f"  1 outstanding {r1 / 1e3:4.0f} k/s, 8 {r8 / 1e3:4.0f} k/s ({r8 / r1:.2f}x)", flush=True)
-        finally:
-            Ring.spin, Programs.call = AS_IS, CALL  # type: ignore[method-assign]
-            await progs.close()
+            try:
+                for rnd in range(3):
+                    for name, (spin, callf) in VARIANTS.items():
+                        Ring.spin, Programs.call = spin, callf  # type: ignore[assignment, method-assign]
+                        c, s = await B.timed(n, call), B.spun_round_trips(ring, payload, n)
+                        r1, r8 = await B.throughput(progs, payload, 1, nt), await B.throughput(progs, payload, 8, nt)
+                        print(f"{rnd} {name:20} call {us(c, .5):5.2f}/{us(c, .99):5.1f}  spin {us(s, .5):5.2f}/"
+                              f"{us(s, .99):5.1f} us  1 outstanding {r1 / 1e3:4.0f} k/s, 8 {r8 / 1e3:4.0f} k/s"
+                              f" ({r8 / r1:.2f}x)", flush=True)
+            finally:
+                Ring.spin, Programs.call = AS_IS, CALL  # type: ignore[method-assign]
 
 
 # ---- batches -------------------------------------------------------------------------------------
 async def batches(bench: B.Bench) -> None:
     nt = bench.n(20000, 400)
-    async with await bench.backend("mps", pool=2) as b:
-        progs = Programs(b)
+    async with await bench.backend("mps", pool=2) as b, B.echo_loaded(bench, b) as (progs, _):
+        payload = bytes(range(64))
         try:
-            p = await progs.load(*await bench.src(b, "echo"))
-            slot = p.slot
-            await B.until(lambda: b.mailbox.heartbeat(slot) > 0, 10, "echo's first beat")
-            payload = bytes(range(64))
             for rnd in range(3):
                 for batch in (8, 4, 2):
                     Programs.POST_BATCH = batch
                     r1, r8 = await B.throughput(progs, payload, 1, nt), await B.throughput(progs, payload, 8, nt)
-                    print(f"{rnd} posts of {batch}: 1 outstanding {r1 / 1e3:4.0f} k/s, 8 {r8 / 1e3:4.0f} k/s ({r8 / r1:.2f}x)",
-                          flush=True)
+                    print(f"{rnd} posts of {batch}: 1 outstanding {r1 / 1e3:4.0f} k/s, 8 {r8 / 1e3:4.0f} k/s"
+                          f" ({r8 / r1:.2f}x)", flush=True)
         finally:
             Programs.POST_BATCH = 8
-            await progs.close()
 
 
 # ---- modes ---------------------------------------------------------------------------------------
 async def echo_spin(bench: B.Bench, b: Any, n: int) -> list[float]:
-    progs = Programs(b)
-    try:
-        p = await progs.load(*await bench.src(b, "echo"))
-        slot = p.slot
-        await B.until(lambda: b.mailbox.heartbeat(slot) > 0, 10, "echo's first beat")
-        ring = p.ring = p.ring or Ring(b.mailbox, p.slot)
+    """echo's host-spin round trips at 64 B (seconds), echo loaded for them and unloaded."""
+    async with B.echo_loaded(bench, b) as (_, ring):
         return B.spun_round_trips(ring, bytes(range(64)), n)
-    finally:
-        await progs.close()
 
 
 async def modes(bench: B.Bench) -> None:
@@ -222,91 +207,6 @@ async def modes(bench: B.Bench) -> None:
             blink = await echo_spin(bench, b, n)
         print(f"{rnd} floor 64 B {us(fl[64], .5):.2f}/{us(fl[64], .99):.2f} | echo's host spin, 64 B: MPS worker"
               f" {us(mps, .5):.2f}/{us(mps, .99):.2f}, blink context {us(blink, .5):.2f}/{us(blink, .99):.2f} us", flush=True)
-
-
-# ---- sm ------------------------------------------------------------------------------------------
-SM_KERNEL = r"""
-extern "C" __global__ void v(volatile unsigned int *m, unsigned int words, unsigned int target) {
-    if (blockIdx.x != target)
-        return;
-    const unsigned int lane = threadIdx.x;
-    if (lane == 0) {
-        unsigned int smid;
-        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-        m[18] = smid;
-        __threadfence_system();
-    }
-    unsigned int seen = 0;
-    for (;;) {
-        const unsigned int r = m[16];
-        if (r == seen)
-            continue;
-        if (r == 0xffffffffu)
-            return;
-        __threadfence_system();
-        const unsigned int a = lane < words ? m[33 + lane] : 0u;
-        if (lane < words)
-            m[417 + lane] = a;
-        __threadfence_system();
-        if (lane == 0)
-            m[17] = r;
-        __threadfence_system();
-        seen = r;
-    }
-}
-"""
-
-
-async def sm(bench: B.Bench) -> None:
-    """Needs the GPU (no simulation): cuda.bindings straight, as scripts/ring_variants.py does."""
-    import ctypes
-
-    from cuda.bindings import driver as cu
-
-    from meshd_mps.gpu.compiler import cuda_to_ptx
-
-    def ck(r: Any) -> Any:
-        err, *v = r if isinstance(r, tuple) else (r,)
-        if int(err) != 0:
-            raise SystemExit(f"sm: {err}")
-        return v[0] if len(v) == 1 else v
-
-    ck(cu.cuInit(0))
-    dev = ck(cu.cuDeviceGet(0))
-    ck(cu.cuCtxSetCurrent(ck(cu.cuDevicePrimaryCtxRetain(dev))))
-    A = cu.CUdevice_attribute
-    sms = ck(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev))
-    cc = (f"compute_{ck(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))}"
-          f"{ck(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))}")
-    fn = ck(cu.cuModuleGetFunction(ck(cu.cuModuleLoadData(cuda_to_ptx(SM_KERNEL.encode(), "sm", arch=cc) + b"\0")), b"v"))
-    host = ck(cu.cuMemHostAlloc(4096, cu.CU_MEMHOSTALLOC_DEVICEMAP | cu.CU_MEMHOSTALLOC_PORTABLE))
-    dptr = ctypes.c_uint64(int(ck(cu.cuMemHostGetDevicePointer(host, 0))))
-    w = (ctypes.c_uint32 * 1024).from_address(int(host))
-    stream = ck(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
-    n, words, pc, rows = bench.n(2000, 100), 16, time.perf_counter_ns, []
-    for target in range(0, sms, 3):
-        ctypes.memset(int(host), 0, 4096)
-        w[18] = 0xFFFFFFFF
-        a, t = ctypes.c_uint32(words), ctypes.c_uint32(target)
-        params = (ctypes.c_void_p * 3)(ctypes.addressof(dptr), ctypes.addressof(a), ctypes.addressof(t))
-        ck(cu.cuLaunchKernel(fn, sms, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(params), 0))
-        while w[18] == 0xFFFFFFFF:
-            pass
-        lat = []
-        for i in range(1, n + 1):
-            for k in range(words):
-                w[33 + k] = i + k
-            t0 = pc()
-            w[16] = i
-            while w[17] != i:
-                pass
-            lat.append(pc() - t0)
-        w[16] = 0xFFFFFFFF
-        ck(cu.cuStreamSynchronize(stream))
-        lat = sorted(lat[n // 10 :])
-        rows.append((lat[len(lat) // 2] / 1e3, lat[int(len(lat) * 0.99)] / 1e3, target, w[18]))
-    for p50, p99, target, smid in sorted(rows):
-        print(f"block {target:3} on SM {smid:3}: 64 B p50 {p50:.2f} p99 {p99:.2f} us", flush=True)
 
 
 # ---- mps-floor -----------------------------------------------------------------------------------
@@ -330,15 +230,7 @@ async def mps_floor(bench: B.Bench) -> None:
                 reg = await B.ring_floor(bench, b, bench.n(10000, 500), env=env)
             finally:
                 B.FLOOR_CUDA = alloc
-            progs = Programs(b)
-            try:
-                p = await progs.load(*await bench.src(b, "echo"))
-                slot = p.slot
-                await B.until(lambda: b.mailbox.heartbeat(slot) > 0, 10, "echo's first beat")  # noqa: B023
-                ring = p.ring = p.ring or Ring(b.mailbox, p.slot)
-                s = B.spun_round_trips(ring, bytes(range(64)), bench.n(3000, 100))
-            finally:
-                await progs.close()
+            s = await echo_spin(bench, b, bench.n(3000, 100))
 
             def f(d: dict[int, list[float]], k: int) -> str:
                 return f"{us(d[k], .5):.2f}/{us(d[k], .99):.2f}"
@@ -349,7 +241,7 @@ async def mps_floor(bench: B.Bench) -> None:
 
 
 PROBES: dict[str, Callable[[B.Bench], Awaitable[None]]] = {"ask": ask, "ring-ab": ring_ab, "batches": batches,
-                                                            "modes": modes, "sm": sm, "mps-floor": mps_floor}
+                                                            "modes": modes, "mps-floor": mps_floor}
 
 
 def main() -> None:
