@@ -106,7 +106,7 @@ class Ring:
         ``most``, appended to ``out`` in order (each then counts as read); how many.  RESP_HEAD is
         read once: a batch the program published together is taken together."""
         k = (self._w[self._resp_head] - seq) & MASK  # how many from seq on are answered
-        if k >= 0x7FFFFFFF:  # RESP_HEAD is behind seq (a response read out of order is ahead of it)
+        if k >= 0x7FFFFFFF:  # RESP_HEAD is behind seq: seq is not answered (as _answered reads it)
             return 0
         k = min(k, most)
         for i in range(k):
