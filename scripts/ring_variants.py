@@ -1,6 +1,6 @@
 """What each choice of the ring's device side costs, on the GPU, in one table (issue 18).
 
-    python scripts/ring_variants.py [-n 20000] [--sm]
+    python scripts/ring_variants.py [-n 20000] [--sm | --trace SECONDS] [--variants floor,helpers,...]
 
 Every variant is one warp of a kernel in a plain context (no meshd-mps, no MPS) polling a request
 word of host-mapped memory; the host writes the payload (untimed), then the request word, and
@@ -23,6 +23,10 @@ With --sm, instead: the floor's kernel on a spread of SMs, 64 B: as block k of o
 the others returning at once, for every third k; each block's SM (%smid) and p50/p99, fastest first
 (2026-12-04 18:20 UTC, run as scripts/issue18_probes.py's "sm" before it moved here: two groups of
 latency that followed the order of measurement, not the SM).
+
+With --trace S, instead: the floor's kernel, 64 B, for S seconds in blocks of 500 requests, each
+block's start (ms) and p50: whether, and how often, the machine's round trip changes state.  Run
+under `taskset -c CPU` it says whether the host CPU the spin runs on decides it.
 """
 
 from __future__ import annotations
@@ -154,7 +158,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=20000)
     ap.add_argument("--sm", action="store_true", help="the floor's kernel on a spread of SMs instead")
+    ap.add_argument("--trace", type=float, default=0.0, help="the floor's block p50s over this many seconds instead")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="which variants, comma-separated")
     args = ap.parse_args()
+    chosen = args.variants.split(",")
+    if unknown := set(chosen) - set(VARIANTS):
+        raise SystemExit(f"ring_variants: no variant {', '.join(sorted(unknown))} (there are {', '.join(VARIANTS)})")
     n = args.n
     from cuda.bindings import driver as cu
 
@@ -194,6 +203,21 @@ def main() -> None:
             print(f"block {target:3} on SM {smid:3}: 64 B p50 {p50:.2f} p99 {p99:.2f} us", flush=True)
         return
 
+    if args.trace:
+        fn = kernel(FLOOR_DEFS + BARE, "floor_trace")
+        w = (ctypes.c_uint32 * 1024).from_address(int(host))
+        ctypes.memset(int(host), 0, 4096)
+        launch(fn, alloc, 16, 0)
+        t0, blocks = time.perf_counter(), []
+        while (t := time.perf_counter() - t0) < args.trace:
+            lat = sorted(trips(w, 64, 500, ring=False))
+            blocks.append((t * 1e3, lat[len(lat) // 2] / 1e3))
+        w[16] = 0xFFFFFFFF
+        ck(cu.cuStreamSynchronize(stream))
+        print(f"{len(blocks)} blocks of 500 requests, 64 B p50 (us) at their start (ms):", flush=True)
+        print(" ".join(f"{t:.0f}:{p:.2f}" for t, p in blocks), flush=True)
+        return
+
     mb = Mailbox.create()
     anchor = (ctypes.c_char * mb.size).from_buffer(mb.mm)
     ck(cu.cuMemHostRegister(ctypes.addressof(anchor), mb.size,
@@ -201,7 +225,8 @@ def main() -> None:
     registered = ctypes.c_uint64(int(ck(cu.cuMemHostGetDevicePointer(ctypes.addressof(anchor), 0))))
     pc = time.perf_counter_ns
     print(f"{'variant':16} {'0 B p50':>8} {'p99':>6} {'64 B p50':>9} {'p99':>6}  (us, {n} requests each)")
-    for name, (src, defs, every) in VARIANTS.items():
+    for name in chosen:
+        src, defs, every = VARIANTS[name]
         fn = kernel(defs + src, name.replace("-", "_"))
         row: list[float] = []
         on_mailbox = name.startswith("mailbox")

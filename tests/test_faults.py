@@ -98,13 +98,17 @@ async def test_a_retired_worker_stays_local(standin_on_path):
         await progs.close()
 
 
-async def kill_in_launch(b: Backend, known: set[int], slot: int) -> int:
+async def kill_in_launch(b: Backend, known: set[int], slot: int, mp: pytest.MonkeyPatch) -> int:
     """SIGKILL the first new worker whose LAUNCH is asked and not answered, once its kernel runs
-    (its slot says RUNNING: the kill is then one with the kernel on the GPU); its pid."""
+    (its slot says RUNNING: the kill is then one with the kernel on the GPU); its pid.  The test
+    hook that hangs the reply (MESHD_MPS_WORKER_INJECT) is for that worker alone: it is taken
+    out of the environment before the kill, so the recovery's fresh workers run clean (on the
+    H200 a replacement once started with it and hung the heartbeat's relaunch)."""
     with anyio.fail_after(20):
         while not ((w := next((w for p, w in b.sup.workers.items() if p not in known and w.gen and w.asking), None))
                    and b.mailbox.u32(slot, abi.STATE) == abi.RUNNING):
             await anyio.sleep(0.005)
+    mp.delenv("MESHD_MPS_WORKER_INJECT")
     os.kill(w.pid, signal.SIGKILL)
     return w.pid
 
@@ -121,10 +125,9 @@ async def test_a_worker_killed_in_a_loads_launch_is_a_gpu_fault(standin_on_path,
         monkeypatch.setenv("MESHD_MPS_WORKER_INJECT", "launch:hang")
         async with anyio.create_task_group() as tg:
             killed: list[int] = []
-            tg.start_soon(into, killed, kill_in_launch(b, set(b.sup.workers), progs._free_slot()))
+            tg.start_soon(into, killed, kill_in_launch(b, set(b.sup.workers), progs._free_slot(), monkeypatch))
             with pytest.raises(WorkerError, match=r"^echo \(worker \d+ exited\)$"):
                 await progs.load(*example("echo"))
-        monkeypatch.delenv("MESHD_MPS_WORKER_INJECT")
         await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
         r = progs.faults[-1]
         assert r.gpu_wide and r.faulted == "echo" and r.pid == killed[0], r

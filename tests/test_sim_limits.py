@@ -61,8 +61,8 @@ def worker(mailbox):
     with tempfile.TemporaryDirectory(prefix="meshd-nompsd-") as pipe_dir, ExitStack() as made:
         env.update(CUDA_MPS_PIPE_DIRECTORY=pipe_dir, MESHD_MPS_LOG_LEVEL="debug")
 
-        def start(*args: str) -> Worker:
-            w = Worker(mailbox, "sim", *args, env=env, logs=True, reply_within=20)
+        def start(*args: str, **more_env: str) -> Worker:
+            w = Worker(mailbox, "sim", *args, env=env | more_env, logs=True, reply_within=20)
             made.callback(w.close)
             return w
 
@@ -366,3 +366,20 @@ def test_a_mailbox_that_is_not_shared_memory_is_refused_as_on_the_h200():
             if mb.path.startswith("/dev/shm/"):
                 stack.callback(os.unlink, mb.path)
             stack.callback(SimGpu(mb, 0).close)
+
+
+def test_a_failed_mps_connection_leaves_the_frame_pipes_alone(worker):
+    """On the H200 a worker whose MPS server was shutting down found fd 0 closed after the driver's
+    failed connect, and its next read raised EBADF: a traceback, and no answer (2026-12-04).  The
+    simulated connect does the same (``mps-lost``); the frames are on pipes of the worker's own
+    (workers/pipes.py), so every request is answered with the driver's error, and QUIT ends it
+    with status 0 and nothing on stderr but its JSON log."""
+    w = worker(MESHD_MPS_SIM_STARTUP="mps-lost")
+    ok, payload = w.ask(Op.READY, b"", Op.READY)
+    assert not ok and "CUDA_ERROR_MPS_CONNECTION_FAILED" in frames.reply_text(payload)
+    ok, payload = w.ask(Op.LOAD, image(0).encode(), Op.LOADED)
+    assert not ok and "CUDA_ERROR_MPS_CONNECTION_FAILED" in frames.reply_text(payload)
+    w.send(Op.QUIT)
+    assert w.p.wait(20) == 0
+    w.logged(msg="GPU not opened")
+    assert all("level" in e for e in w.logs), [e for e in w.logs if "level" not in e]

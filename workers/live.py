@@ -36,6 +36,8 @@ from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Done, Hello, HelloLaunch, HelloModule, Loaded, Op
 from meshd_mps.protocol.mailbox import Mailbox
 
+from . import pipes
+
 log = structlog.get_logger("meshd_mps.worker")
 
 
@@ -202,9 +204,10 @@ Serve = Callable[[int, int, bool], "int | None"]
 
 
 def run_piped(serve: Serve, link: Link, mailbox: Mailbox | None, halt_within: float) -> int:
-    """Today's mode: frames on stdin/stdout.  At EOF (the daemon closed them, or died) the kernels
-    still running are halted before the worker exits, never left running at its exit."""
-    status = serve(0, 1, False)
+    """Today's mode: frames on the pipes the daemon gave as stdin and stdout (workers/pipes.py).
+    At EOF (the daemon closed them, or died) the kernels still running are halted before the
+    worker exits, never left running at its exit."""
+    status = serve(*pipes.take(), False)
     if status is not None:
         return status
     link.halt_all(mailbox, halt_within, "stdin closed")  # their DONEs still go to stdout, if it is read

@@ -27,7 +27,9 @@ Script keys (all optional):
 Every kernel writes STATE = RUNNING in its slot when it starts (the ABI asks it
 of every program), unless ``start`` is false.
 Startup faults come from MESHD_MPS_SIM_STARTUP (same values as ``ready``, plus
-``no-mps``: do not connect to the daemon, like a worker with another pipe dir).
+``no-mps``: do not connect to the daemon, like a worker with another pipe dir; ``mps-lost``:
+the connection fails with CUDA_ERROR_MPS_CONNECTION_FAILED and fd 0 is closed, as the H200's
+driver left it when the MPS server was shutting down, 2026-12-04).
 
 What the H200 does to resident kernels, simulated so that tests fail where the
 GPU would: the context has ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware work queues
@@ -73,6 +75,7 @@ from meshd_mps.protocol import abi
 from meshd_mps.protocol.frames import Done, Load, Loaded
 from meshd_mps.protocol.mailbox import Mailbox
 
+from . import pipes
 from .gpu import DoneCallback, GpuError, Streams
 from .warm import driver_queues
 
@@ -266,13 +269,16 @@ def _check_registrable(mailbox: Mailbox) -> None:
 
 
 def _linger_at_exit(seconds: float) -> None:
-    """A child that holds this process's stdout, and nothing else, open until ``seconds`` after
-    this process has died (``EXIT_LINGER_ENV``); the fork's only thread sleeps, then exits."""
+    """A child that holds this process's frame pipe to the daemon (its stdout, workers/pipes.py),
+    and nothing else, open until ``seconds`` after this process has died (``EXIT_LINGER_ENV``);
+    the fork's only thread sleeps, then exits."""
     parent = os.getpid()
+    out = (pipes.taken() or (0, 1))[1]
     if os.fork() != 0:
         return
     try:
         null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(out, 1)
         os.dup2(null, 0)
         os.dup2(null, 2)
         os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the server's socket too: it sees the death at once
@@ -329,6 +335,10 @@ class SimGpu:
 
         if self.startup == "no-mps":
             return
+        if self.startup == "mps-lost":  # the server going away under the connect, as the H200 saw it
+            with contextlib.suppress(OSError):  # closed already by an earlier try (each READY tries again)
+                os.close(0)  # what its driver left behind: fd 0 closed (workers/pipes.py)
+            raise GpuError("cuCtxCreate: CUDA_ERROR_MPS_CONNECTION_FAILED (simulated: the MPS server is gone)")
         pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
         try:
             self._client = connect_client(pipe, os.getpid(), device=self.device)
@@ -389,7 +399,7 @@ class SimGpu:
         if phase in ("quit", "eof"):
             return self._quit
         if phase == "ready":
-            return self.startup if self.startup not in ("", "no-mps", "ignore-quit") else None
+            return self.startup if self.startup not in ("", "no-mps", "mps-lost", "ignore-quit") else None
         for m in self._modules.values():
             how = m.script.get(phase)
             if isinstance(how, str) and not how.startswith("error:"):

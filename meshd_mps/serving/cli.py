@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         # 85 of the 134 ms a worker spent importing (docs/benchmarks.md, row d).
         for name in ("rich", "better_exceptions"):
             cast(dict[str, ModuleType | None], sys.modules).setdefault(name, None)  # None: an import of it fails
-        from workers import warm
+        from workers import pipes, warm
 
+        pipes.take()  # first: the frame pipes out of reach of the driver and of stray prints
         warm.start(argv[1:])  # the CUDA context is created while the worker imports the rest
         from workers.main import main as worker_main
 

@@ -291,10 +291,9 @@ async def test_a_kill_with_its_kernel_running_is_a_gpu_fault(monkeypatch, when):
             monkeypatch.setenv(INJECT_ENV, "launch:hang")
             async with anyio.create_task_group() as tg:
                 killed: list[int] = []
-                tg.start_soon(into, killed, kill_in_launch(b, set(b.sup.workers), progs._free_slot()))
+                tg.start_soon(into, killed, kill_in_launch(b, set(b.sup.workers), progs._free_slot(), monkeypatch))
                 with pytest.raises(WorkerError, match=r"^echo \(worker \d+ exited\)$"):
                     await progs.load(*example("echo"))
-            monkeypatch.delenv(INJECT_ENV)
             pid = killed[0]
         with anyio.fail_after(120):
             while not (progs.faults and progs.faults[-1].ms > 0):
