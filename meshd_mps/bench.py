@@ -1,4 +1,4 @@
-"""``python -m meshd_mps.bench [--gpu cuda|sim] [--quick] [--json FILE] [--mps-dir DIR]``: one table.
+"""``python -m meshd_mps.bench [--gpu cuda|sim] [--quick] [--json FILE] [--mps-dir DIR] [--cpu N|auto|off]``: one table.
 
 Every figure stands beside a baseline measured in the same run, with the
 ratio, the target and PASS / MISS ("-": a figure without a target, shown
@@ -35,7 +35,10 @@ the backend's nvJitLink); nothing ships as PTX.  Rows (issue 6):
     cache, against the same with a cold JIT (a fresh Compiler, no cache).
 (f) ring: one request and its response through ``echo``'s mailbox ring
     (Programs.call), against one kernel launch plus synchronise per request
-    (LAUNCH of a kernel that returns at once, DONE awaited).
+    (LAUNCH of a kernel that returns at once, DONE awaited), and against the
+    floor (a minimal kernel and host loop).  The floor's host and the ring's
+    spin run on one host CPU (--cpu; auto: the fastest floor of a survey of
+    every CPU), since on the lent H200 the CPU decided the round trip.
 (g) idle: this supervisor process's CPU (getrusage user + sys) over 5 s
     (2 s with --quick) with 32 (8) idle pooled workers, in % of one core,
     against the same window before any backend was opened.
@@ -95,6 +98,7 @@ from meshd_mps.backend import Backend, live_paths
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import CapacityError
 from meshd_mps.gpu.compiler import Compiler, cuda_to_ptx, nvjitlink_version
+from meshd_mps.gpu.device import query_device
 from meshd_mps.isolation.base import Module
 from meshd_mps.isolation.limits import BLINK_QUEUES
 from meshd_mps.isolation.mps import MpsIsolation
@@ -105,7 +109,7 @@ from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Launch as LaunchReq, Op
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.protocol.ring import SPIN, Ring
-from meshd_mps.supervision import child
+from meshd_mps.supervision import child, cpus
 from meshd_mps.supervision.proc import WorkerProc
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -181,8 +185,10 @@ class Row:
 
 
 class Bench:
-    def __init__(self, gpu: str, quick: bool, mps_dir: str | None, loop: str = "auto"):
+    def __init__(self, gpu: str, quick: bool, mps_dir: str | None, loop: str = "auto", cpu: str = "auto"):
         self.gpu, self.quick, self.loop = gpu, quick, loop
+        self.cpu = cpu  # --cpu: where (f)'s host spins (place_ring)
+        self.ring_cpu: int | None = None
         self.own_base = mps_dir is None
         self.base = mps_dir or tempfile.mkdtemp(prefix="meshd-bench.")  # short: AF_UNIX paths stop at 108 bytes
         self.dirs: list[str] = []
@@ -482,6 +488,14 @@ async def sec_ask(bench: Bench) -> list[Row]:
             for d in dones:
                 await d
         rounds = [await asking_at_once(ws, each) for _ in range(bench.n(ROUNDS, 1))]
+    # The same with the event loop's CPU its own, as ``serve --daemon-cpus`` gives it: no worker
+    # woken there takes it from the loop (supervision/cpus.py).
+    cpu, placed = daemon_cpu(bench), []
+    if cpu is not None:
+        with placement(cpu):
+            async with await bench.backend("mps", pool=nw) as b:
+                ws = [await returning_worker(bench, b, 100 + i) for i in range(nw)]
+                placed = [await asking_at_once(ws, each) for _ in range(bench.n(ROUNDS, 1))]
     m50, m99, per_ask, core = (median([r[i] for r in rounds]) for i in range(4))
     note = "WorkerProc.ask LAUNCH->LAUNCHED, heartbeat with HALT preset; raw: pipe ping-pong of the frame with an echoing child"
     p50, p99 = pct(one, 0.5) * 1e6, pct(one, 0.99) * 1e6
@@ -489,7 +503,7 @@ async def sec_ask(bench: Bench) -> list[Row]:
     b50 = pct(bare, 0.5) * 1e6
     each_round = "; rounds (p50/p99, CPU per ask): " + ", ".join(f"{r[0]:.0f}/{r[1]:.0f} us, {r[2]:.1f} us" for r in rounds)
     busy_note = f"the same asks while {nw} other workers each run a heartbeat kernel"
-    return [
+    rows = [
         Row("b", "ask p50, 1 worker", "us", p50, rp50, "raw pipe p50", "<= 3x raw pipe", p50 <= 3 * rp50, note + f"; {n1} asks"),
         Row("b", "ask p99, 1 worker", "us", p99, rp99, "raw pipe p99", note=f"{n1} asks"),
         Row("b", "ask p50, a child that answers at once", "us", b50, rp50, "raw pipe p50",
@@ -501,12 +515,25 @@ async def sec_ask(bench: Bench) -> list[Row]:
         Row("b", f"ask p50, {nw} workers asking at once", "us", m50, rp50, "raw pipe p50",
             note=f"{nw} workers x {each} asks, concurrently: they queue on the one event loop; the median of"
                  f" {len(rounds)} rounds" + each_round),
-        Row("b", f"ask p99, {nw} workers asking at once", "us", m99, rp99, "raw pipe p99", "< 1000 us", m99 < 1000,
+        Row("b", f"ask p99, {nw} workers asking at once", "us", m99, rp99, "raw pipe p99",
+            target="-" if placed else "< 1000 us", ok=None if placed else m99 < 1000,
             note=f"loop CPU {per_ask:.0f} us per ask (LAUNCHED and DONE), {core:.0f} % of a core; the median of"
-                 f" {len(rounds)} rounds"),
+                 f" {len(rounds)} rounds; every thread where the scheduler puts it"),
         Row("b", f"ask: loop CPU per ask, {nw} workers asking at once", "us", per_ask, alone, "the same, 1 worker",
             note="getrusage(RUSAGE_SELF) user+sys over the asks, LAUNCHED and DONE each, divided by the asks"),
     ]
+    if placed:
+        n50, n99, n_ask, n_core = (median([r[i] for r in placed]) for i in range(4))
+        where = (f"the bench's process on CPU {cpu} and its {nw} workers (and MPS) on the others, as serve"
+                 f" --daemon-cpus {cpu} places them; the median of {len(placed)} rounds (p50/p99, CPU per ask): "
+                 + ", ".join(f"{r[0]:.0f}/{r[1]:.0f} us, {r[2]:.1f} us" for r in placed))
+        rows += [
+            Row("b", f"ask p50, {nw} asking at once, the loop's CPU its own", "us", n50, m50, "the same, unplaced",
+                note=where),
+            Row("b", f"ask p99, {nw} asking at once, the loop's CPU its own", "us", n99, m99, "the same, unplaced",
+                "< 1000 us", n99 < 1000, note=f"loop CPU {n_ask:.0f} us per ask, {n_core:.0f} % of a core"),
+        ]
+    return rows
 
 
 # ---- (c) done ----------------------------------------------------------------------------------
@@ -694,12 +721,42 @@ extern "C" __global__ void floor_ring(volatile unsigned int *m, unsigned int wor
 }
 """
 # The floor's host, in a child process of its own (GPU work stays out of the bench's process):
-# argv = PTX file, sizes (JSON), requests per size; prints {size: [ns, ...]}.  Each request's
-# payload is written before the doorbell and not timed, as probe/ringfloor.py measured it.
+# argv = PTX file, sizes (JSON), requests per size, CPUs (JSON); prints {size: [ns, ...]}.  Each
+# request's payload is written before the doorbell and not timed, as probe/ringfloor.py measured
+# it.  The host spins on the one CPU given (none: anywhere); given several, it is the survey
+# instead: 64 B on each CPU in turn, one kernel throughout, printing {"survey": {cpu: p50 ns}}.  The placement comes
+# after the context is made (the driver's threads keep every CPU).
 FLOOR_HOST = r"""
-import ctypes, json, sys, time
-SIZES, N = json.loads(sys.argv[2]), int(sys.argv[3])
+import ctypes, json, os, sys, time
+SIZES, N, CPUS = json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+ALLOWED = os.sched_getaffinity(0)
+def trips(w, words, lat):
+    pc = time.perf_counter_ns
+    for i in range(1, N + 1):
+        for k in range(words):
+            w[64 + k] = i + k
+        t0 = pc()
+        w[0] = i
+        while w[1] != i:
+            pass
+        lat.append(pc() - t0)
+    return lat[N // 10:]
 def run(w, start, stop):
+    if len(CPUS) > 1:
+        ctypes.memset(ctypes.addressof(w), 0, 4096)
+        w[2] = 16
+        done, out = start(16), {}
+        for cpu in CPUS:  # each CPU's count starts at 1 again: the kernel answers any new word
+            os.sched_setaffinity(0, {cpu})
+            w[3] = 1 + cpu  # where the host spins (the simulated kernel keeps off it)
+            lat = sorted(trips(w, 16, []))
+            out[cpu] = lat[len(lat) // 2]
+        w[0] = 0xFFFFFFFF
+        stop(done)
+        print(json.dumps({"survey": out}), flush=True)
+        return
+    if CPUS:  # [] (--cpu off): wherever the scheduler puts it
+        os.sched_setaffinity(0, set(CPUS))
     pc = time.perf_counter_ns
     lat = []
     for i in range(1, N + 1):  # the host's own share: the same loop, the word it waits on its own
@@ -712,22 +769,13 @@ def run(w, start, stop):
     for size in SIZES:
         words = (size + 3) // 4
         ctypes.memset(ctypes.addressof(w), 0, 4096)
-        w[2] = words
+        w[2], w[3] = words, 1 + CPUS[0] if CPUS else 0
         done = start(words)
-        lat = []
-        for i in range(1, N + 1):
-            for k in range(words):
-                w[64 + k] = i + k
-            t0 = pc()
-            w[0] = i
-            while w[1] != i:
-                pass
-            lat.append(pc() - t0)
+        out[size] = trips(w, words, [])
         w[0] = 0xFFFFFFFF
         stop(done)
         if any(w[128 + k] != N + k for k in range(words)):
             sys.exit(f"floor: the {size} B payload came back wrong")
-        out[size] = lat[N // 10:]
     print(json.dumps(out), flush=True)
 """
 FLOOR_CUDA = FLOOR_HOST + r"""
@@ -758,12 +806,15 @@ w = (ctypes.c_uint32 * 1024).from_buffer(mm)
 def start(words):
     pid = os.fork()
     if pid == 0:
-        seen = 0
+        seen = placed = 0
         while True:
             r = w[0]
             if r != seen:
                 if r == 0xFFFFFFFF:
                     os._exit(0)
+                if w[3] != placed:  # off the CPU its host spins on (1 + cpu in word 3), as a GPU is
+                    placed = w[3]
+                    os.sched_setaffinity(0, ALLOWED - {placed - 1} or ALLOWED)
                 n = w[2]
                 w[128 : 128 + n] = w[64 : 64 + n]
                 w[1] = seen = r
@@ -774,26 +825,70 @@ run(w, start, lambda pid: os.waitpid(pid, 0))
 SWEEP = (4, 64, 128, 188)
 
 
-async def ring_floor(bench: Bench, b: Backend, n: int, env: dict[str, str] | None = None) -> dict[int, list[float]]:
-    """The floor's round trips (seconds), by payload size, from a child process with a plain
-    context of its own (``env``: another environment, b.native_env()'s for a client of b's MPS
-    server, scripts/issue18_probes.py): run before any kernel of ``b`` is resident (two contexts'
-    kernels would time-slice)."""
+async def _floor_child(bench: Bench, n: int, cpus_: list[int], env: dict[str, str] | None) -> Any:
+    """FLOOR_HOST's output, from a child process with a plain context of its own, started where
+    the bench's children start (``cpus.for_child``): its host thread then moves to ``cpus_``."""
     d = tempfile.mkdtemp(prefix="floor-", dir=bench.base)
     try:
         argv = [sys.executable, "-c", FLOOR_SIM if bench.gpu == "sim" else FLOOR_CUDA, os.path.join(d, "floor.ptx"),
-                json.dumps([0, *SWEEP]), str(n)]
+                json.dumps([0, *SWEEP]), str(n), json.dumps(cpus_)]
         if bench.gpu == "cuda":
-            assert b.info is not None
-            arch = b.info.compute
+            arch = (await anyio.to_thread.run_sync(query_device, 0)).compute
             await anyio.to_thread.run_sync(lambda: Path(argv[3]).write_bytes(cuda_to_ptx(FLOOR_CU, "floor", arch=arch)))
-        r = await anyio.to_thread.run_sync(lambda: subprocess.run(argv, capture_output=True, text=True, timeout=120,
-                                                                  env=env))
+
+        def run() -> subprocess.CompletedProcess[str]:
+            with cpus.for_child():
+                return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+
+        r = await anyio.to_thread.run_sync(run)
         if r.returncode != 0:
             raise RuntimeError(f"the floor's child exited {r.returncode}: {r.stderr.strip()[-300:]}")
-        return {int(k): [x / 1e9 for x in v] for k, v in json.loads(r.stdout).items()}
+        return json.loads(r.stdout)
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+async def ring_floor(bench: Bench, b: Backend, n: int, env: dict[str, str] | None = None) -> dict[int, list[float]]:
+    """The floor's round trips (seconds), by payload size, its host on ``bench.ring_cpu`` (``env``:
+    another environment, b.native_env()'s for a client of b's MPS server,
+    scripts/issue18_probes.py): run before any kernel of ``b`` is resident (two contexts' kernels
+    would time-slice)."""
+    where = [] if bench.ring_cpu is None else [bench.ring_cpu]
+    return {int(k): [x / 1e9 for x in v] for k, v in (await _floor_child(bench, n, where, env)).items()}
+
+
+async def place_ring(bench: Bench) -> dict[int, float]:
+    """Where (f) runs on the host, set once (``bench.ring_cpu``): ``--cpu N`` as given, ``off``
+    nowhere in particular, ``auto`` the CPU whose floor round trip is shortest, by a survey of
+    every CPU this process may use (64 B, 2000 requests each; the p50s in us, returned for the
+    notes).  On the lent H200, a VM, the CPU decided the floor by up to 0.9 us (docs/benchmarks.md)."""
+    if bench.cpu != "auto":
+        bench.ring_cpu = None if bench.cpu == "off" else int(bench.cpu)
+        return {}
+    every = sorted(os.sched_getaffinity(0))
+    if len(every) == 1:
+        bench.ring_cpu = None  # nothing to keep the workers off it
+        return {}
+    got = (await _floor_child(bench, bench.n(2000, 200), every, None))["survey"]
+    survey = {int(k): v / 1e3 for k, v in got.items()}
+    bench.ring_cpu = min(survey, key=lambda c: (survey[c], c))
+    return survey
+
+
+def daemon_cpu(bench: Bench) -> int | None:
+    """The CPU (b)'s placed phase gives the bench's event loop (``serve --daemon-cpus`` as the
+    bench's process does it): ``--cpu N``, else (auto) the last this process may use; None with
+    ``--cpu off`` or a single CPU."""
+    every = sorted(os.sched_getaffinity(0))
+    if bench.cpu == "off" or len(every) == 1:
+        return None
+    return every[-1] if bench.cpu == "auto" else int(bench.cpu)
+
+
+def placement(cpu: int | None) -> contextlib.AbstractContextManager[Any]:
+    """The bench's process placed as ``serve --daemon-cpus CPU`` places the daemon (every thread of
+    it there, the workers it starts meanwhile elsewhere); None: left alone."""
+    return contextlib.nullcontext() if cpu is None else cpus.placed(frozenset({cpu}))
 
 
 def spun_round_trips(ring: Ring, payload: bytes, n: int, warm: int = 10) -> list[float]:
@@ -877,8 +972,12 @@ async def ring_round(bench: Bench, b: Backend, n: int, nf: int, nt: int, sweep: 
 
 async def sec_ring(bench: Bench) -> list[Row]:
     n, nf, nt, k = bench.n(2000, 100), bench.n(20000, 500), bench.n(20000, 400), bench.n(ROUNDS, 1)
-    async with await bench.backend("mps", pool=2) as b:
-        rounds = [await ring_round(bench, b, n, nf, nt, sweep=i == k - 1) for i in range(k)]
+    survey = await place_ring(bench)
+    # The bench's process on the floor's host CPU, as ``serve --daemon-cpus`` places the daemon: the
+    # ring's host spins where the floor's did, and no worker runs there.
+    with placement(bench.ring_cpu):
+        async with await bench.backend("mps", pool=2) as b:
+            rounds = [await ring_round(bench, b, n, nf, nt, sweep=i == k - 1) for i in range(k)]
     m = {key: median([r[key] for r in rounds if key in r]) for key in rounds[-1]}
     us = {size: (m[f"floor{size}.0.5"], m[f"floor{size}.0.99"]) for size in (-1, 0, *SWEEP)}
     c50, c99, s50, s99 = m["call64.0.5"], m["call64.0.99"], m["spin64.0.5"], m["spin64.0.99"]
@@ -889,9 +988,12 @@ async def sec_ring(bench: Bench) -> list[Row]:
         f"call {r['call64.0.5']:.2f}/{r['call64.0.99']:.1f}, spin {r['spin64.0.5']:.2f}/{r['spin64.0.99']:.1f}"
         f" against floor {r['floor64.0.5']:.2f}/{r['floor64.0.99']:.2f} us, 8 outstanding {r['rate8'] / r['rate1']:.2f}x"
         for r in rounds)
+    where = ("anywhere (--cpu off)" if bench.ring_cpu is None else f"on CPU {bench.ring_cpu}, the workers on the others" + (
+        " (--cpu auto: the fastest floor of " + ", ".join(f"{c}: {v:.2f}" for c, v in survey.items()) + " us)"
+        if survey else ""))
     fnote = (f"floor: one warp polling a word of host-mapped memory, a word per lane, the host spinning on plain"
              f" memory (payload written before the doorbell, untimed); {nf - nf // 10} requests per size; the median of"
-             f" {k} rounds (each figure of (f) is)")
+             f" {k} rounds (each figure of (f) is); the floor's host and the ring's spin {where}")
     spin_note = f"Ring.post, then a host spin on RESP_HEAD (Ring.spin), in a plain loop as the floor's host; {n} requests"
     call_note = (f"Programs.call on echo, {n} calls: a yield, then a spin of at most {SPIN * 1e6:.0f} us,"
                  f" then back-off")
@@ -1356,6 +1458,7 @@ def header(bench: Bench, argv: list[str]) -> dict[str, str]:
             "nvjitlink": _try(lambda: "{} (library {}.{})".format(metadata.version("nvidia-nvjitlink"), *nvjitlink_version())),
             "nvrtc": _try(lambda: metadata.version("nvidia-cuda-nvrtc")), "python": sys.version.split()[0],
             "loop": eventloop.factory(bench.loop)[0],
+            "ring cpu": f"{bench.cpu}" + (f" (CPU {bench.ring_cpu})" if bench.ring_cpu is not None else ""),
             "command": " ".join(["python -m meshd_mps.bench", *argv])}
 
 
@@ -1425,7 +1528,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loop", choices=eventloop.CHOICES, default="auto",
                     help="the event loop (default auto: uvloop where installed; (b) then runs once more on asyncio)")
     ap.add_argument("--only", metavar="a,b,...", help="run only these sections (letters a-j, comma-separated)")
+    ap.add_argument("--cpu", default="auto", metavar="N|auto|off",
+                    help="the host CPU that (f)'s floor and ring spin on (default auto: the fastest floor of a survey)")
     args = ap.parse_args(argv)
+    if args.cpu not in ("auto", "off") and not (args.cpu.isdigit() and int(args.cpu) in os.sched_getaffinity(0)):
+        print(f"meshd-mps bench: --cpu {args.cpu}: expected auto, off or one of the CPUs this process may use"
+              f" ({','.join(map(str, sorted(os.sched_getaffinity(0))))})", file=sys.stderr)
+        return 2
     os.environ.setdefault("MESHD_MPS_LOG_LEVEL", "warning")  # workers inherit it
     setup_logging(component="bench")
     try:
@@ -1436,7 +1545,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only and not set(args.only.split(",")) <= {sec[0] for sec in SECTIONS}:
         print(f"meshd-mps bench: --only {args.only}: expected letters a-j, comma-separated", file=sys.stderr)
         return 2
-    bench = Bench(args.gpu, args.quick, args.mps_dir, args.loop)
+    bench = Bench(args.gpu, args.quick, args.mps_dir, args.loop, args.cpu)
     try:
         rows = run_bench(bench, args.only)
     finally:

@@ -3,9 +3,10 @@
 # CLI in both modes, and the benchmark.  Outputs land in $OUT (the device tool) or ./out.
 # Narrower runs: TESTS="tests/gpu/test_x.py ..." (default tests/gpu), SERVE=0 (skip the CLI run),
 # BENCH="--only i" (the bench's arguments; BENCH=skip: no bench), RING=1 (scripts/ring_variants.py
-# first, into ring-variants.txt: the ring's device side against a bare kernel, issue 18).
+# first, into ring-variants.txt: the ring's device side against a bare kernel, issue 18),
+# DAEMON_CPUS=N (serve --daemon-cpus N in the CLI run).
 set -u
-TESTS=${TESTS:-tests/gpu}; SERVE=${SERVE:-1}; BENCH=${BENCH:-}; RING=${RING:-0}
+TESTS=${TESTS:-tests/gpu}; SERVE=${SERVE:-1}; BENCH=${BENCH:-}; RING=${RING:-0}; DAEMON_CPUS=${DAEMON_CPUS:-}
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -18,13 +19,14 @@ timeout 420 python3 -m pytest $TESTS -v -rA -p no:cacheprovider > "$OUT/gpu-test
 echo "pytest rc=$?" >> "$OUT/gpu-tests.txt"
 for iso in $([ "$SERVE" = 1 ] && echo mps blink); do
   SD=$(mktemp -d /tmp/msv.XXXXXX); S=$SD/$iso.sock; L="$OUT/serve-$iso.txt"  # a private dir: the daemon refuses a shared one
-  python3 -m meshd_mps serve --isolation $iso --pool 2 --socket $S --log-format console 2>/tmp/serve-$iso-log.txt &
+  python3 -m meshd_mps serve --isolation $iso --pool 2 --socket $S --log-format console ${DAEMON_CPUS:+--daemon-cpus $DAEMON_CPUS} 2>/tmp/serve-$iso-log.txt &
   P=$!
   for i in $(seq 100); do python3 -m meshd_mps status --socket $S >/dev/null 2>&1 && break; sleep 0.2; done
   { set -x
     python3 -m meshd_mps load examples/heartbeat --socket $S
     python3 -m meshd_mps load examples/echo --socket $S
     python3 -m meshd_mps ps --socket $S
+    for p in $P $(cat /proc/$P/task/*/children); do grep -H Cpus_allowed_list /proc/$p/status; done
     python3 -m meshd_mps call echo hello-gpu --socket $S
     python3 -m meshd_mps upgrade echo examples/echo --socket $S
     python3 -m meshd_mps call echo again --socket $S

@@ -4,12 +4,16 @@ that they can be run again (on the GPU machine: python3 scripts/issue18_probes.p
   ask       32 workers asking at once (bench row b's phase), 5 rounds under each scheduling of
             the workers and the loop: as they are, workers SCHED_BATCH, the loop at nice -10, both
             (root); p50/p90/p99 and the loop's user and sys CPU per ask
+  ask-cpu   the same phase with the loop's thread as it is, alone on the CPU with the fastest floor
+            (B.place_ring's survey), and there with every worker's threads kept off that CPU;
+            interleaved, 3 rounds
   ring-ab   the ring's host side, variants swapped in on one echo and interleaved over 3 rounds:
             the spin as it is (the clock read each turn), reading the clock every 128 turns or
             twice a turn, a pause of 1-3 us before the first poll, Programs.call yielding first (as it does) or
             spinning at once; Programs.call and the host spin p50/p99, call_many 1 and 8 outstanding
-  batches   Programs.call_many's throughput with 1 and 8 outstanding, its posts published 8, 4 or
-            2 at a time (Programs.POST_BATCH), interleaved over 3 rounds
+  hold      Programs.call_many's throughput with 1 and 8 outstanding, yielding to the loop every
+            20, 50 or 100 us (Programs.HOLD), interleaved over 3 rounds.  (At 18:04 UTC this was
+            "batches", posts published 8, 4 or 2 at a time: no faster than 8, and that knob is gone.)
   modes     echo's host spin in an MPS worker and in blink mode's context, beside the floor, 3 rounds
   mps-floor the bench's floor as a plain context, as a native client of our MPS server, and as
             such a client on registered shared memory (a memfd, cuMemHostRegister'ed, as the
@@ -84,6 +88,30 @@ async def ask(bench: B.Bench) -> None:
                 schedule(ws, batch, nice)
                 await asking(ws, bench.n(200, 20), tag)
         schedule(ws, False, False)
+
+
+async def ask_cpu(bench: B.Bench) -> None:
+    nw = bench.n(32, 8)
+    async with await bench.backend("mps", pool=nw + 1) as b:
+        survey = await B.place_ring(bench, b)
+        cpu = bench.ring_cpu
+        print(f"floor survey (64 B p50, us): {survey}; fastest: CPU {cpu}", flush=True)
+        ws = [await B.returning_worker(bench, b, 100 + i) for i in range(nw)]
+        every = os.sched_getaffinity(0)
+        others = every - {cpu} if cpu is not None and len(every) > 1 else every
+
+        def workers_on(cpus: set[int]) -> None:
+            for w in ws:
+                for t in os.listdir(f"/proc/{w.proc.pid}/task"):
+                    with contextlib.suppress(OSError):  # a thread gone meanwhile
+                        os.sched_setaffinity(int(t), cpus)
+
+        for _ in range(3):
+            for tag, loop_cpu, off in (("as-is", None, False), ("pinned", cpu, False), ("alone", cpu, True)):
+                workers_on(others if off else every)
+                with B.pinned(loop_cpu):
+                    await asking(ws, bench.n(200, 20), tag)
+        workers_on(every)
 
 
 # ---- ring-ab -----------------------------------------------------------------------------------
@@ -174,20 +202,20 @@ async def ring_ab(bench: B.Bench) -> None:
                 Ring.spin, Programs.call = AS_IS, CALL  # type: ignore[method-assign]
 
 
-# ---- batches -------------------------------------------------------------------------------------
-async def batches(bench: B.Bench) -> None:
+# ---- hold ----------------------------------------------------------------------------------------
+async def hold(bench: B.Bench) -> None:
     nt = bench.n(20000, 400)
     async with await bench.backend("mps", pool=2) as b, B.echo_loaded(bench, b) as (progs, _):
-        payload = bytes(range(64))
+        payload, as_is = bytes(range(64)), Programs.HOLD
         try:
             for rnd in range(3):
-                for batch in (8, 4, 2):
-                    Programs.POST_BATCH = batch
+                for every in (20e-6, 50e-6, 100e-6):
+                    Programs.HOLD = every
                     r1, r8 = await B.throughput(progs, payload, 1, nt), await B.throughput(progs, payload, 8, nt)
-                    print(f"{rnd} posts of {batch}: 1 outstanding {r1 / 1e3:4.0f} k/s, 8 {r8 / 1e3:4.0f} k/s"
-                          f" ({r8 / r1:.2f}x)", flush=True)
+                    print(f"{rnd} a yield every {every * 1e6:3.0f} us: 1 outstanding {r1 / 1e3:4.0f} k/s,"
+                          f" 8 {r8 / 1e3:4.0f} k/s ({r8 / r1:.2f}x)", flush=True)
         finally:
-            Programs.POST_BATCH = 8
+            Programs.HOLD = as_is
 
 
 # ---- modes ---------------------------------------------------------------------------------------
@@ -240,7 +268,7 @@ async def mps_floor(bench: B.Bench) -> None:
                   f" {f(reg, 64)} | echo's host spin, 64 B {us(s, .5):.2f}/{us(s, .99):.2f} us", flush=True)
 
 
-PROBES: dict[str, Callable[[B.Bench], Awaitable[None]]] = {"ask": ask, "ring-ab": ring_ab, "batches": batches,
+PROBES: dict[str, Callable[[B.Bench], Awaitable[None]]] = {"ask": ask, "ask-cpu": ask_cpu, "ring-ab": ring_ab, "hold": hold,
                                                             "modes": modes, "mps-floor": mps_floor}
 
 

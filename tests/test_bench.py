@@ -58,7 +58,26 @@ def test_bench_sim_quick(standin_on_path, tmp_path):
         for k in ("date", "device", "driver", "cuda-bindings", "nvjitlink", "python", "command"):
             assert header.get(k), k
         assert "simulated" in header["device"]
+        # (f) placed its spins: the survey picked one of this process's CPUs, named in the floor's note
+        cpu = int(header["ring cpu"].removeprefix("auto (CPU ").removesuffix(")"))
+        assert cpu in os.sched_getaffinity(0)
+        floor = next(x for x in rows if x["name"] == "ring floor: 64 B, p50")
+        assert f"on CPU {cpu}, the workers on the others" in floor["note"], floor
+        # (b) once more with the loop's CPU its own (serve --daemon-cpus), the target on that row
+        placed = [x for x in rows if x["name"] == "ask p99, 8 asking at once, the loop's CPU its own"]
+        assert len(placed) == 1 and placed[0]["target"] == "< 1000 us", placed
+        assert f"on CPU {max(os.sched_getaffinity(0))} and its 8 workers (and MPS) on the others" in next(
+            x for x in rows if x["name"] == "ask p50, 8 asking at once, the loop's CPU its own")["note"]
         assert sorted(os.listdir(mps_dir)) == [], "the bench left its daemons' directories"
         assert not _procs_mentioning(mps_dir), f"processes of the bench still there: {_procs_mentioning(mps_dir)}"
     finally:
         shutil.rmtree(mps_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("cpu", ["nope", "-1", "4096"])
+def test_bench_refuses_a_cpu_it_may_not_use(cpu, capsys):
+    from meshd_mps import bench
+
+    assert bench.main(["--gpu", "sim", "--cpu", cpu]) == 2
+    err = capsys.readouterr().err
+    assert f"--cpu {cpu}: expected auto, off or one of the CPUs this process may use" in err

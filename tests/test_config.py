@@ -13,6 +13,7 @@ import pytest
 from meshd_mps.errors import ConfigFileError, ManifestError
 from meshd_mps.serving import cli, server
 from meshd_mps.state.config import SERVE_DEFAULTS, key_line, load_config, merge_serve
+from meshd_mps.supervision import cpus
 
 from .test_serve import EXAMPLES, cli as run_cli
 
@@ -65,6 +66,7 @@ def test_a_full_file(tmp_path):
         stall_after = 2
         state_dir = "state"
         live_restore = true
+        daemon_cpus = "1,0"
 
         [program.echo]
         dir = "programs/echo"
@@ -82,11 +84,12 @@ def test_a_full_file(tmp_path):
     assert c.serve == {"isolation": "mps", "sms": 4, "pool": 3, "devices": "0,1", "gpu": "sim",
                        "socket": f"{base}/run/meshd.sock", "mps_dir": "/abs/mps",
                        "cache_dir": os.path.expanduser("~/cache"), "log_level": "debug", "log_format": "json",
-                       "loop": "asyncio", "stall_after": 2.0, "state_dir": f"{base}/state", "live_restore": True}
+                       "loop": "asyncio", "stall_after": 2.0, "state_dir": f"{base}/state", "live_restore": True,
+                       "daemon_cpus": "0-1"}
     echo, hb = c.programs["echo"], c.programs["heartbeat"]
     assert (echo.dir, echo.manifest, echo.ptx, echo.cuda) == (f"{base}/programs/echo", f"{base}/programs/echo/manifest.json",
                                                              f"{base}/programs/echo/echo.ptx", None)
-    assert (echo.nodes, echo.device, echo.restart, echo.line) == (2, 1, "always", 18)
+    assert (echo.nodes, echo.device, echo.restart, echo.line) == (2, 1, "always", 19)
     assert (hb.manifest, hb.ptx, hb.cuda, hb.restart, hb.hash) == (f"{base}/hb/manifest.json", None, f"{base}/hb/heartbeat.cu",
                                                                   "on-failure", "0123456789abcdef")
     assert (hb.nodes, hb.device) == (None, None)
@@ -126,6 +129,9 @@ def test_unreadable_and_not_utf8(tmp_path):
     ('[serve]\ndevices = "0,x"\n', 2, "serve.devices", "not a GPU ordinal"),
     ('[serve]\ndevices = [0, 0]\n', 2, "serve.devices", "named twice"),
     ('[serve]\nsocket = 3\n', 2, "serve.socket", "a path"),
+    ('[serve]\ndaemon_cpus = 3\n', 2, "serve.daemon_cpus", "expected, got an integer"),
+    ('[serve]\ndaemon_cpus = "3-1"\n', 2, "serve.daemon_cpus", "the range 3-1 runs backwards"),
+    ('[serve]\ndaemon_cpus = [-1]\n', 2, "serve.daemon_cpus", "-1 is not a CPU number"),
     ('serve = 3\n', 1, "serve", "a table expected"),
     ('[serve]\npool = 1\n[program."echo"]\ndir = "programs/echo"\nrestart = "sometimes"\n', 5, "program.echo.restart",
      "one of on-failure, always, never"),
@@ -232,6 +238,12 @@ def test_serve_reports_a_config_error_and_exits_2(tmp_path):
     assert r.stderr.strip() == f"meshd-mps: {path}:2: serve.pool: an integer expected, got a string"
     r = run_cli("serve", "--gpu", "sim", "--pool", "-1", "--socket", str(tmp_path / "s.sock"))
     assert r.returncode == 2 and r.stderr.strip() == "meshd-mps: --pool must not be negative"
+    mine = cpus.text(os.sched_getaffinity(0))
+    for flag, said in ((99999, f"--daemon-cpus 99999: this process may use CPUs {mine} only"),
+                       (mine, f"--daemon-cpus {mine}: that leaves no CPU for the workers (this process may use {mine})"),
+                       ("one", "--daemon-cpus 'one': CPU numbers and ranges separated by commas (3, 2,3 or 0-3,8)")):
+        r = run_cli("serve", "--gpu", "sim", "--daemon-cpus", str(flag), "--socket", str(tmp_path / "s.sock"))
+        assert r.returncode == 2 and r.stderr.strip() == f"meshd-mps: {said}", r.stderr
 
 
 def test_version():

@@ -59,6 +59,22 @@ def test_take_gets_every_response_there_in_order_and_no_more(mb):
     assert host.take(seq, 1, out) == 1 and out[-1] == b"d"
 
 
+def test_post_some_posts_what_fits_and_take_keeps_order_around_a_forgotten_request(mb):
+    host, dev = Ring(mb, SLOT), device(mb)
+    msgs = [bytes([k]) * 10 for k in range(abi.RING + 3)]
+    assert host.post(b"held") == 0  # another caller's request, outstanding
+    first, k = host.post_some(msgs, 2, 100)
+    assert (first, k) == (1, abi.RING - 1)  # only the room, from msgs[2] on
+    assert host.post_some(msgs, 0, 1) == (abi.RING, 0)  # full: nothing posted, REQ_HEAD untouched
+    serve(dev)
+    host.forget(2)  # a caller of the middle gave up: the in-order fast path must not be taken
+    out: list[bytes] = []
+    assert host.take(1, 1, out) == 1 and out == [msgs[2]]
+    assert host.take(3, abi.RING, out) == abi.RING - 3 and out == msgs[2:3] + msgs[4 : abi.RING + 1]
+    assert host.room() == 0  # "held" (seq 0) is answered but not read: the entries after it wait for it
+    assert host.response(0) == b"held" and host.room() == abi.RING
+
+
 def test_a_request_and_its_response(mb):
     host, dev = Ring(mb, SLOT), device(mb)
     seq = host.post(b"hello")

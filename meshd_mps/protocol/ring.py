@@ -82,13 +82,29 @@ class Ring:
     def post_many(self, payloads: Sequence[bytes], checked: bool = False) -> int:
         """Write requests and publish them all with one REQ_HEAD; the first one's sequence number
         (the others follow it).  Nothing is posted if one is too large or they do not fit.
-        ``checked``: every payload's size was checked already (``call_many`` checks them all
-        before its first post)."""
+        ``checked``: every payload's size was checked already."""
         if not checked:
             for p in payloads:
                 check_payload(p)
         if len(payloads) > self.room():
             raise RingFull(self.slot, abi.RING)
+        return self._publish(payloads)
+
+    def post_some(self, payloads: Sequence[bytes], start: int, most: int) -> tuple[int, int]:
+        """Post as many of ``payloads[start : start + most]`` as the ring has room for, with one
+        REQ_HEAD: (the first one's sequence number, how many).  Their sizes were checked already:
+        ``call_many``'s refill, which learns the room and posts in one step."""
+        w, unread = self._w, self._unread
+        head = w[self._req_head]
+        k = RING - min((head - (unread[0] if unread else w[self._resp_head])) & MASK, RING)
+        if k > most:
+            k = most
+        if k <= 0:
+            return head, 0
+        return self._publish(payloads[start : start + k]), k
+
+    def _publish(self, payloads: Sequence[bytes]) -> int:
+        """Write requests that fit, then REQ_HEAD past them; the first one's sequence number."""
         w, mm, req, unread = self._w, self._mm, self._req, self._unread
         first = head = w[self._req_head]
         for p in payloads:
@@ -105,12 +121,27 @@ class Ring:
         """The responses to ``seq``, ``seq + 1``, ... that the program has written, at most
         ``most``, appended to ``out`` in order (each then counts as read); how many.  RESP_HEAD is
         read once: a batch the program published together is taken together."""
-        k = (self._w[self._resp_head] - seq) & MASK  # how many from seq on are answered
+        w = self._w
+        k = (w[self._resp_head] - seq) & MASK  # how many from seq on are answered
         if k >= 0x7FFFFFFF:  # RESP_HEAD is behind seq: seq is not answered (as _answered reads it)
             return 0
-        k = min(k, most)
+        if k > most:
+            k = most
+        unread = self._unread
+        if self._read or not unread or unread[0] != seq or len(unread) < k:
+            for i in range(k):
+                out.append(self._take((seq + i) & MASK))
+            return k
+        # In order with nothing read out of it: ``unread`` is seq, seq + 1, ... (_take's usual case,
+        # written out for a batch: this is call_many's hot path).
+        mm, resp = self._mm, self._resp
         for i in range(k):
-            out.append(self._take((seq + i) & MASK))
+            at = resp[(seq + i) % RING]  # 2**32 is a multiple of RING: no mask needed
+            n = w[at >> 2]
+            if n > PAYLOAD:
+                n = PAYLOAD
+            out.append(mm[at + 4 : at + 4 + n])
+            unread.popleft()
         return k
 
     def response(self, seq: int) -> bytes | None:

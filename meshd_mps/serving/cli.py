@@ -132,6 +132,9 @@ def parser() -> argparse.ArgumentParser:
                    help="leave the programs running when the daemon stops (SIGTERM, SIGINT, SIGHUP) or dies, for the"
                         " next one with the same --state-dir to adopt: the workers, their kernels, the MPS daemon and"
                         " the mailbox stay (default off: a stop halts every program)")
+    s.add_argument("--daemon-cpus", metavar="LIST",
+                   help="host CPUs for the daemon alone (3, 2,3 or 0-3,8): its workers and the MPS daemon run on the"
+                        " others, so that none takes the event loop's CPU (default: the scheduler places every thread)")
     s.add_argument("--orphan-timeout", type=float, metavar="S",
                    help="with --live-restore: how long the programs run on with no daemon before their workers halt"
                         " them and exit (default 30)")
@@ -185,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             cast(dict[str, ModuleType | None], sys.modules).setdefault(name, None)  # None: an import of it fails
         from workers import pipes, warm
 
-        pipes.take()  # first: the frame pipes out of reach of the driver and of stray prints
+        if not {"-h", "--help"} & set(argv[1:]):  # --help prints to the caller's stdout: no frames follow
+            pipes.take()  # first: the frame pipes out of reach of the driver and of stray prints
         warm.start(argv[1:])  # the CUDA context is created while the worker imports the rest
         from workers.main import main as worker_main
 
@@ -222,6 +226,7 @@ def serve_config(args: argparse.Namespace) -> Config:
     from meshd_mps.gpu.device import parse_devices
     from meshd_mps.serving import server
     from meshd_mps.state.config import load_config, merge_serve
+    from meshd_mps.supervision import cpus
 
     file = load_config(args.config) if args.config is not None else None
     o = merge_serve(vars(args), file)
@@ -230,11 +235,17 @@ def serve_config(args: argparse.Namespace) -> Config:
     for k in ("stall_after", "orphan_timeout"):
         if o[k] is not None and not 0 < o[k] < float("inf"):
             raise ConfigError(f"--{k.replace('_', '-')} {o[k]:g}: seconds, more than 0")
+    daemon_cpus = None
+    if o["daemon_cpus"] is not None:
+        daemon_cpus = cpus.parse(o["daemon_cpus"])
+        cpus.split(daemon_cpus)  # refused here, before anything starts, as the other options are
     return server.Config(isolation=o["isolation"], sms=o["sms"], mps_dir=o["mps_dir"], pool=o["pool"], gpu=o["gpu"],
                          socket=o["socket"], cache_dir=o["cache_dir"], log_level=o["log_level"],
                          log_format=o["log_format"], loop=o["loop"], devices=parse_devices(o["devices"]),
                          stall_after=o["stall_after"], state_dir=o["state_dir"], live_restore=o["live_restore"],
-                         orphan_timeout=o["orphan_timeout"], config_file=None if file is None else os.path.abspath(file.path),
+                         orphan_timeout=o["orphan_timeout"],
+                         daemon_cpus=daemon_cpus,
+                         config_file=None if file is None else os.path.abspath(file.path),
                          programs=() if file is None else tuple(file.programs.values()))
 
 

@@ -62,6 +62,7 @@ from meshd_mps.serving.metrics import Metrics
 from meshd_mps.state.config import DeclaredProgram
 from meshd_mps.state.desired import Recorder, Restored, restore
 from meshd_mps.state.store import Store
+from meshd_mps.supervision import cpus
 
 log = structlog.get_logger("meshd_mps")
 
@@ -102,6 +103,7 @@ class Config:
     orphan_timeout: float | None = None
     config_file: str | None = None
     programs: tuple[DeclaredProgram, ...] = ()
+    daemon_cpus: frozenset[int] | None = None  # --daemon-cpus (supervision/cpus.py); None: unplaced
 
 
 class StartError(MeshError):
@@ -112,6 +114,10 @@ def main(cfg: Config) -> int:
     """Run the daemon until a signal stops it; the exit status."""
     setup_logging("meshd", cfg.log_level, json=None if cfg.log_format is None else cfg.log_format == "json")
     try:
+        if cfg.daemon_cpus is not None:  # before the loop starts a thread: every later one inherits it
+            rest = cpus.place(cfg.daemon_cpus)
+            log.info(f"the daemon on CPUs {cpus.text(cfg.daemon_cpus)}, its workers and MPS on {cpus.text(rest)}",
+                     daemon_cpus=sorted(cfg.daemon_cpus), children_cpus=sorted(rest))
         return eventloop.run(Daemon(cfg).run, cfg.loop)
     except NoDriver as e:
         print(f"meshd-mps: {e}", file=sys.stderr)

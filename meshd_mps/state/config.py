@@ -7,6 +7,7 @@
     devices = "0,1"              # or [0, 1]
     state_dir = "state"          # paths are relative to this file's directory
     live_restore = true
+    daemon_cpus = "3"            # or [3]: the daemon's CPUs, its workers on the others
 
     [program.echo]               # as supervisord's [program:echo]
     dir = "programs/echo"        # manifest.json and one .ptx or .cu; or manifest = ... with ptx = ... (or cuda = ...)
@@ -53,6 +54,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "state_dir": None,  # store.resolve_state_dir's default
     "live_restore": False,
     "orphan_timeout": None,  # Deadlines.orphan
+    "daemon_cpus": None,  # unplaced: the scheduler decides (supervision/cpus.py)
 }
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -188,8 +190,21 @@ class _Reader:
             if not 0 < v < math.inf:
                 raise self.fail(keys, f"{v:g}: seconds, more than 0")
             return float(v)
+        if k == "daemon_cpus":
+            return self.cpus(keys, v)
         assert k == "devices"
         return self.devices(keys, v)
+
+    def cpus(self, keys: tuple[str, ...], v: Any) -> str:
+        """As ``--daemon-cpus`` takes it: "3", "0-3,8" or a list of CPU numbers; kept as the flag's text."""
+        from meshd_mps.supervision import cpus
+
+        if not isinstance(v, (str, list)):
+            raise self.fail(keys, f"CPUs (\"3\", \"0-3,8\" or a list of numbers) expected, got {_tname(v)}")
+        try:
+            return cpus.text(cpus.parse(v))
+        except ConfigError as e:
+            raise self.fail(keys, str(e)) from e
 
     def devices(self, keys: tuple[str, ...], v: Any) -> str:
         """As ``--devices`` takes it: "all", "0,1" or a list of ordinals; kept as the flag's text."""

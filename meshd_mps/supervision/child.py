@@ -32,6 +32,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from meshd_mps.supervision import cpus
 from meshd_mps.supervision.wire import FrameReader
 
 #: How often a child's exit is polled where the kernel has no pidfd_open (before Linux 5.3).
@@ -184,17 +185,20 @@ async def spawn(argv: Sequence[str], env: Mapping[str, str], *, stdin: bool = Tr
     ``output``.  OSError if it cannot start."""
     loop = asyncio.get_running_loop()
     if output is not None:
-        popen = subprocess.Popen(  # noqa: ASYNC220
-            list(argv), stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=dict(env), close_fds=True,
-            bufsize=0, process_group=0)
+        with cpus.for_child():  # on the children's CPUs, if the daemon has its own (--daemon-cpus)
+            popen = subprocess.Popen(  # noqa: ASYNC220
+                list(argv), stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=dict(env), close_fds=True,
+                bufsize=0, process_group=0)
         return await _connected(Child(popen, loop))
     # Popen, not create_subprocess_exec, on purpose: see the module's docstring (the pipes join
     # the loop directly).  Its fork is the same one asyncio would make, in this thread.
     # process_group=0: a process group of its own, so that a terminal's signals (Ctrl-C, the
     # shell's kill %1, a hang-up) reach only the daemon, which halts the programs in order.
-    popen = subprocess.Popen(  # noqa: ASYNC220
-        list(argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT if merge_stderr else None, env=dict(env), close_fds=True, bufsize=0, process_group=0)
+    with cpus.for_child():
+        popen = subprocess.Popen(  # noqa: ASYNC220
+            list(argv), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if merge_stderr else None, env=dict(env), close_fds=True, bufsize=0,
+            process_group=0)
     return await _connected(Child(popen, loop, framed))
 
 
