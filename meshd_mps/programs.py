@@ -564,11 +564,13 @@ class Programs:
     async def call_many(self, name: str, payloads: Sequence[bytes], within: float | None = None,
                         window: int = abi.RING) -> list[bytes]:
         """Requests through the program's ring, pipelined: up to ``window`` (1..RING) outstanding,
-        posted in batches as the ring has room (each batch published by one REQ_HEAD, every
-        response already there taken at once); their responses, in order.  ``within`` bounds
+        posted in batches as the ring has room (each batch published by one REQ_HEAD), the
+        responses read half a window at a time, so that the program serves the other half
+        meanwhile; their responses, in order.  ``within`` bounds
         each response's wait.  The loop is given back at least every HOLD."""
         within = self.d.call if within is None else within
         window = max(1, min(window, abi.RING))
+        half = (window + 1) // 2
         for x in payloads:
             check_payload(x)
         p, ring = self._ring(name)
@@ -590,12 +592,14 @@ class Programs:
                     sent += k
                 if sent == done:  # other callers hold the whole ring
                     raise RingFull(p.slot, abi.RING)
-                # The program serves what is pending as one batch: every response there already is
-                # taken at once, so that the next post refills the ring in one batch too.
+                # At most half the window's responses are read before the next post: the program
+                # serves one half while the host reads the other and refills it (on the 2-core CPU
+                # machine 0.9 us a request at 8 outstanding, against 1.3 us reading all of them).
                 seq = (base + done) & MASK
-                if not ring.take(seq, sent - done, out):
+                most = min(half, sent - done)
+                if not ring.take(seq, most, out):
                     out.append(await self._answer(p, ring, seq, within, time.monotonic() + within))
-                    ring.take((seq + 1) & MASK, sent - done - 1, out)
+                    ring.take((seq + 1) & MASK, most - 1, out)
                 done = len(out)
                 if (now := clock()) - held > self.HOLD:
                     await asyncio.sleep(0)

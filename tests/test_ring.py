@@ -226,6 +226,8 @@ async def test_call_many_answers_in_order_and_concurrent_callers_share_the_ring(
     with anyio.fail_after(60):
         assert await progs.call_many("echo", msgs) == msgs
         assert await progs.call_many("echo", msgs[:5], window=1) == msgs[:5]
+        for window in (2, 3, 5):  # read half a window at a time, however the window divides
+            assert await progs.call_many("echo", msgs, window=window) == msgs
         got: dict[int, bytes] = {}
 
         async def caller(i: int) -> None:
