@@ -72,6 +72,7 @@ def test_the_daemon_keeps_its_cpus_to_itself(serve):  # noqa: F811 - the fixture
     s = serve("mps", "--pool", "2", "--daemon-cpus", cpus.text(mine))
     status = s.wait_ready()
     s.client.load(program_body(str(EXAMPLES / "heartbeat")))  # its worker taken from the pool, one spawned after
+    assert status["cpus"] == {"daemon": cpus.text(mine), "children": cpus.text(rest)}
     assert _cpus_of(s.proc.pid) == {mine}  # every thread of it, those the loop started too
     kids = _descendants(s.proc.pid)
     assert status["daemon_pid"] in kids and len(kids) >= 3  # the control daemon, two workers (and MPS's server)

@@ -49,6 +49,7 @@ from meshd_mps.serving.status import (
     VersionNotSupported,
     status_of,
 )
+from meshd_mps.supervision import cpus
 
 log = structlog.get_logger("meshd_mps")
 
@@ -253,6 +254,7 @@ class Api:
             "daemon_pid": s.get("daemon_pid"),
             "daemon_died": s.get("daemon_died"),
             "mps_dir": s.get("mps_dir"),
+            "cpus": cpus.status(),  # serve --daemon-cpus: the daemon's CPUs and its children's
             "programs": len(ps.by_name),
             "stalled": sum(1 for p in ps.by_name.values() if ps.describe(p)["state"] == "stalled"),
             "devices": [{**d, "programs": len(ps.on_device(d["device"]))} for d in s["devices"]],

@@ -107,6 +107,13 @@ def children() -> frozenset[int] | None:
     return _children
 
 
+def status() -> dict[str, str] | None:
+    """For ``GET /v1/status``: {"daemon": its CPUs, "children": theirs}, None unplaced."""
+    if _children is None:
+        return None
+    return {"daemon": text(os.sched_getaffinity(0)), "children": text(_children)}
+
+
 @contextlib.contextmanager
 def for_child() -> Iterator[None]:
     """Around a fork: the calling thread on the children's CPUs meanwhile, so that the child
