@@ -170,14 +170,15 @@ async def worker(n: int, gpu: str) -> list[float]:
 
     mb = Mailbox.create()
     argv = worker_argv(mb.path, 0, gpu)
-    p = await child.spawn(argv, os.environ)
+    p = await child.spawn(argv, os.environ, framed=True)
     w = WorkerProc(p, lambda _w: None, Deadlines())
     reader = asyncio.ensure_future(w.read_frames())
     if gpu == "cuda":
         req = heartbeat_load(1)
     else:
         from meshd_mps.protocol.frames import Load
-        req = Load(1, 32, 0, 0, "heartbeat", b"\x7fELF heartbeat")
+        from workers.sim_gpu import MAGIC
+        req = Load(1, 32, 0, 0, "heartbeat", MAGIC + b'{"kernel": "heartbeat"}')
     m = Module("heartbeat", w, 1, Loaded.decode_ok(await w.ask(Op.LOAD, req.encode())))
     mb.reset_slot(3)
     mb.halt(3)

@@ -33,7 +33,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +90,25 @@ async def ask(bench: B.Bench) -> None:
         schedule(ws, False, False)
 
 
+@contextlib.contextmanager
+def loop_on(cpu: int | None) -> Iterator[None]:
+    """The calling thread (the loop's) alone on ``cpu`` for the block, its other threads and the
+    workers left where they are (``cpus.placed`` moves every thread); None: left alone."""
+    if cpu is None:
+        yield
+        return
+    was = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, was)
+
+
 async def ask_cpu(bench: B.Bench) -> None:
     nw = bench.n(32, 8)
     async with await bench.backend("mps", pool=nw + 1) as b:
-        survey = await B.place_ring(bench, b)
+        survey = await B.place_ring(bench)
         cpu = bench.ring_cpu
         print(f"floor survey (64 B p50, us): {survey}; fastest: CPU {cpu}", flush=True)
         ws = [await B.returning_worker(bench, b, 100 + i) for i in range(nw)]
@@ -109,7 +124,7 @@ async def ask_cpu(bench: B.Bench) -> None:
         for _ in range(3):
             for tag, loop_cpu, off in (("as-is", None, False), ("pinned", cpu, False), ("alone", cpu, True)):
                 workers_on(others if off else every)
-                with B.pinned(loop_cpu):
+                with loop_on(loop_cpu):
                     await asking(ws, bench.n(200, 20), tag)
         workers_on(every)
 
