@@ -5,6 +5,8 @@ what is sent: no process, no pipe."""
 
 from __future__ import annotations
 
+import asyncio
+import sys
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -17,6 +19,7 @@ from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import NoReply
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Op
+from meshd_mps.supervision import proc
 from meshd_mps.supervision.proc import WorkerProc, WorkerState
 from meshd_mps.supervision.wire import FrameReader, SocketWriter
 
@@ -149,3 +152,25 @@ async def test_an_ask_cancelled_while_its_frame_drains_keeps_its_place():
     reader.resume_writing()
     kept.get_write_buffer_size = lambda: 0  # type: ignore[method-assign]
     await the_next_ask_gets_its_own_reply(w, reader, kept)
+
+
+async def test_the_loop_is_looked_up_once_per_worker(monkeypatch):
+    """get_running_loop() costs a getpid(2) a call on CPython 3.11 (its fork check): a launch's
+    ask, its DONE's future and the ask's watchdog take the loop the worker was first asked on."""
+    w, reader, kept = worker()
+    real, ours = asyncio.get_running_loop, []
+
+    def counted() -> asyncio.AbstractEventLoop:
+        if sys._getframe(1).f_code.co_filename == proc.__file__:
+            ours.append(sys._getframe(1).f_code.co_name)
+        return real()
+
+    monkeypatch.setattr(asyncio, "get_running_loop", counted)
+    for i in range(1, 4):
+        gen, done = w.next_gen(1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(w.ask, Op.LAUNCH, frames.LAUNCH_BODY.pack(1, gen, 0, 1))
+            await until_sent(kept, i)
+            reader.data_received(launched(i) + frames.encode(Op.DONE, frames.Done(1, gen, True).encode()))
+        assert (await done).ok
+    assert ours == ["_on_loop"]  # once, at the first launch
