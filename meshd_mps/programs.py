@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import enum
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -566,8 +567,12 @@ class Programs:
         """Requests through the program's ring, pipelined: up to ``window`` (1..RING) outstanding,
         posted in batches as the ring has room (each batch published by one REQ_HEAD), the
         responses read half a window at a time, so that the program serves the other half
-        meanwhile; their responses, in order.  ``within`` bounds
-        each response's wait.  The loop is given back at least every HOLD."""
+        meanwhile; their responses, in order.  ``within`` bounds each response's wait.  The loop
+        is given back at least every HOLD (plus a response's spin, ring.SPIN).
+
+        A batch's requests have consecutive sequence numbers; two batches need not: another caller
+        (``call``) may post between them while this one gives the loop back.  So each batch's first
+        number is kept, and a read never runs past its batch."""
         within = self.d.call if within is None else within
         window = max(1, min(window, abi.RING))
         half = (window + 1) // 2
@@ -577,7 +582,9 @@ class Programs:
         total = len(payloads)
         out: list[bytes] = []
         sent = done = 0
-        base = 0  # the first request's sequence number (request i's is base + i)
+        #: The batches posted and not wholly read, in order: (the first one's sequence number, its
+        #: first request's index in ``payloads``, how many).
+        batches: deque[tuple[int, int, int]] = deque()
         clock = time.perf_counter
         held = clock()
         try:
@@ -587,26 +594,30 @@ class Programs:
                 k = min(window - (sent - done), total - sent)
                 if k > 0:
                     first, k = ring.post_some(payloads, sent, k)
-                    if sent == 0:
-                        base = first
-                    sent += k
+                    if k:
+                        batches.append((first, sent, k))
+                        sent += k
                 if sent == done:  # other callers hold the whole ring
                     raise RingFull(p.slot, abi.RING)
                 # At most half the window's responses are read before the next post: the program
                 # serves one half while the host reads the other and refills it (on the 2-core CPU
                 # machine 0.9 us a request at 8 outstanding, against 1.3 us reading all of them).
-                seq = (base + done) & MASK
-                most = min(half, sent - done)
+                first, at, k = batches[0]
+                seq = (first + done - at) & MASK
+                most = min(half, at + k - done)
                 if not ring.take(seq, most, out):
                     out.append(await self._answer(p, ring, seq, within, time.monotonic() + within))
                     ring.take((seq + 1) & MASK, most - 1, out)
                 done = len(out)
+                if done == at + k:
+                    batches.popleft()
                 if (now := clock()) - held > self.HOLD:
                     await asyncio.sleep(0)
                     held = now
         except BaseException:
-            for i in range(len(out), sent):
-                ring.forget((base + i) & MASK)
+            for first, at, k in batches:  # the requests posted and not read: this caller's own
+                for i in range(max(len(out), at), at + k):
+                    ring.forget((first + i - at) & MASK)
             raise
         return out
 

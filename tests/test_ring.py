@@ -11,6 +11,7 @@ on its timer.  No assertion here is about time.
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from meshd_mps.backend import Backend
@@ -238,6 +239,34 @@ async def test_call_many_answers_in_order_and_concurrent_callers_share_the_ring(
                 tg.start_soon(caller, i)
     assert got == {i: f"caller {i}".encode() for i in range(abi.RING)}
     assert progs.get("echo").ring is not None and progs.get("echo").ring.room() == abi.RING  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("window", [2, 4, 5])
+async def test_a_call_posted_between_two_batches_of_call_many_keeps_its_own_response(progs, monkeypatch, window):
+    """call_many gives the loop back between its batches (every HOLD; 0 here, so at every one),
+    and a ``call`` may post then: the next batch's numbers follow the call's, not the batch
+    before.  Before 2026-12-05 call_many took request i's number for ``base + i``: it returned
+    the call's response as one of its own, shifted the rest by one, and left an entry unread."""
+    monkeypatch.setattr(Programs, "HOLD", 0.0)
+    await progs.load(*example("echo"))
+    mb, slot = progs.b.mailbox, progs.get("echo").slot
+    start = mb.u32(slot, abi.REQ_HEAD)
+    msgs = [f"many {i}".encode() for i in range(3 * window)]
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            many: list[bytes] = []
+
+            async def pipelined() -> None:
+                many.extend(await progs.call_many("echo", msgs, window=window))
+
+            tg.start_soon(pipelined)
+            while mb.u32(slot, abi.REQ_HEAD) == start:  # call_many's first batch is not posted yet
+                await anyio.lowlevel.checkpoint()
+            assert mb.u32(slot, abi.REQ_HEAD) == (start + window) & 0xFFFFFFFF  # only it: the call comes next
+            one = await progs.call("echo", b"the call's own")
+    assert one == b"the call's own" and many == msgs
+    ring = progs.get("echo").ring
+    assert ring is not None and ring.room() == abi.RING  # every response read
 
 
 async def test_a_call_that_times_out_gives_its_entry_back(progs):
