@@ -96,7 +96,7 @@ import anyio
 from meshd_mps import eventloop
 from meshd_mps.backend import Backend, live_paths
 from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import CapacityError
+from meshd_mps.errors import CapacityError, ConfigError
 from meshd_mps.gpu.compiler import Compiler, cuda_to_ptx, nvjitlink_version
 from meshd_mps.gpu.device import query_device
 from meshd_mps.isolation.base import Module
@@ -1531,10 +1531,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", default="auto", metavar="N|auto|off",
                     help="the host CPU that (f)'s floor and ring spin on (default auto: the fastest floor of a survey)")
     args = ap.parse_args(argv)
-    if args.cpu not in ("auto", "off") and not (args.cpu.isdigit() and int(args.cpu) in os.sched_getaffinity(0)):
-        print(f"meshd-mps bench: --cpu {args.cpu}: expected auto, off or one of the CPUs this process may use"
-              f" ({','.join(map(str, sorted(os.sched_getaffinity(0))))})", file=sys.stderr)
-        return 2
+    if args.cpu not in ("auto", "off"):
+        try:  # checked as serve checks --daemon-cpus: (f) and (b) place the bench's process so
+            one = cpus.parse(args.cpu, "--cpu")
+            if len(one) != 1:
+                raise ConfigError(f"--cpu {args.cpu}: one CPU, auto or off")
+            cpus.split(one, "--cpu")
+        except ConfigError as e:
+            print(f"meshd-mps bench: {e}", file=sys.stderr)
+            return 2
     os.environ.setdefault("MESHD_MPS_LOG_LEVEL", "warning")  # workers inherit it
     setup_logging(component="bench")
     try:

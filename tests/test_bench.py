@@ -74,10 +74,27 @@ def test_bench_sim_quick(standin_on_path, tmp_path):
         shutil.rmtree(mps_dir, ignore_errors=True)
 
 
-@pytest.mark.parametrize("cpu", ["nope", "-1", "4096"])
-def test_bench_refuses_a_cpu_it_may_not_use(cpu, capsys):
+@pytest.mark.parametrize(("cpu", "why"), [("nope", "CPU numbers and ranges"), ("-1", "CPU numbers and ranges"),
+                                         ("\u00b2", "CPU numbers and ranges"), ("0,1", "one CPU, auto or off"),
+                                         ("4096", "this process may use CPUs"), ("9999", "past any CPU")])
+def test_bench_refuses_a_cpu_it_may_not_use(cpu, why, capsys):
+    """--cpu N places the bench's process as serve --daemon-cpus N places the daemon, and is
+    checked as that is: exit 2 and the fault named, no traceback."""
     from meshd_mps import bench
 
     assert bench.main(["--gpu", "sim", "--cpu", cpu]) == 2
     err = capsys.readouterr().err
-    assert f"--cpu {cpu}: expected auto, off or one of the CPUs this process may use" in err
+    assert err.startswith("meshd-mps bench: --cpu ") and why in err, err
+
+
+def test_bench_refuses_a_cpu_that_leaves_none_for_the_workers(capsys):
+    from meshd_mps import bench
+
+    mine = sorted(os.sched_getaffinity(0))
+    was = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {mine[0]})  # a process that may use one CPU only
+    try:
+        assert bench.main(["--gpu", "sim", "--cpu", str(mine[0])]) == 2
+    finally:
+        os.sched_setaffinity(0, was)
+    assert "that leaves no CPU for the workers" in capsys.readouterr().err

@@ -239,7 +239,10 @@ def test_serve_reports_a_config_error_and_exits_2(tmp_path):
     r = run_cli("serve", "--gpu", "sim", "--pool", "-1", "--socket", str(tmp_path / "s.sock"))
     assert r.returncode == 2 and r.stderr.strip() == "meshd-mps: --pool must not be negative"
     mine = cpus.text(os.sched_getaffinity(0))
-    for flag, said in ((99999, f"--daemon-cpus 99999: this process may use CPUs {mine} only"),
+    for flag, said in ((4096, f"--daemon-cpus 4096: this process may use CPUs {mine} only"),
+                       ("0-4000000000", "--daemon-cpus '0-4000000000': CPU 4000000000 is past any CPU (Linux numbers"
+                                        " them below 8192)"),
+                       ("\u00b2", "--daemon-cpus '\u00b2': CPU numbers and ranges separated by commas (3, 2,3 or 0-3,8)"),
                        (mine, f"--daemon-cpus {mine}: that leaves no CPU for the workers (this process may use {mine})"),
                        ("one", "--daemon-cpus 'one': CPU numbers and ranges separated by commas (3, 2,3 or 0-3,8)")):
         r = run_cli("serve", "--gpu", "sim", "--daemon-cpus", str(flag), "--socket", str(tmp_path / "s.sock"))

@@ -26,7 +26,10 @@ def test_cpu_lists_read_as_taskset_writes_them(spec, want):
 @pytest.mark.parametrize(("spec", "why"), [("", "CPU numbers and ranges"), ("a", "CPU numbers and ranges"),
                                            ("1,,2", "CPU numbers and ranges"), ("-1", "CPU numbers and ranges"),
                                            ("3-1", "the range 3-1 runs backwards"), ([], "no CPU given"),
-                                           ([True], "True is not a CPU number"), ([-2], "-2 is not a CPU number")])
+                                           ([True], "True is not a CPU number"), ([-2], "-2 is not a CPU number"),
+                                           ("\u00b2", "CPU numbers and ranges"),  # a digit to str.isdigit, not to int()
+                                           ("0-4000000000", "CPU 4000000000 is past any CPU"),  # refused, not expanded
+                                           ([9000], "CPU 9000 is past any CPU")])
 def test_a_bad_cpu_list_is_named(spec, why):
     with pytest.raises(ConfigError, match=why):
         cpus.parse(spec)
@@ -34,6 +37,44 @@ def test_a_bad_cpu_list_is_named(spec, why):
 
 def test_text_joins_runs():
     assert cpus.text({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"
+
+
+def test_unplace_puts_each_thread_back_on_its_own_cpus():
+    """The bench's placed phases end with ``unplace``: a thread pinned before (the floor's host, a
+    driver's thread) is back on its own CPUs, not on the process's."""
+    import threading
+
+    allowed = frozenset(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip(f"needs 2 CPUs; this process may use {cpus.text(allowed)}")
+    lo, hi = min(allowed), max(allowed)
+    seen: dict[str, frozenset[int]] = {}
+    pinned, placed, done = threading.Event(), threading.Event(), threading.Event()
+
+    def pinned_thread() -> None:
+        os.sched_setaffinity(0, {lo})
+        pinned.set()
+        placed.wait(30)
+        seen["placed"] = frozenset(os.sched_getaffinity(0))
+        done.wait(30)
+        seen["after"] = frozenset(os.sched_getaffinity(0))
+
+    t = threading.Thread(target=pinned_thread)
+    t.start()
+    try:
+        assert pinned.wait(30)
+        with cpus.placed(frozenset({hi})):
+            placed.set()
+            assert frozenset(os.sched_getaffinity(0)) == {hi}
+            while "placed" not in seen and t.is_alive():
+                t.join(0.01)
+        assert frozenset(os.sched_getaffinity(0)) == allowed
+    finally:
+        placed.set()
+        done.set()
+        t.join(30)
+    assert seen == {"placed": {hi}, "after": {lo}}
+    assert cpus.children() is None and cpus.status() is None
 
 
 def _cpus_of(pid: int) -> set[frozenset[int]]:

@@ -17,14 +17,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterable, Iterator
 
 from meshd_mps.errors import ConfigError
 
+#: CPU numbers run below this: Linux's largest CONFIG_NR_CPUS (x86-64's MAXSMP).  A range is
+#: refused past it before it is expanded ("0-4000000000" would not fit in memory).
+MOST = 8192
+_NUMBER = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit() takes "²", which int() refuses
+
 #: The CPUs children run on while the daemon is placed (None: unplaced).
 _children: frozenset[int] | None = None
-#: Every thread's CPUs before ``place``, for ``unplace``.
-_before: frozenset[int] | None = None
+#: Before ``place``: the CPUs this process might use (the placing thread's), and each thread's own
+#: (by thread id), for ``unplace``.
+_allowed: frozenset[int] | None = None
+_threads: dict[int, frozenset[int]] = {}
 
 
 def parse(spec: str | Iterable[int], what: str = "--daemon-cpus") -> frozenset[int]:
@@ -34,17 +42,21 @@ def parse(spec: str | Iterable[int], what: str = "--daemon-cpus") -> frozenset[i
         out: set[int] = set()
         for part in spec.split(","):
             lo, dash, hi = part.strip().partition("-")
-            if not lo.isdigit() or (dash and not hi.isdigit()):
+            if not _NUMBER.fullmatch(lo) or (dash and not _NUMBER.fullmatch(hi)):
                 raise ConfigError(f"{what} {spec!r}: CPU numbers and ranges separated by commas (3, 2,3 or 0-3,8)")
             a, b = int(lo), int(hi) if dash else int(lo)
             if b < a:
                 raise ConfigError(f"{what} {spec!r}: the range {part.strip()} runs backwards")
+            if b >= MOST:
+                raise ConfigError(f"{what} {spec!r}: CPU {b} is past any CPU (Linux numbers them below {MOST})")
             out.update(range(a, b + 1))
         return frozenset(out)
     cpus = list(spec)
     for c in cpus:
         if isinstance(c, bool) or not isinstance(c, int) or c < 0:
             raise ConfigError(f"{what}: {c!r} is not a CPU number (0, 1, ...)")
+        if c >= MOST:
+            raise ConfigError(f"{what}: CPU {c} is past any CPU (Linux numbers them below {MOST})")
     if not cpus:
         raise ConfigError(f"{what}: no CPU given")
     return frozenset(cpus)
@@ -61,15 +73,15 @@ def text(cpus: Iterable[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def split(daemon: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
+def split(daemon: frozenset[int], what: str = "--daemon-cpus") -> tuple[frozenset[int], frozenset[int]]:
     """(the CPUs this process may use, those left for its children); ConfigError if it may not use
     one of ``daemon`` or none would be left for the children."""
-    allowed = frozenset(os.sched_getaffinity(0)) if _before is None else _before
+    allowed = frozenset(os.sched_getaffinity(0)) if _allowed is None else _allowed
     if not daemon or not daemon <= allowed:
-        raise ConfigError(f"--daemon-cpus {text(daemon)}: this process may use CPUs {text(allowed)} only")
+        raise ConfigError(f"{what} {text(daemon)}: this process may use CPUs {text(allowed)} only")
     rest = allowed - daemon
     if not rest:
-        raise ConfigError(f"--daemon-cpus {text(daemon)}: that leaves no CPU for the workers (this process may use"
+        raise ConfigError(f"{what} {text(daemon)}: that leaves no CPU for the workers (this process may use"
                           f" {text(allowed)})")
     return allowed, rest
 
@@ -77,19 +89,26 @@ def split(daemon: frozenset[int]) -> tuple[frozenset[int], frozenset[int]]:
 def place(daemon: frozenset[int]) -> frozenset[int]:
     """Every thread of this process on ``daemon`` from now on, its children on the CPUs it may use
     less those (``split``, which raises ConfigError); the children's CPUs."""
-    global _children, _before
+    global _children, _allowed, _threads
     allowed, rest = split(daemon)
-    _set_every_thread(daemon)
-    _before, _children = allowed, rest
+    threads = _every_thread()
+    try:
+        for tid in threads:
+            _set(tid, daemon)
+    except BaseException:
+        _restore(threads, allowed)  # all or nothing
+        raise
+    _allowed, _children, _threads = allowed, rest, threads
     return rest
 
 
 def unplace() -> None:
-    """Every thread back on the CPUs it had before ``place`` (the bench's placed phases end so)."""
-    global _children, _before
-    if _before is not None:
-        _set_every_thread(_before)
-    _before = _children = None
+    """Every thread back on the CPUs it had before ``place``, one started since on those the
+    process might use then (the bench's placed phases end so)."""
+    global _children, _allowed, _threads
+    if _allowed is not None:
+        _restore(_threads, _allowed)
+    _allowed, _children, _threads = None, None, {}
 
 
 @contextlib.contextmanager
@@ -129,9 +148,23 @@ def for_child() -> Iterator[None]:
         os.sched_setaffinity(0, was)
 
 
-def _set_every_thread(cpus: frozenset[int]) -> None:
-    """sched_setaffinity moves one thread: each of this process's, and threads started later
-    inherit it from the thread that starts them."""
-    for tid in os.listdir("/proc/self/task"):
+def _every_thread() -> dict[int, frozenset[int]]:
+    """This process's threads and the CPUs each may use now."""
+    out = {}
+    for tid in map(int, os.listdir("/proc/self/task")):
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), cpus)
+            out[tid] = frozenset(os.sched_getaffinity(tid))
+    return out
+
+
+def _set(tid: int, cpus: frozenset[int]) -> None:
+    """sched_setaffinity moves one thread; threads started later inherit it from the thread that
+    starts them."""
+    with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+        os.sched_setaffinity(tid, cpus)
+
+
+def _restore(before: dict[int, frozenset[int]], allowed: frozenset[int]) -> None:
+    """Every thread on its CPUs of ``before``, one not there (started since) on ``allowed``."""
+    for tid in map(int, os.listdir("/proc/self/task")):
+        _set(tid, before.get(tid, allowed))
