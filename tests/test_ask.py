@@ -16,7 +16,7 @@ import anyio.lowlevel
 import pytest
 
 from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import NoReply
+from meshd_mps.errors import NoReply, WorkerUnfit
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Op
 from meshd_mps.supervision import proc
@@ -134,6 +134,26 @@ async def test_no_reply_in_time_makes_the_worker_unfit_even_if_its_caller_gave_u
         while w.unfit is None:
             await anyio.sleep(0.01)
     assert w.unfit == "worker 7: no reply in 0.05s"
+
+
+async def test_a_missed_deadline_makes_the_worker_unfit_even_if_its_ask_is_cancelled_at_once(monkeypatch):
+    """The watchdog fires and its ask's caller is cancelled in the same turn of the loop (its own
+    timeout of the same length): the worker is unfit all the same, and the next ask is refused,
+    not left waiting with no deadline (before 2026-12-05 the ask's task marked it, if it ran)."""
+    w, _, _ = worker(Deadlines(launch=0.05))
+    task = asyncio.ensure_future(w.ask(Op.LAUNCH, LAUNCH))
+    watch = w._watch
+
+    def watch_then_cancel() -> None:
+        watch()
+        task.cancel()
+
+    monkeypatch.setattr(w, "_watch", watch_then_cancel)
+    with anyio.fail_after(5), pytest.raises(asyncio.CancelledError):
+        await task
+    assert w.unfit == "worker 7: no reply in 0.05s" and w.state == WorkerState.UNFIT and not w.asking
+    with pytest.raises(WorkerUnfit):
+        await w.ask(Op.LAUNCH, LAUNCH)
 
 
 async def test_a_reply_nobody_asked_for_ends_the_reading():

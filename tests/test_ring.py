@@ -187,6 +187,26 @@ def test_forget_frees_an_entry_and_its_late_response_is_not_read(mb):
     assert host.response(nxt) == b"next"
 
 
+def test_a_request_forgotten_before_its_answer_keeps_its_entry_while_others_are_unread(mb):
+    """The oldest request given up (a CallTimeout) before the program read it, later ones still
+    outstanding: its entry stays taken until the program answers it.  Before 2026-12-05 the room
+    was counted from the oldest unread request alone: a 9th request overwrote the forgotten one
+    before the program had read it (the program then served the 9th twice)."""
+    host, dev = Ring(mb, SLOT), device(mb)
+    seqs = [host.post(b"req %d" % i) for i in range(abi.RING)]
+    host.forget(seqs[0])
+    assert host.room() == 0
+    with pytest.raises(RingFull):
+        host.post(b"one too many")
+    with pytest.raises(RingFull):
+        host.post_many([b"one too many"])
+    assert host.post_some([b"one too many"], 0, 1)[1] == 0
+    assert serve(dev) == abi.RING  # all 8 read and answered, the forgotten one's own request too
+    assert host.room() == 1  # its entries free now; the 7 others' responses are not read yet
+    assert [host.response(s) for s in seqs[1:]] == [b"req %d" % i for i in range(1, abi.RING)]
+    assert host.room() == abi.RING
+
+
 def test_payload_limits(mb):
     host = Ring(mb, SLOT)
     host.post(b"y" * abi.ENTRY_PAYLOAD)

@@ -141,3 +141,23 @@ def test_our_kill_of_a_worker_killed_from_outside_is_not_ours():
     finally:
         p.kill()
         p.wait()
+
+
+def test_our_kill_stays_ours_when_we_kill_again_during_its_exit():
+    """A fault's teardown kills a worker; its retire kills it again while the first SIGKILL's exit
+    is under way (~0.2 s for a CUDA client, a zombie here): the -9 is still ours, not the fault
+    evidence of a worker killed from outside (before 2026-12-05 the second kill said so)."""
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        w = worker()
+        w.process = SimpleNamespace(pid=p.pid, exited=False, returncode=None, kill=lambda: os.kill(p.pid, signal.SIGKILL))
+        w.pid = p.pid
+        _kill(w)
+        assert w.killed
+        os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # its exit, the zombie left in place
+        assert procfs.ending(p.pid)
+        _kill(w)
+        assert w.killed
+    finally:
+        p.kill()
+        p.wait()

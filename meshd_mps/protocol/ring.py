@@ -10,7 +10,8 @@ is written before the REQ_HEAD that publishes it.
 A response entry is reused by the request RING later, so the host lets at most RING requests be
 outstanding *counting the responses not read yet*: a caller that reads its response late (another
 task ran first) does not find it overwritten.  A caller that gives up (a deadline, a cancel)
-``forget``\\ s its request; its response is then never read.
+``forget``\\ s its request; its response is then never read, and its entries are free once the
+program has answered it (until then the program may still be reading the request).
 """
 
 from __future__ import annotations
@@ -58,9 +59,18 @@ class Ring:
 
     def room(self) -> int:
         """How many more requests may be posted now."""
-        head = self._w[self._req_head]
-        oldest = self._unread[0] if self._unread else self._w[self._resp_head]
-        return abi.RING - min((head - oldest) & MASK, abi.RING)
+        return RING - self._used(self._w[self._req_head])
+
+    def _used(self, head: int) -> int:
+        """The entries taken (0..RING) with REQ_HEAD at ``head``: a request's entry is free once the
+        program has answered it (RESP_HEAD is past it) and its response's once the host has read or
+        forgotten it (the oldest unread is past it).  Both are counted: a request forgotten before
+        its answer (a CallTimeout) leaves its entries to the program until it answers."""
+        w, unread = self._w, self._unread
+        used = (head - w[self._resp_head]) & MASK
+        if unread and (u := (head - unread[0]) & MASK) > used:
+            used = u
+        return used if used < RING else RING
 
     def post(self, payload: bytes) -> int:
         """Write the next request and publish it; its sequence number.  PayloadTooLarge, RingFull.
@@ -70,7 +80,7 @@ class Ring:
             check_payload(payload)
         w, unread = self._w, self._unread
         head = w[self._req_head]
-        if (head - (unread[0] if unread else w[self._resp_head])) & MASK >= RING:
+        if self._used(head) >= RING:
             raise RingFull(self.slot, RING)
         at = self._req[head % RING]
         w[at >> 2] = n
@@ -94,9 +104,8 @@ class Ring:
         """Post as many of ``payloads[start : start + most]`` as the ring has room for, with one
         REQ_HEAD: (the first one's sequence number, how many).  Their sizes were checked already:
         ``call_many``'s refill, which learns the room and posts in one step."""
-        w, unread = self._w, self._unread
-        head = w[self._req_head]
-        k = RING - min((head - (unread[0] if unread else w[self._resp_head])) & MASK, RING)
+        head = self._w[self._req_head]
+        k = RING - self._used(head)
         if k > most:
             k = most
         if k <= 0:

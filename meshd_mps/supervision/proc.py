@@ -323,10 +323,8 @@ class WorkerProc:
                 raise
         try:
             got, reply = await fut
-        except _NoReply as e:
-            why = f"worker {self.pid}: no reply in {_secs(within)}"
-            self.mark_unfit(why)  # a late reply would be taken for the next one's
-            raise NoReply(why, pid=self.pid, within=within) from e
+        except _NoReply as e:  # the watchdog has marked the worker unfit: a late reply would be taken for the next one's
+            raise NoReply(f"worker {self.pid}: no reply in {_secs(within)}", pid=self.pid, within=within) from e
         if got != want:
             why = f"worker {self.pid}: reply {got.name}, expected {want.name}"
             self.mark_unfit(why)
@@ -375,9 +373,11 @@ class WorkerProc:
         fut, within = self._asked[0]
         if (left := self._deadline - time.monotonic()) <= 0:
             if not fut.done():
-                fut.set_exception(_NoReply())  # its ask says so, and marks the worker unfit
-            else:  # given up by its caller (a cancel): the worker is still late
-                self.mark_unfit(f"worker {self.pid}: no reply in {_secs(within)}")
+                fut.set_exception(_NoReply())  # its ask raises NoReply
+            # Unfit here, not in the asking task: that task may be cancelled before it runs again
+            # (its caller's own timeout, in the same turn of the loop), and the late ask would
+            # then stay at the head of ``_asked`` with no watchdog left for the asks behind it.
+            self.mark_unfit(f"worker {self.pid}: no reply in {_secs(within)}")
         else:
             self._watching_until = self._deadline
             self._watchdog = self._on_loop().call_later(left, self._watch)

@@ -502,10 +502,11 @@ def _listen_dir(dir: str) -> tuple[str, int, str]:
 def _kill(w: WorkerProc) -> None:
     """Our SIGKILL.  One that finds the process exiting or exited already (killed from outside, say:
     a zombie not yet reaped, or a CUDA client still in its exit) is not ours: ``killed`` stays False,
-    which is the fault evidence (faults.py)."""
+    which is the fault evidence (faults.py).  A second one that finds our first one's exit under way
+    (a retire's kill after the teardown's, ~0.2 s for a CUDA client) leaves it ours."""
     if not w.process.exited:
         w.retiring()
-        w.killed = not procfs.ending(w.pid)
+        w.killed = w.killed or not procfs.ending(w.pid)
         w.process.kill()
 
 
