@@ -42,6 +42,7 @@ from meshd_mps.errors import (
     RingFull,
     SlotTaken,
     StateError,
+    Unavailable,
     UpgradeMismatch,
     WorkerError,
 )
@@ -120,6 +121,9 @@ class Program:
     error: str = ""  # what the latest move to FAILED or FAULTED said
     lost_to: str = ""  # LOST: the program whose fault took this one down, once named
     failed_at: float = 0.0  # monotonic time its launch was seen failing
+    #: Its failure dealt with as its own (its report made): left FAILED so (restart policy never),
+    #: it is no part of a later fault of its GPU.
+    settled: bool = False
     beat: int = -1  # the HEARTBEAT last seen (Programs.sample)
     beat_at: float = field(default_factory=time.monotonic)  # when it was last seen advancing
     beaten: bool = False  # seen advancing at least once: a program that never beats never stalls
@@ -341,6 +345,8 @@ class Programs:
         if isinstance(nodes, bool) or not isinstance(nodes, int):
             raise ManifestError(f"{m.name}: nodes {nodes!r}: a count of blocks expected")
         async with self._lock:
+            if self._closing:
+                raise Unavailable(f"{m.name}: meshd-mps is shutting down: no program is loaded now")
             if m.name in self.by_name:
                 raise AlreadyLoaded(m.name)
             slot = self._free_slot(slot)
@@ -443,10 +449,25 @@ class Programs:
     async def detach(self) -> None:
         """Live restore's stop: the programs are forgotten here, never halted; their workers run on
         for the next meshd-mps (Backend.detach)."""
-        self._closing = True
-        n = len(self.by_name)
-        self.by_name.clear()
+        with anyio.CancelScope(shield=True):
+            locked = await self._last()
+            n = len(self.by_name)
+            self.by_name.clear()
+            if locked:
+                self._lock.release()
         log.info(f"{n} programs left running for the next meshd-mps")
+
+    async def _last(self) -> bool:
+        """Closing: nothing starts from now on (``_closing``), and the lock is taken once the load,
+        upgrade or relaunch under way has ended (each bounded by its own deadlines, all by
+        ``recover`` here), so that what it installs is closed with the rest; True if taken."""
+        self._closing = True
+        with anyio.move_on_after(self.d.recover):
+            await self._lock.acquire()
+            return True
+        log.error(f"programs: a load, upgrade or relaunch still held the lock {self.d.recover:g}s into the close;"
+                  " closing without it")
+        return False
 
     async def upgrade(self, name: str, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes,
                       expect: int | None = None, policy: restart.Policy | str | None = None) -> Program:
@@ -687,6 +708,7 @@ class Programs:
                     self.faults.append(FaultReport(time.time(), error, p.name, p.kernel.pid, False, device=p.device,
                                                    by="own", seen_at=p.failed_at))
                     log.error(f"program {p.name} failed: {error}", program=p.name, pid=p.kernel.pid, device=p.device)
+                    p.settled = True
                     self._after_end(p, restart.End.FAILED)
                     return
             # Blink: one context, whose error is sticky: a failure is every program's of the GPU.
@@ -710,8 +732,11 @@ class Programs:
             t = now
 
         first_seen = self._suspect(first)
-        # Every program of that GPU goes down with it: the ones still running fail within ms.
-        hit = [q for q in self.on_device(gpu) if q.observe() in (*LIVE, ProgramState.FAILED)]
+        # Every program of that GPU goes down with it: the ones still running fail within ms (some
+        # FAILED already, not yet seen by their watchers).  One whose failure was dealt with before
+        # as its own (restart policy never leaves it FAILED) is no part of this fault.
+        hit = [q for q in self.on_device(gpu)
+               if (st := q.observe()) in LIVE or (st is ProgramState.FAILED and not q.settled)]
         for q in hit:
             q.to(ProgramState.LOST)  # their watchers leave them to this recovery
         step("decide")
@@ -843,13 +868,21 @@ class Programs:
         async with anyio.create_task_group() as tg:
             for q in qs:
                 tg.start_soon(load, q)
+        # The old workers (retired already) or modules go first, their launches ended: in blink mode
+        # an unload is a blink, which would halt the relaunched ones (one that is slow to see HALT
+        # would refuse it).  One that cannot be unloaded is left, and said; the relaunch goes on.
+        for q, _k, _img in loaded:
+            try:
+                await self.b.unload(q.kernel)
+            except MeshError as e:
+                log.warning(f"program {q.name}: its old module was not unloaded before its relaunch: {e}",
+                            program=q.name)
         for q, k, img in loaded:
             try:
                 run = await self._launch(k, q.slot, q.nodes)
             except MeshError as e:
                 failed[q.name] = e
                 continue
-            await self.b.unload(q.kernel)  # the old worker (retired already) or module
             self.relaunched_total += 1
             self._install(Program(q.name, q.slot, k, run, img.prepared.hash, q.nodes, upgrades=q.upgrades,
                                   compile_ms=img.prepared.compile_ms, cached=img.prepared.cached, manifest=q.manifest,
@@ -918,19 +951,23 @@ class Programs:
 
     async def close(self) -> None:
         """Every program halted (briefly) and unloaded, before the backend closes."""
-        self._closing = True
         with anyio.CancelScope(shield=True):
-            progs = list(self.by_name.values())
-            for p in progs:  # all halted first: in blink mode the unloads then halt nobody
-                self.b.mailbox.halt(p.slot)
-            for p in progs:
-                try:
-                    await self._halt(p, within=self.d.close_halt)
-                except MeshError as e:
-                    log.error(f"program {p.name}: {e}")
-            for p in progs:
-                try:
-                    await self.b.unload(p.kernel)
-                except MeshError as e:
-                    log.error(f"program {p.name}: {e}")
-            self.by_name.clear()
+            locked = await self._last()
+            try:
+                progs = list(self.by_name.values())
+                for p in progs:  # all halted first: in blink mode the unloads then halt nobody
+                    self.b.mailbox.halt(p.slot)
+                for p in progs:
+                    try:
+                        await self._halt(p, within=self.d.close_halt)
+                    except MeshError as e:
+                        log.error(f"program {p.name}: {e}")
+                for p in progs:
+                    try:
+                        await self.b.unload(p.kernel)
+                    except MeshError as e:
+                        log.error(f"program {p.name}: {e}")
+                self.by_name.clear()
+            finally:
+                if locked:
+                    self._lock.release()

@@ -14,6 +14,7 @@ programs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -155,17 +156,22 @@ class BlinkIsolation(Isolation):
                 r.relaunch_failed(e)
 
     async def _blink(self, what: str, work: Callable[[], Awaitable[T]], drop: BlinkModule | None = None) -> T:
-        """Every running program halted, ``work`` done, the halted ones relaunched (``drop``'s not)."""
+        """Every running program halted, ``work`` done, the halted ones relaunched (``drop``'s not).
+        A cancel (a caller's timeout, the API's drain) ends ``work`` only: the halt and the relaunch
+        are shielded (each bounded by its own deadline), so that no program is left halted, or
+        relaunched behind its ``Launch``'s back."""
         async with self._lock:
             t0 = time.perf_counter()
-            halted = await self._halt_all()
+            with anyio.CancelScope(shield=True):
+                halted = await self._halt_all()
             try:
                 return await work()
             finally:
                 dropped = [r for r in halted if drop is not None and r in drop.runs]
                 for r in dropped:
                     r.relaunched(r.inner)  # it ends here, with the DONE of its HALT
-                await self._relaunch([r for r in halted if r not in dropped])
+                with anyio.CancelScope(shield=True):
+                    await self._relaunch([r for r in halted if r not in dropped])
                 ms = (time.perf_counter() - t0) * 1e3
                 if halted:
                     self.blinks += 1
@@ -205,6 +211,10 @@ class BlinkIsolation(Isolation):
                 info = Loaded.decode_ok(payload)
             except (FrameError, WorkerError) as e:
                 raise e.prefixed("load") from e
+            except BaseException:  # cancelled: the LOAD was written (ask's first wait is after it), so it loads
+                with anyio.CancelScope(shield=True), contextlib.suppress(WorkerError):
+                    await p.send(Op.UNLOAD, frames.unload_body(module))  # and leaves its hardware queue
+                raise
             self.dev = info.dev
             if admit is not None:
                 try:

@@ -191,6 +191,12 @@ class MpsIsolation(Isolation):
                 # that is alive but misbehaved (no reply, garbage) is not retried: a hang would
                 # cost the caller a second load deadline.
                 log.info(f"mps: pooled worker {p.pid} was gone ({e}); taking another", pid=p.pid)
+            except BaseException:
+                # Cancelled (a caller's timeout, the API's drain): its LOAD is written and loads all
+                # the same, so it is no pooled worker any more; neither pooled nor kept, it would
+                # hold a client of the server for ever.
+                self.sup.retire(p)
+                raise
         w = Worker(name, p, 0, info, fresh)
         try:
             if self.mps.sms and self.mps.sms != info.sms:
