@@ -148,10 +148,12 @@ class Api:
         """The factory of connection handlers for ``loop.create_server`` (``server``: the runner's)."""
         loop = asyncio.get_running_loop()
         head = self.deadlines.http_head
-        # keepalive_timeout: after an answer, the next request's head has as long.
+        # keepalive_timeout: after an answer, the next request's head has as long.  auto_decompress
+        # off: a Content-Encoding is refused (415, schemas.check_framing), not decoded by the parser
+        # as the body arrives (a body that was not what it said was an unhandled error there).
         return lambda: Protocol(server, self, loop=loop, keepalive_timeout=head, tcp_keepalive=False, access_log=None,
                                 max_line_size=MAX_HEAD, max_field_size=MAX_HEAD, max_headers=MAX_HEADERS,
-                                lingering_time=LINGER_S)
+                                lingering_time=LINGER_S, auto_decompress=False)
 
     # ---- every request ----------------------------------------------------------------------
     @web.middleware

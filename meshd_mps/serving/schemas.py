@@ -23,7 +23,7 @@ from meshd_mps.errors import BadRestartPolicy
 from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.restart import Policy
 from meshd_mps.serving.client import MAX_BODY
-from meshd_mps.serving.status import BadBody, BodyTooLarge, LengthRequired, RequestTimeout
+from meshd_mps.serving.status import BadBody, BodyTooLarge, EncodingRefused, LengthRequired, RequestTimeout
 from meshd_mps.strictjson import parse_json
 
 LOAD_FIELDS = ("manifest", "ptx", "hash", "nodes", "device", "restart")
@@ -39,6 +39,10 @@ def check_framing(request: web.BaseRequest) -> None:
     """Before the route: a body the daemon can refuse by its size before reading any of it."""
     if "Transfer-Encoding" in request.headers:
         raise LengthRequired("chunked bodies are not supported: send Content-Length")
+    coding = request.headers.get("Content-Encoding", "identity")
+    if coding.strip().lower() != "identity":
+        raise EncodingRefused(f"Content-Encoding {coding[:40]!r} is not supported: send the body as it is",
+                              encoding=coding[:40])
     n = request.content_length  # the parser took only digits
     if n is not None and n > MAX_BODY:
         raise BodyTooLarge(f"body of {n} bytes is over the limit of {MAX_BODY} bytes (64 MiB)", size=n, limit=MAX_BODY)

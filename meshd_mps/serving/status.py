@@ -33,6 +33,17 @@ class LengthRequired(E.BadRequest):
     refuse before it reads them."""
 
 
+class EncodingRefused(E.BadRequest):
+    """A body with a Content-Encoding other than identity: the daemon's bodies are small JSON, and
+    a compressed one would be decoded on the event loop before its size could be refused."""
+
+    FIELDS = ("encoding",)
+
+    def __init__(self, message: str, *, encoding: str):
+        super().__init__(message)
+        self.encoding = encoding
+
+
 class BodyTooLarge(E.BadRequest):
     """A body over ``limit`` bytes, refused on its Content-Length before any of it is read."""
 
@@ -80,6 +91,7 @@ STATUS: dict[type[BaseException], int] = {
     MethodNotAllowed: 405,
     LengthRequired: 411,
     BodyTooLarge: 413,
+    EncodingRefused: 415,
     HeadTooLarge: 431,
     RequestTimeout: 408,
     VersionNotSupported: 505,
