@@ -220,6 +220,20 @@ def test_cli_refuses_a_deep_manifest_without_a_traceback(daemon, tmp, spin_ptx):
     assert snapshot(daemon.client) == before
 
 
+def test_the_cli_refuses_what_it_cannot_send_without_a_traceback(tmp):
+    """Checked before any connection: a manifest that is a device or a FIFO (read without end, or
+    a wait for a writer), a timeout no socket takes, a name that is not text."""
+    fifo = os.path.join(tmp, "fifo")
+    os.mkfifo(fifo)
+    for argv, said in ((["load", "--manifest", "/dev/zero", "--ptx", "/dev/null"], "/dev/zero: not a regular file"),
+                       (["load", "--manifest", fifo, "--ptx", "/dev/null"], f"{fifo}: not a regular file"),
+                       (["call", "echo", "hi", "--timeout", "inf"], "timeout inf: seconds, a finite number more than 0"),
+                       (["call", "echo", "hi", "--timeout", "nan"], "timeout nan: seconds, a finite number more than 0"),
+                       (["unload", "a\udcff"], "program name 'a\\udcff': not UTF-8 text")):
+        r = cli(*argv, "--socket", os.path.join(tmp, "none.sock"), timeout=30)
+        assert r.returncode == 1 and r.stderr.strip() == f"meshd-mps: {said}", (argv, r.stderr)
+
+
 def test_client_refuses_a_deep_answer(tmp):
     """A daemon (or whatever answers on the socket) that sends JSON 100000 deep: ClientError, not a
     RecursionError out of the CLI."""
@@ -899,10 +913,11 @@ def test_stall_figures_in_status_and_metrics(daemon):
     assert r.returncode == 0 and re.search(r"^stalled +\d+$", r.stdout, re.M), r.stdout
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e10"])
 def test_serve_refuses_a_bad_stall_after(tmp, value):
     r = cli("serve", "--gpu", "sim", "--socket", os.path.join(tmp, "s.sock"), "--stall-after", value)
-    assert r.returncode == 2 and r.stderr == f"meshd-mps: --stall-after {float(value):g}: seconds, more than 0\n", r.stderr
+    said = f"meshd-mps: --stall-after {float(value):g}: seconds, more than 0 and at most 2592000 (30 days)\n"
+    assert r.returncode == 2 and r.stderr == said, r.stderr
     assert not os.path.exists(os.path.join(tmp, "s.sock"))
 
 

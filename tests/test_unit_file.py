@@ -45,6 +45,14 @@ def test_meshd_mps_unit_prints_it():
     assert directives(r.stdout)["ExecStart"].startswith('"/opt/meshd mps/bin/meshd-mps" serve ')
 
 
+@pytest.mark.parametrize("exe", ["/bin/x\nExecStartPre=/bin/evil", "relative/meshd-mps", "", '/opt/a"b', "/opt/a\\b"])
+def test_an_exec_that_would_break_the_unit_is_refused(exe):
+    """systemd wants an absolute path; a line break would start a directive of its own."""
+    r = cli("unit", "--exec", exe)
+    assert r.returncode == 2 and not r.stdout, r.stdout
+    assert r.stderr.startswith(f"meshd-mps: --exec {exe!r}: an absolute path") and "Traceback" not in r.stderr
+
+
 def test_systemd_analyze_verify(tmp_path):
     tool = shutil.which("systemd-analyze")
     if tool is None:

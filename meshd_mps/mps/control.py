@@ -77,8 +77,16 @@ def _reap_now(pid: int) -> bool:
 
 
 def _make_private_dir(path: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        pass  # something else there (a file, a symlink): said below
+    except OSError as e:
+        raise MpsError(f"mps: {path}: {e.strerror or e}") from e
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise MpsError(f"mps: {path}: {e.strerror or e}") from e
     if not stat.S_ISDIR(st.st_mode):
         raise MpsError(f"mps: {path} is not a directory")
     if st.st_uid != os.getuid():

@@ -210,7 +210,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return server.main(cfg)
     if args.cmd == "unit":
-        print(unit_text(args.executable), end="")
+        from meshd_mps.errors import ConfigError
+
+        try:
+            print(unit_text(args.executable), end="")
+        except ConfigError as e:
+            print(f"meshd-mps: {e}", file=sys.stderr)
+            return 2
         return 0
     return _client(args)
 
@@ -225,16 +231,20 @@ def serve_config(args: argparse.Namespace) -> Config:
     from meshd_mps.errors import ConfigError
     from meshd_mps.gpu.device import parse_devices
     from meshd_mps.serving import server
-    from meshd_mps.state.config import load_config, merge_serve
+    from meshd_mps.state.config import check_seconds, load_config, merge_serve
     from meshd_mps.supervision import cpus
 
     file = load_config(args.config) if args.config is not None else None
     o = merge_serve(vars(args), file)
-    if o["pool"] is not None and o["pool"] < 0:
-        raise ConfigError("--pool must not be negative")
+    for k in ("pool", "sms"):
+        if o[k] is not None and o[k] < 0:
+            raise ConfigError(f"--{k} must not be negative")
     for k in ("stall_after", "orphan_timeout"):
-        if o[k] is not None and not 0 < o[k] < float("inf"):
-            raise ConfigError(f"--{k.replace('_', '-')} {o[k]:g}: seconds, more than 0")
+        if o[k] is not None:
+            check_seconds(o[k], f"--{k.replace('_', '-')}")
+    for k in ("socket", "state_dir", "mps_dir", "cache_dir"):
+        if o[k] == "":  # not the default: an empty path is a mistake (a variable not set), not a choice
+            raise ConfigError(f"--{k.replace('_', '-')}: an empty path")
     daemon_cpus = None
     if o["daemon_cpus"] is not None:
         daemon_cpus = cpus.parse(o["daemon_cpus"])
@@ -284,6 +294,14 @@ def unit_text(executable: str | None = None) -> str:
     found) in ExecStart= instead of the bare name systemd would look up in its own PATH."""
     from importlib.resources import files
 
+    from meshd_mps.errors import ConfigError
+
+    if executable is not None and (not os.path.isabs(executable)
+                                   or any(not c.isprintable() or c in '"\\' for c in executable)):
+        # systemd wants an absolute path in ExecStart=; a line break would end the line there and
+        # start another directive, a quote or a backslash would change its quoting.
+        raise ConfigError(f"--exec {executable!r}: an absolute path without control characters, quotes or"
+                          " backslashes expected")
     text = files("meshd_mps").joinpath(UNIT).read_text(encoding="utf-8")
     exe = executable or own_executable()
     if exe is not None:

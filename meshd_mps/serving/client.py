@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import math
 import os
 import socket
 import stat
@@ -137,8 +138,12 @@ class UnixHTTPConnection(http.client.HTTPConnection):
 
 
 def quote(name: str) -> str:
-    """A program name as one URL path segment (a ``/`` in it stays inside the segment)."""
-    return urllib.parse.quote(name, safe="")
+    """A program name as one URL path segment (a ``/`` in it stays inside the segment); ClientError
+    for one that is not text (a shell's undecodable bytes arrive as surrogates)."""
+    try:
+        return urllib.parse.quote(name, safe="")
+    except UnicodeEncodeError as e:
+        raise ClientError(f"program name {name!r}: not UTF-8 text") from e
 
 
 def oldest_arch(status: dict[str, Any]) -> str:
@@ -245,6 +250,8 @@ class Client:
         """A request through the program's ring; the answer has ``data`` (text) and ``hex``."""
         body: dict[str, Any] = {"data": data} if isinstance(data, str) else {"hex": data.hex()}
         if timeout is not None:
+            if not 0 < timeout < math.inf:  # NaN too; the daemon says how long it waits at most
+                raise ClientError(f"timeout {timeout:g}: seconds, a finite number more than 0")
             body["timeout"] = timeout
         wait = None if timeout is None else max(self.timeout, timeout + 10)
         return self.request("POST", f"/v1/programs/{quote(name)}/call", body, timeout=wait)
@@ -282,6 +289,29 @@ def compile_cuda(source: bytes, name: str, arch: str, include: list[str] | None 
         raise ClientError(f"{name}: NVRTC's PTX is not UTF-8 text: {e}") from e
 
 
+#: The most a program file read here may hold: the daemon's whole request body (64 MiB).
+MAX_FILE = 64 << 20
+
+
+def read_file(path: Path) -> bytes:
+    """A regular file's bytes, at most MAX_FILE; ClientError otherwise (a device such as /dev/zero
+    would be read without end, a FIFO would wait for a writer)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open would wait
+    except OSError as e:
+        raise ClientError(f"{path}: {e.strerror or e}") from e
+    with open(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ClientError(f"{path}: not a regular file")
+        if st.st_size > MAX_FILE:
+            raise ClientError(f"{path}: {st.st_size} bytes, over the limit of {MAX_FILE} (64 MiB)")
+        try:
+            return f.read(MAX_FILE)
+        except OSError as e:
+            raise ClientError(f"{path}: {e.strerror or e}") from e
+
+
 def program_body(dir: str | None = None, manifest: str | None = None, ptx: str | None = None, cuda: str | None = None,
                  hash: str | None = None, nodes: int | None = None, device: int | None = None,
                  arch: str | Callable[[], str] | None = None, restart: str | None = None) -> dict[str, Any]:
@@ -315,19 +345,13 @@ def program_body(dir: str | None = None, manifest: str | None = None, ptx: str |
         raise ClientError("a program directory or --manifest FILE is needed")
     if (ptx is None) == (cuda is None):
         raise ClientError("one of --ptx FILE or --cuda FILE is needed")
-    try:
-        mtext = mpath.read_bytes()
-    except OSError as e:
-        raise ClientError(f"{mpath}: {e.strerror or e}") from e
+    mtext = read_file(mpath)
     try:
         mobj = parse_json(mtext)
     except ValueError as e:
         raise ClientError(f"{mpath}: not JSON: {e}") from e
     src = Path(ptx if ptx is not None else cuda)  # type: ignore[arg-type]
-    try:
-        raw = src.read_bytes()
-    except OSError as e:
-        raise ClientError(f"{src}: {e.strerror or e}") from e
+    raw = read_file(src)
     if ptx is not None:
         try:
             text = raw.decode("utf-8")

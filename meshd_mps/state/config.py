@@ -24,7 +24,6 @@ is imported when a program is declared).
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import tomllib
@@ -56,6 +55,19 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "orphan_timeout": None,  # Deadlines.orphan
     "daemon_cpus": None,  # unplaced: the scheduler decides (supervision/cpus.py)
 }
+
+#: The longest ``stall_after`` and ``orphan_timeout`` taken (s): 30 days.  A socket timeout far
+#: past that overflows the OS's (a worker given 1e10 s died of it).
+MAX_SECONDS = 30 * 86400.0
+
+
+def check_seconds(v: float, what: str = "") -> float:
+    """``v`` as ``--stall-after`` and ``--orphan-timeout`` take it; ConfigError otherwise, its
+    message after ``what`` (the flag)."""
+    if not 0 < v <= MAX_SECONDS:  # NaN and inf too
+        raise ConfigError(f"{what + ' ' if what else ''}{v:g}: seconds, more than 0 and at most {MAX_SECONDS:.0f}"
+                          " (30 days)")
+    return v
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "isolation": ("blink", "mps"),
@@ -187,9 +199,10 @@ class _Reader:
         if k in ("stall_after", "orphan_timeout"):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise self.fail(keys, f"seconds (a number) expected, got {_tname(v)}")
-            if not 0 < v < math.inf:
-                raise self.fail(keys, f"{v:g}: seconds, more than 0")
-            return float(v)
+            try:
+                return check_seconds(float(v))
+            except ConfigError as e:
+                raise self.fail(keys, str(e)) from e
         if k == "daemon_cpus":
             return self.cpus(keys, v)
         assert k == "devices"
