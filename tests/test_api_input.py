@@ -185,6 +185,10 @@ def _deep(n: int, leaf: str = "1") -> str:
                                  "restart": 1}), 400, "field 'restart': restart policy 1: one of on-failure"),
     ("/v1/programs", json.dumps({"manifest": {"name": "z", "backend": "cuda", "warps": 2 ** 64, "abi": 1}, "ptx": "x"}),
      400, f"field 'warps' {2 ** 64} is out of range 1..32"),
+    # hex: pairs of digits, nothing else (bytes.fromhex took "00 ff" and spoke Python)
+    ("/v1/programs/echo/call", json.dumps({"hex": "0"}), 400, "field 'hex' '0': pairs of hex digits"),
+    ("/v1/programs/echo/call", json.dumps({"hex": "00 ff"}), 400, "field 'hex' '00 ff': pairs of hex digits"),
+    ("/v1/programs/echo/call", json.dumps({"hex": "zz"}), 400, "no blanks"),
     # duplicate keys: which one counts is the parser's guess, so neither does
     ("/v1/programs/echo/call", '{"data": "x", "data": "y"}', 400, "the key 'data' appears twice in one object"),
     ("/v1/programs", '{"manifest": {"name": "z", "name": "echo", "backend": "cuda", "warps": 1, "abi": 1}, "ptx": "x"}',

@@ -12,6 +12,7 @@ as its user), so that no request makes it read a file (``#include``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,9 @@ def check_framing(request: web.BaseRequest) -> None:
     n = request.content_length  # the parser took only digits
     if n is not None and n > MAX_BODY:
         raise BodyTooLarge(f"body of {n} bytes is over the limit of {MAX_BODY} bytes (64 MiB)", size=n, limit=MAX_BODY)
+
+
+_HEX = re.compile(r"(?:[0-9a-fA-F]{2})*")
 
 
 async def json_body(request: web.BaseRequest, within: float) -> dict[str, Any]:
@@ -173,10 +177,11 @@ def call(obj: dict[str, Any], deadlines: Deadlines) -> Call:
     if "data" in obj:
         payload = _string_field(obj, "data").encode()
     else:
-        try:
-            payload = bytes.fromhex(_string_field(obj, "hex"))
-        except ValueError as e:
-            raise BadBody(f"field 'hex': {e}", field="hex") from e
+        text = _string_field(obj, "hex")
+        if not _HEX.fullmatch(text):  # bytes.fromhex also takes blanks, and says its faults in its own words
+            raise BadBody(f"field 'hex' {_show(text)}: pairs of hex digits (0-9, a-f) expected, no blanks",
+                          field="hex")
+        payload = bytes.fromhex(text)
     within = deadlines.call
     if obj.get("timeout") is not None:
         t = obj["timeout"]
