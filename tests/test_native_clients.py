@@ -42,6 +42,12 @@ def test_a_native_client_joins_is_counted_and_is_dropped_at_its_exit(tmp):
             assert p.pid in s.client.status()["clients"]
             with pytest.raises(ClientError, match=r"\b409\b|not registered"):
                 s.client.native(add=1)  # pid 1 is no client of our server
+            for pid in (0, 2 ** 70):  # no process has it: a 400, not a 409
+                with pytest.raises(ClientError, match=f"field 'pid' {pid}: a process id is 1 to 4194304") as ei:
+                    s.client.native(add=pid)
+                assert ei.value.status == 400
+            with pytest.raises(ClientError, match="a process id \\(1 to 4194304\\) expected"):
+                s.client.native(drop=2 ** 30)
             assert s.client.native()["clients"] == [p.pid]
         finally:
             p.communicate("", timeout=30)  # it exits: its stand-in connection closes

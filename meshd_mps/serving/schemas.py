@@ -195,19 +195,23 @@ def call(obj: dict[str, Any], deadlines: Deadlines) -> Call:
 NATIVE_FIELDS = ("pid",)
 
 
+#: Linux numbers processes 1 .. PID_MAX_LIMIT (4194304 on 64-bit).
+MAX_PID = 1 << 22
+
+
 def native(obj: dict[str, Any]) -> int:
     """A native client's registration: ``{"pid": N}``."""
     check_fields(obj, NATIVE_FIELDS)
     pid = _int_field(obj, "pid")
     if pid is None:
         raise BadBody("field 'pid' (the native client's process id) is missing", field="pid")
-    if pid < 1:
-        raise BadBody(f"field 'pid' {pid}: a process id is 1 or more", field="pid")
+    if not 1 <= pid <= MAX_PID:
+        raise BadBody(f"field 'pid' {pid}: a process id is 1 to {MAX_PID}", field="pid")
     return pid
 
 
 def pid_segment(text: str) -> int:
     """A pid in a path (``/v1/native/PID``)."""
-    if not (text.isascii() and text.isdigit()) or len(text) > 10 or int(text) < 1:
-        raise BadBody(f"path segment {text[:40]!r}: a process id expected")
+    if not (text.isascii() and text.isdigit()) or len(text) > 10 or not 1 <= int(text) <= MAX_PID:
+        raise BadBody(f"path segment {text[:40]!r}: a process id (1 to {MAX_PID}) expected")
     return int(text)
