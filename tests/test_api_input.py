@@ -322,6 +322,8 @@ H = "Host: x\r\n"  # HTTP/1.1 requires it (RFC 9112 3.2: a 400 without it, as ai
     # Heads the parser takes, refused by the daemon.
     (f"POST /v1/programs/echo/call HTTP/1.1\r\n{H}Content-Length: 67108865\r\n\r\n", 413,
      "is over the limit of 67108864 bytes"),
+    # An expectation HTTP/1.1 does not define: 417 through the table (aiohttp's was text/plain).
+    (f"GET /v1/status HTTP/1.1\r\n{H}Expect: foo\r\n\r\n", 417, "Expect 'foo': only 100-continue is understood"),
     # A compressed body (it was a 500: aiohttp's decoder failed inside the read), valid or not.
     (f"POST /v1/programs/echo/call HTTP/1.1\r\n{H}Content-Encoding: gzip\r\nContent-Length: 13\r\n\r\n"
      '{"data":"hi"}', 415, "Content-Encoding 'gzip' is not supported"),
@@ -340,6 +342,25 @@ def test_odd_heads_are_answered(daemon, data, status, words):
     assert snapshot(daemon.client) == before
     assert internal_errors(daemon) == errors and "connection failed" not in daemon.log()
     assert "Traceback" not in daemon.log()
+
+
+def test_expect_100_continue_is_answered_before_the_body(daemon):
+    """The one expectation HTTP/1.1 defines: the interim 100, then the body, then the answer."""
+    body = b'{"data": "hi"}'
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(daemon.sock)
+        s.sendall(f"POST /v1/programs/nosuch/call HTTP/1.1\r\n{H}Expect: 100-continue\r\n"
+                  f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
+        got = b""
+        while b"\r\n\r\n" not in got and (chunk := s.recv(65536)):
+            got += chunk
+        assert got.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"), got
+        s.sendall(body)
+        while chunk := s.recv(65536):
+            got += chunk
+    head, _, answer_body = got[len(b"HTTP/1.1 100 Continue\r\n\r\n"):].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404 ") and "nosuch" in json.loads(answer_body)["error"], got
 
 
 class AnswerCount:

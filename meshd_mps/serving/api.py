@@ -30,6 +30,7 @@ from typing import Any
 import anyio
 import structlog
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from meshd_mps.backend import Backend
@@ -41,6 +42,7 @@ from meshd_mps.serving import schemas
 from meshd_mps.serving.client import MAX_BODY
 from meshd_mps.serving.metrics import CONTENT_TYPE as METRICS_TYPE, Metrics
 from meshd_mps.serving.status import (
+    ExpectRefused,
     HeadRefused,
     HeadTooLarge,
     MethodNotAllowed,
@@ -141,8 +143,21 @@ class Api:
         ]
         for path, methods in routes:
             for method, handler in methods.items():
-                app.router.add_route(method, path + SLASH, handler)
+                app.router.add_route(method, path + SLASH, handler, expect_handler=self.expect)
         return app
+
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue`` answered as aiohttp answers it; another expectation refused
+        (417) through the one table, as JSON (aiohttp's own refusal was text/plain)."""
+        expect = request.headers.get("Expect", "")
+        if request.version != HttpVersion11:
+            return None
+        if expect.lower() != "100-continue":
+            return answer(*_refused(ExpectRefused(f"Expect {expect[:40]!r}: only 100-continue is understood",
+                                                  expect=expect[:40])))
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the interim answer is no part of the response's size
+        return None
 
     def protocols(self, server: web.Server) -> Callable[[], Protocol]:
         """The factory of connection handlers for ``loop.create_server`` (``server``: the runner's)."""

@@ -44,6 +44,16 @@ class EncodingRefused(E.BadRequest):
         self.encoding = encoding
 
 
+class ExpectRefused(E.BadRequest):
+    """An ``Expect`` header other than ``100-continue``, the one expectation HTTP/1.1 defines."""
+
+    FIELDS = ("expect",)
+
+    def __init__(self, message: str, *, expect: str):
+        super().__init__(message)
+        self.expect = expect
+
+
 class BodyTooLarge(E.BadRequest):
     """A body over ``limit`` bytes, refused on its Content-Length before any of it is read."""
 
@@ -92,6 +102,7 @@ STATUS: dict[type[BaseException], int] = {
     LengthRequired: 411,
     BodyTooLarge: 413,
     EncodingRefused: 415,
+    ExpectRefused: 417,
     HeadTooLarge: 431,
     RequestTimeout: 408,
     VersionNotSupported: 505,
