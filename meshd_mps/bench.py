@@ -1041,7 +1041,7 @@ async def cpu_percent(window: float) -> float:
 
 
 async def sec_idle(bench: Bench) -> list[Row]:
-    window, nw = bench.n(5, 2), bench.n(32, 8)
+    window, nw = bench.n(5, 1), bench.n(32, 8)
     base = await cpu_percent(window)
     async with await bench.backend("mps", pool=nw) as b:
         await anyio.sleep(0.5)  # the prewarm's tail settles

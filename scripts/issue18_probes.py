@@ -219,7 +219,7 @@ async def ring_ab(bench: B.Bench) -> None:
 
 # ---- hold ----------------------------------------------------------------------------------------
 async def hold(bench: B.Bench) -> None:
-    nt = bench.n(20000, 400)
+    nt = bench.n(20000, 100)
     async with await bench.backend("mps", pool=2) as b, B.echo_loaded(bench, b) as (progs, _):
         payload, as_is = bytes(range(64)), Programs.HOLD
         try:

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from meshd_mps.errors import ConfigFileError, ManifestError
+from meshd_mps.errors import ConfigError, ConfigFileError, ManifestError
 from meshd_mps.serving import cli, server
 from meshd_mps.state.config import SERVE_DEFAULTS, key_line, load_config, merge_serve
 from meshd_mps.supervision import cpus
@@ -238,8 +238,14 @@ def test_serve_reports_a_config_error_and_exits_2(tmp_path):
     assert r.stderr.strip() == f"meshd-mps: {path}:2: serve.pool: an integer expected, got a string"
     r = run_cli("serve", "--gpu", "sim", "--pool", "-1", "--socket", str(tmp_path / "s.sock"))
     assert r.returncode == 2 and r.stderr.strip() == "meshd-mps: --pool must not be negative"
-    # A timeout the OS cannot hold (a worker given --orphan-timeout 1e10 died of it), from a flag or
-    # the file; a negative --sms; an empty path (a variable not set) that would mean the default.
+    r = run_cli("serve", "--gpu", "sim", "--socket", "")
+    assert r.returncode == 2 and r.stderr.strip() == "meshd-mps: --socket: an empty path", r.stderr
+
+
+def test_serve_refuses_what_would_fail_later(tmp_path):
+    """Through serve_config, as the test above goes (exit 2 with the message): a timeout the OS
+    cannot hold (a worker given --orphan-timeout 1e10 died of it), from a flag or the file; a
+    negative --sms; an empty path (a variable not set) that would have meant the default."""
     path = write(tmp_path, '[serve]\norphan_timeout = 1e300\n')
     for argv, said in (
             (["--orphan-timeout", "1e10", "--live-restore"], "--orphan-timeout 1e+10: seconds, more than 0 and at most"
@@ -248,11 +254,11 @@ def test_serve_reports_a_config_error_and_exits_2(tmp_path):
             (["--config", path], f"{path}:2: serve.orphan_timeout: 1e+300: seconds, more than 0 and at most 2592000"
                                  " (30 days)"),
             (["--sms", "-1"], "--sms must not be negative"),
-            (["--state-dir", ""], "--state-dir: an empty path")):
-        r = run_cli("serve", "--gpu", "sim", "--socket", str(tmp_path / "s.sock"), *argv)
-        assert r.returncode == 2 and r.stderr.strip() == f"meshd-mps: {said}", r.stderr
-    r = run_cli("serve", "--gpu", "sim", "--socket", "")
-    assert r.returncode == 2 and r.stderr.strip() == "meshd-mps: --socket: an empty path", r.stderr
+            (["--state-dir", ""], "--state-dir: an empty path"),
+            (["--mps-dir", ""], "--mps-dir: an empty path")):
+        with pytest.raises(ConfigError) as ei:
+            config_of("--gpu", "sim", *argv)
+        assert str(ei.value) == said
     mine = cpus.text(os.sched_getaffinity(0))
     for flag, said in ((4096, f"--daemon-cpus 4096: this process may use CPUs {mine} only"),
                        ("0-4000000000", "--daemon-cpus '0-4000000000': CPU 4000000000 is past any CPU (Linux numbers"
