@@ -456,7 +456,7 @@ async def asking_at_once(ws: list[Module], each: int) -> tuple[float, float, flo
 
 
 async def sec_ask(bench: Bench) -> list[Row]:
-    n1, nw, each = bench.n(2000, 300), bench.n(32, 8), bench.n(200, 50)
+    n1, nw, each = bench.n(2000, 100), bench.n(32, 8), bench.n(200, 20)
     raw = await anyio.to_thread.run_sync(raw_pipe, n1)
     rp50, rp99 = pct(raw, 0.5) * 1e6, pct(raw, 0.99) * 1e6
     answerer, reader = await answering_child(Deadlines())
@@ -1269,7 +1269,7 @@ def restart_by_reload(bench: Bench) -> tuple[float, float, float, float]:
         first = s.start()
         c = Client(s.sock, timeout=60)
         c.load(program_body(str(EXAMPLES / "heartbeat"), arch=c.arch))
-        idle = _largest_gap(_beats(c, "heartbeat", 1.0))
+        idle = _largest_gap(_beats(c, "heartbeat", 0.3 if bench.quick else 1.0))
         before = _beats(c, "heartbeat", 0.2)
         t_stop = time.monotonic()
         s.stop()

@@ -19,9 +19,9 @@ that they can be run again (on the GPU machine: python3 scripts/issue18_probes.p
             such a client on registered shared memory (a memfd, cuMemHostRegister'ed, as the
             mailbox is) instead of cuMemHostAlloc's, then echo's host spin, 3 rounds
 
---gpu sim runs each on the simulated GPU and the stand-in MPS daemon (the figures mean nothing
-there; it checks that the script runs).  The floor on a spread of SMs, once "sm" here, is
-scripts/ring_variants.py --sm.
+Several names run in turn, in one process.  --gpu sim runs each on the simulated GPU and the
+stand-in MPS daemon (the figures mean nothing there; it checks that the script runs).  The floor
+on a spread of SMs, once "sm" here, is scripts/ring_variants.py --sm.
 """
 
 from __future__ import annotations
@@ -289,14 +289,16 @@ PROBES: dict[str, Callable[[B.Bench], Awaitable[None]]] = {"ask": ask, "ask-cpu"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=sorted(PROBES))
+    ap.add_argument("which", choices=sorted(PROBES), nargs="+", help="one or more, run in turn")
     ap.add_argument("--gpu", choices=("cuda", "sim"), default="cuda")
     a = ap.parse_args()
     bench = B.Bench(a.gpu, a.gpu == "sim", None)
 
     async def run() -> Any:
         try:
-            await PROBES[a.which](bench)
+            for which in a.which:
+                print(f"== {which}", flush=True)
+                await PROBES[which](bench)
         finally:
             bench.cleanup()
 

@@ -78,15 +78,15 @@ async def test_a_relaunch_whose_old_module_is_slow_to_unload_does_not_end_the_su
     """Blink, restart policy always: the old module is unloaded before the new kernel starts (that
     unload is a blink, which would halt it: a kernel slower than ``halt`` to see HALT refused it,
     and the error escaped the supervisor's task)."""
-    d = dataclasses.replace(QUICK, halt=0.5)
+    d = dataclasses.replace(QUICK, halt=0.3)
     b = await opened("blink", deadlines=d)
     progs = Programs(b)
     try:
         await progs.load(*example("heartbeat"))
-        job = await progs.load(man("job"), sim(kernel="sleep", ms=1500), policy="always")
+        job = await progs.load(man("job"), sim(kernel="sleep", ms=800), policy="always")
         await until(lambda: progs.by_name["job"] is not job and progs.by_name["job"].observe() is ProgramState.RUNNING)
-        await until(lambda: progs.by_name["job"].restarts >= 2)
-        assert not b.sup.closed
+        await anyio.sleep(0.5)  # past the halt deadline: the relaunched kernel still runs, the supervisor too
+        assert progs.by_name["job"].observe() is ProgramState.RUNNING and not b.sup.closed
     finally:
         await progs.close()
         await b.close()
