@@ -212,8 +212,10 @@ class BlinkIsolation(Isolation):
             except (FrameError, WorkerError) as e:
                 raise e.prefixed("load") from e
             except BaseException:  # cancelled: the LOAD was written (ask's first wait is after it), so it loads
-                with anyio.CancelScope(shield=True), contextlib.suppress(WorkerError):
-                    await p.send(Op.UNLOAD, frames.unload_body(module))  # and leaves its hardware queue
+                # and leaves its hardware queue; bounded: behind a large LOAD still draining to a
+                # worker that reads nothing, the UNLOAD would wait for ever.
+                with anyio.move_on_after(p.deadlines.reply(Op.LOAD), shield=True), contextlib.suppress(WorkerError):
+                    await p.send(Op.UNLOAD, frames.unload_body(module))
                 raise
             self.dev = info.dev
             if admit is not None:
