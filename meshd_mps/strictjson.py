@@ -26,29 +26,24 @@ class JSONRefused(ValueError):
     """JSON text refused: too deep, not UTF-8, NaN, a duplicate key, ... (the message says which)."""
 
 
-#: A JSON string (its escaped quotes and backslashes already removed), or a run of anything but
-#: brackets and quotes: what the depth scan drops, leaving only the brackets outside strings.
-_NOT_BRACKETS = re.compile(r'"[^"]*"?|[^\[\]{}"]+')
+#: A JSON string, its escaped quotes and backslashes already removed (an unclosed one runs to the end).
+_STRINGS = re.compile(r'"[^"]*"?')
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]+")
 _PARENS = str.maketrans("[{]}", "(())")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _unescaped(text: str) -> str:
-    """``text`` less its escaped backslashes and quotes: no quote left inside a string ends it."""
+def _outside_strings(text: str) -> str:
+    """JSON ``text`` less its strings, in C-speed passes: escaped backslashes and quotes dropped
+    first, so that no quote inside a string ends it.  What both scans before the parse read."""
     if "\\" in text:
         text = text.replace("\\\\", "").replace('\\"', "")
-    return text
+    return _STRINGS.sub("", text)
 
 
-def json_deeper_than(text: str, limit: int) -> bool:
-    """Whether JSON ``text`` nests arrays and objects more than ``limit`` deep, found without
-    parsing it and without recursion, in a few passes of C-speed string operations: escaped
-    backslashes and quotes dropped (so that no quote inside a string ends it), then every string
-    and everything but brackets; what is left is brackets only.  Each pass then removes every
-    innermost pair ``()`` at once, one level; a balanced text of depth d is gone in d passes.
-    Brackets left unmatched (invalid JSON) count as open levels (an upper bound, never less than
-    what ``json.loads`` would recurse into before finding the error)."""
-    s = _NOT_BRACKETS.sub("", _unescaped(text)).translate(_PARENS)
+def _nested_over(bare: str, limit: int) -> bool:
+    """``json_deeper_than`` on text already less its strings."""
+    s = _NOT_BRACKETS.sub("", bare).translate(_PARENS)
     for levels in range(limit + 1):
         t = s.replace("()", "")
         if len(t) == len(s):
@@ -57,15 +52,14 @@ def json_deeper_than(text: str, limit: int) -> bool:
     return True
 
 
-_STRINGS = re.compile(r'"[^"]*"?')
-
-
-def json_values_over(text: str, limit: int) -> bool:
-    """Whether JSON ``text`` has more than ``limit`` commas outside its strings (an array of n
-    elements or an object of n members has n - 1), found without parsing it: C-speed passes."""
-    if text.count(",") <= limit:  # commas anywhere bound those outside strings
-        return False
-    return _STRINGS.sub("", _unescaped(text)).count(",") > limit
+def json_deeper_than(text: str, limit: int) -> bool:
+    """Whether JSON ``text`` nests arrays and objects more than ``limit`` deep, found without
+    parsing it and without recursion, in a few passes of C-speed string operations: every string
+    dropped (``_outside_strings``), then everything but brackets; what is left is brackets only.
+    Each pass then removes every innermost pair ``()`` at once, one level; a balanced text of
+    depth d is gone in d passes.  Brackets left unmatched (invalid JSON) count as open levels (an
+    upper bound, never less than what ``json.loads`` would recurse into before finding the error)."""
+    return _nested_over(_outside_strings(text), limit)
 
 
 def _refuse_constant(name: str) -> Any:
@@ -122,9 +116,10 @@ def parse_json(data: bytes | str, *, strict: bool = True, max_depth: int = MAX_J
             raise JSONRefused(f"not UTF-8 (byte {e.start}: {bytes(data)[e.start:e.start + 1]!r})") from e
     else:
         text = data
-    if json_deeper_than(text, max_depth):
+    bare = _outside_strings(text)  # once, for both scans: a 64 MiB body's PTX is one string
+    if _nested_over(bare, max_depth):
         raise JSONRefused(f"nested deeper than the limit of {max_depth} levels of arrays and objects")
-    if strict and json_values_over(text, MAX_JSON_VALUES):
+    if strict and bare.count(",") > MAX_JSON_VALUES:  # an array of n elements has n - 1
         raise JSONRefused(f"more than {MAX_JSON_VALUES} values in its arrays and objects")
     try:
         if not strict:
