@@ -10,7 +10,6 @@ import json
 import os
 import re
 
-import anyio
 import pytest
 
 from meshd_mps.backend import Backend
@@ -28,6 +27,7 @@ from workers.main import parse_args
 from .conftest import TEST_DEADLINES, Rig, sim
 from .test_backend import beats, example
 from .test_serve import EXAMPLES, cli, parse_metrics, serve  # noqa: F401 - fixtures
+from .waits import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,12 +42,6 @@ def renamed(name: str, new: str) -> tuple[dict, bytes]:
     """An example under another name (the simulation runs it by its name's prefix)."""
     man, ptx = example(name)
     return {**man, "name": new}, ptx
-
-
-async def wait_for(cond, within=20.0):
-    with anyio.fail_after(within):
-        while not cond():
-            await anyio.sleep(0.01)
 
 
 async def gpu_of_clients(b: Backend) -> dict[int, str]:
@@ -215,7 +209,7 @@ async def test_a_fault_on_gpu_1_leaves_gpu_0_running(two_gpus):
         old1 = hb1.kernel.pid
         before = b.mailbox.heartbeat(hb0.slot)
         await progs.load(*example("fault"), device=1, policy="never")
-        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
+        await until(lambda: progs.faults and progs.faults[-1].ms > 0)
         r = progs.faults[-1]
         assert r.gpu_wide and r.device == 1 and r.faulted == "fault" and "ILLEGAL_ADDRESS" in r.error
         assert r.lost == ["heartbeat-1"] and r.relaunched == ["heartbeat-1"] and r.not_relaunched == {}
@@ -233,7 +227,7 @@ async def test_a_fault_on_gpu_1_leaves_gpu_0_running(two_gpus):
         assert states["fault"]["state"] == "faulted" and states["fault"]["device"] == 1
         new1 = progs.by_name["heartbeat-1"]
         assert new1.device == 1 and new1.restarts == 1 and new1.kernel.pid != old1
-        await wait_for(lambda: len(b.isolations[1].pool) == 1)  # refilled, paced, after the relaunch
+        await until(lambda: len(b.isolations[1].pool) == 1)  # refilled, paced, after the relaunch
         assert not set(b.isolations[1].pool.pids()) & pool1
         await beats(b, new1.slot, b.mailbox.heartbeat(new1.slot))
         on = await gpu_of_clients(b)

@@ -18,14 +18,9 @@ from workers.sim_gpu import EXIT_LINGER_ENV
 from .conftest import TEST_DEADLINES
 from .procs import children
 from .test_backend import beats, example
+from .waits import until
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_leaks")]
-
-
-async def wait_for(cond, within=20.0):
-    with anyio.fail_after(within):
-        while not cond():
-            await anyio.sleep(0.01)
 
 
 @pytest.mark.parametrize("policy", ["on-failure", "never"])
@@ -40,7 +35,7 @@ async def test_fault_is_survived_and_innocents_relaunched(standin_on_path, polic
         await beats(b, hb.slot, 10)
         old_pids = {p.kernel.pid for p in progs.by_name.values()} | set(b.isolations[0].pool.pids())
         await progs.load(*example("fault"), policy="never")
-        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
+        await until(lambda: progs.faults and progs.faults[-1].ms > 0)
         r = progs.faults[-1]
         assert r.gpu_wide and r.faulted == "fault" and "ILLEGAL_ADDRESS" in r.error
         assert sorted(r.lost) == ["echo", "heartbeat"]
@@ -54,7 +49,7 @@ async def test_fault_is_survived_and_innocents_relaunched(standin_on_path, polic
             n = b.mailbox.heartbeat(hb.slot)
             await beats(b, hb.slot, n)
             assert await progs.call("echo", b"after the fault") == b"after the fault"
-            await wait_for(lambda: len(b.isolations[0].pool) == 2)  # refilled, paced, after the relaunch
+            await until(lambda: len(b.isolations[0].pool) == 2)  # refilled, paced, after the relaunch
             assert list(r.steps) == list(RECOVERY_STEPS) and abs(sum(r.steps.values()) - r.ms) < 5, r.steps
         else:
             assert r.relaunched == [] and r.not_relaunched == {"echo": "restart policy never",
@@ -77,7 +72,7 @@ async def test_a_retired_worker_stays_local(standin_on_path):
         victim = await progs.load(*example("echo"), policy="never")
         pid = victim.kernel.pid
         b.sup.retire(victim.kernel.proc)
-        await wait_for(lambda: progs.faults)
+        await until(lambda: progs.faults)
         r = progs.faults[-1]
         assert not r.gpu_wide and r.faulted == "echo" and r.pid == pid and r.lost == [] and r.relaunched == []
         assert r.error == "CUDA_ERROR_MPS_CLIENT_TERMINATED: the MPS client has been terminated by the server (simulated)"
@@ -87,7 +82,7 @@ async def test_a_retired_worker_stays_local(standin_on_path):
         n = b.mailbox.heartbeat(hb.slot)
         await beats(b, hb.slot, n)  # the other program never stopped
         assert progs.by_name["heartbeat"].kernel.pid == hb.kernel.pid
-        await wait_for(lambda: pid not in b.sup.children() and pid not in b.sup.live() and not os.path.exists(f"/proc/{pid}"))
+        await until(lambda: pid not in b.sup.children() and pid not in b.sup.live() and not os.path.exists(f"/proc/{pid}"))
         pool = b.isolations[0].pool
         await b.isolations[0].prewarm(pool.cap - len(pool))  # the pool refills ...
         spin = await progs.load(*example("spin"))  # ... and serves the next load
@@ -128,7 +123,7 @@ async def test_a_worker_killed_in_a_loads_launch_is_a_gpu_fault(standin_on_path,
             tg.start_soon(into, killed, kill_in_launch(b, set(b.sup.workers), progs._free_slot(), monkeypatch))
             with pytest.raises(WorkerError, match=r"^echo \(worker \d+ exited\)$"):
                 await progs.load(*example("echo"))
-        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
+        await until(lambda: progs.faults and progs.faults[-1].ms > 0)
         r = progs.faults[-1]
         assert r.gpu_wide and r.faulted == "echo" and r.pid == killed[0], r
         assert r.error == f"worker {killed[0]} exited while its kernel ran"
@@ -136,7 +131,7 @@ async def test_a_worker_killed_in_a_loads_launch_is_a_gpu_fault(standin_on_path,
         rows = {row["name"]: row for row in progs.list()}
         assert list(rows) == ["heartbeat"] and rows["heartbeat"]["state"] == "running"
         await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot))
-        await wait_for(lambda: len(b.isolations[0].pool) == 1)  # refilled, paced, after the relaunch
+        await until(lambda: len(b.isolations[0].pool) == 1)  # refilled, paced, after the relaunch
         echo = await progs.load(*example("echo"))  # the load works again
         assert await progs.call("echo", b"again") == b"again" and not echo.kernel.module.fresh
         await progs.close()
@@ -166,7 +161,7 @@ async def test_a_worker_killed_with_its_kernel_running_is_a_gpu_fault(standin_on
         await beats(b, hb.slot, 10)
         pid, hb_pid = victim.kernel.pid, hb.kernel.pid
         os.kill(pid, signal.SIGKILL)
-        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
+        await until(lambda: progs.faults and progs.faults[-1].ms > 0)
         r = progs.faults[-1]
         print(f"fault report: {r}")
         assert r.gpu_wide and r.faulted == "echo" and r.pid == pid, r
@@ -178,11 +173,11 @@ async def test_a_worker_killed_with_its_kernel_running_is_a_gpu_fault(standin_on
         assert rows["heartbeat"]["state"] == "running" and rows["heartbeat"]["restarts"] == 1
         assert progs.by_name["heartbeat"].kernel.pid != hb_pid
         await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot))
-        await wait_for(lambda: progs.by_name["echo"].restarts == 1 and progs.by_name["echo"].observe() is ProgramState.RUNNING)
+        await until(lambda: progs.by_name["echo"].restarts == 1 and progs.by_name["echo"].observe() is ProgramState.RUNNING)
         assert await progs.call("echo", b"back") == b"back" and len(progs.faults) == 1
-        await wait_for(lambda: len(b.isolations[0].pool) == 2)  # refilled
+        await until(lambda: len(b.isolations[0].pool) == 2)  # refilled
         await progs.unload("echo")
-        await wait_for(lambda: not os.path.exists(f"/proc/{pid}") and not os.path.exists(f"/proc/{hb_pid}"))
+        await until(lambda: not os.path.exists(f"/proc/{pid}") and not os.path.exists(f"/proc/{hb_pid}"))
         await progs.close()
     # Each simulated worker's lingering child outlives it by ``linger``, re-parented to us (a subreaper).
     with anyio.fail_after(10):

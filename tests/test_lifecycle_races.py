@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-from collections.abc import Callable
 
 import anyio
 import pytest
@@ -20,6 +19,7 @@ from meshd_mps.programs import Programs, ProgramState
 from .conftest import TEST_DEADLINES, sim
 from .test_backend import beats, example
 from .test_limits import ScriptCompiler, man
+from .waits import until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -30,12 +30,6 @@ async def opened(isolation: str, pool: int = 2, deadlines=QUICK) -> Backend:  # 
     b = await Backend.open(isolation=isolation, gpu="sim", pool=pool, deadlines=deadlines)
     b.compiler = ScriptCompiler(b.infos[b.devices[0]])
     return b
-
-
-async def until(cond: Callable[[], object], within: float = 20.0) -> None:
-    with anyio.fail_after(within):
-        while not cond():
-            await anyio.sleep(0.01)
 
 
 async def test_a_blink_load_cancelled_half_way_relaunches_the_others(standin_on_path):

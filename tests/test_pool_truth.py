@@ -8,22 +8,15 @@ import itertools
 import os
 import signal
 
-import anyio
 import pytest
 
 from meshd_mps.backend import Backend
 from meshd_mps.supervision import procfs
 
 from .conftest import TEST_DEADLINES
+from .waits import until
 
 pytestmark = pytest.mark.timeout(60)
-
-
-async def until(cond, within: float = 20.0, what: str = "the condition"):
-    with anyio.fail_after(within):
-        while not (got := cond()):
-            await anyio.sleep(0.01)  # the pool changes from the loop's own tasks: nothing to await but them
-    return got
 
 
 async def test_a_dead_pooled_worker_is_dropped_at_once_and_replaced(standin_on_path):

@@ -5,11 +5,11 @@ stops being relaunched and says why."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import sys
 
-import anyio
 import pytest
 
 from meshd_mps import restart
@@ -20,17 +20,14 @@ from meshd_mps.restart import CRASH_LOOP_BURST, End, Policy, decide
 
 from .conftest import TEST_DEADLINES
 from .test_backend import beats, example
+from .waits import until as _until
+
+until = functools.partial(_until, within=30.0)  # this file's waits: 30 s
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
 
 #: Quick backoffs: a crash loop is reached in well under a second of backoff.
 QUICK = dataclasses.replace(TEST_DEADLINES, restart_backoff=0.02, restart_backoff_max=0.1)
-
-
-async def wait_for(cond, within=30.0):
-    with anyio.fail_after(within):
-        while not cond():
-            await anyio.sleep(0.01)
 
 
 def named(name: str, as_example: str) -> tuple[dict, bytes]:
@@ -91,7 +88,7 @@ async def test_a_failed_program_comes_back_by_itself(standin_on_path):
         echo = await progs.load(*example("echo"))
         old = echo.kernel.pid
         b.sup.retire(echo.kernel.proc)
-        await wait_for(lambda: progs.by_name["echo"].restarts == 1
+        await until(lambda: progs.by_name["echo"].restarts == 1
                        and progs.by_name["echo"].observe() is ProgramState.RUNNING)
         r = progs.faults[-1]
         assert not r.gpu_wide and r.faulted == "echo" and r.by == "own"
@@ -108,7 +105,7 @@ async def test_never_leaves_a_failed_program_failed(standin_on_path):
         progs = Programs(b, policy="never")
         echo = await progs.load(*example("echo"))
         b.sup.retire(echo.kernel.proc)
-        await wait_for(lambda: progs.faults)
+        await until(lambda: progs.faults)
         assert progs.by_name["echo"].observe() is ProgramState.FAILED and progs.by_name["echo"].restarts == 0
         await progs.close()
 
@@ -121,7 +118,7 @@ async def test_a_program_that_keeps_faulting_the_gpu_is_a_crash_loop(standin_on_
         progs = Programs(b)
         hb = await progs.load(*example("heartbeat"))
         await progs.load(*example("fault"))
-        await wait_for(lambda: progs.by_name["fault"].observe() is ProgramState.CRASH_LOOP, within=60)
+        await until(lambda: progs.by_name["fault"].observe() is ProgramState.CRASH_LOOP, within=60)
         reports = [r for r in progs.faults if r.gpu_wide]
         assert len(reports) == CRASH_LOOP_BURST and all(r.faulted == "fault" for r in reports)
         assert all(r.relaunched == ["heartbeat"] for r in reports)
@@ -142,11 +139,11 @@ async def test_always_relaunches_a_program_that_exits(standin_on_path):
     async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=QUICK) as b:
         progs = Programs(b)
         await progs.load(*example("spin"), policy="always")
-        await wait_for(lambda: progs.by_name["spin"].observe() is ProgramState.CRASH_LOOP)
+        await until(lambda: progs.by_name["spin"].observe() is ProgramState.CRASH_LOOP)
         p = progs.by_name["spin"]
         assert p.restarts == CRASH_LOOP_BURST - 1 and p.error.startswith("crash loop: 5 exits")
         await progs.load(*named("spin2", "spin"))  # on-failure: a program that exits is left exited
-        await wait_for(lambda: progs.by_name["spin2"].observe() is ProgramState.EXITED)
+        await until(lambda: progs.by_name["spin2"].observe() is ProgramState.EXITED)
         assert progs.by_name["spin2"].restarts == 0
         await progs.close()
 
@@ -157,7 +154,7 @@ async def test_an_unload_during_the_backoff_cancels_the_relaunch(standin_on_path
         progs = Programs(b)
         echo = await progs.load(*example("echo"))
         b.sup.retire(echo.kernel.proc)
-        await wait_for(lambda: progs.by_name["echo"].observe() is ProgramState.RESTARTING)
+        await until(lambda: progs.by_name["echo"].observe() is ProgramState.RESTARTING)
         state, why = progs.by_name["echo"].state()
         assert state == "restarting" and why.startswith("relaunched in ")
         await progs.unload("echo")
@@ -188,7 +185,7 @@ async def blink_fault_case(gpu: str, warm: int, more: int) -> None:
     async with await Backend.open(isolation="blink", gpu=gpu, deadlines=QUICK) as b:
         progs, hb, ctx = await heartbeat_and_echo(b, warm)
         await progs.load(*example("fault"), policy="never")
-        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
+        await until(lambda: progs.faults and progs.faults[-1].ms > 0)
         r = progs.faults[-1]
         print(f"blink fault report: {r}", file=sys.stderr)
         assert r.gpu_wide and r.faulted == "fault" and r.by == "ended" and "ILLEGAL_ADDRESS" in r.error, r
@@ -211,7 +208,7 @@ async def blink_killed_case(gpu: str, warm: int, more: int) -> None:
     async with await Backend.open(isolation="blink", gpu=gpu, deadlines=QUICK) as b:
         progs, hb, ctx = await heartbeat_and_echo(b, warm)
         os.kill(ctx, signal.SIGKILL)
-        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
+        await until(lambda: progs.faults and progs.faults[-1].ms > 0)
         r = progs.faults[-1]
         print(f"blink context killed: {r}", file=sys.stderr)
         assert r.faulted == f"worker {ctx}" and r.by == "stray" and sorted(r.relaunched) == ["echo", "heartbeat"], r
