@@ -33,7 +33,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from meshd_mps.isolation.base import Module
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import ring as R
 from meshd_mps.protocol.ring import Ring
+from meshd_mps.supervision import cpus
 
 
 def us(xs: list[float], q: float) -> float:
@@ -90,21 +91,6 @@ async def ask(bench: B.Bench) -> None:
         schedule(ws, False, False)
 
 
-@contextlib.contextmanager
-def loop_on(cpu: int | None) -> Iterator[None]:
-    """The calling thread (the loop's) alone on ``cpu`` for the block, its other threads and the
-    workers left where they are (``cpus.placed`` moves every thread); None: left alone."""
-    if cpu is None:
-        yield
-        return
-    was = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cpu})
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, was)
-
-
 async def ask_cpu(bench: B.Bench) -> None:
     nw = bench.n(32, 8)
     async with await bench.backend("mps", pool=nw + 1) as b:
@@ -115,16 +101,17 @@ async def ask_cpu(bench: B.Bench) -> None:
         every = os.sched_getaffinity(0)
         others = every - {cpu} if cpu is not None and len(every) > 1 else every
 
-        def workers_on(cpus: set[int]) -> None:
+        def workers_on(where: set[int]) -> None:
             for w in ws:
                 for t in os.listdir(f"/proc/{w.proc.pid}/task"):
                     with contextlib.suppress(OSError):  # a thread gone meanwhile
-                        os.sched_setaffinity(int(t), cpus)
+                        os.sched_setaffinity(int(t), where)
 
         for _ in range(3):
             for tag, loop_cpu, off in (("as-is", None, False), ("pinned", cpu, False), ("alone", cpu, True)):
                 workers_on(others if off else every)
-                with loop_on(loop_cpu):
+                # the loop's thread alone there; its other threads and the workers where they are
+                with cpus.thread_on(None if loop_cpu is None else frozenset({loop_cpu})):
                     await asking(ws, bench.n(200, 20), tag)
         workers_on(every)
 

@@ -133,15 +133,20 @@ def status() -> dict[str, str] | None:
     return {"daemon": text(os.sched_getaffinity(0)), "children": text(_children)}
 
 
-@contextlib.contextmanager
-def for_child() -> Iterator[None]:
+def for_child() -> contextlib.AbstractContextManager[None]:
     """Around a fork: the calling thread on the children's CPUs meanwhile, so that the child
     starts there (a no-op unplaced).  Nothing else may run in this thread meanwhile: a fork only."""
-    if _children is None:
+    return thread_on(_children)
+
+
+@contextlib.contextmanager
+def thread_on(cpus: frozenset[int] | None) -> Iterator[None]:
+    """The calling thread alone on ``cpus`` for the block (None: left alone), then back on its own."""
+    if cpus is None:
         yield
         return
     was = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, _children)
+    os.sched_setaffinity(0, cpus)
     try:
         yield
     finally:
