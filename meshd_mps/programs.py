@@ -19,7 +19,7 @@ import contextlib
 import enum
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -449,25 +449,30 @@ class Programs:
     async def detach(self) -> None:
         """Live restore's stop: the programs are forgotten here, never halted; their workers run on
         for the next meshd-mps (Backend.detach)."""
-        with anyio.CancelScope(shield=True):
-            locked = await self._last()
+        async with self._last():
             n = len(self.by_name)
             self.by_name.clear()
-            if locked:
-                self._lock.release()
         log.info(f"{n} programs left running for the next meshd-mps")
 
-    async def _last(self) -> bool:
-        """Closing: nothing starts from now on (``_closing``), and the lock is taken once the load,
-        upgrade or relaunch under way has ended (each bounded by its own deadlines, all by
-        ``recover`` here), so that what it installs is closed with the rest; True if taken."""
+    @contextlib.asynccontextmanager
+    async def _last(self) -> AsyncIterator[None]:
+        """Closing, shielded: nothing starts from now on (``_closing``), and the block runs under
+        the lock once the load, upgrade or relaunch under way has ended (each bounded by its own
+        deadlines, all by ``recover`` here), so that what it installs is closed with the rest."""
         self._closing = True
-        with anyio.move_on_after(self.d.recover):
-            await self._lock.acquire()
-            return True
-        log.error(f"programs: a load, upgrade or relaunch still held the lock {self.d.recover:g}s into the close;"
-                  " closing without it")
-        return False
+        with anyio.CancelScope(shield=True):
+            locked = False
+            with anyio.move_on_after(self.d.recover):
+                await self._lock.acquire()
+                locked = True
+            if not locked:
+                log.error(f"programs: a load, upgrade or relaunch still held the lock {self.d.recover:g}s into the"
+                          " close; closing without it")
+            try:
+                yield
+            finally:
+                if locked:
+                    self._lock.release()
 
     async def upgrade(self, name: str, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes,
                       expect: int | None = None, policy: restart.Policy | str | None = None) -> Program:
@@ -951,23 +956,18 @@ class Programs:
 
     async def close(self) -> None:
         """Every program halted (briefly) and unloaded, before the backend closes."""
-        with anyio.CancelScope(shield=True):
-            locked = await self._last()
-            try:
-                progs = list(self.by_name.values())
-                for p in progs:  # all halted first: in blink mode the unloads then halt nobody
-                    self.b.mailbox.halt(p.slot)
-                for p in progs:
-                    try:
-                        await self._halt(p, within=self.d.close_halt)
-                    except MeshError as e:
-                        log.error(f"program {p.name}: {e}")
-                for p in progs:
-                    try:
-                        await self.b.unload(p.kernel)
-                    except MeshError as e:
-                        log.error(f"program {p.name}: {e}")
-                self.by_name.clear()
-            finally:
-                if locked:
-                    self._lock.release()
+        async with self._last():
+            progs = list(self.by_name.values())
+            for p in progs:  # all halted first: in blink mode the unloads then halt nobody
+                self.b.mailbox.halt(p.slot)
+            for p in progs:
+                try:
+                    await self._halt(p, within=self.d.close_halt)
+                except MeshError as e:
+                    log.error(f"program {p.name}: {e}")
+            for p in progs:
+                try:
+                    await self.b.unload(p.kernel)
+                except MeshError as e:
+                    log.error(f"program {p.name}: {e}")
+            self.by_name.clear()
