@@ -144,6 +144,9 @@ def test_unreadable_and_not_utf8(tmp_path):
     ('[program.echo]\ndir = "programs/echo"\nptx = "x.ptx"\n', 3, "program.echo.ptx", "not both"),
     ('[program.echo]\nmanifest = "programs/echo/manifest.json"\n', 1, "program.echo", "one of ptx or cuda"),
     ('[program.echo]\nmanifest = "programs/echo/manifest.json"\nptx = "nope.ptx"\n', 3, "program.echo.ptx", "no such file"),
+    ('[program.echo]\nmanifest = "programs/echo/manifest.json"\nptx = "/dev/null"\n', 3, "program.echo.ptx",
+     "/dev/null: not a regular file"),
+    ('[program.echo]\nmanifest = "programs"\nptx = "x.ptx"\n', 2, "program.echo.manifest", "not a regular file"),
     ('[program.other]\ndir = "programs/echo"\n', 2, "program.other.dir", "names the program 'echo'"),
     ('[program."../x"]\ndir = "programs/echo"\n', 1, "program.../x", "1-64 characters"),
     ('program.echo.dir = "programs/missing"\n', 1, "program.echo.dir", "no such directory"),  # a dotted key

@@ -333,7 +333,8 @@ class _Reader:
     def file(self, keys: tuple[str, ...], v: Any) -> str:
         p = self.path_of(keys, v)
         if not os.path.isfile(p):
-            raise self.fail(keys, f"{p}: no such file")
+            # A directory or a device is there, but is no program's file: say so, not "no such file".
+            raise self.fail(keys, f"{p}: not a regular file" if os.path.exists(p) else f"{p}: no such file")
         return p
 
 
