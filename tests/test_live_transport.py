@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -34,7 +35,9 @@ from meshd_mps.supervision.proc import WorkerProc, WorkerState
 from meshd_mps.supervision.supervisor import Supervisor
 
 from .conftest import sim
-from .waits import poll
+from .waits import poll, until as _until
+
+until = functools.partial(_until, every=0.005)  # the polling interval these waits had
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_leaks")]
 
@@ -67,17 +70,10 @@ def control_log(daemon: ControlDaemon) -> str:
         return f.read()
 
 
-async def until(cond, what: str, within: float = 20.0) -> None:
-    with anyio.fail_after(within):
-        while not cond():
-            await anyio.sleep(0.005)  # polling interval, not synchronisation
-    assert cond(), what
-
-
 async def beating(mb: Mailbox, slot: int, times: int = 3) -> None:
     for _ in range(times):
         n = mb.heartbeat(slot)
-        await until(lambda n=n: mb.heartbeat(slot) > n, f"slot {slot} beating past {n}")
+        await until(lambda n=n: mb.heartbeat(slot) > n, what=f"slot {slot} beating past {n}")
 
 
 async def heartbeat(w: WorkerProc, mb: Mailbox, slot: int) -> asyncio.Future:
@@ -88,7 +84,7 @@ async def heartbeat(w: WorkerProc, mb: Mailbox, slot: int) -> asyncio.Future:
     mb.run(slot)
     gen, done = w.next_gen(0)
     await w.ask(Op.LAUNCH, Launch(0, gen, slot, 1).encode())
-    await until(lambda: mb.u32(slot, abi.STATE) == abi.RUNNING, "the heartbeat running")
+    await until(lambda: mb.u32(slot, abi.STATE) == abi.RUNNING, what="the heartbeat running")
     return done
 
 
@@ -223,7 +219,7 @@ async def test_a_done_while_detached_is_delivered_after_hello(rig):
     await heartbeat(w, rig.mailbox, 5)
     await first.detach()
     rig.mailbox.halt(5)
-    await until(lambda: rig.mailbox.u32(5, abi.STATE) == abi.EXITED, "the heartbeat halted while detached")
+    await until(lambda: rig.mailbox.u32(5, abi.STATE) == abi.EXITED, what="the heartbeat halted while detached")
     second = await rig.sup()
     a = await second.adopt(frames.listen_path(rig.dir, w.pid))
     assert a.pid == w.pid and a.hello is not None

@@ -89,7 +89,7 @@ async def test_a_failed_program_comes_back_by_itself(standin_on_path):
         old = echo.kernel.pid
         b.sup.retire(echo.kernel.proc)
         await until(lambda: progs.by_name["echo"].restarts == 1
-                       and progs.by_name["echo"].observe() is ProgramState.RUNNING)
+                    and progs.by_name["echo"].observe() is ProgramState.RUNNING)
         r = progs.faults[-1]
         assert not r.gpu_wide and r.faulted == "echo" and r.by == "own"
         assert progs.by_name["echo"].kernel.pid != old and progs.by_name["echo"].slot == echo.slot

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import subprocess
 import sys
 
-import anyio
 import pytest
 
 from meshd_mps.backend import Backend
@@ -39,18 +39,15 @@ from ..test_backend import beats, example
 from ..test_hard_deaths import _owner, events, left_by, reap
 from ..test_restart import blink_fault_case, blink_killed_case
 from ..test_serve import EXAMPLES, REPO, Serve, poll
+from ..waits import until as _until
 from .test_faults_real import real_gpu_and_mps  # noqa: F401 - a fixture
 from .test_mps_real import mps_processes
+
+until = functools.partial(_until, within=60.0, every=0.005)  # this file's waits: 60 s on the real GPU
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mps, pytest.mark.timeout(180), pytest.mark.usefixtures("real_gpu_and_mps")]
 
 QUICK = dataclasses.replace(DEFAULT, restart_backoff=0.05, restart_backoff_max=0.4)
-
-
-async def wait_for(cond, within=60.0):
-    with anyio.fail_after(within):
-        while not cond():
-            await anyio.sleep(0.005)
 
 
 def report(what: str, r) -> None:
@@ -65,12 +62,12 @@ async def test_a_worker_killed_from_outside_comes_back():
         await beats(b, hb.slot, 1000)
         pid = echo.kernel.pid
         os.kill(pid, signal.SIGKILL)
-        await wait_for(lambda: progs.faults and progs.faults[-1].ms > 0)
+        await until(lambda: progs.faults and progs.faults[-1].ms > 0)
         r = progs.faults[-1]
         report("fault report", r)
         assert r.gpu_wide and r.faulted == "echo" and r.pid == pid and r.relaunched == ["heartbeat"], r
-        await wait_for(lambda: progs.by_name["echo"].restarts == 1
-                       and progs.by_name["echo"].observe() is ProgramState.RUNNING)
+        await until(lambda: progs.by_name["echo"].restarts == 1
+                    and progs.by_name["echo"].observe() is ProgramState.RUNNING)
         assert await progs.call("echo", b"back") == b"back"
         await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot) + 100)
         await progs.close()
@@ -83,7 +80,7 @@ async def test_a_program_that_keeps_faulting_is_a_crash_loop():
         hb = await progs.load(*example("heartbeat"))
         await beats(b, hb.slot, 1000)
         await progs.load(*example("fault"))
-        await wait_for(lambda: progs.by_name["fault"].observe() is ProgramState.CRASH_LOOP, within=120)
+        await until(lambda: progs.by_name["fault"].observe() is ProgramState.CRASH_LOOP, within=120)
         faults = [r for r in progs.faults if r.gpu_wide]
         for r in faults:
             report("fault", r)
@@ -118,9 +115,9 @@ async def test_a_dead_pooled_worker_is_dropped_and_replaced():
         b.mailbox.set_u32(hb.slot, abi.GAP_RESET, 1)
         await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot) + 100)
         os.kill(victim, signal.SIGKILL)
-        await wait_for(lambda: victim not in pool.pids())
+        await until(lambda: victim not in pool.pids())
         assert victim not in b.status()["pool"]  # status says what the pool holds
-        await wait_for(lambda: len(pool) == idle and victim not in pool.pids())  # replaced
+        await until(lambda: len(pool) == idle and victim not in pool.pids())  # replaced
         await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot) + 1000)
         gap = b.mailbox.u64(hb.slot, abi.MAX_GAP) / 1e3
         print(f"heartbeat's worst gap across an idle pooled worker's SIGKILL and its replacement: {gap:.1f} us",
