@@ -5,7 +5,8 @@
 # BENCH="--only i" (the bench's arguments; BENCH=skip: no bench), RING=1 (scripts/ring_variants.py
 # first, into ring-variants.txt: the ring's device side against a bare kernel, issue 18),
 # DAEMON_CPUS=N (serve --daemon-cpus N in the CLI run), PROBES="hold ask-cpu" (scripts/issue18_probes.py's,
-# after the bench, each into probe-NAME.txt).  GPU=sim: the same run on a CPU machine, on the simulated
+# after the bench, each into probe-K-NAME.txt, K its place in the list; NAME.LOOP, e.g. ask-cpu.uvloop, runs it on
+# that event loop, by default asyncio).  GPU=sim: the same run on a CPU machine, on the simulated
 # GPU and the stand-in MPS daemon (RING left out: it needs CUDA), to check a run before device time
 # is spent on it.
 set -u
@@ -50,9 +51,11 @@ if [ "$BENCH" != skip ]; then
   timeout 480 python3 -m meshd_mps bench --gpu $GPU $BENCH --json "$OUT/bench.json" > "$OUT/bench.txt" 2>"$OUT/bench-log.txt"
   echo "bench rc=$?" >> "$OUT/bench.txt"
 fi
-for p in $PROBES; do
-  timeout 240 python3 scripts/issue18_probes.py "$p" --gpu $GPU > "$OUT/probe-$p.txt" 2>"$OUT/log-probe-$p.txt"
-  echo "probe $p rc=$?" >> "$OUT/probe-$p.txt"
+k=0
+for p in $PROBES; do  # NAME or NAME.LOOP (ask-cpu.uvloop: the probe on that event loop)
+  k=$((k + 1)); name=${p%%.*}; loop=asyncio; [ "$name" != "$p" ] && loop=${p#*.}
+  timeout 240 python3 scripts/issue18_probes.py "$name" --loop "$loop" --gpu $GPU > "$OUT/probe-$k-$p.txt" 2>"$OUT/log-probe-$k-$p.txt"
+  echo "probe $p rc=$?" >> "$OUT/probe-$k-$p.txt"
 done
 pgrep -af "nvidia-cuda-mps|meshd_mps" > "$OUT/left.txt" || echo "nothing left" > "$OUT/left.txt"
 if [ -f "$OUT/gpu-tests.txt" ]; then grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/gpu-tests.txt" | tail -60; tail -3 "$OUT/gpu-tests.txt"; fi

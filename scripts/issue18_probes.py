@@ -19,15 +19,15 @@ that they can be run again (on the GPU machine: python3 scripts/issue18_probes.p
             such a client on registered shared memory (a memfd, cuMemHostRegister'ed, as the
             mailbox is) instead of cuMemHostAlloc's, then echo's host spin, 3 rounds
 
-Several names run in turn, in one process.  --gpu sim runs each on the simulated GPU and the
-stand-in MPS daemon (the figures mean nothing there; it checks that the script runs).  The floor
-on a spread of SMs, once "sm" here, is scripts/ring_variants.py --sm.
+Several names run in turn, in one process.  --loop picks its event loop: asyncio by default, as every
+probe before 2026-12-06 ran, while serve and the bench take uvloop where installed.  --gpu sim runs
+each on the simulated GPU and the stand-in MPS daemon (the figures mean nothing there; it checks
+that the script runs).  The floor on a spread of SMs, once "sm" here, is scripts/ring_variants.py --sm.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import os
 import resource
@@ -41,7 +41,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from meshd_mps import bench as B
+from meshd_mps import bench as B, eventloop
 from meshd_mps.isolation.base import Module
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import ring as R
@@ -278,6 +278,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=sorted(PROBES), nargs="+", help="one or more, run in turn")
     ap.add_argument("--gpu", choices=("cuda", "sim"), default="cuda")
+    ap.add_argument("--loop", choices=eventloop.CHOICES, default="asyncio",
+                    help="the event loop (default asyncio, as every probe before 2026-12-06 ran; serve's is auto)")
     a = ap.parse_args()
     bench = B.Bench(a.gpu, a.gpu == "sim", None)
 
@@ -289,7 +291,8 @@ def main() -> None:
         finally:
             bench.cleanup()
 
-    asyncio.run(run())
+    print(f"loop: {eventloop.factory(a.loop)[0]}", flush=True)
+    eventloop.run(run, a.loop)
 
 
 if __name__ == "__main__":

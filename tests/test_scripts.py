@@ -32,8 +32,9 @@ def run(*argv: str) -> str:
 
 
 def test_issue18_probes_run(standin_on_path):
-    """Every probe but ring-ab, in one process (one interpreter's start, not five)."""
-    out = run("scripts/issue18_probes.py", *PROBES, "--gpu", "sim")
+    """Every probe but ring-ab, in one process (one interpreter's start, not five), on uvloop (CI installs it)."""
+    out = run("scripts/issue18_probes.py", *PROBES, "--gpu", "sim", "--loop", "uvloop")
+    assert re.search(r"^loop: uvloop ", out, re.M), out[:2000]
     parts = dict(re.findall(r"^== (\S+)\n(.*?)(?=^== |\Z)", out, re.M | re.S))
     assert sorted(parts) == sorted(PROBES), out[-2000:]
     for probe, line in PROBES.items():
