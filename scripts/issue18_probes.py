@@ -281,6 +281,10 @@ def main() -> None:
     ap.add_argument("--loop", choices=eventloop.CHOICES, default="asyncio",
                     help="the event loop (default asyncio, as every probe before 2026-12-06 ran; serve's is auto)")
     a = ap.parse_args()
+    try:
+        loop = eventloop.factory(a.loop)[0]
+    except eventloop.LoopError as e:
+        sys.exit(f"issue18_probes.py: {e}")
     bench = B.Bench(a.gpu, a.gpu == "sim", None)
 
     async def run() -> Any:
@@ -291,7 +295,7 @@ def main() -> None:
         finally:
             bench.cleanup()
 
-    print(f"loop: {eventloop.factory(a.loop)[0]}", flush=True)
+    print(f"loop: {loop}", flush=True)
     eventloop.run(run, a.loop)
 
 
