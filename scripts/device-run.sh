@@ -53,8 +53,8 @@ if [ "$BENCH" != skip ]; then
 fi
 k=0
 for p in $PROBES; do  # NAME or NAME.LOOP (ask-cpu.uvloop: the probe on that event loop)
-  k=$((k + 1)); name=${p%%.*}; loop=asyncio; [ "$name" != "$p" ] && loop=${p#*.}
-  timeout 240 python3 scripts/issue18_probes.py "$name" --loop "$loop" --gpu $GPU > "$OUT/probe-$k-$p.txt" 2>"$OUT/log-probe-$k-$p.txt"
+  k=$((k + 1)); name=${p%%.*}; loop=(); [ "$name" != "$p" ] && loop=(--loop "${p#*.}")  # else the script's default
+  timeout 240 python3 scripts/issue18_probes.py "$name" "${loop[@]}" --gpu $GPU > "$OUT/probe-$k-$p.txt" 2>"$OUT/log-probe-$k-$p.txt"
   echo "probe $p rc=$?" >> "$OUT/probe-$k-$p.txt"
 done
 pgrep -af "nvidia-cuda-mps|meshd_mps" > "$OUT/left.txt" || echo "nothing left" > "$OUT/left.txt"
