@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import hashlib
 import os
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -41,6 +41,7 @@ from meshd_mps.errors import (
     WorkerGone,
     WrongMode,
 )
+from meshd_mps.faults import Stray
 from meshd_mps.gpu.compiler import Compiler, Manifest
 from meshd_mps.gpu.device import (
     Caps,
@@ -67,7 +68,7 @@ from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
 
-__all__ = ["Backend", "Found", "Image", "Kernel", "LivePaths", "Opening", "live_paths"]
+__all__ = ["Backend", "Evidence", "Found", "Image", "Kernel", "LivePaths", "Opening", "live_paths"]
 
 log = structlog.get_logger("meshd_mps")
 
@@ -78,6 +79,22 @@ IsolationName = Literal["blink", "mps"]
 #: memory (cuMemHostRegister), which the H200's driver refused for a regular file's pages
 #: (CUDA_ERROR_INVALID_VALUE, 2026-12-03) and takes for shmem, as for today's memfd.
 SHM_DIR = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What one GPU holds about a failure, read in one call (``Backend.evidence``) for faults.py to
+    weigh: the mode's differences stay in its isolation."""
+
+    #: The pids the MPS server logged as having hit a fatal error on that GPU, taken (a later look
+    #: does not see them again); none where there is no server (blink).
+    fatal_pids: list[int]
+    #: Workers of that GPU, none of the caller's, that ended on their own with a kernel launched:
+    #: the culprit where no program is (faults.name_culprit); ``Backend.took`` once one is named.
+    strays: list[Stray]
+    #: Every failure of a program's launch is its GPU's (blink: one context, whose error is
+    #: sticky); False: whether it was a fault of the GPU is for the rest of the evidence to say.
+    gpu_wide: bool
 
 
 @dataclass(frozen=True)
@@ -546,6 +563,50 @@ class Backend:
         need (MPS: a worker each, the pool refilled once they are back; blink: the new context),
         within ``recover``; False if not (logged)."""
         return await self._on(device).refill(extra)
+
+    # ---- a fault's evidence, in one call --------------------------------------------------
+    async def evidence(self, device: int, ours: Collection[int] = (), wait: float = 0.0) -> Evidence:
+        """GPU ``device``'s evidence about a failure: the server log's culprits (watched for up to
+        ``wait`` seconds until one shows: the server writes its line within milliseconds of the
+        fault), the strays that are none of ``ours`` (pids), and whether every failure is the GPU's."""
+        g = self._on(device)
+        pids = g.fatal_pids()
+        if not pids and wait > 0 and not g.shared_fate:
+            with anyio.move_on_after(wait):
+                while not (pids := g.fatal_pids()):
+                    await anyio.sleep(0.02)
+        return Evidence(pids, g.strays(set(ours)), g.shared_fate)
+
+    def took(self, device: int, stray: Stray) -> None:
+        """``stray`` was named a fault's culprit: a later fault does not name it again."""
+        self._on(device).took(stray)
+
+    def recovered(self, device: int) -> None:
+        """GPU ``device``'s lost programs are back (MPS: its pool refills now, paced)."""
+        self._on(device).recovered()
+
+    def first_context_at(self, device: int) -> float:
+        """When GPU ``device`` last took a new context after a fault (perf_counter; 0: not since)."""
+        return self._on(device).first_context_at
+
+    def take(self, f: Found, manifest: Manifest | None) -> Kernel:
+        """An adopted module (live restore) taken as a kernel: ``manifest`` None, to be unloaded."""
+        return f.isolation.take(f, manifest)
+
+    # ---- what the layers above use of the supervisor ----------------------------------------
+    @property
+    def deadlines(self) -> Deadlines:
+        """The one deadline table, as handed to ``open``."""
+        return self.sup.deadlines
+
+    @property
+    def closed(self) -> bool:
+        """Closing or closed (detached too): its workers end, by no fault of anyone's."""
+        return self._closed or self.sup.closed
+
+    def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any, name: str) -> None:
+        """A task in the backend's task group (the supervisor's), ended with it."""
+        self.sup.start_soon(fn, *args, name=name)
 
     # ---- native clients ---------------------------------------------------------------------
     def _mps_mode(self, what: str) -> Mps:

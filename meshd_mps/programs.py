@@ -48,7 +48,7 @@ from meshd_mps.errors import (
 )
 from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.isolation import limits
-from meshd_mps.isolation.base import Found, Isolation
+from meshd_mps.isolation.base import Found
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Done
@@ -166,8 +166,8 @@ class Program:
         """The CUDA error its stream reported, if one did: a DONE that failed, or (MPS) its own
         worker's first stream error (the evidence faults.py weighs above a worker's death)."""
         k = self.kernel
-        if k.isolation.isolated and not k.unloaded and k.proc.err:
-            return k.proc.err
+        if own := k.own_error():
+            return own
         f = self.launch.inner
         if f.done() and not f.cancelled() and f.exception() is None and not f.result().ok:
             return str(f.result().message)
@@ -224,7 +224,7 @@ class Programs:
     """``policy``: the restart policy of a program loaded without one (restart.py)."""
 
     def __init__(self, backend: Backend, policy: restart.Policy | str = restart.DEFAULT, stall_after: float | None = None):
-        self.d = backend.sup.deadlines
+        self.d = backend.deadlines
         stall_after = self.d.stall if stall_after is None else stall_after
         if not stall_after > 0:
             raise ConfigError(f"stall_after {stall_after!r}: seconds, more than 0")
@@ -243,7 +243,7 @@ class Programs:
         #: Where successful loads, upgrades and unloads are recorded (state/desired.py); None: nowhere.
         self.recorder: Recorder | None = None
         self._closing = False
-        self.b.sup.start_soon(self._beats, name="heartbeats")
+        self.b.start_soon(self._beats, name="heartbeats")
 
     def _free_slot(self, want: int | None = None) -> int:
         """A mailbox slot no program holds: ``want`` (a restore's), else the lowest."""
@@ -301,7 +301,7 @@ class Programs:
         """The start check: a launched kernel counts only once it has set STATE = RUNNING (or
         already ended), within the start deadline; NotStarted otherwise.  A kernel on a hardware
         queue held by a resident one, or whose blocks wait for SMs, is launched but never runs."""
-        within = self.b.sup.deadlines.start
+        within = self.d.start
         mb = self.b.mailbox
         t0 = time.perf_counter()
         with anyio.move_on_after(within):
@@ -388,7 +388,7 @@ class Programs:
 
     def _install(self, p: Program) -> None:
         self.by_name[p.name] = p
-        self.b.sup.start_soon(self._watch, p, name=f"watch {p.name}")
+        self.b.start_soon(self._watch, p, name=f"watch {p.name}")
 
     def _count(self, t0: float) -> None:
         self.loads += 1
@@ -423,7 +423,7 @@ class Programs:
             if f.name in self.by_name:
                 raise AlreadyLoaded(f.name)
             slot = self._free_slot(f.launch.slot)
-            k = f.isolation.take(f, manifest)
+            k = self.b.take(f, manifest)
             assert k.launch is not None
             p = Program(f.name, slot, k, k.launch, hash, nodes, cached=True, manifest=manifest, ptx=ptx, policy=pol)
             p.beat = self.b.mailbox.heartbeat(slot)
@@ -438,7 +438,7 @@ class Programs:
         version, a half-done load or upgrade): its kernel halted through its slot if it runs, and
         the module unloaded (MPS: its worker back to the pool; blink: in one blink)."""
         async with self._lock:
-            k = f.isolation.take(f, None)
+            k = self.b.take(f, None)
             log.warning(f"program {f.name} on worker {k.pid}: halted and unloaded at adoption: {why}", program=f.name,
                         pid=k.pid, slot=f.launch.slot if f.launch else None)
             if k.launch is not None:
@@ -679,33 +679,23 @@ class Programs:
         return not self._closed() and self.by_name.get(p.name) is p and p.observe() is state
 
     def _closed(self) -> bool:
-        return self._closing or self.b.sup.closed
+        return self._closing or self.b.closed
 
     def _suspect(self, q: Program, ended: bool = False) -> faults.Suspect:
         return faults.Suspect(q.name, q.kernel.pid, q.failed_at, ended=ended,
-                              died=q.kernel.isolation.died_on_its_own(q.kernel), error=q.state()[1],
+                              died=q.kernel.died_on_its_own(), error=q.state()[1],
                               kernel_error=q.kernel_error())
-
-    async def _fatal_pids(self, iso: Isolation) -> list[int]:
-        """The server log's culprits on ``iso``'s GPU (MPS), watched for up to the fault window (the
-        server writes its line within milliseconds of the fault)."""
-        pids: list[int] = []
-        with anyio.move_on_after(self.d.fault_window):
-            while not (pids := iso.fatal_pids()):
-                await anyio.sleep(0.02)
-        return pids
 
     async def _on_failure(self, p: Program) -> None:
         async with self._lock:
             if not self._current(p, ProgramState.FAILED):
                 return  # a recovery already dealt with it
             t0 = time.perf_counter()
-            iso = p.kernel.isolation
-            pids: list[int] = []
-            if not iso.shared_fate:
+            ev = await self.b.evidence(p.device, wait=self.d.fault_window)
+            pids = ev.fatal_pids
+            if not ev.gpu_wide:
                 # A fault of its GPU if the server logs a fatal fault there, or other programs of
                 # that GPU fail with this one (MPS tears down the clients of the faulting GPU only).
-                pids = await self._fatal_pids(iso)
                 others = [self._suspect(q) for q in self.on_device(p.device)
                           if q is not p and q.observe() is ProgramState.FAILED]
                 if not faults.is_gpu_fault(pids, faults.failed_together(self._suspect(p), others, self.d.fault_window)):
@@ -726,7 +716,6 @@ class Programs:
         (not the culprit, whose restart policy decides), then refill the pool.  Other GPUs are not
         touched."""
         gpu = first.device
-        iso = first.kernel.isolation
         steps: dict[str, float] = {}
         t = t0
 
@@ -747,10 +736,10 @@ class Programs:
         step("decide")
         back = [q for q in hit if q.policy is not restart.Policy.NEVER]
         await self.b.teardown(gpu, ahead=len(back))  # every worker of that GPU retired and awaited
-        if not pids:  # the server may name the culprit only once its clients are gone
-            pids = iso.fatal_pids()
+        ev = await self.b.evidence(gpu, ours={q.kernel.pid for q in hit})
+        pids = pids or ev.fatal_pids  # the server may name the culprit only once its clients are gone
         step("teardown")
-        strays = iso.strays({q.kernel.pid for q in hit})
+        strays = ev.strays
         suspects = [self._suspect(q, ended=self.b.mailbox.u32(q.slot, abi.STATE) == abi.EXITED) for q in hit]
         v = faults.name_culprit(suspects, first_seen, pids, strays, first.failed_at or time.monotonic(),
                                 self.d.fault_window)
@@ -762,7 +751,7 @@ class Programs:
             log.info("the fault's evidence names no culprit; the first program seen failing is taken for it",
                      program=v.culprit, device=gpu)
         if v.stray is not None:
-            iso.took(v.stray)
+            self.b.took(gpu, v.stray)
         lost = [named[q.name] for q in v.lost]
         for q in lost:
             q.lost_to = v.culprit
@@ -775,7 +764,7 @@ class Programs:
             if q not in back:
                 r.not_relaunched[q.name] = "restart policy never"
         ready = await self.b.refill(gpu, len(back))
-        ctx = iso.first_context_at
+        ctx = self.b.first_context_at(gpu)
         if ctx:
             steps["server_ready"] = round(max(0.0, ctx - t) * 1e3, 2)
             t = max(t, ctx)
@@ -787,7 +776,7 @@ class Programs:
             back = []
         failed = await self._bring_back(back)
         step("relaunch")
-        iso.recovered()
+        self.b.recovered(gpu)
         for q in back:
             if q.name in failed:
                 r.not_relaunched[q.name] = str(failed[q.name])
@@ -823,7 +812,7 @@ class Programs:
         log.warning(f"program {p.name}: relaunched in {dec.delay:g}s (restart policy {p.policy.value}, failure"
                     f" {len(dec.failures)} of {restart.CRASH_LOOP_BURST} within {self.d.crash_loop_interval:g}s)",
                     program=p.name)
-        self.b.sup.start_soon(self._restart_later, p, name=f"restart {p.name}")
+        self.b.start_soon(self._restart_later, p, name=f"restart {p.name}")
 
     async def _restart_later(self, p: Program) -> None:
         await anyio.sleep(max(0.0, p.restart_at - time.monotonic()))

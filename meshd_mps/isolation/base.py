@@ -138,6 +138,16 @@ class Kernel:
     def pid(self) -> int:
         return self.module.proc.pid
 
+    def own_error(self) -> str:
+        """The first CUDA error its own worker's stream reported ("" where the process is not the
+        program's own, blink, or none was): evidence that faults.py weighs above a worker's death."""
+        return self.isolation.own_error(self)
+
+    def died_on_its_own(self) -> bool:
+        """Its process ended on its own (a signal not ours, an exit with its kernel running), as
+        evidence against it alone: only where the process is the program's own (MPS)."""
+        return self.isolation.died_on_its_own(self)
+
 
 class Isolation(ABC):
     """One GPU's isolation mode: prepare, load, launch, query, unload, status; and, for a fault of
@@ -297,6 +307,10 @@ class Isolation(ABC):
 
     def took(self, stray: Stray) -> None:  # noqa: B027 - an optional hook, by default nothing to do
         """``stray`` was named a fault's culprit: a later fault does not name it again."""
+
+    def own_error(self, k: Kernel) -> str:
+        """``k``'s own worker's first stream error: only where the process is the program's own (MPS)."""
+        return ""
 
     def died_on_its_own(self, k: Kernel) -> bool:
         """``k``'s process ended on its own (a signal not ours, an exit with its kernel running),

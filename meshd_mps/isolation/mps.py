@@ -355,6 +355,9 @@ class MpsIsolation(Isolation):
     def died_on_its_own(self, k: Kernel) -> bool:
         return not k.unloaded and k.proc.died_on_its_own()
 
+    def own_error(self, k: Kernel) -> str:
+        return k.proc.err if not k.unloaded and k.proc.err else ""
+
     def recovered(self) -> None:
         """The lost programs are back: the workers kept for them and not taken go to the pool (or
         are retired past its cap), and the pool refills in the background, paced."""

@@ -1,0 +1,151 @@
+"""The package's shape, checked: imports point down the layers of docs/architecture.md, never in a
+circle, and no module is over 500 lines unless docs/architecture.md says why.
+
+Read from the source (ast), not by importing it: an import inside a function counts as much as one
+at the top, and one under ``if TYPE_CHECKING`` too (a type drawn from above is a dependency on it).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("meshd_mps", "workers")
+
+#: Each module's layer, by the longest prefix that names it: a module imports only from its own
+#: layer or lower ones.  The same table is drawn in docs/architecture.md ("Layers and modules").
+LAYERS: dict[str, int] = {
+    # 8: the surfaces: the daemon, its CLI and API, the bench, the package's front door
+    "meshd_mps": 8,
+    "meshd_mps.__main__": 8,
+    "meshd_mps.serving": 8,
+    "meshd_mps.bench": 8,
+    # 7: what outlives a restart (the desired state kept and restored)
+    "meshd_mps.state": 7,
+    # 6: named programs on slots
+    "meshd_mps.programs": 6,
+    # 5: the backend facade
+    "meshd_mps.backend": 5,
+    # 4: the modes, one GPU each
+    "meshd_mps.isolation": 4,
+    # 3: the processes: the MPS daemon and its clients, the worker processes, the neighbours
+    "meshd_mps.mps": 3,
+    "meshd_mps.supervision": 3,
+    "meshd_mps.neighbours": 3,
+    # 2: the worker process's own code, the GPU without a context, what both sides share
+    "workers": 2,
+    "meshd_mps.gpu": 2,
+    "meshd_mps.protocol": 2,
+    "meshd_mps.mps.standin": 2,  # the stand-in daemon's model, which the simulated GPU reads
+    # 1: imported by every layer; pure decisions and tables
+    "meshd_mps.errors": 1,
+    "meshd_mps.deadlines": 1,
+    "meshd_mps.names": 1,
+    "meshd_mps.strictjson": 1,
+    "meshd_mps.log": 1,
+    "meshd_mps.eventloop": 1,
+    "meshd_mps.faults": 1,
+    "meshd_mps.restart": 1,
+}
+
+MAX_LINES = 500
+
+
+def modules() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def layer(mod: str) -> int:
+    best = max((p for p in LAYERS if mod == p or mod.startswith(p + ".")), key=len, default=None)
+    assert best is not None, f"{mod}: no layer in LAYERS (add it there and to docs/architecture.md)"
+    return LAYERS[best]
+
+
+def imports(path: Path, mods: dict[str, Path]) -> set[str]:
+    """The modules of ours that ``path`` imports (a name imported from a package that is a module
+    of its own counts as that module)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        found.update(n for n in names if n.split(".")[0] in PACKAGES)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    out: dict[str, set[str]] = {}
+    for m, path in mods.items():
+        deps = set()
+        for n in imports(path, mods):
+            while n not in mods and "." in n:  # `import a.b.c` where c is a name: the module a.b
+                n = n.rsplit(".", 1)[0]
+            if n in mods and n != m:
+                deps.add(n)
+        out[m] = deps
+    return out
+
+
+def test_imports_point_down() -> None:
+    g = graph()
+    up = [f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})" for m, ds in sorted(g.items()) for d in sorted(ds)
+          if layer(d) > layer(m) and not m.startswith(d + ".") and d not in PACKAGES]
+    assert not up, "imports that point up:\n" + "\n".join(up)
+
+
+def test_no_import_cycles() -> None:
+    """No module reaches itself through its imports (a package's __init__ importing its own modules
+    is not a cycle unless one of them imports the package back)."""
+    g = graph()
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(g[m]):
+            if state.get(d) == 1:
+                cycles.append([*path[path.index(d):], d])
+            elif d not in state:
+                visit(d)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_modules_are_small_or_say_why() -> None:
+    """Over MAX_LINES lines only where docs/architecture.md names the module, with its reason, in
+    its section "Modules over 500 lines"."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    m = re.search(r"^## Modules over 500 lines\n(.*?)(?=^## |\Z)", doc, re.M | re.S)
+    excused = set(re.findall(r"`([\w/]+\.py)`", m.group(1))) if m else set()
+    big = {str(p.relative_to(ROOT)): n for p in modules().values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    unexplained = {p: n for p, n in big.items() if p not in excused}
+    assert not unexplained, f"modules over {MAX_LINES} lines that docs/architecture.md does not explain: {unexplained}"
+    stale = excused - set(big)
+    assert not stale, f"docs/architecture.md explains modules that are no longer over {MAX_LINES} lines: {stale}"
+
+
+def test_the_checks_see_a_violation(tmp_path: Path) -> None:
+    """The scan is not blind: an upward import and a cycle in a scratch tree are found."""
+    (tmp_path / "a.py").write_text("from meshd_mps import backend\nimport meshd_mps.serving.cli\n")
+    mods = {"meshd_mps.backend": tmp_path, "meshd_mps.serving.cli": tmp_path}
+    assert imports(tmp_path / "a.py", mods) == {"meshd_mps.backend", "meshd_mps.serving.cli"}
+    assert layer("meshd_mps.serving.cli") > layer("meshd_mps.backend") > layer("meshd_mps.errors")
