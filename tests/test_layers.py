@@ -52,6 +52,26 @@ LAYERS: dict[str, int] = {
 
 MAX_LINES = 500
 
+#: What issue 31 has still to remove, named one by one: a new violation fails, and so does one of
+#: these once it is gone (strike it off here), so the list only shrinks.
+KNOWN_UP = {
+    ("meshd_mps.deadlines", "meshd_mps.protocol.frames"),
+    ("meshd_mps.mps.clients", "meshd_mps.isolation.base"),
+    ("meshd_mps.mps.clients", "meshd_mps.isolation.limits"),
+    ("meshd_mps.mps.clients", "meshd_mps.isolation.mps"),
+    ("meshd_mps.programs", "meshd_mps.state.desired"),
+    ("meshd_mps.state.desired", "meshd_mps.serving.client"),
+}
+KNOWN_CYCLES = {
+    ("meshd_mps.isolation.base", "meshd_mps.mps.clients"),
+    ("meshd_mps.isolation.base", "meshd_mps.mps.clients", "meshd_mps.isolation.mps"),
+    ("meshd_mps.isolation.mps", "meshd_mps.mps.clients"),
+    ("meshd_mps.programs", "meshd_mps.state.desired"),
+}
+KNOWN_BIG = {"meshd_mps/backend.py", "meshd_mps/bench.py", "meshd_mps/mps/control.py", "meshd_mps/programs.py",
+             "meshd_mps/serving/server.py", "meshd_mps/state/store.py", "meshd_mps/supervision/supervisor.py",
+             "workers/sim_gpu.py"}
+
 
 def modules() -> dict[str, Path]:
     out: dict[str, Path] = {}
@@ -98,27 +118,26 @@ def graph() -> dict[str, set[str]]:
     return out
 
 
-def test_imports_point_down() -> None:
-    g = graph()
-    up = [f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})" for m, ds in sorted(g.items()) for d in sorted(ds)
-          if layer(d) > layer(m) and not m.startswith(d + ".") and d not in PACKAGES]
-    assert not up, "imports that point up:\n" + "\n".join(up)
+def upward(g: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Each (module, import) that points to a higher layer (a package's own modules aside)."""
+    return {(m, d) for m, ds in g.items() for d in ds
+            if layer(d) > layer(m) and not m.startswith(d + ".") and d not in PACKAGES}
 
 
-def test_no_import_cycles() -> None:
-    """No module reaches itself through its imports (a package's __init__ importing its own modules
-    is not a cycle unless one of them imports the package back)."""
-    g = graph()
-    cycles: list[list[str]] = []
+def cycles(g: dict[str, set[str]]) -> set[tuple[str, ...]]:
+    """Every cycle a depth-first walk meets, each as its modules rotated to start at the least."""
+    found: set[tuple[str, ...]] = set()
     state: dict[str, int] = {}  # 1: on the path, 2: done
     path: list[str] = []
 
     def visit(m: str) -> None:
         state[m] = 1
         path.append(m)
-        for d in sorted(g[m]):
+        for d in sorted(g.get(m, ())):
             if state.get(d) == 1:
-                cycles.append([*path[path.index(d):], d])
+                c = path[path.index(d):]
+                i = c.index(min(c))
+                found.add(tuple(c[i:] + c[:i]))
             elif d not in state:
                 visit(d)
         path.pop()
@@ -127,25 +146,46 @@ def test_no_import_cycles() -> None:
     for m in sorted(g):
         if m not in state:
             visit(m)
-    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+    return found
+
+
+def test_imports_point_down() -> None:
+    up = upward(graph())
+    new = sorted(up - KNOWN_UP)
+    assert not new, "imports that point up:\n" + "\n".join(
+        f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})" for m, d in new)
+    assert not KNOWN_UP - up, f"gone, strike them off KNOWN_UP: {sorted(KNOWN_UP - up)}"
+
+
+def test_no_import_cycles() -> None:
+    """No module reaches itself through its imports (a package's __init__ importing its own modules
+    is not a cycle unless one of them imports the package back)."""
+    found = cycles(graph())
+    new = sorted(found - KNOWN_CYCLES)
+    assert not new, "import cycles:\n" + "\n".join(" -> ".join([*c, c[0]]) for c in new)
+    assert not KNOWN_CYCLES - found, f"gone, strike them off KNOWN_CYCLES: {sorted(KNOWN_CYCLES - found)}"
 
 
 def test_modules_are_small_or_say_why() -> None:
     """Over MAX_LINES lines only where docs/architecture.md names the module, with its reason, in
-    its section "Modules over 500 lines"."""
+    its section "Modules over 500 lines" (or KNOWN_BIG, until issue 31 splits it)."""
     doc = (ROOT / "docs" / "architecture.md").read_text()
     m = re.search(r"^## Modules over 500 lines\n(.*?)(?=^## |\Z)", doc, re.M | re.S)
     excused = set(re.findall(r"`([\w/]+\.py)`", m.group(1))) if m else set()
     big = {str(p.relative_to(ROOT)): n for p in modules().values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    unexplained = {p: n for p, n in big.items() if p not in excused}
+    unexplained = {p: n for p, n in big.items() if p not in excused | KNOWN_BIG}
     assert not unexplained, f"modules over {MAX_LINES} lines that docs/architecture.md does not explain: {unexplained}"
-    stale = excused - set(big)
-    assert not stale, f"docs/architecture.md explains modules that are no longer over {MAX_LINES} lines: {stale}"
+    stale = (excused | KNOWN_BIG) - set(big)
+    assert not stale, f"explained or listed as over {MAX_LINES} lines, and no longer are: {stale}"
 
 
 def test_the_checks_see_a_violation(tmp_path: Path) -> None:
-    """The scan is not blind: an upward import and a cycle in a scratch tree are found."""
+    """The scans are not blind: imports are read, and an upward import and a cycle are found."""
     (tmp_path / "a.py").write_text("from meshd_mps import backend\nimport meshd_mps.serving.cli\n")
     mods = {"meshd_mps.backend": tmp_path, "meshd_mps.serving.cli": tmp_path}
     assert imports(tmp_path / "a.py", mods) == {"meshd_mps.backend", "meshd_mps.serving.cli"}
-    assert layer("meshd_mps.serving.cli") > layer("meshd_mps.backend") > layer("meshd_mps.errors")
+    g = {"meshd_mps.backend": {"meshd_mps.serving.cli"}, "meshd_mps.serving.cli": {"meshd_mps.programs"},
+         "meshd_mps.programs": {"meshd_mps.backend"}, "meshd_mps.errors": set()}
+    assert upward(g) == {("meshd_mps.backend", "meshd_mps.serving.cli")}
+    assert cycles(g) == {("meshd_mps.backend", "meshd_mps.serving.cli", "meshd_mps.programs")}
+    assert cycles({"meshd_mps.errors": set()}) == set()

@@ -356,7 +356,7 @@ class MpsIsolation(Isolation):
         return not k.unloaded and k.proc.died_on_its_own()
 
     def own_error(self, k: Kernel) -> str:
-        return k.proc.err if not k.unloaded and k.proc.err else ""
+        return "" if k.unloaded else k.proc.err or ""
 
     def recovered(self) -> None:
         """The lost programs are back: the workers kept for them and not taken go to the pool (or
