@@ -1,11 +1,11 @@
-"""Shared fixtures: the stand-in MPS daemon on PATH, a rig of daemon + supervisor
-+ simulated workers, the check that no test leaves a child process behind, and
-(``no_leaks``, used by every fault test) that none leaves an fd or a temporary file."""
+"""Shared fixtures (the rigs themselves are in tests/rigs/): the stand-in MPS daemon on PATH, a rig
+of daemon + supervisor + simulated workers, daemons of ``meshd-mps serve``, the check that no test
+leaves a child process behind, and (``no_leaks``, used by every fault test) that none leaves an fd
+or a temporary file."""
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import shutil
 import sys
@@ -13,15 +13,17 @@ import tempfile
 
 import pytest
 
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.isolation.mps import MpsIsolation
 from meshd_mps.mps import standin
-from meshd_mps.mps.clients import Mps
-from meshd_mps.mps.control import ControlDaemon, become_subreaper
-from meshd_mps.protocol.mailbox import Mailbox
-from meshd_mps.supervision.supervisor import Supervisor
+from meshd_mps.mps.control import become_subreaper
 
-from .procs import Resources, children, describe, wait_gone
+from .rigs.deadlines import TEST_DEADLINES
+from .rigs.mps import MpsRig
+from .rigs.procs import Resources, children, describe, wait_gone
+from .rigs.serve import Serve
+from .rigs.sim import sim
+
+# Kept here for the test modules that import them from conftest; their home is tests/rigs/.
+__all__ = ["TEST_DEADLINES", "sim"]
 
 # The control daemon is re-parented to us; tests reap it as meshd does.
 become_subreaper()
@@ -78,45 +80,22 @@ def standin_on_path(monkeypatch):
     return standin.BIN_DIR
 
 
-def sim(**script) -> bytes:
-    """An image for the simulated GPU: what its kernel and the worker do."""
-    return b"MESHSIM1" + json.dumps(script).encode()
-
-
-#: Short retire deadlines keep hang tests quick; replies keep the seed's.
-TEST_DEADLINES = Deadlines(retire_quit=1.0, retire_kill=2.0)
-
-
-class Rig:
-    """MPS mode's host-wide part on a fresh stand-in daemon, and GPU ``devices[0]``'s isolation
-    (as ``async with``), its pool empty: each test prewarms what it needs."""
-
-    def __init__(self, deadlines=TEST_DEADLINES, pool_cap=4, max_clients=48, sms=0, devices=(0,)):
-        self.mailbox = Mailbox.create()
-        # A short path: MPS's sockets live in it and AF_UNIX paths stop at 108 bytes.
-        self.daemon = ControlDaemon(tempfile.mkdtemp(prefix="meshd-test-"), temporary=True)
-        self.sup = Supervisor(deadlines)
-        self.mps = Mps(self.daemon, self.sup, self.mailbox.path, sms, "sim", pool_cap, max_clients)
-        self.devices = devices
-
-    async def __aenter__(self) -> MpsIsolation:
-        await self.mps.start()
-        await self.sup.start()
-        for d in self.devices:
-            self.mps.add(d)
-        return self.mps.gpus[self.devices[0]]
-
-    async def __aexit__(self, *exc) -> None:
-        try:
-            for g in self.mps.gpus.values():
-                await g.close()
-            await self.sup.close()
-        finally:
-            await self.mps.close()
-            self.mailbox.close()
-
-
 @pytest.fixture
 def rig(standin_on_path):
     """Rig(...) as an async context manager: GPU 0's MpsIsolation, on a fresh stand-in daemon."""
-    return lambda **kw: Rig(**kw)
+    return lambda **kw: MpsRig(**kw)
+
+
+@pytest.fixture
+def serve(tmp):
+    """serve(isolation, *extra, sock=None): a ``meshd-mps serve`` started in ``tmp`` (stopped after the test)."""
+    started: list[Serve] = []
+
+    def start(isolation: str, *extra: str, sock: str | None = None) -> Serve:
+        s = Serve(tmp, isolation, sock or os.path.join(tmp, "s.sock"), *extra)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.kill()

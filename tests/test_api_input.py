@@ -41,7 +41,7 @@ from meshd_mps.serving.client import (
 )
 from meshd_mps.serving.status import status_of
 
-from .test_serve import EXAMPLES, NOBODY, Serve, cli, manifest, parse_metrics, ptx_of
+from .rigs.serve import EXAMPLES, NOBODY, Serve, cli, manifest, parse_metrics, ptx_of
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,36 +3,20 @@ with real NVRTC + nvJitLink compiles of the example programs."""
 
 from __future__ import annotations
 
-import json
-import pathlib
-
 import anyio
 import pytest
 
 from meshd_mps.backend import Backend, Image
 from meshd_mps.errors import AlreadyLoaded, ConfigError, MeshError, NoDriver, NotLoaded, NotServedHere, WorkerError
-from meshd_mps.gpu.compiler import Prepared, cuda_to_ptx
+from meshd_mps.gpu.compiler import Prepared
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 
-from .conftest import TEST_DEADLINES, sim
+from .rigs.backend import beats, example
+from .rigs.deadlines import TEST_DEADLINES
+from .rigs.sim import sim
 
 pytestmark = pytest.mark.timeout(90)
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-
-
-def example(name: str) -> tuple[dict, bytes]:
-    d = EXAMPLES / name
-    man = json.loads((d / "manifest.json").read_text())
-    ptx = cuda_to_ptx((d / f"{name}.cu").read_bytes(), name, include=[str(EXAMPLES / "include")])
-    return man, ptx
-
-
-async def beats(b: Backend, slot: int, more_than: int, within: float = 10.0) -> int:
-    with anyio.fail_after(within):
-        while (n := b.mailbox.heartbeat(slot)) <= more_than:
-            await anyio.sleep(0.005)
-    return n
 
 
 @pytest.fixture(params=["blink", "mps"])

@@ -15,7 +15,7 @@ from meshd_mps.serving import cli, server
 from meshd_mps.state.config import SERVE_DEFAULTS, key_line, load_config, merge_serve
 from meshd_mps.supervision import cpus
 
-from .test_serve import EXAMPLES, cli as run_cli
+from .rigs.serve import EXAMPLES, cli as run_cli
 
 MANIFEST = {"name": "echo", "backend": "cuda", "warps": 1, "abi": 1}
 

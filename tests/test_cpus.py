@@ -11,7 +11,7 @@ from meshd_mps.errors import ConfigError
 from meshd_mps.serving.client import program_body
 from meshd_mps.supervision import cpus
 
-from .test_serve import EXAMPLES, assert_clean_exit, serve  # noqa: F401 - serve is a fixture
+from .rigs.serve import EXAMPLES, assert_clean_exit
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,7 +104,7 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
-def test_the_daemon_keeps_its_cpus_to_itself(serve):  # noqa: F811 - the fixture
+def test_the_daemon_keeps_its_cpus_to_itself(serve):
     allowed = frozenset(os.sched_getaffinity(0))
     if len(allowed) < 2:
         pytest.skip(f"needs 2 CPUs (one for the daemon, one for its children); this process may use {cpus.text(allowed)}")

@@ -24,10 +24,12 @@ from meshd_mps.serving.client import ClientError, program_body
 from workers import warm
 from workers.main import parse_args
 
-from .conftest import TEST_DEADLINES, Rig, sim
-from .test_backend import beats, example
-from .test_serve import EXAMPLES, cli, parse_metrics, serve  # noqa: F401 - fixtures
-from .waits import until
+from .rigs.backend import beats, example
+from .rigs.deadlines import TEST_DEADLINES
+from .rigs.mps import MpsRig
+from .rigs.serve import EXAMPLES, cli, parse_metrics
+from .rigs.sim import sim
+from .rigs.waits import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -170,7 +172,7 @@ async def test_placement_named_and_least_loaded(two_gpus):
 
 async def test_client_limit_is_per_gpu(standin_on_path, monkeypatch):
     monkeypatch.setenv(SIM_GPUS_ENV, "2")
-    r = Rig(pool_cap=0, max_clients=2, devices=(0, 1))
+    r = MpsRig(pool_cap=0, max_clients=2, devices=(0, 1))
     async with r as gpu0:
         m, gpu1 = r.mps, r.mps.gpus[1]
         a = await gpu0.preload("a", sim(), 32, 0, 0)
@@ -268,7 +270,7 @@ async def test_a_blink_on_one_gpu_does_not_blink_the_other(two_gpus):
 # ---- serve --devices, end to end ---------------------------------------------------------------
 
 
-def test_serve_devices_end_to_end(serve, tmp, monkeypatch):  # noqa: F811 - the fixtures
+def test_serve_devices_end_to_end(serve, tmp, monkeypatch):
     monkeypatch.setenv(SIM_GPUS_ENV, "2")
     sock = os.path.join(tmp, "s.sock")
     s = serve("mps", "--devices", "0,1", "--pool", "1", sock=sock)

@@ -12,13 +12,12 @@ import pytest
 from meshd_mps.backend import Backend
 from meshd_mps.errors import WorkerError
 from meshd_mps.programs import RECOVERY_STEPS, Programs, ProgramState
-from meshd_mps.protocol import abi
 from workers.sim_gpu import EXIT_LINGER_ENV
 
-from .conftest import TEST_DEADLINES
-from .procs import children
-from .test_backend import beats, example
-from .waits import until
+from .rigs.backend import beats, example, into, kill_in_launch
+from .rigs.deadlines import TEST_DEADLINES
+from .rigs.procs import children
+from .rigs.waits import until
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_leaks")]
 
@@ -93,21 +92,6 @@ async def test_a_retired_worker_stays_local(standin_on_path):
         await progs.close()
 
 
-async def kill_in_launch(b: Backend, known: set[int], slot: int, mp: pytest.MonkeyPatch) -> int:
-    """SIGKILL the first new worker whose LAUNCH is asked and not answered, once its kernel runs
-    (its slot says RUNNING: the kill is then one with the kernel on the GPU); its pid.  The test
-    hook that hangs the reply (MESHD_MPS_WORKER_INJECT) is for that worker alone: it is taken
-    out of the environment before the kill, so the recovery's fresh workers run clean (on the
-    H200 a replacement once started with it and hung the heartbeat's relaunch)."""
-    with anyio.fail_after(20):
-        while not ((w := next((w for p, w in b.sup.workers.items() if p not in known and w.gen and w.asking), None))
-                   and b.mailbox.u32(slot, abi.STATE) == abi.RUNNING):
-            await anyio.sleep(0.005)
-    mp.delenv("MESHD_MPS_WORKER_INJECT")
-    os.kill(w.pid, signal.SIGKILL)
-    return w.pid
-
-
 async def test_a_worker_killed_in_a_loads_launch_is_a_gpu_fault(standin_on_path, monkeypatch):
     """A worker SIGKILLed during its LAUNCH (the kernel launched, the reply not yet written), no
     program's yet: the load fails with the worker's death, and as on the H200 the GPU's other
@@ -135,11 +119,6 @@ async def test_a_worker_killed_in_a_loads_launch_is_a_gpu_fault(standin_on_path,
         echo = await progs.load(*example("echo"))  # the load works again
         assert await progs.call("echo", b"again") == b"again" and not echo.kernel.module.fresh
         await progs.close()
-
-
-async def into(out: list, coro) -> None:
-    """Await ``coro`` and keep its result (a task's value for the test that started it)."""
-    out.append(await coro)
 
 
 @pytest.mark.parametrize("linger", [0.0, 0.3])

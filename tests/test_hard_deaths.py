@@ -10,8 +10,6 @@ on the simulated GPU and the stand-in MPS daemon:
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
 
@@ -21,17 +19,10 @@ from meshd_mps.mps.control import MARKER, Owner
 from meshd_mps.serving.client import program_body
 from meshd_mps.supervision import procfs
 
-from .test_serve import EXAMPLES, Serve, assert_clean_exit, env, leftovers, poll
+from .rigs.serve import EXAMPLES, Serve, assert_clean_exit, env, events, left_by, leftovers, owner_of, reap
+from .rigs.waits import poll
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def events(s: Serve) -> list[dict]:
-    out = []
-    for line in s.log().splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
 
 
 @pytest.mark.parametrize("isolation, sig", [("mps", signal.SIGINT), ("mps", signal.SIGTERM), ("mps", signal.SIGHUP),
@@ -58,38 +49,13 @@ def test_a_signal_to_the_process_group_reaches_only_the_daemon(tmp, isolation, s
         s.kill()
 
 
-def left_by(o: Owner) -> list[int]:
-    """The control daemon of ``o`` and its children (the server): what a SIGKILL of its meshd-mps
-    leaves running."""
-    return [o.daemon_pid or 0, *(p.pid for p in procfs.processes() if p.ppid == o.daemon_pid)]
-
-
-def reap(pids: list[int]) -> None:
-    """This test process is a subreaper (conftest): what the dead meshd-mps left was re-parented
-    to it, and is reaped here once gone, as init would reap it on a host."""
-
-    def gone() -> bool:
-        for p in pids:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(p, os.WNOHANG)
-        return all(procfs.starttime(p) is None for p in pids)
-
-    poll(gone, 10.0, f"{pids} gone and reaped")
-
-
-def _owner(mps_dir: str) -> Owner:
-    o = Owner.read(mps_dir)
-    assert o is not None, f"no {MARKER} in {mps_dir}"
-    return o
-
-
 def test_a_control_daemon_left_in_the_same_mps_dir_is_quit_before_the_fresh_start(tmp):
     mps_dir = os.path.join(tmp, "mps")
     first = Serve(tmp, "mps", os.path.join(tmp, "a.sock"), "--pool", "1", "--mps-dir", mps_dir)
     try:
         first.wait_ready()
         first.client.load(program_body(str(EXAMPLES / "heartbeat")))
-        left = _owner(mps_dir)
+        left = owner_of(mps_dir)
         assert left.meshd_pid == first.proc.pid and left.daemon_alive()
         orphans = left_by(left) + first.client.status()["workers"]  # the workers exit at EOF, re-parented
         first.proc.kill()
@@ -101,7 +67,7 @@ def test_a_control_daemon_left_in_the_same_mps_dir_is_quit_before_the_fresh_star
             status = second.wait_ready()
             assert not left.daemon_alive(), "the old control daemon was quit"
             reap(orphans)
-            assert status["daemon_pid"] != left.daemon_pid and _owner(mps_dir).meshd_pid == second.proc.pid
+            assert status["daemon_pid"] != left.daemon_pid and owner_of(mps_dir).meshd_pid == second.proc.pid
             warned = [e for e in events(second) if "was left by meshd-mps" in str(e.get("msg"))]
             assert warned and warned[0]["daemon_pid"] == left.daemon_pid, second.log()
             second.client.load(program_body(str(EXAMPLES / "heartbeat")))
@@ -122,7 +88,7 @@ def test_a_daemon_whose_meshd_runs_is_never_taken_over(tmp):
         second = Serve(tmp, "mps", os.path.join(tmp, "b.sock"), "--pool", "0", "--mps-dir", mps_dir)
         assert second.proc.wait(60) == 1
         assert f"meshd-mps {first.proc.pid} runs the control daemon of {mps_dir}; refusing" in second.log()
-        assert first.client.status()["daemon_pid"] == _owner(mps_dir).daemon_pid  # untouched
+        assert first.client.status()["daemon_pid"] == owner_of(mps_dir).daemon_pid  # untouched
     finally:
         first.kill()
 
@@ -138,7 +104,7 @@ def test_what_a_dead_run_left_in_its_temporary_dir_is_swept(tmp, monkeypatch):
     try:
         old_dir = first.wait_ready()["mps_dir"]
         assert os.path.dirname(old_dir) == base
-        left = _owner(old_dir)
+        left = owner_of(old_dir)
         assert left.temporary and left.daemon_alive()
         orphans = left_by(left) + first.client.status()["workers"]  # the workers exit at EOF, re-parented
         first.proc.kill()

@@ -189,3 +189,57 @@ def test_the_checks_see_a_violation(tmp_path: Path) -> None:
     assert upward(g) == {("meshd_mps.backend", "meshd_mps.serving.cli")}
     assert cycles(g) == {("meshd_mps.backend", "meshd_mps.serving.cli", "meshd_mps.programs")}
     assert cycles({"meshd_mps.errors": set()}) == set()
+
+
+# ---- the tests' own shape: no test module imports another ----------------------------------------
+
+
+def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
+    """The dotted names of the modules ``path`` imports (relative imports resolved against its
+    package under ``root``; ``from P import m`` counts as P.m as well as P)."""
+    here = list(path.relative_to(root).with_suffix("").parts[:-1])
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = here[: len(here) - node.level + 1] if node.level else []
+            mod = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            out.add(mod)
+            out |= {f"{mod}.{a.name}" for a in node.names}
+    return out
+
+
+def imports_of_test_modules(root: Path = ROOT) -> dict[str, set[str]]:
+    """For every module under tests/ (rigs, cases and tests/gpu too): the test modules
+    (``tests...test_*``) it imports."""
+    found = {}
+    for p in sorted((root / "tests").rglob("*.py")):
+        bad = {m for m in imported_modules(p, root) if m.startswith("tests.") and m.split(".")[-1].startswith("test_")}
+        if bad:
+            found[str(p.relative_to(root))] = bad
+    return found
+
+
+def test_no_test_module_imports_another() -> None:
+    """A test module imports rigs (tests/rigs/), shared cases (tests/cases/) and fixtures
+    (conftest.py), never another test module: what two of them share lives in one of those."""
+    found = imports_of_test_modules()
+    assert not found, "test modules imported (move what they share to tests/rigs/ or tests/cases/):\n" + "\n".join(
+        f"{p} imports {', '.join(sorted(ms))}" for p, ms in found.items())
+
+
+def test_the_test_import_check_sees_one(tmp_path: Path) -> None:
+    """The scan is not blind: relative, absolute and ``from . import`` imports of a test module are found."""
+    (tmp_path / "tests" / "gpu").mkdir(parents=True)
+    (tmp_path / "tests" / "rigs").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("from .test_b import x\nfrom .rigs.serve import Serve\n"
+                                                  "import aiohttp.test_utils\n")  # not one of ours
+    (tmp_path / "tests" / "test_c.py").write_text("from . import test_b\nimport tests.test_d\nfrom .conftest import sim\n")
+    (tmp_path / "tests" / "gpu" / "test_e.py").write_text("from ..test_b import y\nfrom .test_f import z\n")
+    (tmp_path / "tests" / "rigs" / "ok.py").write_text("from .waits import poll\nfrom ..cases.x import y\n")
+    assert imports_of_test_modules(tmp_path) == {
+        "tests/test_a.py": {"tests.test_b"},
+        "tests/test_c.py": {"tests.test_b", "tests.test_d"},
+        "tests/gpu/test_e.py": {"tests.test_b", "tests.gpu.test_f"},
+    }

@@ -16,10 +16,10 @@ from meshd_mps.backend import Backend
 from meshd_mps.errors import Unavailable
 from meshd_mps.programs import Programs, ProgramState
 
-from .conftest import TEST_DEADLINES, sim
-from .test_backend import beats, example
-from .test_limits import ScriptCompiler, man
-from .waits import until
+from .rigs.backend import ScriptCompiler, beats, example, man
+from .rigs.deadlines import TEST_DEADLINES
+from .rigs.sim import sim
+from .rigs.waits import until
 
 pytestmark = pytest.mark.timeout(90)
 

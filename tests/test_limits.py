@@ -11,30 +11,15 @@ import pytest
 
 from meshd_mps.backend import Backend
 from meshd_mps.errors import CapacityError, LimitError, NotStarted
-from meshd_mps.gpu.compiler import Compiler, Prepared
 from meshd_mps.isolation.limits import BLINK_QUEUES
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 
-from .conftest import TEST_DEADLINES, sim
-from .test_backend import beats, example
+from .rigs.backend import ScriptCompiler, beats, example, man
+from .rigs.deadlines import TEST_DEADLINES
+from .rigs.sim import sim
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class ScriptCompiler(Compiler):
-    """The compiler, except that a simulated GPU's script (``sim(...)``) given as the PTX is the
-    image as it is: so that Programs runs scripted kernels through its real load path."""
-
-    async def prepare(self, manifest, ptx, expect=None):  # type: ignore[no-untyped-def]
-        if not ptx.startswith(b"MESHSIM1"):
-            return await super().prepare(manifest, ptx, expect)
-        m, h, cap = self.check(manifest, ptx, expect)
-        return Prepared(m, h, ptx, 0.0, False, cap, m.threads, self.info.arch)
-
-
-def man(name: str) -> dict:
-    return {"name": name, "backend": "cuda", "warps": 1, "abi": 1}
 
 
 @pytest.fixture(params=["blink", "mps"])

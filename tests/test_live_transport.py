@@ -22,7 +22,6 @@ import threading
 import anyio
 import pytest
 
-from meshd_mps.backend import live_paths
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import ConfigError, NotAdoptable, PeerMismatch, ProtocolMismatch, WorkerGone
 from meshd_mps.mps.clients import worker_argv
@@ -34,8 +33,9 @@ from meshd_mps.supervision import child, procfs
 from meshd_mps.supervision.proc import WorkerProc, WorkerState
 from meshd_mps.supervision.supervisor import Supervisor
 
-from .conftest import sim
-from .waits import poll, until as _until
+from .rigs.live import LiveRig
+from .rigs.sim import sim
+from .rigs.waits import poll, until as _until
 
 until = functools.partial(_until, every=0.005)  # the polling interval these waits had
 
@@ -103,35 +103,9 @@ def reap(pid: int, within: float = 30.0) -> int:
     return got[0]
 
 
-class Rig:
-    """A supervisor at a time over one file mailbox and ``state/workers``."""
-
-    def __init__(self, state: str, daemon: ControlDaemon, deadlines: Deadlines = D):
-        self.dir = os.path.join(state, "workers")
-        self.mailbox = Mailbox.create(live_paths(state).mailbox)  # shared memory: the GPU registers it
-        self.env = {**os.environ, **daemon.env}
-        self.deadlines = deadlines
-        self.sups: list[Supervisor] = []
-
-    async def sup(self) -> Supervisor:
-        s = Supervisor(self.deadlines)
-        await s.start()
-        self.sups.append(s)
-        return s
-
-    async def spawn(self, sup: Supervisor, listen: bool = True) -> WorkerProc:
-        return await sup.spawn(worker_argv(self.mailbox.path, 0, "sim"), self.env, listen=self.dir if listen else None)
-
-    async def close(self) -> None:
-        for s in self.sups:
-            await s.close()
-        self.mailbox.close()
-        os.unlink(self.mailbox.path)
-
-
 @pytest.fixture
 async def rig(mps, state):
-    r = Rig(state, mps)
+    r = LiveRig(state, mps, D)
     try:
         yield r
     finally:
@@ -235,7 +209,7 @@ async def test_a_done_while_detached_is_delivered_after_hello(rig):
 
 
 async def test_the_orphan_timeout_halts_the_kernel_and_exits_0(mps, state):
-    r = Rig(state, mps, Deadlines(retire_quit=1.0, retire_kill=2.0, orphan=1.0))
+    r = LiveRig(state, mps, Deadlines(retire_quit=1.0, retire_kill=2.0, orphan=1.0))
     try:
         first = await r.sup()
         w = await r.spawn(first)

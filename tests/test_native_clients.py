@@ -12,7 +12,8 @@ import pytest
 
 from meshd_mps.serving.client import ClientError
 
-from .test_serve import REPO, Serve, cli, env, poll
+from .rigs.serve import REPO, Serve, cli, env
+from .rigs.waits import poll
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from .test_serve import Serve, env, parse_metrics, poll
+from .rigs.serve import Serve, env, parse_metrics
+from .rigs.waits import poll
 
 pytestmark = pytest.mark.timeout(120)
 

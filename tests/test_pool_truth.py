@@ -13,8 +13,8 @@ import pytest
 from meshd_mps.backend import Backend
 from meshd_mps.supervision import procfs
 
-from .conftest import TEST_DEADLINES
-from .waits import until
+from .rigs.deadlines import TEST_DEADLINES
+from .rigs.waits import until
 
 pytestmark = pytest.mark.timeout(60)
 

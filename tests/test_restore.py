@@ -14,7 +14,7 @@ import pytest
 from meshd_mps.serving.client import program_body
 from meshd_mps.state.store import Store
 
-from .test_serve import EXAMPLES, Serve, cli
+from .rigs.serve import EXAMPLES, Serve, cli
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,8 +22,8 @@ from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.protocol.ring import Ring
 from workers.sim_gpu import _Beat, _echo_turn, _Ring
 
-from .conftest import TEST_DEADLINES
-from .test_backend import example
+from .rigs.backend import example
+from .rigs.deadlines import TEST_DEADLINES
 
 pytestmark = pytest.mark.timeout(90)
 SLOT = 3

@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 
-from .test_examples import ROOT
+from .rigs.serve import REPO as ROOT
 
 #: issue18_probes.py's probes (ring-ab, ~15 s here, is left out) and a line each prints per round.
 PROBES = {

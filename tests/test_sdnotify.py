@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from meshd_mps.serving.sdnotify import notify
 
-from .test_serve import Serve
+from .rigs.serve import Serve
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 grid resident at once, STATE = RUNNING at start, and images refused in the driver's words.
 
 The sim worker is driven directly over its pipes (``python -m meshd_mps worker --gpu sim``),
-frame by frame (tests/worker_rig.py, the GPU tests' rig too), with a mailbox of the test's own;
+frame by frame (tests/rigs/worker.py, the GPU tests' rig too), with a mailbox of the test's own;
 no supervisor, no MPS daemon (the worker's CUDA_MPS_PIPE_DIRECTORY is an empty directory, so its
 context is a plain one).  A kernel that must *not* start is checked while the others beat a given
 number of times more: the wait is on their progress, never a fixed sleep.  Modules are loaded
@@ -29,9 +29,9 @@ from workers.gpu import GpuError, Streams
 from workers.main import parse_args
 from workers.warm import QUEUES_ENV
 
-from .conftest import sim
-from .waits import poll
-from .worker_rig import ROOT, Worker
+from .rigs.sim import sim
+from .rigs.waits import poll
+from .rigs.worker import ROOT, Worker
 
 pytestmark = pytest.mark.timeout(60)
 

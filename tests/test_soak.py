@@ -18,8 +18,8 @@ import pytest
 
 from meshd_mps.errors import WorkerError
 
-from .conftest import sim
-from .procs import Resources, alive
+from .rigs.procs import Resources, alive
+from .rigs.sim import sim
 
 CYCLES = int(os.environ.get("MESHD_MPS_SOAK_CYCLES", "2000"))
 LANES = 16

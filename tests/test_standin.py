@@ -23,7 +23,7 @@ import pytest
 
 from meshd_mps.mps.standin import BIN_DIR, CLIENT_SOCKET, StandinRefused, connect_client
 
-from . import waits
+from .rigs.waits import poll
 
 BIN = "nvidia-cuda-mps-control"
 DEADLINE = 10.0
@@ -34,10 +34,6 @@ PR_SET_CHILD_SUBREAPER = 36
 def subreaper() -> None:
     if ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         pytest.fail("prctl(PR_SET_CHILD_SUBREAPER) failed")
-
-
-def wait_for(cond, what: str, timeout: float = DEADLINE):
-    return waits.poll(cond, timeout, what)
 
 
 def gone(pid: int) -> bool:
@@ -124,7 +120,7 @@ class Standin:
         assert reap(self.daemon_pid) == 0
         self.daemon_pid = None
         for pid in self.servers:
-            wait_for(lambda pid=pid: gone(pid), f"server {pid} to exit")
+            poll(lambda pid=pid: gone(pid), DEADLINE, f"server {pid} to exit")
 
     def cleanup(self) -> None:
         for s in self.sockets:
@@ -133,7 +129,7 @@ class Standin:
             os.kill(self.daemon_pid, signal.SIGKILL)
             reap(self.daemon_pid)
             for pid in self.servers:
-                wait_for(lambda pid=pid: gone(pid), f"server {pid} to exit")
+                poll(lambda pid=pid: gone(pid), DEADLINE, f"server {pid} to exit")
             pytest.fail("the test left its daemon running")
 
 
@@ -261,13 +257,13 @@ def test_foreground(mps):
     proc = subprocess.Popen([BIN, "-f"], env=mps.env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        wait_for(lambda: mps.run(input="get_server_list\n").returncode == 0, "the -f daemon")
+        poll(lambda: mps.run(input="get_server_list\n").returncode == 0, DEADLINE, "the -f daemon")
         assert int((mps.pipe / "nvidia-cuda-mps-control.pid").read_text()) == proc.pid
         mps.client(7)
         server = mps.server_list()[0]
         assert mps.ask("quit") == ""
         assert proc.wait(DEADLINE) == 0
-        wait_for(lambda: gone(server), "the server to exit")
+        poll(lambda: gone(server), DEADLINE, "the server to exit")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -283,7 +279,7 @@ def test_sigterm_cleans_up(mps):
     os.kill(pid, signal.SIGTERM)
     assert reap(pid) == 0
     mps.daemon_pid = None
-    wait_for(lambda: gone(server), "the server to exit")
+    poll(lambda: gone(server), DEADLINE, "the server to exit")
     assert not (mps.pipe / "control").exists()
     assert not (mps.pipe / "nvidia-cuda-mps-control.pid").exists()
 
@@ -336,7 +332,7 @@ def test_server_and_clients(daemon):
     assert sorted(int(row.split()[0]) for row in ps[1:]) == [1001, 1002]
     assert {int(row.split()[2]) for row in ps[1:]} == {server}
     a.close()  # EOF: no longer a client
-    wait_for(lambda: daemon.client_list(server) == [1002], "client 1001 to be removed")
+    poll(lambda: daemon.client_list(server) == [1002], DEADLINE, "client 1001 to be removed")
     log = (daemon.logs / "control.log").read_text()
     assert "1001" in log and "Client 1001 disconnected" in log
     survivor = daemon.sockets[1]
@@ -357,7 +353,7 @@ def test_server_death_is_noticed(daemon):
     a = daemon.client(3001)
     [server] = daemon.server_list()
     os.kill(server, signal.SIGKILL)
-    wait_for(lambda: daemon.server_list() == [], "the dead server to leave the list")
+    poll(lambda: daemon.server_list() == [], DEADLINE, "the dead server to leave the list")
     assert recv_all(a) == b""  # its clients are gone with it
     daemon.client(3002)
     [new] = daemon.server_list()
@@ -389,7 +385,7 @@ def test_limit_override_and_slot_reuse(root):
             m.client(3)
         [server] = m.server_list()
         first.close()
-        wait_for(lambda: m.client_list(server) == [2], "a free slot")
+        poll(lambda: m.client_list(server) == [2], DEADLINE, "a free slot")
         assert m.client(4) is not None
         assert sorted(m.client_list(server)) == [2, 4]
         m.quit()

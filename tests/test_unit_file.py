@@ -12,7 +12,7 @@ import pytest
 
 from meshd_mps.serving.cli import unit_text
 
-from .test_serve import cli
+from .rigs.serve import cli
 
 
 def directives(text: str) -> dict[str, str]:

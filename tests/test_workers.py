@@ -22,8 +22,10 @@ from meshd_mps.mps import clients as mpsmod
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Op
 
-from .conftest import sim
-from .procs import alive, fds_exhausted
+from .rigs.mps import DAEMON_DIED
+from .rigs.procs import alive, fds_exhausted
+from .rigs.sim import sim
+from .rigs.waits import until
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaks")]
 
@@ -217,19 +219,10 @@ async def test_no_mps_binary_on_path(monkeypatch, tmp_path):
 BYSTANDER, VICTIM = 7, 9  # mailbox slots
 
 
-async def until(cond, what: str, within: float = 10.0, every: float = 0.01) -> None:
-    """Wait for cond() under a deadline; else a test failure naming ``what`` (a callable: asked then)."""
-    with anyio.move_on_after(within):
-        while not cond():
-            await anyio.sleep(every)
-        return
-    pytest.fail(f"not within {within:g} s: {what() if callable(what) else what}")
-
-
 async def beating(mailbox, slot: int, within: float = 10.0) -> int:
     """The slot's heartbeat advances (its program still runs); the new count."""
     n = mailbox.heartbeat(slot)
-    await until(lambda: mailbox.heartbeat(slot) > n, f"slot {slot}'s heartbeat past {n}", within, every=0.005)
+    await until(lambda: mailbox.heartbeat(slot) > n, within, f"slot {slot}'s heartbeat past {n}", every=0.005)
     return mailbox.heartbeat(slot)
 
 
@@ -349,8 +342,8 @@ async def test_a_fault_stays_with_its_worker(rig, monkeypatch, case):
 
         # The victim is retired and reaped (or never started) ...
         assert len(spawned) == (0 if case.spawn else 1)
-        await until(lambda: m.sup.children() == [by.proc.pid],
-                    lambda: f"only the bystander {by.proc.pid} left, not {m.sup.children()}", within=30)
+        await until(lambda: m.sup.children() == [by.proc.pid], 30,
+                    lambda: f"only the bystander {by.proc.pid} left, not {m.sup.children()}")
         if spawned:
             assert spawned[0].process.returncode == case.status
         assert m.sup.live() == [by.proc.pid] and m.sup.left_behind == [] and len(m.pool) == 0
@@ -402,7 +395,7 @@ async def test_a_kill_with_its_kernel_running_faults_its_gpu(rig, monkeypatch, c
                 tg.start_soon(kill_when_asked, m, spawned, "launch", r.mailbox)
             err = await victim(m, case)
         assert isinstance(err, WorkerError) and re.fullmatch(case.error, str(err)), repr(err)
-        await until(lambda: spawned[0].process.returncode is not None, "the victim reaped")
+        await until(lambda: spawned[0].process.returncode is not None, 10, "the victim reaped")
         assert spawned[0].process.returncode == case.status
 
         with anyio.fail_after(10):
@@ -416,7 +409,7 @@ async def test_a_kill_with_its_kernel_running_faults_its_gpu(rig, monkeypatch, c
             await preload(m, "after")  # the torn-down pooled worker: refused, and retired
 
         assert not await m.give_back(by)  # its stream failed: retired
-        await until(lambda: m.sup.children() == [], lambda: f"the torn-down workers reaped, not {m.sup.children()}")
+        await until(lambda: m.sup.children() == [], 10, lambda: f"the torn-down workers reaped, not {m.sup.children()}")
         nxt = await preload(m, "next", kernel="sleep", ms=1)
         assert nxt.fresh
         with anyio.fail_after(10):
@@ -432,7 +425,7 @@ async def test_a_dead_worker_is_retired_at_once(rig):
         with pytest.raises(WorkerError, match=r"^worker \d+ exited while its kernel ran$"):
             with anyio.fail_after(10):
                 await (await a.start(0, 1))
-        await until(lambda: m.sup.live() == [] and m.sup.children() == [],
+        await until(lambda: m.sup.live() == [] and m.sup.children() == [], 10,
                     lambda: f"the dead worker forgotten: live {m.sup.live()}, children {m.sup.children()}")
         b = await preload(m, "b")
         c = await preload(m, "c")  # the limit's two clients: b and c, not the dead a
@@ -457,7 +450,7 @@ async def test_out_of_fds_to_verify_a_fresh_worker(rig, monkeypatch):
                            match=r"^mps: get_server_list: cannot start .*/nvidia-cuda-mps-control: Too many open files$"):
             await preload(m, "victim")
         assert m.pool.pids() == []
-        await until(lambda: m.sup.children() == [], lambda: f"the victim reaped, not {m.sup.children()}")
+        await until(lambda: m.sup.children() == [], 10, lambda: f"the victim reaped, not {m.sup.children()}")
         monkeypatch.undo()
         w = await preload(m, "after")
         assert w.fresh and w.proc.pid in await m.mps.clients(m.mps.server)
@@ -481,7 +474,7 @@ async def test_out_of_fds_for_the_pidfd(rig, monkeypatch):
         assert not await m.give_back(w)
         with anyio.fail_after(10):
             assert await w.proc.process.wait() == 0  # QUIT obeyed, the exit seen through the poll
-        await until(lambda: m.sup.children() == [], lambda: f"the worker reaped, not {m.sup.children()}")
+        await until(lambda: m.sup.children() == [], 10, lambda: f"the worker reaped, not {m.sup.children()}")
 
 
 async def test_a_worker_that_failed_verification_is_never_pooled(rig, monkeypatch):
@@ -499,10 +492,6 @@ async def test_a_worker_that_failed_verification_is_never_pooled(rig, monkeypatc
             await m.give_back(held)
 
 
-DAEMON_DIED = (r"^mps: the MPS control daemon \d+ died \(killed by SIGKILL\): no new worker can be verified as a"
-               r" client of our server; refusing \(running programs go on; restart meshd-mps to load again\)$")
-
-
 async def test_daemon_killed_underneath(rig):
     """The control daemon SIGKILLed, as it went on the H200 (2026-12-03, scripts/kill_probe.py
     orphan-server, tests/gpu/test_faults_real.py): its server exits with it (a zombie of ours,
@@ -517,7 +506,7 @@ async def test_daemon_killed_underneath(rig):
         by, by_done = await start_bystander(r, m)
         daemon = r.daemon.pid
         os.kill(daemon, signal.SIGKILL)
-        await until(lambda: not r.daemon.alive(), "the daemon's death seen (waitpid)")
+        await until(lambda: not r.daemon.alive(), 10, "the daemon's death seen (waitpid)")
         with anyio.fail_after(30):
             with pytest.raises(MpsError, match=DAEMON_DIED):
                 await preload(m, "after")
@@ -531,15 +520,15 @@ async def test_daemon_killed_underneath(rig):
                 r.daemon.check_alive()
             return not os.path.exists(f"/proc/{m.mps.server}")
 
-        await until(server_reaped, lambda: f"the server {m.mps.server} reaped, not left a zombie till close")
+        await until(server_reaped, 10, lambda: f"the server {m.mps.server} reaped, not left a zombie till close")
         await beating(r.mailbox, BYSTANDER)
         assert not by_done.done()
         await beating(r.mailbox, BYSTANDER)  # still, well after the daemon went
         r.mailbox.halt(BYSTANDER)
-        await until(lambda: r.mailbox.u32(BYSTANDER, abi.STATE) == abi.EXITED, "the bystander's kernel ended at HALT")
+        await until(lambda: r.mailbox.u32(BYSTANDER, abi.STATE) == abi.EXITED, 10, "the bystander's kernel ended at HALT")
         assert not by_done.done()  # ... unseen by its worker
         assert not await m.give_back(by)  # retired: its DONE never came
-        await until(lambda: m.sup.children() == [m.pool.pids()[0]], lambda: f"the bystander reaped, not {m.sup.children()}")
+        await until(lambda: m.sup.children() == [m.pool.pids()[0]], 10, lambda: f"the bystander reaped, not {m.sup.children()}")
 
 
 async def test_mps_dir_removed_underneath(rig):

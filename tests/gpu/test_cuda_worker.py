@@ -1,7 +1,7 @@
 """The CUDA worker on a real GPU: ``python -m meshd_mps worker --gpu cuda`` spoken to frame by frame.
 
 No supervisor and no MPS: the test process creates the mailbox, starts
-workers with raw pipes (tests/worker_rig.py, the sim tests' rig too), and
+workers with raw pipes (tests/rigs/worker.py, the sim tests' rig too), and
 checks what the examples do in the mailbox.  The
 examples are compiled here, from CUDA C, with this machine's NVRTC and
 nvJitLink (PTX from a newer NVRTC would be refused by an older nvJitLink).
@@ -29,8 +29,8 @@ from meshd_mps.protocol.frames import Load, Loaded, Op
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.protocol.ring import Ring
 
-from .. import waits
-from ..worker_rig import ROOT, Worker
+from ..rigs.waits import poll
+from ..rigs.worker import ROOT, Worker
 
 pytestmark = pytest.mark.gpu
 
@@ -102,10 +102,6 @@ def images(info: DeviceInfo) -> dict[str, Image]:
     out["probe"] = Image(info, "probe", PROBE, PROBE_MANIFEST)
     print("compile ms:", {k: round(v.ms, 1) for k, v in out.items()}, file=sys.stderr)
     return out
-
-
-def wait_for(what: str, cond, timeout: float = 10.0, every: float = 0.001):
-    return waits.poll(cond, timeout, what, every)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -199,7 +195,7 @@ def test_heartbeat_beats(worker: Worker, mailbox: Mailbox) -> None:
     slot = HB - 1
     mailbox.reset_slot(slot)
     worker.launch(HB, 1, slot)
-    wait_for("the first beat", lambda: mailbox.heartbeat(slot) > 0)
+    poll(lambda: mailbox.heartbeat(slot) > 0, 10.0, "the first beat", 0.001)
     assert mailbox.u32(slot, abi.STATE) == abi.RUNNING
     a = mailbox.heartbeat(slot)
     time.sleep(0.05)
@@ -208,7 +204,7 @@ def test_heartbeat_beats(worker: Worker, mailbox: Mailbox) -> None:
     t = mailbox.u64(slot, abi.BEAT_TIME)
     assert t > 0 and mailbox.u64(slot, abi.MAX_GAP) > 0
     mailbox.set_u32(slot, abi.GAP_RESET, 1)
-    wait_for("GAP_RESET cleared", lambda: mailbox.u32(slot, abi.GAP_RESET) == 0)
+    poll(lambda: mailbox.u32(slot, abi.GAP_RESET) == 0, 10.0, "GAP_RESET cleared", 0.001)
     time.sleep(0.02)
     gap = mailbox.u64(slot, abi.MAX_GAP)
     print(f"heartbeat: {b - a} beats in 50 ms, max gap {gap / 1e3:.1f} us", file=sys.stderr)
@@ -232,19 +228,19 @@ def test_echo_answers_the_ring(worker: Worker, mailbox: Mailbox) -> None:
     slot = ECHO - 1
     mailbox.reset_slot(slot)
     worker.launch(ECHO, 1, slot)
-    wait_for("echo running", lambda: mailbox.u32(slot, abi.STATE) == abi.RUNNING)
+    poll(lambda: mailbox.u32(slot, abi.STATE) == abi.RUNNING, 10.0, "echo running", 0.001)
     ring = Ring(mailbox, slot)
     for i in range(abi.RING * 2 + 3):  # round the ring twice, every length from 0 up
         msg = bytes((i + j) & 0xFF for j in range(i * 9))[: abi.ENTRY_PAYLOAD]
         seq = ring.post(msg)
         assert seq == i
-        got = wait_for(f"the response to request {i}", partial(answered, ring, seq), timeout=5)
+        got = poll(partial(answered, ring, seq), 5, f"the response to request {i}", 0.001)
         assert got == [msg]
     # Pipelined: the whole ring posted at once (one REQ_HEAD), answered in order.
     msgs = [bytes([k]) * (abi.ENTRY_PAYLOAD - k) for k in range(abi.RING)]
     first = ring.post_many(msgs)
     for k, msg in enumerate(msgs):
-        assert wait_for(f"the response to {first + k}", partial(answered, ring, first + k), timeout=5) == [msg]
+        assert poll(partial(answered, ring, first + k), 5, f"the response to {first + k}", 0.001) == [msg]
     assert mailbox.heartbeat(slot) > 0
 
 
@@ -286,7 +282,7 @@ def test_relaunch_after_halt_and_quit(worker: Worker, mailbox: Mailbox) -> None:
     mailbox.run(slot)
     before = mailbox.heartbeat(slot)
     worker.launch(HB, 2, slot)
-    wait_for("beats again", lambda: mailbox.heartbeat(slot) > before)
+    poll(lambda: mailbox.heartbeat(slot) > before, 10.0, "beats again", 0.001)
     mailbox.halt(slot)
     assert worker.done(HB, 2).ok
     for m in (HB, ECHO, SPIN, PROBE_ID):
@@ -305,7 +301,7 @@ def test_green_context(info: DeviceInfo, images: dict[str, Image], mailbox: Mail
         assert got.sms == want and got.regs > 0 and got.rt_abi == abi.RT_ABI
         mailbox.reset_slot(slot)
         w.launch(1, 1, slot)
-        wait_for("a beat in the green context", lambda: mailbox.heartbeat(slot) > 0)
+        poll(lambda: mailbox.heartbeat(slot) > 0, 10.0, "a beat in the green context", 0.001)
         mailbox.halt(slot)
         d = w.done(1, 1)
         assert d.ok, d.message
@@ -347,7 +343,7 @@ def test_32_queues_hold_32_residents_through_churn(
                 mailbox.reset_slot(slot[m])
                 w.launch(m, gen, slot[m])
             before = {m: mailbox.heartbeat(slot[m]) for m in mods}
-            wait_for(f"modules {mods} beating", lambda: all(mailbox.heartbeat(slot[m]) > before[m] + 10 for m in mods))
+            poll(lambda: all(mailbox.heartbeat(slot[m]) > before[m] + 10 for m in mods), 10.0, f"modules {mods} beating", 0.001)
 
         mods = list(range(1, 33))
         launch_all(mods, 1)

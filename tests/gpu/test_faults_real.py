@@ -29,44 +29,22 @@ import pytest
 
 from meshd_mps.backend import Backend
 from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import MeshError, MpsError, NoDriver, WorkerError
-from meshd_mps.mps import clients as mpsmod, standin
+from meshd_mps.errors import MeshError, MpsError, WorkerError
+from meshd_mps.mps import clients as mpsmod
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 
-from .. import waits
-from ..procs import fds_exhausted
-from ..test_backend import beats, example
-from ..test_faults import into, kill_in_launch
-from ..test_workers import DAEMON_DIED, until
-from .test_mps_real import mps_processes
+from ..rigs.backend import beats, example, into, kill_in_launch
+from ..rigs.gpu import mps_processes
+from ..rigs.mps import DAEMON_DIED
+from ..rigs.procs import fds_exhausted
+from ..rigs.waits import until
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mps, pytest.mark.timeout(120), pytest.mark.usefixtures("counted")]
 
 INJECT_ENV = "MESHD_MPS_WORKER_INJECT"
 BYSTANDER, VICTIM = 7, 9  # mailbox slots
 NO_DAEMON = r"^mps: get_server_list: Cannot find MPS control daemon process"
-
-
-@pytest.fixture
-def real_gpu_and_mps():
-    """Skip without a driver or without NVIDIA's own MPS control; after the test, no MPS process
-    left that was not there before it."""
-    from meshd_mps.gpu.device import query_device
-
-    try:
-        query_device()  # cuInit: the driver's fds are open before no_leaks counts
-    except NoDriver as e:
-        print(f"skipping the GPU fault-injection tests: {e}", file=sys.stderr)
-        pytest.skip(str(e))
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        pytest.skip("nvidia-cuda-mps-control is not on PATH")
-    if os.path.realpath(control).startswith(os.path.realpath(standin.BIN_DIR) + os.sep):
-        pytest.skip("nvidia-cuda-mps-control on PATH is meshd-mps's stand-in, not NVIDIA's")
-    before = set(mps_processes())
-    yield
-    waits.poll(lambda: set(mps_processes()) <= before, 10.0, f"no MPS process left: {set(mps_processes()) - before}")
 
 
 @pytest.fixture
@@ -194,8 +172,8 @@ async def test_a_fault_stays_with_its_worker(monkeypatch, case):
 
         # The victim is retired and reaped (or never started), the bystander untouched.
         assert len(spawned) == (0 if case.spawn else 1)
-        await until(lambda: b.sup.children() == [by_k.pid],
-                    lambda: f"only the bystander {by_k.pid} left, not {b.sup.children()}", within=30)
+        await until(lambda: b.sup.children() == [by_k.pid], 30,
+                    lambda: f"only the bystander {by_k.pid} left, not {b.sup.children()}")
         if spawned:
             assert spawned[0].process.returncode == case.status
         await still_beating(b, by_run)
@@ -240,7 +218,7 @@ async def test_control_daemon_killed():
         server = int(servers()[0].split(":")[0])
         daemon = b.daemon.pid
         os.kill(daemon, signal.SIGKILL)
-        await until(lambda: not b.daemon.alive(), "the daemon's death seen (waitpid)")
+        await until(lambda: not b.daemon.alive(), 10, "the daemon's death seen (waitpid)")
         with anyio.fail_after(60):
             with pytest.raises(MpsError, match=DAEMON_DIED):
                 await b.prepare(*example("spin"))
@@ -251,13 +229,13 @@ async def test_control_daemon_killed():
         await still_beating(b, by_run)
         print(f"the server after its daemon died: {proc_state(server)}", file=sys.stderr)  # H200: Z (zombie)
         b.mailbox.halt(BYSTANDER)
-        await until(lambda: b.mailbox.u32(BYSTANDER, abi.STATE) == abi.EXITED, "the heartbeat ended at HALT", within=10)
+        await until(lambda: b.mailbox.u32(BYSTANDER, abi.STATE) == abi.EXITED, 10, "the heartbeat ended at HALT")
         with anyio.move_on_after(5):
             d = await by_run
             print(f"the heartbeat's DONE after its daemon died: {d}", file=sys.stderr)
         print(f"the heartbeat's DONE came: {by_run.finished()}; the server: {proc_state(server)}", file=sys.stderr)
         await b.unload(by_k)
-    await until(lambda: proc_state(server) == "gone", lambda: f"the server {server} reaped, not {proc_state(server)}", within=15)
+    await until(lambda: proc_state(server) == "gone", 15, lambda: f"the server {server} reaped, not {proc_state(server)}")
 
 
 def proc_state(pid: int) -> str:

@@ -1,5 +1,5 @@
 """Live restore on the H200 with NVIDIA's MPS control daemon (issue 17): the sim's cases
-(tests/test_live_restore.py) run on the real GPU.  What only the GPU can say: that the control
+(tests/cases/live_restore.py) run on the real GPU.  What only the GPU can say: that the control
 daemon and its server are adopted by their pid file and pidfd, that adopted workers are still
 clients of that server, and that no adoption, halt or orphan timeout faults the GPU (a client
 exiting with its kernel running would)."""
@@ -10,8 +10,7 @@ import signal
 
 import pytest
 
-from ..test_live_restore import adopt_case, blink_discard_case, orphan_case, reconcile_case
-from .test_faults_real import real_gpu_and_mps  # noqa: F401 - a fixture
+from ..cases.live_restore import adopt_case, blink_discard_case, orphan_case, reconcile_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mps, pytest.mark.timeout(180), pytest.mark.usefixtures("real_gpu_and_mps")]
 

@@ -19,8 +19,8 @@ from meshd_mps.backend import Backend
 from meshd_mps.errors import DeviceError, NoDriver
 from meshd_mps.programs import Programs
 
-from ..test_backend import beats, example
-from .test_mps_real import gap_while, mps_processes
+from ..rigs.backend import beats, example
+from ..rigs.gpu import gap_while, mps_processes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 

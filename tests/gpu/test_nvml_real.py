@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -23,6 +22,8 @@ from meshd_mps.errors import NoDriver, NvmlUnavailable
 from meshd_mps.gpu.nvml import ComputeMode, DeviceView, Nvml
 from meshd_mps.mps.control import PIPE_ENV
 from meshd_mps.neighbours import NeighbourWatch, classify
+
+from ..rigs.waits import poll
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -67,15 +68,15 @@ def nvml() -> Iterator[Nvml]:
         yield nv
 
 
-def until(nv: Nvml, holds: Callable[[DeviceView], bool], what: str, within: float = 30.0) -> DeviceView:
-    """GPU 0's view once ``holds`` is true of it; fails naming ``what`` past ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        v = nv.view(0)
-        if holds(v):
-            return v
-        assert time.monotonic() < deadline, f"NVML: {what} not within {within:g}s; it shows {v}"
-        time.sleep(0.05)
+def view_when(nv: Nvml, holds: Callable[[DeviceView], bool], what: str, within: float = 30.0) -> DeviceView:
+    """GPU 0's view once ``holds`` is true of it; fails naming ``what`` (and the last view) past ``within`` seconds."""
+    seen: list[DeviceView] = []
+
+    def looked() -> DeviceView | None:
+        seen[:] = [nv.view(0)]
+        return seen[0] if holds(seen[0]) else None
+
+    return poll(looked, within, lambda: f"NVML: {what}; it shows {seen[-1] if seen else None}", every=0.05)
 
 
 def test_a_bare_context_is_listed_and_foreign(nvml):
@@ -98,7 +99,7 @@ def test_a_bare_context_is_listed_and_foreign(nvml):
         assert pid == child.pid
         watch = NeighbourWatch("mps")
         with capture_logs() as logs:
-            seen = until(nvml, lambda v: pid in {p.pid for p in v.processes}, f"process {pid}")
+            seen = view_when(nvml, lambda v: pid in {p.pid for p in v.processes}, f"process {pid}")
             n = classify(seen, ours=set(), server=set(), native=set())
             watch.observe(n)
             [p] = [p for p in n.foreign if p.pid == pid]
@@ -107,7 +108,7 @@ def test_a_bare_context_is_listed_and_foreign(nvml):
             assert p.used_bytes is None or p.used_bytes >= 1 << 20
             child.stdin.close()
             assert child.wait(timeout=30) == 0
-            gone = until(nvml, lambda v: pid not in {p.pid for p in v.processes}, f"process {pid} gone")
+            gone = view_when(nvml, lambda v: pid not in {p.pid for p in v.processes}, f"process {pid} gone")
             watch.observe(classify(gone, ours=set(), server=set(), native=set()))
         said = [(e["log_level"], e.get("pid")) for e in logs if e.get("pid") == pid]
         assert said == [("warning", pid), ("info", pid)], logs
@@ -129,7 +130,8 @@ async def test_our_server_and_its_clients_are_ours(nvml):
     async with await Backend.open(isolation="mps", gpu="cuda", pool=2) as b:
         assert b.mps is not None and b.mps.server is not None
         workers, server = set(b.sup.workers), {int(b.mps.server)}
-        v = until(nvml, lambda v: (workers | server) <= {p.pid for p in v.processes}, f"workers {workers} and server {server}")
+        v = view_when(nvml, lambda v: (workers | server) <= {p.pid for p in v.processes},
+                      f"workers {workers} and server {server}")
         n = classify(v, ours=workers, server=server, native=set())
         print(f"GPU 0 under our MPS server: {n}", file=sys.stderr)
         assert {p.pid for p in n.ours} == workers and all(p.mps for p in n.ours)

@@ -35,13 +35,11 @@ from meshd_mps.restart import CRASH_LOOP_BURST
 from meshd_mps.serving.client import program_body
 from meshd_mps.supervision import procfs
 
-from ..test_backend import beats, example
-from ..test_hard_deaths import _owner, events, left_by, reap
-from ..test_restart import blink_fault_case, blink_killed_case
-from ..test_serve import EXAMPLES, REPO, Serve, poll
-from ..waits import until as _until
-from .test_faults_real import real_gpu_and_mps  # noqa: F401 - a fixture
-from .test_mps_real import mps_processes
+from ..cases.restart import blink_fault_case, blink_killed_case
+from ..rigs.backend import beats, example
+from ..rigs.gpu import mps_processes
+from ..rigs.serve import EXAMPLES, REPO, Serve, events, left_by, owner_of, reap
+from ..rigs.waits import poll, until as _until
 
 until = functools.partial(_until, within=60.0, every=0.005)  # this file's waits: 60 s on the real GPU
 
@@ -155,7 +153,7 @@ def test_a_sigkill_of_serve_faults_nothing_and_blocks_no_restart(tmp):
         first.wait_ready()
         first.client.load(program_body(str(EXAMPLES / "heartbeat")))
         first.client.load(program_body(str(EXAMPLES / "echo")))
-        left = _owner(mps_dir)
+        left = owner_of(mps_dir)
         orphans = left_by(left) + first.client.status()["workers"]
         first.proc.kill()
         first.proc.wait(30)

@@ -26,7 +26,7 @@ from meshd_mps.protocol.mailbox import Mailbox
 
 from .waits import poll
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Worker:
