@@ -6,6 +6,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+# make test runs the suite on this many pytest-xdist workers (0: in one process, as plain pytest
+# does), each taking the next test when it is free, the longest first (tests/conftest.py).  More
+# workers than cores: most tests wait on worker and daemon processes, not the CPU.
+PYTEST_WORKERS ?= 4
+
 # What make lint and make test check, with zero findings (the rules: pyproject's [tool.ruff], [tool.mypy]).
 RUFF_PATHS ?= meshd_mps workers tests scripts
 MYPY_PATHS ?= meshd_mps workers
@@ -25,7 +30,7 @@ lint: $(STAMP)
 	$(BIN)/mypy $(MYPY_PATHS)
 
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist load --maxschedchunk 1 $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -m 'gpu or mps' -v $(PYTEST_ARGS)

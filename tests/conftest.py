@@ -99,3 +99,37 @@ def serve(tmp):
     yield start
     for s in started:
         s.kill()
+
+
+#: The tests that take longest (seconds, one at a time on 2 loaded cores, 2026-12-06), by node id
+#: prefix.  make test runs the suite on pytest-xdist workers that each take the next test when
+#: they are free (``--dist load --maxschedchunk 1``): these go first, longest first, so that none
+#: of them starts last and is run alone at the end while the other workers idle.  Only the order
+#: changes (a name that is no longer a test's does nothing).
+LONGEST_FIRST = (
+    "tests/test_bench.py::test_bench_sim_quick",  # 77
+    "tests/test_scripts.py::test_issue18_probes_run",  # 33
+    "tests/test_live_restore.py::test_reconcile_",  # 18
+    "tests/test_serve.py::test_serve_end_to_end",  # 13 + 8
+    "tests/test_soak.py::",  # 13
+    "tests/test_restore.py::",  # 12 + 8 + 6
+    "tests/test_live_restore.py::",  # 11 + 11 + 11 + 10 + 4
+    "tests/test_devices.py::test_serve_devices_end_to_end",  # 7
+    "tests/test_restart.py::test_a_program_that_keeps_faulting_the_gpu_is_a_crash_loop",  # 7
+    "tests/test_workers.py::test_a_fault_stays_with_its_worker",  # 7 + 6 + 4 + ...
+    "tests/test_native_clients.py::",  # 7 + 3
+    "tests/test_limits.py::test_mps_programs_are_the_clients_less_the_pool",  # 7
+    "tests/test_neighbours_serve.py::",  # 6 + 5
+    "tests/test_lifecycle_races.py::",  # 6 + 4 + ...
+    "tests/test_config.py::test_serve_",  # 5 + 5
+    "tests/test_hard_deaths.py::",  # 5 + 4 + 3 + ...
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """LONGEST_FIRST's tests first, in its order; the others after them, in the order collected."""
+
+    def rank(item: pytest.Item) -> int:
+        return next((i for i, p in enumerate(LONGEST_FIRST) if item.nodeid.startswith(p)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: each group keeps the order collected

@@ -99,7 +99,7 @@ def test_what_a_dead_run_left_in_its_temporary_dir_is_swept(tmp, monkeypatch):
     os.mkdir(base, 0o700)
     e = env()
     e["TMPDIR"] = base
-    monkeypatch.setattr("tests.test_serve.env", lambda: e)
+    monkeypatch.setattr("tests.rigs.serve.env", lambda: e)
     first = Serve(tmp, "mps", os.path.join(tmp, "a.sock"), "--pool", "1")
     try:
         old_dir = first.wait_ready()["mps_dir"]

@@ -22,7 +22,7 @@ def test_a_foreign_process_is_named_in_status_metrics_and_log(tmp, monkeypatch, 
         json.dump({"0": {"compute_mode": "default", "processes": [foreign]}}, f)
     e = env()
     e["MESHD_MPS_SIM_NVML"] = view
-    monkeypatch.setattr("tests.test_serve.env", lambda: e)
+    monkeypatch.setattr("tests.rigs.serve.env", lambda: e)
     s = Serve(tmp, isolation, os.path.join(tmp, "s.sock"), *(["--pool", "1"] if isolation == "mps" else []))
     try:
         s.wait_ready()

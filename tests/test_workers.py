@@ -237,17 +237,21 @@ class Fault:
 
 
 #: Retirement waits up to 10 s for a worker to exit at QUIT or EOF (one that does: its status is
-#: its own, never a kill that came early); one that hangs gets 1 s and is killed.
+#: its own, never a kill that came early); one that hangs gets 0.5 s and is killed.  A reply that
+#: never comes is given up on after 1 s (NO_REPLY): the cases wait these deadlines out.
 RETIRE = {"retire_quit": 10.0, "retire_kill": 5.0}
-HANGS = {"retire_quit": 1.0, "retire_kill": 5.0}
+HANGS = {"retire_quit": 0.5, "retire_kill": 5.0}
+NO_REPLY = 1.0
 
 #: The faults MPS keeps to their client.  A kill while the victim's kernel is on the GPU is not
 #: one of them (test_a_kill_with_its_kernel_running_faults_its_gpu).
 FAULTS = {
     "sigkill-during-load": Fault(r"load: worker \d+ exited", {"load": "hang"}, kill="load", status=-9),
     # A worker that never replies reads no QUIT and no EOF: its retirement kills it.
-    "no-reply-to-load": Fault(r"load: worker \d+: no reply in 2s", {"load": "hang"}, status=-9, deadlines={"load": 2.0, **HANGS}),
-    "no-reply-to-launch": Fault(r"victim \(worker \d+: no reply in 2s\)", {"launch": "hang"}, status=-9, deadlines=HANGS),
+    "no-reply-to-load": Fault(r"load: worker \d+: no reply in 1s", {"load": "hang"}, status=-9,
+                              deadlines={"load": NO_REPLY, **HANGS}),
+    "no-reply-to-launch": Fault(r"victim \(worker \d+: no reply in 1s\)", {"launch": "hang"}, status=-9,
+                                deadlines={"launch": NO_REPLY, **HANGS}),
     "closes-stdout-stays-alive": Fault(r"load: worker \d+ exited", {"load": "close-stdout"}, status=-9, deadlines=HANGS),
     # A worker that broke the protocol but still reads its stdin exits at its retirement's EOF.
     "garbage": Fault(r"load: worker \d+: bad frame: frame length \d+ is over the \d+-byte limit", {"load": "garbage"}, status=0),

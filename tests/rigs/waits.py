@@ -2,7 +2,9 @@
 
 ``poll`` (blocking) and ``until`` (async) take the same arguments in the same order:
 ``cond, within, what, every``.  ``what`` names what was waited for in the failure; a callable is
-asked only then (so that it can say what it saw).
+asked only then (so that it can say what it saw).  ``poll``'s conditions mostly ask another process
+(a daemon's status over HTTP, /proc): it asks every 20 ms, not every 10, so that a suite of waits
+does not keep the daemons busy answering; ``until``'s are read in-process.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def _said(what: What) -> str:
     return what() if callable(what) else what
 
 
-def poll(cond: Callable[[], Any], within: float = 20.0, what: What = "the condition", every: float = 0.01) -> Any:
+def poll(cond: Callable[[], Any], within: float = 20.0, what: What = "the condition", every: float = 0.02) -> Any:
     """cond() until it returns something truthy; its value, or a test failure naming ``what``."""
     deadline = time.monotonic() + within
     while True:
