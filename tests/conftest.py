@@ -32,8 +32,11 @@ become_subreaper()
 # the leak checks count the meshd* entries in it, and a second test run on the same machine
 # (its own directory) can neither add to them nor be blamed for them.  Searchable by others
 # (0711, not listable) so that the other-uid test's connection is refused by the socket's own
-# mode and not by a directory on the way.  Short: AF_UNIX paths stop at 108 bytes.
-SESSION_TMP = tempfile.mkdtemp(prefix="meshd-tests.")
+# mode and not by a directory on the way.  Short: AF_UNIX paths stop at 108 bytes.  Each
+# pytest-xdist worker (a process started by the run's first, which sets TMPDIR to its own) makes
+# its own beside the first's, not inside it: TMPDIR_BASE is the temporary directory before ours.
+TMPDIR_BASE = os.environ.setdefault("MESHD_TESTS_TMPDIR_BASE", tempfile.gettempdir())
+SESSION_TMP = tempfile.mkdtemp(prefix="meshd-tests.", dir=TMPDIR_BASE)
 os.chmod(SESSION_TMP, 0o711)
 os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMP
 # meshd-mps serve keeps its desired state in $XDG_STATE_HOME/meshd-mps by default: never the user's own.

@@ -17,13 +17,13 @@ from meshd_mps.errors import Unavailable
 from meshd_mps.programs import Programs, ProgramState
 
 from .rigs.backend import ScriptCompiler, beats, example, man
-from .rigs.deadlines import TEST_DEADLINES
+from .rigs.deadlines import QUICK_RECOVERY
 from .rigs.sim import sim
 from .rigs.waits import until
 
 pytestmark = pytest.mark.timeout(90)
 
-QUICK = dataclasses.replace(TEST_DEADLINES, restart_backoff=0.05, fault_window=0.5)
+QUICK = QUICK_RECOVERY
 
 
 async def opened(isolation: str, pool: int = 2, deadlines=QUICK) -> Backend:  # type: ignore[no-untyped-def]

@@ -33,6 +33,7 @@ from meshd_mps.supervision import child, procfs
 from meshd_mps.supervision.proc import WorkerProc, WorkerState
 from meshd_mps.supervision.supervisor import Supervisor
 
+from .rigs.deadlines import LIVE
 from .rigs.live import LiveRig
 from .rigs.sim import sim
 from .rigs.waits import poll, until as _until
@@ -41,7 +42,7 @@ until = functools.partial(_until, every=0.005)  # the polling interval these wai
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_leaks")]
 
-D = Deadlines(retire_quit=1.0, retire_kill=2.0, orphan=60.0)
+D = LIVE
 EXIT_FAULT = "exited with a kernel running"
 
 

@@ -15,8 +15,9 @@ from meshd_mps.errors import BadRestartPolicy
 from meshd_mps.programs import Programs, ProgramState
 from meshd_mps.restart import CRASH_LOOP_BURST, End, Policy, decide
 
-from .cases.restart import QUICK, blink_fault_case, blink_killed_case
+from .cases.restart import blink_fault_case, blink_killed_case
 from .rigs.backend import beats, example
+from .rigs.deadlines import QUICK_RESTARTS as QUICK
 from .rigs.waits import until as _until
 
 until = functools.partial(_until, within=30.0)  # this file's waits: 30 s

@@ -22,6 +22,7 @@ from meshd_mps.mps import clients as mpsmod
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Op
 
+from .rigs.deadlines import HANGS, NO_REPLY, RETIRE
 from .rigs.mps import DAEMON_DIED
 from .rigs.procs import alive, fds_exhausted
 from .rigs.sim import sim
@@ -236,12 +237,6 @@ class Fault:
     deadlines: dict = field(default_factory=dict)
 
 
-#: Retirement waits up to 10 s for a worker to exit at QUIT or EOF (one that does: its status is
-#: its own, never a kill that came early); one that hangs gets 0.5 s and is killed.  A reply that
-#: never comes is given up on after 1 s (NO_REPLY): the cases wait these deadlines out.
-RETIRE = {"retire_quit": 10.0, "retire_kill": 5.0}
-HANGS = {"retire_quit": 0.5, "retire_kill": 5.0}
-NO_REPLY = 1.0
 
 #: The faults MPS keeps to their client.  A kill while the victim's kernel is on the GPU is not
 #: one of them (test_a_kill_with_its_kernel_running_faults_its_gpu).

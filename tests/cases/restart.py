@@ -4,7 +4,6 @@ the beats to see after the recovery."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import signal
@@ -14,13 +13,12 @@ from meshd_mps.backend import Backend
 from meshd_mps.programs import RECOVERY_STEPS, Programs
 
 from ..rigs.backend import beats, example
-from ..rigs.deadlines import TEST_DEADLINES
+from ..rigs.deadlines import QUICK_RESTARTS
 from ..rigs.waits import until as _until
 
 until = functools.partial(_until, within=30.0)  # test_restart.py's waits: 30 s
 
-#: Quick backoffs: a crash loop is reached in well under a second of backoff (test_restart.py's too).
-QUICK = dataclasses.replace(TEST_DEADLINES, restart_backoff=0.02, restart_backoff_max=0.1)
+QUICK = QUICK_RESTARTS
 
 
 async def heartbeat_and_echo(b: Backend, warm: int):
