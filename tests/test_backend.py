@@ -12,7 +12,7 @@ from meshd_mps.gpu.compiler import Prepared
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 
-from .rigs.backend import beats, example
+from .rigs.backend import beats, example, open_sim
 from .rigs.deadlines import TEST_DEADLINES
 from .rigs.sim import sim
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(90)
 
 @pytest.fixture(params=["blink", "mps"])
 async def backend(request, standin_on_path):
-    b = await Backend.open(isolation=request.param, gpu="sim", pool=2, deadlines=TEST_DEADLINES)
+    b = await open_sim(request.param, pool=2)
     try:
         yield b
     finally:

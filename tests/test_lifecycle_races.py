@@ -16,7 +16,7 @@ from meshd_mps.backend import Backend
 from meshd_mps.errors import Unavailable
 from meshd_mps.programs import Programs, ProgramState
 
-from .rigs.backend import ScriptCompiler, beats, example, man
+from .rigs.backend import ScriptCompiler, beats, example, man, open_sim
 from .rigs.deadlines import QUICK_RECOVERY
 from .rigs.sim import sim
 from .rigs.waits import until
@@ -27,7 +27,7 @@ QUICK = QUICK_RECOVERY
 
 
 async def opened(isolation: str, pool: int = 2, deadlines=QUICK) -> Backend:  # type: ignore[no-untyped-def]
-    b = await Backend.open(isolation=isolation, gpu="sim", pool=pool, deadlines=deadlines)
+    b = await open_sim(isolation, deadlines, pool=pool)
     b.compiler = ScriptCompiler(b.infos[b.devices[0]])
     return b
 

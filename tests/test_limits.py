@@ -15,7 +15,7 @@ from meshd_mps.isolation.limits import BLINK_QUEUES
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 
-from .rigs.backend import ScriptCompiler, beats, example, man
+from .rigs.backend import ScriptCompiler, beats, example, man, open_sim
 from .rigs.deadlines import TEST_DEADLINES
 from .rigs.sim import sim
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(params=["blink", "mps"])
 async def backend(request, standin_on_path):
-    b = await Backend.open(isolation=request.param, gpu="sim", pool=2, deadlines=TEST_DEADLINES, max_clients=8)
+    b = await open_sim(request.param, pool=2, max_clients=8)
     b.compiler = ScriptCompiler(b.infos[b.devices[0]])
     try:
         yield b
