@@ -112,7 +112,7 @@ from meshd_mps.protocol.ring import SPIN, Ring
 from meshd_mps.supervision import child, cpus
 from meshd_mps.supervision.proc import WorkerProc
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parent.parent.parent / "examples"
 BARE_CUDA = r"""
 import os, sys
 from cuda.bindings import driver as cu
@@ -1297,7 +1297,7 @@ def _gap_since_reset(mb: Mailbox, slot: int, reset: bool) -> int:
 def _next_release(d: str) -> tuple[dict[str, str], str]:
     """A copy of this meshd-mps's source tree with a later version, as an upgrade installs one: the
     environment that runs it, and its version."""
-    src = Path(__file__).resolve().parent.parent
+    src = Path(__file__).resolve().parent.parent.parent
     dst = os.path.join(d, "next")
     for part in ("meshd_mps", "workers"):
         shutil.copytree(src / part, os.path.join(dst, part), ignore=shutil.ignore_patterns("__pycache__"))
