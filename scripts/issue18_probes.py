@@ -42,6 +42,7 @@ import anyio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshd_mps import bench as B, eventloop
+from meshd_mps.bench import floor as F  # the module whose FLOOR_CUDA ring_floor reads (mps_floor patches it)
 from meshd_mps.isolation.base import Module
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import ring as R
@@ -248,18 +249,18 @@ ck(cu.cuMemHostRegister(host, 1 << 20, cu.CU_MEMHOSTREGISTER_DEVICEMAP | cu.CU_M
 
 
 async def mps_floor(bench: B.Bench) -> None:
-    assert ALLOC in B.FLOOR_CUDA, "the floor's host no longer allocates as this probe expects"
+    assert ALLOC in F.FLOOR_CUDA, "the floor's host no longer allocates as this probe expects"
     async with await bench.backend("mps", pool=2) as b:
         env = {**os.environ, **b.native_env()}
         for rnd in range(3):
             plain = await B.ring_floor(bench, b, bench.n(10000, 500))
             client = await B.ring_floor(bench, b, bench.n(10000, 500), env=env)
-            alloc = B.FLOOR_CUDA
-            B.FLOOR_CUDA = alloc.replace(ALLOC, "import os\n" + REGISTERED)
+            alloc = F.FLOOR_CUDA
+            F.FLOOR_CUDA = alloc.replace(ALLOC, "import os\n" + REGISTERED)
             try:
                 reg = await B.ring_floor(bench, b, bench.n(10000, 500), env=env)
             finally:
-                B.FLOOR_CUDA = alloc
+                F.FLOOR_CUDA = alloc
             s = await echo_spin(bench, b, bench.n(3000, 100))
 
             def f(d: dict[int, list[float]], k: int) -> str:
