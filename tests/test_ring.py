@@ -1,5 +1,5 @@
 """The request ring, both ends: the host's ``Ring`` (meshd_mps/protocol/ring.py) and the simulated
-GPU's copy of the header's warp-wide helpers (``mesh_ring_*``: workers/sim_gpu.py ``_Ring``), driven
+GPU's copy of the header's warp-wide helpers (``mesh_ring_*``: workers/sim_kernels.py ``MeshRing``), driven
 step by step on a mailbox of the test's own, then ``Programs.call`` / ``call_many`` on the sim.
 
 The device side is called directly (no worker, no thread): a wait, the loads, the stores and one
@@ -20,7 +20,7 @@ from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.protocol.ring import Ring
-from workers.sim_gpu import _Beat, _echo_turn, _Ring
+from workers.sim_kernels import MeshBeat, MeshRing, echo_turn
 
 from .conftest import TEST_DEADLINES
 from .test_backend import example
@@ -36,13 +36,13 @@ def mb():
     m.close()
 
 
-def device(mb: Mailbox, every: int = abi.BEAT_EVERY) -> _Ring:
-    return _Ring(mb, SLOT, _Beat(mb, SLOT, {}, lambda: False), every)
+def device(mb: Mailbox, every: int = abi.BEAT_EVERY) -> MeshRing:
+    return MeshRing(mb, SLOT, MeshBeat(mb, SLOT, {}, lambda: False), every)
 
 
-def serve(r: _Ring) -> int:
+def serve(r: MeshRing) -> int:
     """One turn of echo on the simulated GPU: the pending requests, all answered, one RESP_HEAD."""
-    return _echo_turn(r, lambda: False)
+    return echo_turn(r, lambda: False)
 
 
 def test_take_gets_every_response_there_in_order_and_no_more(mb):
