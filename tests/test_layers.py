@@ -69,7 +69,7 @@ KNOWN_CYCLES = {
     ("meshd_mps.programs", "meshd_mps.state.desired"),
 }
 KNOWN_BIG = {"meshd_mps/backend.py", "meshd_mps/bench.py", "meshd_mps/mps/control.py", "meshd_mps/programs.py",
-             "meshd_mps/serving/server.py", "meshd_mps/state/store.py", "meshd_mps/supervision/supervisor.py",
+             "meshd_mps/state/store.py", "meshd_mps/supervision/supervisor.py",
              "workers/sim_gpu.py"}
 
 
