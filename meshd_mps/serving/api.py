@@ -55,9 +55,15 @@ from meshd_mps.supervision import cpus
 
 log = structlog.get_logger("meshd_mps")
 
-#: The request line, and each header line, at most (431 beyond); headers at most (400 beyond).
+#: The request head (its request line and header lines together) at most, 431 beyond: checked as
+#: a whole once parsed (:func:`head_size`), and per line by the parser as it reads, so that a line
+#: over it is refused before the rest arrives.  Header lines at most (400 beyond).
 MAX_HEAD = 64 << 10
 MAX_HEADERS = 100
+#: The status counted (meshd_mps_http_requests_total{code="499"}) for a client that hung up before
+#: its answer (in the middle of its body, say): nginx's "client closed request", as aiohttp's
+#: access log writes it too.  Never sent: there is nobody to send it to.
+CLIENT_GONE = 499
 #: How long an answered request's unread body is still taken before the connection is closed
 #: (so that a client still sending it reads the answer).
 LINGER_S = 2.0
@@ -101,6 +107,14 @@ def check_path(request: web.BaseRequest) -> None:
             raise HeadRefused(f"path {path[:80]!r}: not UTF-8") from e
         if seg in (".", ".."):
             raise HeadRefused(f"path {path[:80]!r}: '.' and '..' segments are refused")
+
+
+def head_size(request: web.BaseRequest) -> int:
+    """The request head's size in bytes as parsed: the request line and every header line with
+    their line ends, and the blank line (blanks around a header's value not counted)."""
+    v = request.version
+    size = len(request.method) + len(request.raw_path) + len(f"  HTTP/{v.major}.{v.minor}\r\n") + 2
+    return size + sum(len(k) + len(val) + 4 for k, val in request.raw_headers)
 
 
 def _name(request: web.Request) -> str:
@@ -198,6 +212,12 @@ class Api:
         return resp
 
     async def _checked(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        size = head_size(request)
+        if size > MAX_HEAD:
+            log.warning(f"{request.method} {_path(request)[:200]}: request head of {size} bytes refused (over"
+                        f" {MAX_HEAD})", size=size, limit=MAX_HEAD)
+            raise HeadTooLarge(f"request head of {size} bytes: over the limit of {MAX_HEAD} bytes (64 KiB) for the"
+                               " request line and the headers together")
         if request.version.major != 1:
             v = request.version
             raise VersionNotSupported(f"HTTP/{v.major}.{v.minor}: only HTTP/1.x is served")
@@ -410,7 +430,15 @@ class Protocol(web.RequestHandler):
         if isinstance(exc, HttpProcessingError):
             words = " ".join((exc.message or str(exc)).split())[:300]
             e = HeadTooLarge(f"request head: {words}") if isinstance(exc, LineTooLong) else HeadRefused(f"request head: {words}")
-        elif not isinstance(exc, ConnectionError):  # the client gone: nothing to log
+        elif isinstance(exc, ConnectionError) and (self.transport is None or self.transport.is_closing()):
+            # The client hung up (in the middle of its body, say): nobody to answer, and no fault of
+            # ours.  Said once, and counted as such (log_access), never as a 500.
+            log.info(f"{request.method} {_path(request)[:200]}: the client went away before its answer",
+                     code=CLIENT_GONE, error=f"{type(exc).__name__}: {exc}")
+            resp = web.Response(status=CLIENT_GONE, reason="Client Closed Request", headers=SERVER)
+            resp.force_close()
+            return resp
+        else:
             tb = "".join(traceback.format_exception(exc)) if exc is not None else f"status {status}: {message}"
             log.error(f"{request.method} {_path(request)}: internal error", traceback=tb)
         resp = self.api.refusal(request, e)
