@@ -265,7 +265,7 @@ class Api:
 
     def _describe(self, p: Program) -> dict[str, Any]:
         d = self.ps.describe(p)
-        d["worker_pid"] = d["pid"]
+        d["worker_pid"] = d["pid"]  # deprecated: the same as "pid" (docs/api.md, "Words")
         d["started"] = datetime.fromtimestamp(p.started_wall, UTC).isoformat()
         d["compile_ms"] = round(p.compile_ms, 3)
         d["cached"] = p.cached
@@ -324,14 +324,15 @@ class Api:
     async def get_program(self, request: web.Request) -> web.Response:
         return answer(200, {"ok": True, "program": self._describe(self.ps.get(_name(request)))})
 
-    def _loaded(self, p: Program, status: int, what: str) -> web.Response:
+    def _loaded(self, p: Program, status: int, verb: str) -> web.Response:
         self.metrics.loaded()
-        return answer(status, {"ok": True, what: p.name, "program": self._describe(p)})
+        # "program": the program's row, in every verb's answer; "loaded"/"upgraded": its name, deprecated.
+        return answer(status, {"ok": True, "program": self._describe(p), verb: p.name})
 
     async def post_program(self, request: web.Request) -> web.Response:
-        img = schemas.image(await self._json(request))
+        body = schemas.load_body(await self._json(request))
         try:
-            p = await self.ps.load(img.manifest, img.text.encode(), img.expect, img.nodes or 1, img.device, img.restart)
+            p = await self.ps.load(body.manifest, body.text.encode(), body.hash, body.nodes or 1, body.device, body.restart)
         except NotServedHere as e:  # Backend's check, said in the body's terms
             raise NotServedHere(f"field 'device' {e.device}: this daemon serves GPU {', '.join(map(str, e.devices))}"
                                 " (--devices)", device=e.device, devices=e.devices) from e
@@ -339,30 +340,31 @@ class Api:
 
     async def put_program(self, request: web.Request) -> web.Response:
         name = _name(request)
-        img = schemas.image(await self._json(request))
-        if img.nodes is not None or img.device is not None:
+        body = schemas.load_body(await self._json(request))
+        if body.nodes is not None or body.device is not None:
             # What an upgrade keeps; Programs.upgrade takes neither (the manifest's name it checks itself).
             old = self.ps.get(name)
-            if img.nodes is not None and img.nodes != old.nodes:
-                raise UpgradeMismatch(f"field 'nodes' {img.nodes}: an upgrade keeps the program's {old.nodes} (unload"
+            if body.nodes is not None and body.nodes != old.nodes:
+                raise UpgradeMismatch(f"field 'nodes' {body.nodes}: an upgrade keeps the program's {old.nodes} (unload"
                                       " and load to change it)", program=name, field="nodes")
-            if img.device is not None and img.device != old.device:
-                raise UpgradeMismatch(f"field 'device' {img.device}: an upgrade keeps the program on its GPU"
+            if body.device is not None and body.device != old.device:
+                raise UpgradeMismatch(f"field 'device' {body.device}: an upgrade keeps the program on its GPU"
                                       f" {old.device} (unload and load to move it)", program=name, field="device")
-        p = await self.ps.upgrade(name, img.manifest, img.text.encode(), img.expect, img.restart)
+        p = await self.ps.upgrade(name, body.manifest, body.text.encode(), body.hash, body.restart)
         return self._loaded(p, 200, "upgraded")
 
     async def delete_program(self, request: web.Request) -> web.Response:
         name = _name(request)
-        p = self.ps.get(name)
+        row = self._describe(self.ps.get(name))  # as it was before it was unloaded
         await self.ps.unload(name)
-        return answer(200, {"ok": True, "unloaded": name, "slot": p.slot})
+        # "unloaded" (its name) and "slot": deprecated, the same as "program"'s "name" and "slot".
+        return answer(200, {"ok": True, "program": row, "unloaded": name, "slot": row["slot"]})
 
     async def post_call(self, request: web.Request) -> web.Response:
         name = _name(request)
         c = schemas.call(await self._json(request), self.deadlines)
         t0 = time.perf_counter()
-        got = await self.ps.call(name, c.payload, c.within)
+        got = await self.ps.call(name, c.payload, c.timeout)
         return answer(200, {"ok": True, "program": name, "data": got.decode("utf-8", "replace"), "hex": got.hex(),
                             "bytes": len(got), "ms": round((time.perf_counter() - t0) * 1e3, 3)})
 

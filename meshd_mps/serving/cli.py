@@ -351,7 +351,8 @@ def _client(args: argparse.Namespace) -> int:
             ans = c.unload(args.name)
             if args.json:
                 return _json(ans)
-            print(f"{args.name} unloaded from slot {ans.get('slot')}")
+            p = ans.get("program") or {"name": args.name, "slot": ans.get("slot")}  # "slot": an older daemon's
+            print(f"{p['name']} unloaded from slot {p.get('slot')}")
         elif args.cmd == "ps":
             ans = c.request("GET", "/v1/programs")
             if args.json:
@@ -428,8 +429,8 @@ def beat_age(p: dict[str, Any]) -> str:
 
 def restarts(p: dict[str, Any]) -> str:
     """RESTARTS: how often it came back by itself, and its restart policy where it is not the default."""
-    n, policy = p.get("restarts", 0), p.get("restart", "on-failure")
-    return str(n) if policy == "on-failure" else f"{n} ({policy})"
+    n, restart = p.get("restarts", 0), p.get("restart", "on-failure")
+    return str(n) if restart == "on-failure" else f"{n} ({restart})"
 
 
 def ps_table(programs: list[dict[str, Any]]) -> str:
