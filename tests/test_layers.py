@@ -48,6 +48,7 @@ LAYERS: dict[str, int] = {
     "meshd_mps.eventloop": 1,
     "meshd_mps.faults": 1,
     "meshd_mps.restart": 1,
+    "meshd_mps.version": 1,
 }
 
 MAX_LINES = 500

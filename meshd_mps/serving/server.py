@@ -34,7 +34,6 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -58,10 +57,11 @@ from meshd_mps.serving.api import Api
 from meshd_mps.serving.client import default_socket, program_body
 from meshd_mps.serving.metrics import Metrics
 from meshd_mps.serving.unix_socket import BACKLOG, ControlSocket
-from meshd_mps.state.config import DeclaredProgram
+from meshd_mps.state.config import SERVE_DEFAULTS, DeclaredProgram, pool_of
 from meshd_mps.state.desired import Recorder, Restored, restore
 from meshd_mps.state.store import Store
 from meshd_mps.supervision import cpus
+from meshd_mps.version import version
 
 log = structlog.get_logger("meshd_mps")
 
@@ -73,28 +73,30 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 REAP_S = 3.0
 
 
-# ---- configuration and start-up errors ----------------------------------------------------
+# ---- configuration ---------------------------------------------------------------------------
 
 
 @dataclass
 class Config:
-    isolation: str = "blink"
-    sms: int = 0
-    mps_dir: str | None = None
-    pool: int | None = None  # None: 2 in MPS mode, 0 in blink mode
-    gpu: str = "cuda"
-    socket: str | None = None
-    cache_dir: str | None = None
-    log_level: str | None = None
-    log_format: str | None = None  # json | console | None (JSON unless stderr is a TTY)
-    loop: str = "auto"  # auto (uvloop if installed) | uvloop | asyncio
-    devices: tuple[int, ...] | None = None  # the GPUs to drive (None: every visible one)
-    stall_after: float | None = None  # seconds without a heartbeat before "stalled" (None: Programs' default)
+    """serve's options, checked (``cli.serve_config``); each default is ``SERVE_DEFAULTS``'s."""
+
+    isolation: str = SERVE_DEFAULTS["isolation"]
+    sms: int = SERVE_DEFAULTS["sms"]
+    mps_dir: str | None = SERVE_DEFAULTS["mps_dir"]
+    pool: int | None = SERVE_DEFAULTS["pool"]  # None: POOL_BY_ISOLATION's (state/config.py)
+    gpu: str = SERVE_DEFAULTS["gpu"]
+    socket: str | None = SERVE_DEFAULTS["socket"]
+    cache_dir: str | None = SERVE_DEFAULTS["cache_dir"]
+    log_level: str | None = SERVE_DEFAULTS["log_level"]
+    log_format: str | None = SERVE_DEFAULTS["log_format"]  # json | console | None (JSON unless stderr is a TTY)
+    loop: str = SERVE_DEFAULTS["loop"]  # auto (uvloop if installed) | uvloop | asyncio
+    devices: tuple[int, ...] | None = None  # the GPUs to drive (None: every visible one, SERVE_DEFAULTS' "all")
+    stall_after: float | None = SERVE_DEFAULTS["stall_after"]  # seconds without a heartbeat before "stalled"
     # Issue 17: --state-dir as given (None: state.store.resolve_state_dir's default), --live-restore and the
     # workers' --orphan-timeout (None: Deadlines.orphan), the --config file (absolute) and its [program.NAME] tables.
-    state_dir: str | None = None
-    live_restore: bool = False
-    orphan_timeout: float | None = None
+    state_dir: str | None = SERVE_DEFAULTS["state_dir"]
+    live_restore: bool = SERVE_DEFAULTS["live_restore"]
+    orphan_timeout: float | None = SERVE_DEFAULTS["orphan_timeout"]
     config_file: str | None = None
     programs: tuple[DeclaredProgram, ...] = ()
     daemon_cpus: frozenset[int] | None = None  # --daemon-cpus (supervision/cpus.py); None: unplaced
@@ -135,22 +137,8 @@ def _sole(group: BaseExceptionGroup) -> BaseException:
 # ---- versions -----------------------------------------------------------------------------
 
 
-def own_version() -> str:
-    try:
-        return importlib.metadata.version("meshd-mps")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        import tomllib
-
-        with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as f:
-            return str(tomllib.load(f)["project"]["version"]) + "+source"
-    except (OSError, KeyError, ValueError):
-        return "unknown"
-
-
 def versions() -> dict[str, str]:
-    out = {"meshd-mps": own_version(), "python": platform.python_version()}
+    out = {"meshd-mps": version(), "python": platform.python_version()}
     try:
         out["cuda-bindings"] = importlib.metadata.version("cuda-bindings")
     except importlib.metadata.PackageNotFoundError:
@@ -239,7 +227,7 @@ class Daemon:
 
     async def _open(self) -> None:
         c = self.cfg
-        pool = c.pool if c.pool is not None else (2 if c.isolation == "mps" else 0)
+        pool = pool_of(c.isolation, c.pool)
         self.versions = await anyio.to_thread.run_sync(versions)
         # First: its lock makes the state dir ours alone, and with it (live restore) the mailbox file, the MPS
         # directory and the workers' sockets under it.  Refused: another user's dir, another daemon on it.
@@ -250,7 +238,7 @@ class Daemon:
                                live=self.store.dir if c.live_restore else None,
                                clear=None if c.live_restore else self.store.dir)
         self.backend = b
-        # stall_after only when given: Programs' own default (programs.STALL_S) otherwise.
+        # stall_after only when given: Programs' own default (Deadlines.stall) otherwise.
         self.programs = Programs(b) if c.stall_after is None else Programs(b, stall_after=c.stall_after)
         self.metrics = Metrics(b, self.programs, self.versions.get("meshd-mps", ""), self.t0)
         await self._restore()
