@@ -1,6 +1,7 @@
 """The control API's input limits as a raw client meets them (issue 31, item 7): a request head is
 at most 64 KiB as a whole (not per line), and a client that hangs up in the middle of its body is
-counted as gone (``code="499"``), not as an internal error.
+counted as gone (``code="499"``), not as an internal error.  And its answers' words (item 4):
+every verb on a program answers its row under ``"program"``, the old keys kept beside it.
 
 On the daemon's own serving path (server.Daemon: its socket, its connection handler, its metrics)
 in this process, with the simulated GPU; every read under a deadline.
@@ -14,12 +15,17 @@ import json
 import os
 import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import anyio
+import anyio.to_thread
 from structlog.testing import capture_logs
 
-from meshd_mps.serving import server
+from meshd_mps.serving import cli, server
 from meshd_mps.serving.api import MAX_HEAD
+from meshd_mps.serving.client import Client, program_body
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 WAIT_S = 10.0  # every answer of the daemon, at most
 
@@ -136,3 +142,25 @@ async def test_a_client_gone_mid_body_is_a_499_not_a_500(tmp):
         gone = [e for e in logs if "went away" in e["event"]]
         assert len(gone) == 1 and gone[0]["log_level"] in ("info", "warning"), logs
         assert not [e for e in logs if e["log_level"] == "error"], logs
+
+
+async def test_every_program_verb_answers_its_row_under_program(tmp, capsys):
+    """POST, PUT and DELETE answer the program's row under "program"; "loaded", "upgraded",
+    "unloaded" (with "slot") and a row's "worker_pid" stay, deprecated; the CLI reads "program"."""
+    async with serving(tmp) as d:
+        c = Client(d.socket_path)
+        body = await anyio.to_thread.run_sync(program_body, str(EXAMPLES / "echo"))
+        ans = await anyio.to_thread.run_sync(c.load, body)
+        row = ans["program"]
+        assert row["name"] == "echo" and row["state"] == "running" and ans["loaded"] == "echo"
+        assert row["pid"] > 0 and row["worker_pid"] == row["pid"]
+        ans = await anyio.to_thread.run_sync(c.upgrade, "echo", body)
+        assert ans["program"]["name"] == "echo" and ans["program"]["upgrades"] == 1 and ans["upgraded"] == "echo"
+        ans = await anyio.to_thread.run_sync(c.unload, "echo")
+        assert ans["program"]["name"] == "echo" and ans["program"]["slot"] == row["slot"]
+        assert ans["unloaded"] == "echo" and ans["slot"] == row["slot"]
+
+        await anyio.to_thread.run_sync(c.load, body)
+        capsys.readouterr()
+        rc = await anyio.to_thread.run_sync(cli.main, ["unload", "echo", "--socket", d.socket_path])
+        assert (rc, capsys.readouterr().out) == (0, f"echo unloaded from slot {row['slot']}\n")
