@@ -124,7 +124,7 @@ def parser() -> argparse.ArgumentParser:
                    help="blink: one CUDA context, a load halts every program briefly; mps: one MPS client per program"
                         " (default %(default)s)")
     s.add_argument("--sms", type=int, metavar="N",
-                   help="SMs per program, a green context (default %(default)s; 0: the whole device)")
+                   help="SMs per program, a green context (0: the whole device; default %(default)s)")
     s.add_argument("--mps-dir", metavar="DIR",
                    help="the private MPS daemon's directory (default: a temporary one, removed at exit)")
     s.add_argument("--pool", type=int, metavar="N", help="idle workers kept ready on each GPU (default %(default)s)")
