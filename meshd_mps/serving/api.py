@@ -12,6 +12,9 @@ their own typed checks before they change anything.
 (aio-libs/aiohttp#3287): a head its parser refuses is answered like every other refusal (JSON, by
 type, counted, no traceback in the log), and a connection's first head that does not come in
 ``Deadlines.http_head`` gets a 408 (aiohttp's keep-alive timer would only close the connection).
+aiohttp's parser bounds each line of a head, not the head: a head over ``MAX_HEAD`` as a whole is
+refused (431) by the middleware, before anything else is looked at.  A client that hangs up
+before its answer is counted as ``CLIENT_GONE`` (499), not as an internal error.
 """
 
 from __future__ import annotations
