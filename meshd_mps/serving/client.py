@@ -2,7 +2,7 @@
 
 Standard library only (``http.client`` on an AF_UNIX socket), and light to
 import: the CLI's client commands load nothing else of meshd-mps, except
-:mod:`meshd_mps.compiler` (and NVRTC) when a command compiles CUDA C.
+:mod:`meshd_mps.gpu.compiler` (and NVRTC) when a command compiles CUDA C.
 
 The daemon takes PTX only: CUDA C is compiled here, by the client, with the
 user's own rights (``#include`` reads the user's files, never the daemon's),
