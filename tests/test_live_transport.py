@@ -25,12 +25,12 @@ import pytest
 from meshd_mps.backend import live_paths
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import ConfigError, NotAdoptable, PeerMismatch, ProtocolMismatch, WorkerGone
-from meshd_mps.mps.clients import worker_argv
 from meshd_mps.mps.control import MARKER, PID_FILE, ControlDaemon, Owner
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Hello, HelloLaunch, Launch, Load, Op
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.supervision import child, procfs
+from meshd_mps.supervision.argv import worker_argv
 from meshd_mps.supervision.proc import WorkerProc, WorkerState
 from meshd_mps.supervision.supervisor import Supervisor
 
