@@ -106,7 +106,7 @@ from meshd_mps.log import setup_logging
 from meshd_mps.mps.clients import MAX_CLIENTS
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi, frames
-from meshd_mps.protocol.frames import Launch as LaunchReq, Op
+from meshd_mps.protocol.frames import LaunchReq, Op
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.protocol.ring import SPIN, Ring
 from meshd_mps.supervision import child, cpus

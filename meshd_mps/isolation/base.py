@@ -48,7 +48,7 @@ class Module:
         p = self.proc
         gen, done = p.next_gen(self.module)
         try:
-            await p.ask(Op.LAUNCH, frames.LAUNCH_BODY.pack(self.module, gen, slot, nodes))  # Launch(...).encode() less its object
+            await p.ask(Op.LAUNCH, frames.LAUNCH_BODY.pack(self.module, gen, slot, nodes))  # LaunchReq.encode() less its object
         except WorkerError as e:
             done.cancel()
             raise e.prefixed(self.name, "{what} ({message})") from e
