@@ -70,6 +70,7 @@ class MpsIsolation(Isolation):
         self._closing = False
         self._held: list[WorkerProc] = []  # started during a fault's teardown, no context yet (--hold)
         self._reserve: list[WorkerProc] = []  # ready for a fault's lost programs: taken before the pool
+        self._warming: list[list[WorkerProc]] = []  # each prewarm's workers, started and not yet pooled or kept
         mps.sup.exit_hooks.append(self._exited)
 
     async def open(self, adopted: Sequence[WorkerProc] = ()) -> None:
@@ -126,6 +127,7 @@ class MpsIsolation(Isolation):
         self.mps.daemon.check_alive()
         t0 = time.monotonic()
         procs: list[WorkerProc] = []
+        self._warming.append(procs)  # no image: not counted by load_count while they start
         try:
             while self._held and len(procs) < n:
                 procs.append(self._held.pop())
@@ -156,6 +158,8 @@ class MpsIsolation(Isolation):
             if isinstance(e, ExceptionGroup):
                 raise e.exceptions[0] from e
             raise
+        finally:
+            self._warming.remove(procs)
         for p in procs:
             self.pool.add(p) if into is None else into.append(p)
         log.info(f"mps: {'pool of ' if into is None else ''}{n} idle workers {pids_debug([p.pid for p in procs])} on GPU {d}"
@@ -290,8 +294,11 @@ class MpsIsolation(Isolation):
         return len(self.pool), self.pool.cap
 
     def load_count(self) -> int:
-        """Its workers that are not idle in the pool (or kept for a fault's lost programs)."""
-        return len(self.mps.workers_on(self.device)) - len(self.pool) - len(self._reserve) - len(self._held)
+        """Its workers that are not idle in the pool, kept for a fault's lost programs, or starting
+        for either (a pooled worker's replacement is no image)."""
+        idle = {w.pid for w in (*self._reserve, *self._held, *(w for b in self._warming for w in b))}
+        idle.update(self.pool.pids())
+        return sum(1 for p in self.mps.workers_on(self.device) if p not in idle)
 
     def status(self) -> dict[str, Any]:
         return {"workers": self.mps.workers_on(self.device), "pool": self.pool.pids(), "pool_cap": self.pool.cap}
