@@ -270,14 +270,15 @@ class Backend(NativeClients):
             raise Unavailable("backend closed")
         return c
 
-    async def prepare(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, expect: int | None = None,
+    async def prepare(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, hash: int | None = None,
                       device: int | None = None) -> Image:
         """Checks, PTX -> cubin (cached), and in MPS mode the preload into a worker; on GPU
-        ``device``, else on the least loaded one (``least_loaded``)."""
+        ``device``, else on the least loaded one (``least_loaded``).  ``hash``: the image hash the
+        caller requires (HashMismatch otherwise)."""
         if self._closed or not self.devices:
             raise Unavailable("backend closed")
         d = self.least_loaded() if device is None else self.device_or_first(device)
-        p = await self._compiler(d).prepare(manifest, ptx, expect)
+        p = await self._compiler(d).prepare(manifest, ptx, hash)
         return await self.isolations[d].prepare(p)
 
     def admit(self, device: int, name: str, nodes: int, used: float, new: bool = True) -> None:
