@@ -163,7 +163,7 @@ def heartbeat_load(module: int):
 async def worker(n: int, gpu: str) -> list[float]:
     """WorkerProc.ask LAUNCH to a real worker process (no MPS), heartbeat with HALT preset, DONE awaited."""
     from meshd_mps.isolation.base import Module
-    from meshd_mps.mps.clients import worker_argv
+    from meshd_mps.supervision.argv import worker_argv
     from meshd_mps.protocol.frames import Loaded
     from meshd_mps.protocol.mailbox import Mailbox
     from meshd_mps.supervision.proc import WorkerProc

@@ -15,6 +15,7 @@ class NativeClients:
 
     @property
     def mps(self) -> Clients | None:
+        """MPS mode's clients; None in blink mode (the backend's, which overrides this)."""
         raise NotImplementedError
 
     def _mps_mode(self, what: str) -> Clients:
