@@ -14,6 +14,7 @@ from dataclasses import dataclass
 #: Each request op whose reply is awaited (by its name: the op table is the protocol's, a layer up),
 #: and the field of :class:`Deadlines` that bounds the wait.
 _REPLY = {"LAUNCH": "launch", "READY": "ready", "LOAD": "load", "LIMIT": "load"}
+_FIELD: dict[enum.Enum, str] = {}  # the same by op, filled at each op's first reply
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,12 @@ class Deadlines:
 
     def reply(self, op: enum.Enum) -> float:
         """The deadline of the reply to request ``op`` (a ``frames.Op``; ``WorkerProc.ask``; no dict
-        built per ask)."""
-        field = _REPLY.get(op.name)
+        built per ask: each op's field is looked up by its name once)."""
+        field = _FIELD.get(op)
         if field is None:
-            raise KeyError(op)
+            if op.name not in _REPLY:
+                raise KeyError(op)
+            field = _FIELD[op] = _REPLY[op.name]
         return float(getattr(self, field))
 
 
