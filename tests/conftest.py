@@ -14,9 +14,8 @@ import tempfile
 import pytest
 
 from meshd_mps.deadlines import Deadlines
-from meshd_mps.isolation.mps import MpsIsolation
+from meshd_mps.isolation.mps import Mps, MpsIsolation
 from meshd_mps.mps import standin
-from meshd_mps.mps.clients import Mps
 from meshd_mps.mps.control import ControlDaemon, become_subreaper
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.supervision.supervisor import Supervisor

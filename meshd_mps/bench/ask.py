@@ -24,7 +24,7 @@ from meshd_mps.bench.rig import Bench, daemon_cpu, placement, returning_worker
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.isolation.base import Module
 from meshd_mps.protocol import abi, frames
-from meshd_mps.protocol.frames import Launch as LaunchReq, Op
+from meshd_mps.protocol.frames import LaunchReq, Op
 from meshd_mps.supervision import child
 from meshd_mps.supervision.proc import WorkerProc
 

@@ -13,8 +13,7 @@ import json
 import os
 import shlex
 import sys
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from meshd_mps.serving.tables import ps_table, status_table
 
@@ -199,20 +198,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:
-        # The worker parses its own options; it must start fast and import no supervisor code.
-        # structlog.dev imports rich and better_exceptions where they are installed, for console
-        # tracebacks the worker never prints (it writes JSON lines): on the H200 host that was
-        # 85 of the 134 ms a worker spent importing (docs/benchmarks.md, row d).
-        for name in ("rich", "better_exceptions"):
-            cast(dict[str, ModuleType | None], sys.modules).setdefault(name, None)  # None: an import of it fails
-        from workers import pipes, warm
+        from workers.start import run  # the worker's own start (python -m workers), importing nothing else
 
-        if not {"-h", "--help"} & set(argv[1:]):  # --help prints to the caller's stdout: no frames follow
-            pipes.take()  # first: the frame pipes out of reach of the driver and of stray prints
-        warm.start(argv[1:])  # the CUDA context is created while the worker imports the rest
-        from workers.main import main as worker_main
-
-        return worker_main(argv[1:])
+        return run(argv[1:])
     if argv[:1] == ["bench"]:
         from meshd_mps.bench import main as bench_main  # it has its own options (--gpu, --quick, --json)
 
