@@ -59,17 +59,14 @@ KNOWN_UP = {
     ("meshd_mps.mps.clients", "meshd_mps.isolation.base"),
     ("meshd_mps.mps.clients", "meshd_mps.isolation.limits"),
     ("meshd_mps.mps.clients", "meshd_mps.isolation.mps"),
-    ("meshd_mps.programs", "meshd_mps.state.desired"),
-    ("meshd_mps.state.desired", "meshd_mps.serving.client"),
 }
 KNOWN_CYCLES = {
     ("meshd_mps.isolation.base", "meshd_mps.mps.clients"),
     ("meshd_mps.isolation.base", "meshd_mps.mps.clients", "meshd_mps.isolation.mps"),
     ("meshd_mps.isolation.mps", "meshd_mps.mps.clients"),
-    ("meshd_mps.programs", "meshd_mps.state.desired"),
 }
-KNOWN_BIG = {"meshd_mps/backend.py", "meshd_mps/bench.py", "meshd_mps/mps/control.py", "meshd_mps/programs.py",
-             "meshd_mps/serving/server.py", "meshd_mps/state/store.py", "meshd_mps/supervision/supervisor.py",
+KNOWN_BIG = {"meshd_mps/backend.py", "meshd_mps/bench.py", "meshd_mps/mps/control.py",
+             "meshd_mps/serving/server.py", "meshd_mps/supervision/supervisor.py",
              "workers/sim_gpu.py"}
 
 
