@@ -15,6 +15,11 @@ The state directory (``resolve_state_dir``; made and checked by ``open_state_dir
   name when loaded.  A PTX file that neither generation names is removed (``gc``).
 - ``lock``: held (flock) by the one :class:`Store` open on the directory, so two daemons never
   write over each other's state.
+- ``history.json``: what a live restore carries over besides the records (each program's launch
+  time and restarts, the recent fault reports): ``history.py``.
+
+Where the directory is and how it is checked, and how a file in it is written whole, is
+``statedir.py``; a program's record is ``record.py``.
 
 Everything here blocks (reads, fsyncs): from the event loop, call it through
 ``anyio.to_thread.run_sync``.
