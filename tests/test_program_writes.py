@@ -87,3 +87,23 @@ async def test_a_fault_and_its_recovery_write_state_only_through_to(monkeypatch)
             with contextlib.suppress(Exception):
                 await progs.close()
     assert not outside, f"state written outside Program.to: {outside}"
+
+
+def test_a_new_launch_is_a_new_generation_from_any_state():
+    """``to(RUNNING, run=...)``: from every state, the same object, a new generation, the old launch's
+    error and loss forgotten; an upgrade forgets the restarts and failures, a relaunch counts one."""
+    from meshd_mps.errors import StateError
+    from meshd_mps.programs import Run
+
+    for frm in ProgramState:
+        for upgraded in (False, True):
+            p = Program("p", 0, kernel=SimpleNamespace(device=0), launch=None, hash=0, nodes=1)  # type: ignore[arg-type]
+            p.phase, p.error, p.lost_to, p.restarts, p.failures = frm, "why", "other", 2, (1.0,)
+            gen = p.generation
+            run: Any = Run(kernel=SimpleNamespace(device=0), launch=object(), hash=7)  # type: ignore[arg-type]
+            assert p.to(ProgramState.RUNNING, run=run, upgraded=upgraded) is True
+            assert p.phase is ProgramState.RUNNING and p.generation > gen and p.launch is run.launch and p.hash == 7
+            assert (p.error, p.lost_to) == ("", "")
+            assert (p.restarts, p.failures, p.upgrades) == ((0, (), 1) if upgraded else (3, (1.0,), 0))
+            with pytest.raises(StateError):
+                p.to(ProgramState.EXITED, run=run)

@@ -30,6 +30,7 @@ from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
 
 if TYPE_CHECKING:
     from meshd_mps.backend import Backend
+    from meshd_mps.deadlines import Deadlines
     from meshd_mps.gpu.compiler import Manifest
     from meshd_mps.isolation.base import Found
     from meshd_mps.programs.program import Program
@@ -70,7 +71,7 @@ class Programs:
         return self.reg.b
 
     @property
-    def d(self) -> Any:
+    def d(self) -> Deadlines:
         return self.reg.d
 
     @property

@@ -7,7 +7,7 @@ a stale task finds another generation, or no program of its name.
 
 Reading never changes anything: ``state`` and ``seen`` show what the end of a launch makes of the
 program without taking it in; ``observe`` takes it in, and is called by whoever owns that change
-(its watcher, a recovery, the heartbeat sampler), never by a read.
+(the launch's watcher, a recovery under the lock), never by a read.
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ class Program:
     # ---- the one step that takes an observation in --------------------------------------------
     def observe(self) -> ProgramState:
         """The end of its launch (if it ended) taken into its state, through ``to``: called by
-        whoever owns that change (its watcher, a recovery, the heartbeat sampler), never by a read.
+        whoever owns that change (the launch's watcher, a recovery under the lock), never by a read.
         The state."""
         if (end := self.ended()) is not None:
             self.to(*end)
