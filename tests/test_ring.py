@@ -17,6 +17,7 @@ import pytest
 from meshd_mps.backend import Backend
 from meshd_mps.errors import CallTimeout, NotRunning, PayloadTooLarge, RingFull
 from meshd_mps.programs import Programs
+from meshd_mps.programs.calls import Calls
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.protocol.ring import Ring
@@ -267,7 +268,7 @@ async def test_a_call_posted_between_two_batches_of_call_many_keeps_its_own_resp
     and a ``call`` may post then: the next batch's numbers follow the call's, not the batch
     before.  Before 2026-12-05 call_many took request i's number for ``base + i``: it returned
     the call's response as one of its own, shifted the rest by one, and left an entry unread."""
-    monkeypatch.setattr(Programs, "HOLD", 0.0)
+    monkeypatch.setattr(Calls, "HOLD", 0.0)
     await progs.load(*example("echo"))
     mb, slot = progs.b.mailbox, progs.get("echo").slot
     start = mb.u32(slot, abi.REQ_HEAD)
