@@ -49,6 +49,7 @@ LAYERS: dict[str, int] = {
     "meshd_mps.faults": 1,
     "meshd_mps.restart": 1,
     "meshd_mps.version": 1,
+    "meshd_mps.defaults": 1,
 }
 
 MAX_LINES = 500

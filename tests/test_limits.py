@@ -26,10 +26,10 @@ class ScriptCompiler(Compiler):
     """The compiler, except that a simulated GPU's script (``sim(...)``) given as the PTX is the
     image as it is: so that Programs runs scripted kernels through its real load path."""
 
-    async def prepare(self, manifest, ptx, expect=None):  # type: ignore[no-untyped-def]
+    async def prepare(self, manifest, ptx, hash=None):  # type: ignore[no-untyped-def]
         if not ptx.startswith(b"MESHSIM1"):
-            return await super().prepare(manifest, ptx, expect)
-        m, h, cap = self.check(manifest, ptx, expect)
+            return await super().prepare(manifest, ptx, hash)
+        m, h, cap = self.check(manifest, ptx, hash)
         return Prepared(m, h, ptx, 0.0, False, cap, m.threads, self.info.arch)
 
 

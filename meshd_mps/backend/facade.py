@@ -25,6 +25,7 @@ from typing import Any, Literal
 import anyio
 import structlog
 
+from meshd_mps import defaults
 from meshd_mps.backend import leftovers
 from meshd_mps.backend.inventory import inventory
 from meshd_mps.backend.leftovers import live_mailbox, live_paths
@@ -138,8 +139,8 @@ class Backend(NativeClients):
         self._closed = False
 
     @classmethod
-    def open(cls, *, isolation: IsolationName = "blink", sms: int = 0, mps_dir: str | None = None, pool: int = 0,
-             gpu: str = "cuda", cache_dir: str | None = None, deadlines: Deadlines = Deadlines(),
+    def open(cls, *, isolation: IsolationName = defaults.ISOLATION, sms: int = defaults.SMS, mps_dir: str | None = None,
+             pool: int = 0, gpu: str = defaults.GPU, cache_dir: str | None = None, deadlines: Deadlines = Deadlines(),
              max_clients: int = MAX_CLIENTS, devices: Sequence[int] | None = None, live: str | None = None,
              clear: str | None = None) -> Opening:
         """Start the backend: in MPS mode the private daemon and the pools first.  ``devices``: the

@@ -23,14 +23,14 @@ async def recovery(bench: Bench, mode: str, n: int) -> tuple[float, dict[str, fl
     its load's return to every heartbeat beating again, the recovery's steps (ms, with ``detect``: the
     load's return to the failure seen), the teardown's share and the server's (old workers exited)."""
     async with await bench.backend(mode, pool=4 if mode == "mps" else 0) as b:
-        progs, mb = Programs(b, policy="on-failure"), b.mailbox
+        progs, mb = Programs(b, restart="on-failure"), b.mailbox
         try:
             man, ptx = await bench.src(b, "heartbeat")
             for i in range(n):
                 p = await progs.load({**man, "name": f"heartbeat-{i}"}, ptx)
                 await until(lambda mb=mb, s=p.slot: mb.heartbeat(s) > 0, 10, "the first heartbeats")
             slots = [p.slot for p in progs.by_name.values()]
-            await progs.load(*await bench.src(b, "fault"), policy="never")
+            await progs.load(*await bench.src(b, "fault"), restart="never")
             t0 = time.monotonic()
             await until(lambda: progs.faults and progs.faults[-1].ms > 0, 60, "the fault's recovery")
             r = progs.faults[-1]

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from meshd_mps import defaults
 from meshd_mps.errors import BadName, ConfigError, ConfigFileError, ManifestError
 from meshd_mps.names import check_name
 from meshd_mps.restart import DEFAULT as DEFAULT_RESTART
@@ -38,12 +39,12 @@ from meshd_mps.state.store import RESTART
 
 #: serve's options and their defaults, applied after the file and the flags: the one place they are.
 SERVE_DEFAULTS: dict[str, Any] = {
-    "isolation": "blink",
-    "sms": 0,
+    "isolation": defaults.ISOLATION,
+    "sms": defaults.SMS,
     "mps_dir": None,  # a temporary directory, removed at exit
     "pool": None,  # POOL_BY_ISOLATION: 2 in MPS mode, 0 in blink mode
     "devices": "all",
-    "gpu": "cuda",
+    "gpu": defaults.GPU,
     "socket": None,  # client.default_socket()
     "cache_dir": None,
     "log_level": None,  # $MESHD_MPS_LOG_LEVEL, else info
@@ -56,9 +57,8 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "daemon_cpus": None,  # unplaced: the scheduler decides (supervision/cpus.py)
 }
 
-#: ``pool`` when it is None: the idle workers kept ready on each GPU, by isolation (a blink-mode
-#: program runs in the one context, never in a pooled worker).
-POOL_BY_ISOLATION: dict[str, int] = {"blink": 0, "mps": 2}
+#: ``pool`` when it is None: the idle workers kept ready on each GPU, by isolation (meshd_mps/defaults.py).
+POOL_BY_ISOLATION = defaults.POOL_BY_ISOLATION
 
 
 def pool_of(isolation: str, pool: int | None) -> int:
