@@ -68,7 +68,7 @@ def _sockets(d: str) -> list[str]:
 
 
 @dataclass
-class Adoption:
+class WorkersLeft:
     """What adoption did with each worker left (for status and the log), and each GPU's kept workers,
     for its isolation to take in."""
 
@@ -76,13 +76,13 @@ class Adoption:
     report: dict[str, list[int]] = field(default_factory=lambda: {"adopted": [], "dismissed": [], "gone": []})
 
 
-async def adopt(sup: Supervisor, mailbox: Mailbox, live: str, devices: Collection[int], keeps_workers: bool) -> Adoption:
+async def adopt(sup: Supervisor, mailbox: Mailbox, live: str, devices: Collection[int], keeps_workers: bool) -> WorkersLeft:
     """Live restore: every worker an earlier meshd-mps left on its socket under ``live``, adopted (its
     HELLO: what it runs).  Those this backend cannot keep (another protocol version, another mailbox,
     a GPU not in ``devices``, clients of an MPS server that is gone: not ``keeps_workers``) have
     their kernels halted through the mailbox and are told to QUIT; every slot that no kept worker
     runs on is zeroed."""
-    out = Adoption()
+    out = WorkersLeft()
     kept: list[WorkerProc] = []
     unwanted: list[WorkerProc] = []
     for path in _sockets(live_paths(live).workers):
