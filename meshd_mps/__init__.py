@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
 __all__ = ["Backend", "Deadlines", "Launch", "MeshError", "Programs", "__version__"]
 
 if TYPE_CHECKING:
@@ -24,6 +23,10 @@ _WHERE = {"Backend": "backend", "Programs": "programs", "Launch": "isolation.lau
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # read in one place, when asked (meshd_mps/version.py)
+        from meshd_mps.version import version
+
+        return version()
     if name in _WHERE:
         import importlib
 

@@ -8,9 +8,13 @@ them), and the defaults are the seed's where the seed has one.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-from meshd_mps.protocol.frames import Op
+#: Each request op whose reply is awaited (by its name: the op table is the protocol's, a layer up),
+#: and the field of :class:`Deadlines` that bounds the wait.
+_REPLY = {"LAUNCH": "launch", "READY": "ready", "LOAD": "load", "LIMIT": "load"}
+_FIELD: dict[enum.Enum, str] = {}  # the same by op, filled at each op's first reply
 
 
 @dataclass(frozen=True)
@@ -55,15 +59,15 @@ class Deadlines:
     http_body: float = 120.0  # to send the body
     http_grace: float = 10.0  # requests in flight at shutdown
 
-    def reply(self, op: Op) -> float:
-        """The deadline of the reply to request ``op`` (``WorkerProc.ask``; no dict built per ask)."""
-        if op == Op.LAUNCH:
-            return self.launch
-        if op == Op.READY:
-            return self.ready
-        if op in (Op.LOAD, Op.LIMIT):
-            return self.load
-        raise KeyError(op)
+    def reply(self, op: enum.Enum) -> float:
+        """The deadline of the reply to request ``op`` (a ``frames.Op``; ``WorkerProc.ask``; no dict
+        built per ask: each op's field is looked up by its name once)."""
+        field = _FIELD.get(op)
+        if field is None:
+            if op.name not in _REPLY:
+                raise KeyError(op)
+            field = _FIELD[op] = _REPLY[op.name]
+        return float(getattr(self, field))
 
 
 #: The defaults, for components that are not handed a table of their own.

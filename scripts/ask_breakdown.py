@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT))
 from meshd_mps.bench import ECHO_CHILD, answering_child, ask_only  # noqa: E402
 from meshd_mps.deadlines import Deadlines  # noqa: E402
 from meshd_mps.protocol import frames  # noqa: E402
-from meshd_mps.protocol.frames import Launch, Op  # noqa: E402
+from meshd_mps.protocol.frames import LaunchReq, Op  # noqa: E402
 from meshd_mps.supervision import child  # noqa: E402
 
-REQ = frames.encode(Op.LAUNCH, Launch(1, 1, 0, 1).encode())
+REQ = frames.encode(Op.LAUNCH, LaunchReq(1, 1, 0, 1).encode())
 
 
 def pct(xs: list[float]) -> tuple[float, float]:
@@ -163,9 +163,9 @@ def heartbeat_load(module: int):
 async def worker(n: int, gpu: str) -> list[float]:
     """WorkerProc.ask LAUNCH to a real worker process (no MPS), heartbeat with HALT preset, DONE awaited."""
     from meshd_mps.isolation.base import Module
-    from meshd_mps.mps.clients import worker_argv
     from meshd_mps.protocol.frames import Loaded
     from meshd_mps.protocol.mailbox import Mailbox
+    from meshd_mps.supervision.argv import worker_argv
     from meshd_mps.supervision.proc import WorkerProc
 
     mb = Mailbox.create()

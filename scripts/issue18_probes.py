@@ -12,7 +12,7 @@ that they can be run again (on the GPU machine: python3 scripts/issue18_probes.p
             twice a turn, a pause of 1-3 us before the first poll, Programs.call yielding first (as it does) or
             spinning at once; Programs.call and the host spin p50/p99, call_many 1 and 8 outstanding
   hold      Programs.call_many's throughput with 1 and 8 outstanding, yielding to the loop every
-            20, 50 or 100 us (Programs.HOLD), interleaved over 3 rounds.  (At 18:04 UTC this was
+            20, 50 or 100 us (Calls.HOLD), interleaved over 3 rounds.  (At 18:04 UTC this was
             "batches", posts published 8, 4 or 2 at a time: no faster than 8, and that knob is gone.)
   modes     echo's host spin in an MPS worker and in blink mode's context, beside the floor, 3 rounds
   mps-floor the bench's floor as a plain context, as a native client of our MPS server, and as
@@ -42,8 +42,9 @@ import anyio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshd_mps import bench as B, eventloop
+from meshd_mps.bench import floor as F  # the module whose FLOOR_CUDA ring_floor reads (mps_floor patches it)
 from meshd_mps.isolation.base import Module
-from meshd_mps.programs import Programs
+from meshd_mps.programs.calls import Calls
 from meshd_mps.protocol import ring as R
 from meshd_mps.protocol.ring import Ring
 from meshd_mps.supervision import cpus
@@ -159,19 +160,19 @@ def paused(pause: float) -> Spin:
     return spin
 
 
-async def call_at_once(self: Programs, name: str, payload: bytes, within: float | None = None) -> bytes:
-    within = self.d.call if within is None else within
-    p, ring = self._ring(name)
+async def call_at_once(self: Calls, name: str, payload: bytes, within: float | None = None) -> bytes:
+    within = self.reg.d.call if within is None else within
+    p, gen, ring = self._ring(name)
     seq = ring.post(payload)
     try:
-        return await self._answer(p, ring, seq, within, time.monotonic() + within)
+        return await self._answer(p, gen, ring, seq, within, time.monotonic() + within)
     except BaseException:
         ring.forget(seq)
         raise
 
 
 AS_IS: Spin = Ring.spin
-CALL: Callable[..., Awaitable[bytes]] = Programs.call
+CALL: Callable[..., Awaitable[bytes]] = Calls.call
 VARIANTS: dict[str, tuple[Spin, Callable[..., Awaitable[bytes]]]] = {
     "as-is": (AS_IS, CALL), "spin 128 turns": (spin_turns, CALL), "call spins at once": (AS_IS, call_at_once),
     "slower poll": (spin_slower, CALL),
@@ -194,30 +195,30 @@ async def ring_ab(bench: B.Bench) -> None:
             try:
                 for rnd in range(3):
                     for name, (spin, callf) in VARIANTS.items():
-                        Ring.spin, Programs.call = spin, callf  # type: ignore[assignment, method-assign]
+                        Ring.spin, Calls.call = spin, callf  # type: ignore[assignment, method-assign]
                         c, s = await B.timed(n, call), B.spun_round_trips(ring, payload, n)
                         r1, r8 = await B.throughput(progs, payload, 1, nt), await B.throughput(progs, payload, 8, nt)
                         print(f"{rnd} {name:20} call {us(c, .5):5.2f}/{us(c, .99):5.1f}  spin {us(s, .5):5.2f}/"
                               f"{us(s, .99):5.1f} us  1 outstanding {r1 / 1e3:4.0f} k/s, 8 {r8 / 1e3:4.0f} k/s"
                               f" ({r8 / r1:.2f}x)", flush=True)
             finally:
-                Ring.spin, Programs.call = AS_IS, CALL  # type: ignore[method-assign]
+                Ring.spin, Calls.call = AS_IS, CALL  # type: ignore[method-assign]
 
 
 # ---- hold ----------------------------------------------------------------------------------------
 async def hold(bench: B.Bench) -> None:
     nt = bench.n(20000, 100)
     async with await bench.backend("mps", pool=2) as b, B.echo_loaded(bench, b) as (progs, _):
-        payload, as_is = bytes(range(64)), Programs.HOLD
+        payload, as_is = bytes(range(64)), Calls.HOLD
         try:
             for rnd in range(3):
                 for every in (20e-6, 50e-6, 100e-6):
-                    Programs.HOLD = every
+                    Calls.HOLD = every
                     r1, r8 = await B.throughput(progs, payload, 1, nt), await B.throughput(progs, payload, 8, nt)
                     print(f"{rnd} a yield every {every * 1e6:3.0f} us: 1 outstanding {r1 / 1e3:4.0f} k/s,"
                           f" 8 {r8 / 1e3:4.0f} k/s ({r8 / r1:.2f}x)", flush=True)
         finally:
-            Programs.HOLD = as_is
+            Calls.HOLD = as_is
 
 
 # ---- modes ---------------------------------------------------------------------------------------
@@ -248,18 +249,18 @@ ck(cu.cuMemHostRegister(host, 1 << 20, cu.CU_MEMHOSTREGISTER_DEVICEMAP | cu.CU_M
 
 
 async def mps_floor(bench: B.Bench) -> None:
-    assert ALLOC in B.FLOOR_CUDA, "the floor's host no longer allocates as this probe expects"
+    assert ALLOC in F.FLOOR_CUDA, "the floor's host no longer allocates as this probe expects"
     async with await bench.backend("mps", pool=2) as b:
         env = {**os.environ, **b.native_env()}
         for rnd in range(3):
             plain = await B.ring_floor(bench, b, bench.n(10000, 500))
             client = await B.ring_floor(bench, b, bench.n(10000, 500), env=env)
-            alloc = B.FLOOR_CUDA
-            B.FLOOR_CUDA = alloc.replace(ALLOC, "import os\n" + REGISTERED)
+            alloc = F.FLOOR_CUDA
+            F.FLOOR_CUDA = alloc.replace(ALLOC, "import os\n" + REGISTERED)
             try:
                 reg = await B.ring_floor(bench, b, bench.n(10000, 500), env=env)
             finally:
-                B.FLOOR_CUDA = alloc
+                F.FLOOR_CUDA = alloc
             s = await echo_spin(bench, b, bench.n(3000, 100))
 
             def f(d: dict[int, list[float]], k: int) -> str:

@@ -26,7 +26,7 @@ import anyio
 import pytest
 
 from meshd_mps.errors import CapacityError, ClientLimit, ImageRefused, LimitError, NotStarted, WorkerError
-from meshd_mps.serving import client as client_mod, server
+from meshd_mps.serving import client as client_mod, server, unix_socket
 from meshd_mps.serving.cli import ps_table, status_table
 from meshd_mps.serving.client import (
     MAX_JSON_DEPTH,
@@ -720,8 +720,8 @@ def test_the_default_socket(monkeypatch):
 
 
 def refused_dir(d: str, *words: str) -> None:
-    with pytest.raises(server.StartError) as ei:
-        server._check_socket_dir(d)
+    with pytest.raises(unix_socket.StartError) as ei:
+        unix_socket.check_socket_dir(d)
     for w in words:
         assert w in str(ei.value), str(ei.value)
 
@@ -732,7 +732,7 @@ def test_the_socket_directory_rules(monkeypatch, tmp):
     monkeypatch.setattr(client_mod, "RUN_DIR", os.path.join(tmp, "run"))
     monkeypatch.setattr(client_mod, "TMP_ROOT", tmp)
     own = client_mod.private_dirs()[0]
-    server._check_socket_dir(own)
+    unix_socket.check_socket_dir(own)
     st = os.lstat(own)
     assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == me
     os.rmdir(own)
@@ -743,7 +743,7 @@ def test_the_socket_directory_rules(monkeypatch, tmp):
     os.unlink(own)
     named = os.path.join(tmp, "named")
     os.symlink(target, named)
-    server._check_socket_dir(named)  # a named one may be a symlink of ours, to a directory of ours
+    unix_socket.check_socket_dir(named)  # a named one may be a symlink of ours, to a directory of ours
     os.mkdir(own, 0o700)
     os.chmod(own, 0o770)
     refused_dir(own, "is writable by its group (mode 0770)")
@@ -752,7 +752,7 @@ def test_the_socket_directory_rules(monkeypatch, tmp):
     os.chmod(own, 0o1777)  # sticky makes no exception
     refused_dir(own, "writable by its group and other users (mode 1777)")
     os.chmod(own, 0o755)
-    server._check_socket_dir(own)  # no write bit for others: fine
+    unix_socket.check_socket_dir(own)  # no write bit for others: fine
     if me == 0:
         os.chown(own, NOBODY, NOBODY)
         refused_dir(own, f"socket directory {own} is owned by uid {NOBODY}, not by this daemon's uid 0")
@@ -765,7 +765,7 @@ def test_the_socket_directory_rules(monkeypatch, tmp):
     root_owned = os.path.join(tmp, "rootdir")
     os.mkdir(root_owned, 0o755)
     if me == 0:
-        server._check_socket_dir(root_owned)
+        unix_socket.check_socket_dir(root_owned)
         own2 = client_mod.private_dirs()[0]
         assert own2 == os.path.join(tmp, "meshd-mps-4242")
         refused_dir(own2, "is owned by uid 0, not by this daemon's uid 4242")  # made by root, here
@@ -789,7 +789,7 @@ def test_the_daemon_binds_in_its_default_directory(monkeypatch, tmp):
         d._remove_socket()
     assert not os.path.exists(d.socket_path)
     os.chmod(os.path.dirname(d.socket_path), 0o733)
-    with pytest.raises(server.StartError, match="writable by its group and other users"):
+    with pytest.raises(unix_socket.StartError, match="writable by its group and other users"):
         server.Daemon(server.Config())._bind()
     assert not os.path.exists(d.socket_path)
 

@@ -139,7 +139,7 @@ async def test_no_driver_is_a_plain_error(standin_on_path):
 
 
 async def test_stack_limit(backend):
-    if backend.isolated:
+    if backend.isolation == "mps":
         assert await backend.stack_limit() is None  # each worker's own context: nothing to share
         assert await backend.stack_limit(4096) is None
         return
@@ -235,7 +235,7 @@ async def test_teardown_and_refill(backend):
     iso = backend.isolations[0]
     assert iso.first_context_at > 0
     iso.recovered()
-    if backend.isolated:
+    if backend.isolation == "mps":
         assert len(iso.pool) == 1  # the lost program's worker, not taken, pooled; the rest follows paced
         with anyio.fail_after(10):
             while len(iso.pool) < 2:

@@ -111,9 +111,9 @@ async def test_hash_mismatch(ptxs: dict[str, bytes]) -> None:
     ptx = ptxs["heartbeat"]
     h = image_hash(ptx, 0)
     with pytest.raises(HashMismatch) as e:
-        await Compiler(INFO).prepare(GOOD, ptx, expect=h ^ 1)
+        await Compiler(INFO).prepare(GOOD, ptx, hash=h ^ 1)
     assert str(e.value) == f"heartbeat: PTX hash {h:016x}, expected {h ^ 1:016x}"
-    assert (await Compiler(INFO).prepare(GOOD, ptx, expect=h)).hash == h
+    assert (await Compiler(INFO).prepare(GOOD, ptx, hash=h)).hash == h
     check_hash("x", "PTX", 5, None)  # no expectation, no check
 
 

@@ -16,11 +16,11 @@ from meshd_mps.backend import Backend
 from meshd_mps.errors import ClientLimit, ConfigError, NotServedHere, WorkerError
 from meshd_mps.gpu.device import SIM_GPUS_ENV, choose_devices, parse_devices, simulated_count
 from meshd_mps.isolation.limits import MPS_QUEUES
-from meshd_mps.mps.clients import worker_argv
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.frames import Op
 from meshd_mps.serving.client import ClientError, program_body
+from meshd_mps.supervision.argv import worker_argv
 from workers import warm
 from workers.main import parse_args
 
@@ -85,7 +85,7 @@ def test_simulated_gpu_count(monkeypatch):
 
 def test_worker_argv_and_warm_read_the_same_options():
     """warm.py reads argv before the worker's argparse does; both must see the same GPU."""
-    argvs = [worker_argv("/proc/1/fd/3", sms, gpu, dev)[4:] for sms in (0, 16) for gpu in ("cuda", "sim") for dev in (0, 1, 7)]
+    argvs = [worker_argv("/proc/1/fd/3", sms, gpu, dev)[3:] for sms in (0, 16) for gpu in ("cuda", "sim") for dev in (0, 1, 7)]
     argvs += [["--mailbox", "m", "--device=2", "--gpu=sim"], ["--mailbox", "m", "--device", "1", "--device", "3"],
               ["--mailbox", "m"]]
     for argv in argvs:

@@ -69,7 +69,7 @@ async def test_a_retired_worker_stays_local(standin_on_path):
         hb = await progs.load(*example("heartbeat"))
         # resident: it runs until halted, or until its worker dies; never: it stays failed
         victim = await progs.load(*example("echo"), policy="never")
-        pid = victim.kernel.pid
+        pid, hb_pid = victim.kernel.pid, hb.kernel.pid
         b.sup.retire(victim.kernel.proc)
         await until(lambda: progs.faults)
         r = progs.faults[-1]
@@ -80,7 +80,7 @@ async def test_a_retired_worker_stays_local(standin_on_path):
         assert rows["heartbeat"]["state"] == "running" and rows["heartbeat"]["restarts"] == 0
         n = b.mailbox.heartbeat(hb.slot)
         await beats(b, hb.slot, n)  # the other program never stopped
-        assert progs.by_name["heartbeat"].kernel.pid == hb.kernel.pid
+        assert progs.by_name["heartbeat"].kernel.pid == hb_pid
         await until(lambda: pid not in b.sup.children() and pid not in b.sup.live() and not os.path.exists(f"/proc/{pid}"))
         pool = b.isolations[0].pool
         await b.isolations[0].prewarm(pool.cap - len(pool))  # the pool refills ...

@@ -10,15 +10,15 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from meshd_mps.protocol import frames
-from meshd_mps.protocol.frames import Done, FrameError, Launch, Load, Loaded, Op
+from meshd_mps.protocol.frames import Done, FrameError, LaunchReq, Load, Loaded, Op
 from workers.main import Channel
 
 
 def test_round_trips():
     load = Load(0, 256, 49152, 1 << 20, "echo", b"\x7fELF...", 0x0123456789ABCDEF)
     assert Load.decode(load.encode()) == load
-    launch = Launch(3, 7, 12, 132)
-    assert Launch.decode(launch.encode()) == launch
+    launch = LaunchReq(3, 7, 12, 132)
+    assert LaunchReq.decode(launch.encode()) == launch
     done = Done(0, 9, False, "CUDA_ERROR_ILLEGAL_ADDRESS: boom")
     assert Done.decode(done.encode()) == done
     info = Loaded(1, 40, 8, 0, 16, 0x7F00_0000_1000, 4096)
@@ -32,7 +32,7 @@ def test_layout_is_the_documented_one():
     # docs/protocol.md: u32 LE length of op+body, u8 op, body
     assert frames.encode(Op.READY) == b"\x01\x00\x00\x00\x01"
     assert frames.encode(Op.QUIT, b"ab") == b"\x03\x00\x00\x00\x08ab"
-    assert Launch(1, 2, 3, 4).encode() == struct.pack("<IIII", 1, 2, 3, 4)
+    assert LaunchReq(1, 2, 3, 4).encode() == struct.pack("<IIII", 1, 2, 3, 4)
     assert Done(1, 2, True, "x").encode() == struct.pack("<III", 1, 2, 1) + b"x"
 
 
@@ -56,7 +56,7 @@ def test_malformed_frames(buf, why):
     [
         (Load.decode, b"\x00" * 27, "shorter than its 28-byte head"),
         (Load.decode, struct.pack("<IIIIQI", 0, 1, 0, 0, 0, 9) + b"abc", "name length 9"),
-        (Launch.decode, b"\x00" * 15, "LAUNCH body of 15 bytes, expected 16"),
+        (LaunchReq.decode, b"\x00" * 15, "LAUNCH body of 15 bytes, expected 16"),
         (Done.decode, b"\x00" * 11, "DONE body of 11 bytes"),
         (Done.decode, struct.pack("<III", 0, 1, 7), "ok word 7"),
         (lambda b: frames.split_reply(Op.LOADED, b), b"\x01", "no ok word"),
@@ -84,7 +84,7 @@ def test_supervisor_decoder_fuzzed(buf):
     except FrameError:
         return
     assert 5 <= used <= len(buf) and isinstance(op, Op)
-    for dec in (Load.decode, Launch.decode, Done.decode):
+    for dec in (Load.decode, LaunchReq.decode, Done.decode):
         with contextlib.suppress(FrameError):
             dec(body)
 

@@ -48,29 +48,12 @@ LAYERS: dict[str, int] = {
     "meshd_mps.eventloop": 1,
     "meshd_mps.faults": 1,
     "meshd_mps.restart": 1,
+    "meshd_mps.version": 1,
+    "meshd_mps.defaults": 1,
 }
 
 MAX_LINES = 500
 
-#: What issue 31 has still to remove, named one by one: a new violation fails, and so does one of
-#: these once it is gone (strike it off here), so the list only shrinks.
-KNOWN_UP = {
-    ("meshd_mps.deadlines", "meshd_mps.protocol.frames"),
-    ("meshd_mps.mps.clients", "meshd_mps.isolation.base"),
-    ("meshd_mps.mps.clients", "meshd_mps.isolation.limits"),
-    ("meshd_mps.mps.clients", "meshd_mps.isolation.mps"),
-    ("meshd_mps.programs", "meshd_mps.state.desired"),
-    ("meshd_mps.state.desired", "meshd_mps.serving.client"),
-}
-KNOWN_CYCLES = {
-    ("meshd_mps.isolation.base", "meshd_mps.mps.clients"),
-    ("meshd_mps.isolation.base", "meshd_mps.mps.clients", "meshd_mps.isolation.mps"),
-    ("meshd_mps.isolation.mps", "meshd_mps.mps.clients"),
-    ("meshd_mps.programs", "meshd_mps.state.desired"),
-}
-KNOWN_BIG = {"meshd_mps/backend.py", "meshd_mps/bench.py", "meshd_mps/mps/control.py", "meshd_mps/programs.py",
-             "meshd_mps/serving/server.py", "meshd_mps/state/store.py", "meshd_mps/supervision/supervisor.py",
-             "workers/sim_gpu.py"}
 
 
 def modules() -> dict[str, Path]:
@@ -150,33 +133,29 @@ def cycles(g: dict[str, set[str]]) -> set[tuple[str, ...]]:
 
 
 def test_imports_point_down() -> None:
-    up = upward(graph())
-    new = sorted(up - KNOWN_UP)
-    assert not new, "imports that point up:\n" + "\n".join(
-        f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})" for m, d in new)
-    assert not KNOWN_UP - up, f"gone, strike them off KNOWN_UP: {sorted(KNOWN_UP - up)}"
+    up = sorted(upward(graph()))
+    assert not up, "imports that point up:\n" + "\n".join(
+        f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})" for m, d in up)
 
 
 def test_no_import_cycles() -> None:
     """No module reaches itself through its imports (a package's __init__ importing its own modules
     is not a cycle unless one of them imports the package back)."""
-    found = cycles(graph())
-    new = sorted(found - KNOWN_CYCLES)
-    assert not new, "import cycles:\n" + "\n".join(" -> ".join([*c, c[0]]) for c in new)
-    assert not KNOWN_CYCLES - found, f"gone, strike them off KNOWN_CYCLES: {sorted(KNOWN_CYCLES - found)}"
+    found = sorted(cycles(graph()))
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join([*c, c[0]]) for c in found)
 
 
 def test_modules_are_small_or_say_why() -> None:
     """Over MAX_LINES lines only where docs/architecture.md names the module, with its reason, in
-    its section "Modules over 500 lines" (or KNOWN_BIG, until issue 31 splits it)."""
+    its section "Modules over 500 lines"."""
     doc = (ROOT / "docs" / "architecture.md").read_text()
     m = re.search(r"^## Modules over 500 lines\n(.*?)(?=^## |\Z)", doc, re.M | re.S)
     excused = set(re.findall(r"`([\w/]+\.py)`", m.group(1))) if m else set()
     big = {str(p.relative_to(ROOT)): n for p in modules().values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    unexplained = {p: n for p, n in big.items() if p not in excused | KNOWN_BIG}
+    unexplained = {p: n for p, n in big.items() if p not in excused}
     assert not unexplained, f"modules over {MAX_LINES} lines that docs/architecture.md does not explain: {unexplained}"
-    stale = (excused | KNOWN_BIG) - set(big)
-    assert not stale, f"explained or listed as over {MAX_LINES} lines, and no longer are: {stale}"
+    stale = excused - set(big)
+    assert not stale, f"explained as over {MAX_LINES} lines, and no longer are: {stale}"
 
 
 def test_the_checks_see_a_violation(tmp_path: Path) -> None:

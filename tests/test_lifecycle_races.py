@@ -78,7 +78,8 @@ async def test_a_relaunch_whose_old_module_is_slow_to_unload_does_not_end_the_su
     try:
         await progs.load(*example("heartbeat"))
         job = await progs.load(man("job"), sim(kernel="sleep", ms=800), policy="always")
-        await until(lambda: progs.by_name["job"] is not job and progs.by_name["job"].observe() is ProgramState.RUNNING)
+        gen = job.generation  # one Program per name: a relaunch is a new generation of it
+        await until(lambda: progs.by_name["job"].generation != gen and progs.by_name["job"].observe() is ProgramState.RUNNING)
         await anyio.sleep(0.5)  # past the halt deadline: the relaunched kernel still runs, the supervisor too
         assert progs.by_name["job"].observe() is ProgramState.RUNNING and not b.sup.closed
     finally:

@@ -37,7 +37,7 @@ def snapshot(b: Backend, progs: Programs) -> dict:
     s = b.status()
     return {"programs": sorted(progs.by_name), "workers": s["workers"], "pool": s.get("pool"),
             "blinks": s.get("blinks"),
-            "modules": [len(c.modules) for c in b.isolations.values() if not b.isolated]}  # blink: each context's
+            "modules": [len(c.modules) for c in b.isolations.values() if b.isolation == "blink"]}  # blink: each context's
 
 
 async def test_blink_context_takes_one_program_per_hardware_queue(standin_on_path):
@@ -92,7 +92,7 @@ async def test_a_kernel_that_never_starts_is_rolled_back(backend):
     assert e.value.program == "silent" and "STATE = RUNNING" in e.value.likely
     after = snapshot(backend, progs)
     assert after["programs"] == before["programs"] and after["modules"] == before["modules"]
-    if backend.isolated:
+    if backend.isolation == "mps":
         # Its worker (its kernel ran, HALT ended it) went back to the pool, or was retired.
         assert set(after["workers"]) <= set(before["workers"]) | set(after["pool"])
     else:
@@ -133,7 +133,7 @@ async def test_real_occupancy_and_co_residency(backend):
     assert e.value.limit == "resident blocks"
     after = snapshot(backend, progs)
     assert after["programs"] == before["programs"] and after["modules"] == before["modules"]
-    if not backend.isolated:
+    if backend.isolation == "blink":
         assert after["blinks"] == before["blinks"]  # the refusal happened inside the load's blink
     await progs.load(man("a"), sim(kernel="heartbeat", per_sm=1), nodes=100)
     before = snapshot(backend, progs)

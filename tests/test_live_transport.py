@@ -24,12 +24,12 @@ import pytest
 
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import ConfigError, NotAdoptable, PeerMismatch, ProtocolMismatch, WorkerGone
-from meshd_mps.mps.clients import worker_argv
 from meshd_mps.mps.control import MARKER, PID_FILE, ControlDaemon, Owner
 from meshd_mps.protocol import abi, frames
-from meshd_mps.protocol.frames import Hello, HelloLaunch, Launch, Load, Op
+from meshd_mps.protocol.frames import Hello, HelloLaunch, LaunchReq, Load, Op
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.supervision import child, procfs
+from meshd_mps.supervision.argv import worker_argv
 from meshd_mps.supervision.proc import WorkerProc, WorkerState
 from meshd_mps.supervision.supervisor import Supervisor
 
@@ -84,7 +84,7 @@ async def heartbeat(w: WorkerProc, mb: Mailbox, slot: int) -> asyncio.Future:
     mb.reset_slot(slot)
     mb.run(slot)
     gen, done = w.next_gen(0)
-    await w.ask(Op.LAUNCH, Launch(0, gen, slot, 1).encode())
+    await w.ask(Op.LAUNCH, LaunchReq(0, gen, slot, 1).encode())
     await until(lambda: mb.u32(slot, abi.STATE) == abi.RUNNING, what="the heartbeat running")
     return done
 
@@ -177,7 +177,7 @@ async def test_detach_then_adopt_keeps_the_worker_and_its_kernel(rig, mps, state
         mailbox.run(3)
         gen, done = a.next_gen(0)
         assert gen == 2
-        await a.ask(Op.LAUNCH, Launch(0, gen, 3, 1).encode())
+        await a.ask(Op.LAUNCH, LaunchReq(0, gen, 3, 1).encode())
         await beating(mailbox, 3)
         mailbox.halt(3)
         with anyio.fail_after(10):

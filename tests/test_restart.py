@@ -81,7 +81,7 @@ async def test_a_failed_program_comes_back_by_itself(standin_on_path):
         progs = Programs(b)
         hb = await progs.load(*example("heartbeat"))
         echo = await progs.load(*example("echo"))
-        old = echo.kernel.pid
+        old, hb_pid = echo.kernel.pid, hb.kernel.pid
         b.sup.retire(echo.kernel.proc)
         await until(lambda: progs.by_name["echo"].restarts == 1
                     and progs.by_name["echo"].observe() is ProgramState.RUNNING)
@@ -89,7 +89,7 @@ async def test_a_failed_program_comes_back_by_itself(standin_on_path):
         assert not r.gpu_wide and r.faulted == "echo" and r.by == "own"
         assert progs.by_name["echo"].kernel.pid != old and progs.by_name["echo"].slot == echo.slot
         assert await progs.call("echo", b"back") == b"back"
-        assert progs.by_name["heartbeat"].kernel.pid == hb.kernel.pid and progs.by_name["heartbeat"].restarts == 0
+        assert progs.by_name["heartbeat"].kernel.pid == hb_pid and progs.by_name["heartbeat"].restarts == 0
         row = {p["name"]: p for p in progs.list()}["echo"]
         assert row["state"] == "running" and row["restarts"] == 1 and row["restart"] == "on-failure"
         await progs.close()

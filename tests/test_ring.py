@@ -1,5 +1,5 @@
 """The request ring, both ends: the host's ``Ring`` (meshd_mps/protocol/ring.py) and the simulated
-GPU's copy of the header's warp-wide helpers (``mesh_ring_*``: workers/sim_gpu.py ``_Ring``), driven
+GPU's copy of the header's warp-wide helpers (``mesh_ring_*``: workers/sim_kernels.py ``MeshRing``), driven
 step by step on a mailbox of the test's own, then ``Programs.call`` / ``call_many`` on the sim.
 
 The device side is called directly (no worker, no thread): a wait, the loads, the stores and one
@@ -17,10 +17,11 @@ import pytest
 from meshd_mps.backend import Backend
 from meshd_mps.errors import CallTimeout, NotRunning, PayloadTooLarge, RingFull
 from meshd_mps.programs import Programs
+from meshd_mps.programs.calls import Calls
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.protocol.ring import Ring
-from workers.sim_gpu import _Beat, _echo_turn, _Ring
+from workers.sim_kernels import MeshBeat, MeshRing, echo_turn
 
 from .rigs.backend import example
 from .rigs.deadlines import TEST_DEADLINES
@@ -36,13 +37,13 @@ def mb():
     m.close()
 
 
-def device(mb: Mailbox, every: int = abi.BEAT_EVERY) -> _Ring:
-    return _Ring(mb, SLOT, _Beat(mb, SLOT, {}, lambda: False), every)
+def device(mb: Mailbox, every: int = abi.BEAT_EVERY) -> MeshRing:
+    return MeshRing(mb, SLOT, MeshBeat(mb, SLOT, {}, lambda: False), every)
 
 
-def serve(r: _Ring) -> int:
+def serve(r: MeshRing) -> int:
     """One turn of echo on the simulated GPU: the pending requests, all answered, one RESP_HEAD."""
-    return _echo_turn(r, lambda: False)
+    return echo_turn(r, lambda: False)
 
 
 def test_take_gets_every_response_there_in_order_and_no_more(mb):
@@ -267,7 +268,7 @@ async def test_a_call_posted_between_two_batches_of_call_many_keeps_its_own_resp
     and a ``call`` may post then: the next batch's numbers follow the call's, not the batch
     before.  Before 2026-12-05 call_many took request i's number for ``base + i``: it returned
     the call's response as one of its own, shifted the rest by one, and left an entry unread."""
-    monkeypatch.setattr(Programs, "HOLD", 0.0)
+    monkeypatch.setattr(Calls, "HOLD", 0.0)
     await progs.load(*example("echo"))
     mb, slot = progs.b.mailbox, progs.get("echo").slot
     start = mb.u32(slot, abi.REQ_HEAD)

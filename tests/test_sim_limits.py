@@ -22,7 +22,7 @@ import pytest
 
 from meshd_mps.gpu.compiler import cuda_to_ptx, ptx_to_cubin
 from meshd_mps.protocol import abi, frames
-from meshd_mps.protocol.frames import Launch, Load, Op
+from meshd_mps.protocol.frames import LaunchReq, Load, Op
 from meshd_mps.protocol.mailbox import Mailbox
 from workers import warm
 from workers.gpu import GpuError, Streams
@@ -214,7 +214,7 @@ def test_a_failing_kernel_poisons_its_context(worker, mailbox):
     d = w.done(1, 1)
     assert not d.ok and d.message == "CUDA_ERROR_ILLEGAL_ADDRESS: boom"
     assert mailbox.u32(0, abi.STATE) == abi.RUNNING  # torn down, not ended
-    ok, payload = w.ask(Op.LAUNCH, Launch(1, 2, 0, 1).encode(), Op.LAUNCHED)
+    ok, payload = w.ask(Op.LAUNCH, LaunchReq(1, 2, 0, 1).encode(), Op.LAUNCHED)
     assert not ok and "CUDA_ERROR_ILLEGAL_ADDRESS: boom" in frames.reply_text(payload)
 
 

@@ -38,7 +38,7 @@ import structlog
 from meshd_mps.deadlines import DEFAULT
 from meshd_mps.log import setup_logging
 from meshd_mps.protocol import frames
-from meshd_mps.protocol.frames import Done, FrameError, Launch, Load, Op
+from meshd_mps.protocol.frames import Done, FrameError, LaunchReq, Load, Op
 from meshd_mps.protocol.mailbox import Mailbox
 
 from . import live
@@ -235,7 +235,7 @@ def _serve(ch: Channel, opened: Opened, inject: dict[str, str], link: live.Link 
                 if not misbehave("load", Op.LOADED, reply):
                     ch.write(Op.LOADED, reply)
             elif op == Op.LAUNCH:
-                launch = Launch.decode(body)
+                launch = LaunchReq.decode(body)
                 if link is not None:
                     link.launching(launch.module, launch.gen, launch.slot, launch.nodes)
                 try:

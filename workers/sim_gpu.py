@@ -52,6 +52,9 @@ Several GPUs: ``--device N`` of ``$MESHD_MPS_SIM_GPUS`` (default 1; another
 ordinal is refused as cuDeviceGet refuses it); the worker tells the stand-in
 daemon its device (``HELLO <pid> <device>``), which counts clients and tears
 them down per device, and its mailbox's "device address" differs per GPU.
+
+The resident examples' own code (heartbeat's beat, echo's ring helpers) is sim_kernels.py's: it is
+what runs on the GPU, not the GPU.
 """
 
 from __future__ import annotations
@@ -67,7 +70,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
 
 import structlog
 
@@ -77,6 +79,7 @@ from meshd_mps.protocol.mailbox import Mailbox
 
 from . import pipes
 from .gpu import DoneCallback, GpuError, Streams
+from .sim_kernels import Script, resident
 from .warm import driver_queues
 
 log = structlog.get_logger("meshd_mps.worker")
@@ -95,8 +98,6 @@ RPC_FAILURE = (
 EXAMPLES = ("heartbeat", "echo", "spin", "fault")
 #: cuModuleGetFunction's text on the H200 for an image without the entry.
 NO_ENTRY = f"cuModuleGetFunction({abi.ENTRY}): CUDA_ERROR_NOT_FOUND (named symbol not found)"
-#: An image's script: decoded JSON, each value checked, or converted, where it is read.
-Script = dict[str, Any]
 
 
 @dataclass
@@ -148,105 +149,6 @@ def _script_of(req: Load) -> tuple[Script, str | None]:
         f" only as the example its name starts with ({', '.join(EXAMPLES)}); refusing it rather than pretending",
         refused=True,
     )
-
-
-#: How long a simulated resident kernel sleeps between two polls of its slot: a thread that spun
-#: would take a CPU core (and the GIL) from the worker; the H200's kernels poll without pause.
-POLL_S = 0.0005
-
-
-class _Beat:
-    """``mesh_beat_t`` and ``mesh_beat_at``: one beat at time t, MAX_GAP since the last GAP_RESET;
-    and the script's stall (``pause_after`` beats, then none for ``pause_ms``, HALT still seen)."""
-
-    def __init__(self, mb: Mailbox, slot: int, script: Script, poisoned: Any):
-        self.mb, self.slot, self.poisoned = mb, slot, poisoned
-        self.n = mb.u64(slot, abi.HEARTBEAT)
-        self.last = time.monotonic_ns()
-        self.gap = 0
-        self.beats = 0
-        self.after, self.pause_ms = script.get("pause_after"), script.get("pause_ms", 0)
-
-    def beat(self, t: int, reset: int) -> None:
-        mb, slot = self.mb, self.slot
-        self.beats += 1
-        if isinstance(self.after, int) and self.beats == self.after + 1 and isinstance(self.pause_ms, (int, float)):
-            end = time.monotonic() + self.pause_ms / 1e3 if self.pause_ms else float("inf")
-            while time.monotonic() < end and mb.u32(slot, abi.CONTROL) != abi.HALT and not self.poisoned():
-                time.sleep(0.001)
-            t, reset = time.monotonic_ns(), mb.u32(slot, abi.GAP_RESET)
-        if reset:
-            self.gap = 0
-            mb.set_u32(slot, abi.GAP_RESET, 0)
-        else:
-            self.gap = max(self.gap, t - self.last)
-        self.last = t
-        self.n = (self.n + 1) & (2**64 - 1)
-        mb.set_u64(slot, abi.MAX_GAP, self.gap)
-        mb.set_u64(slot, abi.BEAT_TIME, t)
-        mb.set_u64(slot, abi.HEARTBEAT, self.n)
-
-
-class _Ring:
-    """The header's warp-wide ring helpers (``mesh_ring_*``), with their semantics: a poll reads
-    REQ_HEAD, CONTROL and GAP_RESET together; HALT ends the wait; every pending request (at most
-    RING) is served in one batch, published by one RESP_HEAD; a beat every ``every`` ns, while idle,
-    or while busy once it is a whole interval late; an entry is read whole, and a response writes
-    the words that hold its length (clamped) and payload.  The one difference: the simulated
-    kernel sleeps POLL_S between polls."""
-
-    def __init__(self, mb: Mailbox, slot: int, beat: _Beat, every: int):
-        self.mb, self.slot, self.b, self.every = mb, slot, beat, every
-        self.base = slot * abi.SLOT_BYTES
-        self.next = mb.u32(slot, abi.RESP_HEAD)
-        beat.beat(time.monotonic_ns(), mb.u32(slot, abi.GAP_RESET))  # mesh_ring_init beats once
-        self.due = time.monotonic_ns() + every
-
-    def wait(self, poisoned: Any) -> int:
-        mb, slot = self.mb, self.slot
-        while not poisoned():
-            head, control, reset = mb.u32(slot, abi.REQ_HEAD), mb.u32(slot, abi.CONTROL), mb.u32(slot, abi.GAP_RESET)
-            if control == abi.HALT:
-                return 0
-            t = time.monotonic_ns()
-            if t >= self.due and (head == self.next or t >= self.due + self.every):
-                self.b.beat(t, reset)
-                self.due = t + self.every
-            if head != self.next:
-                return min((head - self.next) & 0xFFFFFFFF, abi.RING)
-            time.sleep(POLL_S)
-        return 0
-
-    def load(self, seq: int) -> bytes:
-        at = self.base + abi.REQ_BASE + (seq % abi.RING) * abi.ENTRY_BYTES
-        return bytes(self.mb.mm[at : at + abi.ENTRY_BYTES])
-
-    def store(self, seq: int, entry: bytes, n: int) -> None:
-        n = min(n, abi.ENTRY_PAYLOAD)
-        at = self.base + abi.RESP_BASE + (seq % abi.RING) * abi.ENTRY_BYTES
-        words = 1 + (n + 3) // 4
-        self.mb.mm[at : at + 4 * words] = n.to_bytes(4, "little") + entry[4 : 4 * words]
-
-    def post(self, n: int) -> None:
-        self.next = (self.next + n) & 0xFFFFFFFF
-        self.mb.set_u32(self.slot, abi.RESP_HEAD, self.next)
-
-
-def _entry_len(entry: bytes) -> int:
-    """``mesh_entry_len``: the length word, clamped."""
-    return min(int.from_bytes(entry[:4], "little"), abi.ENTRY_PAYLOAD)
-
-
-def _echo_turn(r: _Ring, poisoned: Any) -> int:
-    """One turn of examples/echo/echo.cu's loop, line for line: how many requests it answered
-    (0: HALT)."""
-    n = r.wait(poisoned)
-    e = [r.load(r.next + k) for k in range(n)]
-    for k in range(n):
-        r.store(r.next + k, e[k], _entry_len(e[k]))
-    if n:
-        r.post(n)
-    return n
 
 
 #: statfs's f_type of tmpfs, and of shmem (a memfd, /dev/shm).
@@ -551,26 +453,9 @@ class SimGpu:
                 time.sleep(0.001)
             return True, ""
         if kind in ("heartbeat", "echo"):
-            self._resident(slot, echo=kind == "echo", pause=m.script)
+            resident(mb, slot, echo=kind == "echo", pause=m.script, poisoned=lambda: bool(self._poison))
             return True, ""
         return False, f"simulated kernel {kind!r} is unknown"
-
-    def _resident(self, slot: int, echo: bool, pause: Script) -> None:
-        """A resident program: beat (and serve the ring) until the host writes HALT.  A stall, on
-        script: after ``pause_after`` beats no beat for ``pause_ms`` (0: until HALT), HALT still seen.
-        heartbeat beats every poll (``mesh_beat``); echo serves the ring as the header's warp-wide
-        helpers do (``_Ring``) and beats on their timer."""
-        b = _Beat(self.mailbox, slot, pause, lambda: bool(self._poison))
-        if echo:
-            ring = _Ring(self.mailbox, slot, b, abi.BEAT_EVERY)
-            while _echo_turn(ring, lambda: bool(self._poison)):
-                pass
-        else:
-            while self.mailbox.u32(slot, abi.CONTROL) != abi.HALT and not self._poison:
-                b.beat(time.monotonic_ns(), self.mailbox.u32(slot, abi.GAP_RESET))
-                time.sleep(POLL_S)
-        if not self._poison:  # a kernel torn down by the server never gets to say EXITED
-            self.mailbox.set_u32(slot, abi.STATE, abi.EXITED)
 
     def stack_limit(self, set_to: int | None) -> int:
         self._check("cuCtxGetLimit")

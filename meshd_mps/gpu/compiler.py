@@ -142,10 +142,11 @@ def image_hash(ptx: bytes, param: int) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def check_hash(name: str, what: str, hash: int, expect: int | None) -> None:
-    """HashMismatch when the caller expected another image (None: no expectation)."""
-    if expect is not None and hash != expect:
-        raise HashMismatch(f"{name}: {what} hash {hash:016x}, expected {expect:016x}")
+def check_hash(name: str, what: str, got: int, hash: int | None) -> None:
+    """HashMismatch when the caller required another image (``hash``, the word of every surface for
+    the image a load requires; None: any)."""
+    if hash is not None and got != hash:
+        raise HashMismatch(f"{name}: {what} hash {got:016x}, expected {hash:016x}")
 
 
 def check_limits(info: DeviceInfo, m: Manifest) -> None:
@@ -339,12 +340,12 @@ class Compiler:
         return self.cache_dir / f"{h:016x}-{arch}-r{cap}.cubin"
 
     def check(
-        self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, expect: int | None = None
+        self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, hash: int | None = None
     ) -> tuple[Manifest, int, int]:
         """The checks without the JIT: (manifest, hash, reg cap)."""
         m = manifest if isinstance(manifest, Manifest) else Manifest.parse(manifest)
         h = image_hash(ptx, m.param)
-        check_hash(m.name, "PTX", h, expect)
+        check_hash(m.name, "PTX", h, hash)
         check_limits(self.info, m)
         return m, h, reg_cap(self.info, m.warps)
 
@@ -389,11 +390,11 @@ class Compiler:
         return cubin, False, ms
 
     async def prepare(
-        self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, expect: int | None = None
+        self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, hash: int | None = None
     ) -> Prepared:
         """Check and compile one image (the seed's c_prepare); a second prepare of the same
         image for the same arch and cap comes from the cache (``cached`` True)."""
-        m, h, cap = self.check(manifest, ptx, expect)
+        m, h, cap = self.check(manifest, ptx, hash)
         key = (h, self.info.arch, cap)
         entry = self._inflight.get(key)
         if entry is None:

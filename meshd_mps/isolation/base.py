@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any
 
 import anyio
 
@@ -28,9 +28,6 @@ from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Done, HelloModule, Loaded, Op
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
-
-if TYPE_CHECKING:
-    from meshd_mps.mps.clients import Mps
 
 #: ``admit``: sees what the worker reported of a loaded module, and raises to refuse it.
 Admit = Callable[[Loaded], None]
@@ -51,7 +48,7 @@ class Module:
         p = self.proc
         gen, done = p.next_gen(self.module)
         try:
-            await p.ask(Op.LAUNCH, frames.LAUNCH_BODY.pack(self.module, gen, slot, nodes))  # Launch(...).encode() less its object
+            await p.ask(Op.LAUNCH, frames.LAUNCH_BODY.pack(self.module, gen, slot, nodes))  # LaunchReq.encode() less its object
         except WorkerError as e:
             done.cancel()
             raise e.prefixed(self.name, "{what} ({message})") from e
@@ -77,6 +74,32 @@ class Image:
     @property
     def name(self) -> str:
         return self.prepared.manifest.name
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What one GPU holds about a failure, read in one call (``Isolation.evidence``) for faults.py to
+    weigh: the mode's differences stay in its isolation."""
+
+    #: The pids the MPS server logged as having hit a fatal error on that GPU, taken (a later look
+    #: does not see them again); none where there is no server (blink).
+    fatal_pids: list[int]
+    #: Workers of that GPU, none of the caller's, that ended on their own with a kernel launched:
+    #: the culprit where no program is (faults.name_culprit); ``Isolation.took`` once one is named.
+    strays: list[Stray]
+    #: Every failure of a program's launch is its GPU's (blink: one context, whose error is
+    #: sticky); False: whether it was a fault of the GPU is for the rest of the evidence to say.
+    gpu_wide: bool
+
+
+@dataclass(frozen=True)
+class BlinkStats:
+    """A GPU's blinks (module changes that halted and relaunched every running program of it): how
+    many, the last one's length (ms, None before the first) and its monotonic end."""
+
+    count: int = 0
+    last_ms: float | None = None
+    last_at: float = 0.0
 
 
 @dataclass(eq=False)
@@ -153,9 +176,6 @@ class Isolation(ABC):
     """One GPU's isolation mode: prepare, load, launch, query, unload, status; and, for a fault of
     the GPU, teardown and refill.  Made by its :class:`Mode`, opened by the backend."""
 
-    #: Each program in a worker process (a CUDA context) of its own.
-    isolated: ClassVar[bool]
-
     def __init__(self, sup: Supervisor, device: int):
         self.sup = sup
         self.device = device
@@ -164,12 +184,6 @@ class Isolation(ABC):
         self.first_context_at = 0.0
         #: Live restore: the modules the adopted workers hold, until the programs take them.
         self.found: list[Found] = []
-        #: Blinks: module changes that halted and relaunched every running program of the GPU, the
-        #: last one's length (ms) and its monotonic end.  Blink mode's alone: an MPS isolation never
-        #: blinks, and its count stays 0.
-        self.blinks = 0
-        self.last_blink_ms: float | None = None
-        self.last_blink_at = 0.0
 
     @abstractmethod
     async def open(self, adopted: Sequence[WorkerProc] = ()) -> None:
@@ -277,10 +291,6 @@ class Isolation(ABC):
     def status(self) -> dict[str, Any]:
         """This GPU's part of the status: its workers, and its pool or its context and blinks."""
 
-    #: A failure of one program's launch is every program's of the GPU (blink: their one context
-    #: is poisoned by it); else whether it was a fault of the GPU is for the evidence to say.
-    shared_fate: ClassVar[bool]
-
     @abstractmethod
     async def teardown(self, ahead: int = 0) -> list[WorkerProc]:
         """After a fault of this GPU: every worker of it retired, and awaited within ``recover``;
@@ -295,15 +305,15 @@ class Isolation(ABC):
     def recovered(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
         """The lost programs are back (MPS: the pool refills now, paced)."""
 
-    def fatal_pids(self) -> list[int]:
-        """The pids of this GPU that the MPS server logged as having hit a fatal error, taken (a
-        later look does not see them again); none where there is no server."""
-        return []
+    @abstractmethod
+    async def evidence(self, ours: Collection[int] = (), wait: float = 0.0) -> Evidence:
+        """This GPU's evidence about a failure: the server log's culprits (MPS: watched for up to
+        ``wait`` seconds until one shows), the strays that are none of ``ours`` (pids), and whether
+        every failure is the GPU's (blink: one context, whose error is sticky)."""
 
-    def strays(self, ours: set[int]) -> list[Stray]:
-        """Workers of this GPU, none of ``ours`` (the programs'), that ended on their own with a
-        kernel launched: the culprit where no program is (faults.name_culprit)."""
-        return []
+    def blink_stats(self) -> BlinkStats | None:
+        """This GPU's blinks; None where its module changes halt nothing (MPS: a program's own worker)."""
+        return None
 
     def took(self, stray: Stray) -> None:  # noqa: B027 - an optional hook, by default nothing to do
         """``stray`` was named a fault's culprit: a later fault does not name it again."""
@@ -338,11 +348,6 @@ class Mode(ABC):
     def __init__(self, sup: Supervisor):
         self.sup = sup
         self.gpus: dict[int, Isolation] = {}
-
-    def as_mps(self) -> Mps | None:
-        """MPS mode's host-wide part (the daemon, the client checks, the native clients); None in
-        blink mode, which has none of them."""
-        return None
 
     async def start(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
         """Before the GPUs are looked at (MPS: the daemon)."""

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -36,12 +36,13 @@ from meshd_mps.errors import (
 )
 from meshd_mps.faults import Stray
 from meshd_mps.gpu.compiler import Prepared
-from meshd_mps.isolation.base import Admit, Image, Isolation, Kernel, Mode, Module
+from meshd_mps.isolation.base import Admit, BlinkStats, Evidence, Image, Isolation, Kernel, Mode, Module
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.isolation.limits import BLINK_QUEUES
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Load, Loaded, Op
 from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.supervision.argv import worker_argv
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
 
@@ -64,9 +65,6 @@ class BlinkModule(Module):
 class BlinkIsolation(Isolation):
     """One GPU's context, in one worker process: every program of the GPU a module of it."""
 
-    isolated = False
-    shared_fate = True  # one context: a launch's error is sticky, every program of it fails with it
-
     def __init__(self, sup: Supervisor, mailbox: Mailbox, sms: int, gpu: str, device: int = 0,
                  listen: str | None = None):
         super().__init__(sup, device)
@@ -85,6 +83,11 @@ class BlinkIsolation(Isolation):
         self.queues = BLINK_QUEUES
         self._held: WorkerProc | None = None  # the next context's worker, started during a teardown
         self._torn: WorkerProc | None = None  # the context the last teardown retired
+        #: Blinks: module changes that halted and relaunched every running program of the GPU, the
+        #: last one's length (ms) and its monotonic end.
+        self.blinks = 0
+        self.last_blink_ms: float | None = None
+        self.last_blink_at = 0.0
 
     async def open(self, adopted: Sequence[WorkerProc] = ()) -> None:
         """The context: the adopted one that holds modules (live restore), else a new one."""
@@ -111,8 +114,6 @@ class BlinkIsolation(Isolation):
 
     async def _spawn(self, hold: bool = False) -> WorkerProc:
         """The context's worker (``hold``: imported, its context created at READY)."""
-        from meshd_mps.mps.clients import worker_argv
-
         argv = worker_argv(self.mailbox.path, self.sms, self.gpu, self.device, queues=self.queues, hold=hold)
         p = await self.sup.spawn(argv, dict(os.environ), f"blink context (GPU {self.device})", listen=self.listen)
         p.device = self.device
@@ -346,6 +347,14 @@ class BlinkIsolation(Isolation):
             self.proc = None
         return False
 
+    async def evidence(self, ours: Collection[int] = (), wait: float = 0.0) -> Evidence:
+        """One context: a launch's error is sticky, every program of it fails with it (``gpu_wide``);
+        no server logs a culprit."""
+        return Evidence([], self.strays(set(ours)), gpu_wide=True)
+
+    def blink_stats(self) -> BlinkStats:
+        return BlinkStats(self.blinks, self.last_blink_ms, self.last_blink_at)
+
     def strays(self, ours: set[int]) -> list[Stray]:
         """The torn context's worker, if it died on its own (killed from outside, a crash): then it,
         not any one program, took the GPU's programs down."""
@@ -385,8 +394,8 @@ class Blink(Mode):
 
 def last_blink_ms(contexts: Iterable[Isolation]) -> float | None:
     """The length of the latest blink of any of ``contexts`` (None before the first)."""
-    done = [c for c in contexts if c.last_blink_ms is not None]
-    return max(done, key=lambda c: c.last_blink_at).last_blink_ms if done else None
+    done = [s for c in contexts if (s := c.blink_stats()) is not None and s.last_ms is not None]
+    return max(done, key=lambda s: s.last_at).last_ms if done else None
 
 
 def _halted_cleanly(r: Launch) -> bool:

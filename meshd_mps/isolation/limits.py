@@ -21,11 +21,14 @@ from __future__ import annotations
 
 from meshd_mps.errors import CapacityError, LimitError
 from meshd_mps.gpu.device import DeviceInfo
+from meshd_mps.supervision.argv import MPS_QUEUES
+
+__all__ = ["BLINK_QUEUES", "MPS_QUEUES", "check_nodes", "check_resident", "share"]
 
 #: Hardware work queues the blink context's worker asks for: the most the driver allows.
 BLINK_QUEUES = 32
-#: An MPS worker's: its one program's stream, and one to spare.
-MPS_QUEUES = 2
+#: An MPS worker's, ``MPS_QUEUES``: its one program's stream, and one to spare (the worker's command
+#: line, supervision/argv.py, asks for it by default).
 
 
 def share(nodes: int, per_sm: int, sms: int) -> float:

@@ -1,5 +1,6 @@
-"""MPS mode on one GPU: each program in a worker process of its own, an MPS client of the
-host's private daemon (:class:`~meshd_mps.mps.clients.Mps`, shared by every GPU).
+"""MPS mode: each program in a worker process of its own, an MPS client of the host's private
+daemon.  :class:`Mps` is the mode's host-wide part (the daemon and its clients,
+:class:`~meshd_mps.mps.clients.Clients`, shared by every GPU); :class:`MpsIsolation` one GPU's.
 
 Creating an MPS client stalls every running client once and takes ~120 ms, a load into an
 existing one stalls nobody: so each GPU keeps a pool of idle workers, started before any
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,19 +34,21 @@ from meshd_mps.errors import (
 )
 from meshd_mps.faults import Stray
 from meshd_mps.gpu.compiler import Prepared
-from meshd_mps.isolation.base import Admit, Image, Isolation, Kernel, Module
-from meshd_mps.mps.clients import Mps, pids_debug
+from meshd_mps.isolation.base import Admit, Evidence, Image, Isolation, Kernel, Mode, Module
+from meshd_mps.mps.clients import MAX_CLIENTS, Clients, pids_debug
+from meshd_mps.mps.control import ControlDaemon
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Load, Loaded, Op
 from meshd_mps.supervision.pool import Pool
 from meshd_mps.supervision.proc import WorkerProc
+from meshd_mps.supervision.supervisor import Supervisor
 
 log = structlog.get_logger("meshd_mps")
 
 
 @dataclass(eq=False)
-class Worker(Module):
-    """One image in its own MPS client process (its one module, 0)."""
+class MpsModule(Module):
+    """One image's module in its own MPS client process (its one module, 0)."""
 
     fresh: bool = False  # spawned for it, not taken from the pool
 
@@ -56,9 +61,6 @@ class Worker(Module):
 class MpsIsolation(Isolation):
     """One GPU's pool of idle workers, and the programs' own workers there."""
 
-    isolated = True
-    shared_fate = False
-
     def __init__(self, mps: Mps, device: int):
         super().__init__(mps.sup, device)
         self.mps = mps
@@ -68,6 +70,7 @@ class MpsIsolation(Isolation):
         self._closing = False
         self._held: list[WorkerProc] = []  # started during a fault's teardown, no context yet (--hold)
         self._reserve: list[WorkerProc] = []  # ready for a fault's lost programs: taken before the pool
+        self._warming: list[list[WorkerProc]] = []  # each prewarm's workers, started and not yet pooled or kept
         mps.sup.exit_hooks.append(self._exited)
 
     async def open(self, adopted: Sequence[WorkerProc] = ()) -> None:
@@ -124,6 +127,7 @@ class MpsIsolation(Isolation):
         self.mps.daemon.check_alive()
         t0 = time.monotonic()
         procs: list[WorkerProc] = []
+        self._warming.append(procs)  # no image: not counted by load_count while they start
         try:
             while self._held and len(procs) < n:
                 procs.append(self._held.pop())
@@ -154,12 +158,14 @@ class MpsIsolation(Isolation):
             if isinstance(e, ExceptionGroup):
                 raise e.exceptions[0] from e
             raise
+        finally:
+            self._warming.remove(procs)
         for p in procs:
             self.pool.add(p) if into is None else into.append(p)
         log.info(f"mps: {'pool of ' if into is None else ''}{n} idle workers {pids_debug([p.pid for p in procs])} on GPU {d}"
                  f" ready in {(time.monotonic() - t0) * 1e3:.0f} ms")
 
-    async def preload(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int, tag: int = 0) -> Worker:
+    async def preload(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int, tag: int = 0) -> MpsModule:
         """The image's module loaded in a pooled worker if one is fit, else in a fresh one."""
         d = self.device
         self.mps.daemon.check_alive()  # a pooled worker would fail its LOAD, a fresh one its check
@@ -197,7 +203,7 @@ class MpsIsolation(Isolation):
                 # hold a client of the server for ever.
                 self.sup.retire(p)
                 raise
-        w = Worker(name, p, 0, info, fresh)
+        w = MpsModule(name, p, 0, info, fresh)
         try:
             if self.mps.sms and self.mps.sms != info.sms:
                 raise DeviceError(f"load: the worker's green context has {info.sms} SMs, not {self.mps.sms}")
@@ -288,8 +294,11 @@ class MpsIsolation(Isolation):
         return len(self.pool), self.pool.cap
 
     def load_count(self) -> int:
-        """Its workers that are not idle in the pool (or kept for a fault's lost programs)."""
-        return len(self.mps.workers_on(self.device)) - len(self.pool) - len(self._reserve) - len(self._held)
+        """Its workers that are not idle in the pool, kept for a fault's lost programs, or starting
+        for either (a pooled worker's replacement is no image)."""
+        idle = {w.pid for w in (*self._reserve, *self._held, *(w for b in self._warming for w in b))}
+        idle.update(self.pool.pids())
+        return sum(1 for p in self.mps.workers_on(self.device) if p not in idle)
 
     def status(self) -> dict[str, Any]:
         return {"workers": self.mps.workers_on(self.device), "pool": self.pool.pids(), "pool_cap": self.pool.cap}
@@ -342,10 +351,25 @@ class MpsIsolation(Isolation):
         self._last_client = time.monotonic()
         return True
 
+    async def evidence(self, ours: Collection[int] = (), wait: float = 0.0) -> Evidence:
+        """The server log's culprits, watched for up to ``wait`` seconds until one shows (the server
+        writes its line within milliseconds of the fault); whether it was a fault of the GPU is for
+        the evidence to say."""
+        pids = self.fatal_pids()
+        if not pids and wait > 0:
+            with anyio.move_on_after(wait):
+                while not (pids := self.fatal_pids()):
+                    await anyio.sleep(0.02)
+        return Evidence(pids, self.strays(set(ours)), gpu_wide=False)
+
     def fatal_pids(self) -> list[int]:
+        """The pids of this GPU that the MPS server logged as having hit a fatal error, taken (a
+        later look does not see them again)."""
         return self.mps.fatal.take(self.device, self.mps.device_of)
 
     def strays(self, ours: set[int]) -> list[Stray]:
+        """Workers of this GPU, none of ``ours`` (the programs'), that ended on their own with a
+        kernel launched: the culprit where no program is (faults.name_culprit)."""
         return [Stray(w.pid, w.program, w.exited_running_at) for w in self.sup.exited_running
                 if w.device == self.device and w.pid not in ours]
 
@@ -412,8 +436,41 @@ class MpsIsolation(Isolation):
         self._reserve, self._held = [], []
 
 
-def _worker_of(p: WorkerProc, hm: frames.HelloModule) -> Worker:
-    return Worker(hm.name, p, hm.id, hm.info)
+class Mps(Clients, Mode):
+    """MPS mode's host-wide part: the daemon and our workers as its clients (:class:`Clients`, whose
+    ``start``, ``close``, ``detach`` and ``keeps_workers`` are the mode's), and each GPU's
+    :class:`MpsIsolation` (``gpus``), with ``pool_cap`` idle workers kept."""
+
+    gpus: dict[int, MpsIsolation]  # type: ignore[assignment]
+
+    def __init__(self, daemon: ControlDaemon, sup: Supervisor, mailbox: str, sms: int, gpu: str, pool_cap: int,
+                 max_clients: int = MAX_CLIENTS, listen: str | None = None):
+        Mode.__init__(self, sup)
+        Clients.__init__(self, daemon, sup, mailbox, sms, gpu, max_clients, listen)
+        self.pool_cap = pool_cap
+
+    @classmethod
+    def under(cls, mps_dir: str | None, sup: Supervisor, mailbox: str, sms: int, gpu: str, pool_cap: int,
+              max_clients: int = MAX_CLIENTS, listen: str | None = None) -> Mps:
+        """With a daemon of its own under ``mps_dir`` (None: a temporary directory, removed at close)."""
+        d = mps_dir or tempfile.mkdtemp(prefix=f"meshd-mps.{os.getpid()}.")
+        return cls(ControlDaemon(d, temporary=mps_dir is None), sup, mailbox, sms, gpu, pool_cap, max_clients, listen)
+
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+    def _make(self, device: int) -> MpsIsolation:
+        return MpsIsolation(self, device)
+
+    def status(self) -> dict[str, Any]:
+        """Every GPU's pool together, the server and the daemon."""
+        pools = [g.pool for g in self.gpus.values()]
+        return {"pool": sorted(p for pool in pools for p in pool.pids()), "pool_cap": sum(pool.cap for pool in pools),
+                **self.daemon_status()}
+
+
+def _worker_of(p: WorkerProc, hm: frames.HelloModule) -> MpsModule:
+    return MpsModule(hm.name, p, hm.id, hm.info)
 
 
 async def _ready(p: WorkerProc) -> None:

@@ -1,10 +1,11 @@
-"""MPS mode's host-wide part: the private daemon, workers verified as its clients, counted per GPU.
+"""The private MPS daemon's clients, host-wide: workers verified as clients of our server, counted
+per GPU, spawned with its environment; the native clients.
 
 There is no fallback: no daemon, a worker that is not a client of *our*
 server (the driver silently runs such a process as a plain context), or a
-failed load refuses.  The seed's ``Mps``, ``mps_check_clients`` and
-``mps_spawn``; each GPU's pool, preload and prewarm are its
-:class:`~meshd_mps.isolation.mps.MpsIsolation`'s.
+failed load refuses.  The seed's ``mps_check_clients`` and ``mps_spawn``.
+MPS mode (``isolation/mps.py``: ``Mps``, each GPU's pool, preload and
+prewarm) builds on :class:`Clients`; nothing here knows of the modes.
 
 Several GPUs: one control daemon (and one server) for the host, a pool and
 a client count per GPU; each worker is started with ``--device N`` and stays
@@ -14,25 +15,19 @@ on that GPU for its life.  MPS counts its client limit per device.
 from __future__ import annotations
 
 import os
-import sys
-import tempfile
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
 from meshd_mps.errors import ClientLimit, MpsError, NotAdoptable, WorkerError
-from meshd_mps.isolation.base import Mode
-from meshd_mps.isolation.limits import MPS_QUEUES
 from meshd_mps.mps.control import PIPE_ENV, ControlDaemon
 from meshd_mps.mps.serverlog import FatalLog
 from meshd_mps.protocol import abi
 from meshd_mps.supervision import procfs
+from meshd_mps.supervision.argv import worker_argv
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
-
-if TYPE_CHECKING:
-    from meshd_mps.isolation.mps import MpsIsolation
 
 log = structlog.get_logger("meshd_mps")
 
@@ -44,28 +39,12 @@ def pids_debug(pids: Sequence[int]) -> str:
     return "[" + ", ".join(str(p) for p in pids) + "]"
 
 
-def worker_argv(mailbox: str, sms: int, gpu: str, device: int = 0, queues: int = MPS_QUEUES, hold: bool = False) -> list[str]:
-    """``meshd-mps worker`` for this interpreter (no PATH lookup, the same venv), on GPU ``device``,
-    asking for ``queues`` hardware work queues (limits.py); ``hold``: its context is created at its
-    first READY, not at start."""
-    argv = [sys.executable, "-m", "meshd_mps", "worker", "--mailbox", mailbox, "--gpu", gpu, "--device", str(device),
-            "--queues", str(queues)]
-    if sms:
-        argv += ["--sms", str(sms)]
-    if hold:
-        argv.append("--hold")
-    return argv
+class Clients:
+    """The daemon, our workers as its server's clients (each on its GPU), the native clients."""
 
-
-class Mps(Mode):
-    """The daemon, our workers as its clients, the native clients; ``gpus``: each GPU's
-    :class:`~meshd_mps.isolation.mps.MpsIsolation`, with ``pool_cap`` idle workers kept."""
-
-    gpus: dict[int, MpsIsolation]  # type: ignore[assignment]
-
-    def __init__(self, daemon: ControlDaemon, sup: Supervisor, mailbox: str, sms: int, gpu: str, pool_cap: int,
+    def __init__(self, daemon: ControlDaemon, sup: Supervisor, mailbox: str, sms: int, gpu: str,
                  max_clients: int = MAX_CLIENTS, listen: str | None = None):
-        super().__init__(sup)
+        self.sup = sup
         self.daemon = daemon
         #: Live restore: workers serve on sockets there and outlive us, and the daemon an earlier
         #: meshd-mps left running in our directory is adopted rather than quit.
@@ -73,7 +52,6 @@ class Mps(Mode):
         self.mailbox = mailbox
         self.sms = sms
         self.gpu = gpu
-        self.pool_cap = pool_cap
         self._spawned: dict[int, WorkerProc] = {}  # by pid, for its GPU (pruned to the live ones at each spawn)
         self._device_by_pid: dict[int, int] = {}  # every worker's GPU, dead ones too (the server log names them late)
         self.fatal = FatalLog(None)  # the server's log, read from the daemon's start on
@@ -86,15 +64,9 @@ class Mps(Mode):
         self._set_pipe_env = False  # start set our own PIPE_ENV; close puts back what it was
         self._saved_pipe_env: str | None = None
 
-    def as_mps(self) -> Mps:
-        return self
-
-    @classmethod
-    def under(cls, mps_dir: str | None, sup: Supervisor, mailbox: str, sms: int, gpu: str, pool_cap: int,
-              max_clients: int = MAX_CLIENTS, listen: str | None = None) -> Mps:
-        """With a daemon of its own under ``mps_dir`` (None: a temporary directory, removed at close)."""
-        d = mps_dir or tempfile.mkdtemp(prefix=f"meshd-mps.{os.getpid()}.")
-        return cls(ControlDaemon(d, temporary=mps_dir is None), sup, mailbox, sms, gpu, pool_cap, max_clients, listen)
+    def gpu_count(self) -> int:
+        """The GPUs whose workers are counted here (MPS mode: those it drives)."""
+        return 1
 
     @property
     def keeps_workers(self) -> bool:
@@ -117,11 +89,6 @@ class Mps(Mode):
         self._set_pipe_env = True
         os.environ[PIPE_ENV] = os.path.join(self.daemon.dir, "none")
         log.info(f"mps: mailbox {abi.MAILBOX_BYTES} bytes ({self.mailbox}); workers run --gpu {self.gpu}")
-
-    def _make(self, device: int) -> MpsIsolation:
-        from meshd_mps.isolation.mps import MpsIsolation  # it builds on this module
-
-        return MpsIsolation(self, device)
 
     # ---- clients --------------------------------------------------------------------------
     def device_of(self, pid: int) -> int | None:
@@ -231,7 +198,7 @@ class Mps(Mode):
         until its READY, see worker_argv)."""
         n = self.count_clients(device)
         if n >= self.max_clients:
-            gpu = "" if len(self.gpus) <= 1 else f" per GPU, and GPU {device} has them all"
+            gpu = "" if self.gpu_count() <= 1 else f" per GPU, and GPU {device} has them all"
             raise ClientLimit(
                 f"mps: {n} clients already: the MPS server takes at most {self.max_clients}"
                 f" (CUDA 13.0){gpu}; refusing another worker{' for ' + program if program else ''}",
@@ -252,15 +219,13 @@ class Mps(Mode):
         """``w`` (spawned, or adopted) one of our workers, on its GPU."""
         self._spawned[w.pid] = w
         self._device_by_pid[w.pid] = w.device
-        if len(self._device_by_pid) > 4 * self.max_clients * max(1, len(self.gpus)):
+        if len(self._device_by_pid) > 4 * self.max_clients * max(1, self.gpu_count()):
             del self._device_by_pid[next(iter(self._device_by_pid))]
 
     # ---- state ----------------------------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        """Every GPU's pool together, the server and the daemon."""
-        pools = [g.pool for g in self.gpus.values()]
-        return {"pool": sorted(p for pool in pools for p in pool.pids()), "pool_cap": sum(pool.cap for pool in pools),
-                "server": self.server, "mps_dir": self.daemon.dir,
+    def daemon_status(self) -> dict[str, Any]:
+        """The server and the daemon."""
+        return {"server": self.server, "mps_dir": self.daemon.dir,
                 "daemon_died": self.daemon.lost(),  # first: a status poll notices a death
                 "daemon_pid": self.daemon.pid}
 

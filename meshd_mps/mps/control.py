@@ -10,28 +10,34 @@ Live restore: ``detach()`` leaves the daemon and its server running with the
 marker in place, and the next meshd-mps ``adopt()``s it by the pid it wrote in
 its pipe directory (checked against the marker's pid and start time), instead
 of quitting it (``quit_left``, the non-live case).  An adopted daemon is not
-our child: its death is seen through a pidfd.
+our child: its death is seen through a pidfd.  The marker, and what a dead
+meshd-mps left, are owner.py's (imported from here too, as they always were).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import os
 import select
 import shutil
 import signal
 import stat
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 
 import anyio
 import structlog
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import MpsError, NotAdoptable
+from meshd_mps.mps.owner import (  # the marker's names re-exported: tests and backend.py import them from here
+    MARKER as MARKER,
+    TEMP_PREFIX as TEMP_PREFIX,
+    Owner as Owner,
+    left_dirs,
+    quit_left,
+)
 from meshd_mps.supervision import child, procfs
 from meshd_mps.supervision.procfs import processes
 
@@ -94,66 +100,9 @@ def _make_private_dir(path: str) -> None:
     os.chmod(path, 0o700)
 
 
-#: The marker a control daemon's directory holds while a meshd-mps runs it (``Owner``).
-MARKER = "meshd-mps.owner.json"
 #: The file where ``nvidia-cuda-mps-control -d`` writes its pid, in its pipe directory (the
 #: stand-in writes it too).
 PID_FILE = "nvidia-cuda-mps-control.pid"
-#: The prefix of a default (temporary) MPS directory: ``tempfile.mkdtemp(prefix=...)``.
-TEMP_PREFIX = "meshd-mps."
-
-
-@dataclass(frozen=True)
-class Owner:
-    """Who runs the control daemon of a directory, written there once the daemon is up and removed
-    at its quit.  A process is named by its pid and start time (a pid alone can be reused), within
-    one boot.  After a SIGKILL or an OOM kill of meshd-mps the daemon and its server live on; the
-    next start finds this marker, sees its meshd-mps gone, and quits them first."""
-
-    meshd_pid: int
-    meshd_start: int
-    daemon_pid: int | None
-    daemon_start: int | None
-    boot: str
-    temporary: bool
-
-    @classmethod
-    def me(cls, daemon_pid: int | None, temporary: bool) -> Owner:
-        me = os.getpid()
-        return cls(me, procfs.starttime(me) or 0, daemon_pid, None if daemon_pid is None else procfs.starttime(daemon_pid),
-                   procfs.boot_id(), temporary)
-
-    def write(self, dir: str) -> None:
-        """Atomically (a torn marker would read as "not ours"): a temp file, fsync, rename."""
-        path = os.path.join(dir, MARKER)
-        tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, json.dumps(asdict(self)).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-
-    @classmethod
-    def read(cls, dir: str) -> Owner | None:
-        """The marker of ``dir``; None if there is none or it is not one of ours."""
-        try:
-            with open(os.path.join(dir, MARKER), "rb") as f:
-                return cls(**json.loads(f.read()))
-        except (OSError, ValueError, TypeError):
-            return None
-
-    def this_boot(self) -> bool:
-        return self.boot == procfs.boot_id()
-
-    def meshd_alive(self) -> bool:
-        return self.this_boot() and procfs.alive(self.meshd_pid, self.meshd_start)
-
-    def daemon_alive(self) -> bool:
-        return (self.this_boot() and self.daemon_pid is not None and self.daemon_start is not None
-                and procfs.alive(self.daemon_pid, self.daemon_start))
-
 
 class ControlDaemon:
     """One private control daemon under ``dir`` (``dir/pipe``, ``dir/log``)."""
@@ -448,73 +397,13 @@ def _read_pid(path: str) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-Runner = Callable[[list[str], "str | None", float], Awaitable[tuple[int, str]]]
-
-
-async def quit_left(owner: Owner, dir: str, run: Runner, deadlines: Deadlines) -> None:
-    """Quit a control daemon left by a dead meshd-mps (``owner``), and its server; nothing of it
-    is our child, so each is watched by (pid, start time) until it is gone."""
-    daemon = owner.daemon_pid
-    servers = {(p.pid, procfs.starttime(p.pid)) for p in processes() if daemon and p.ppid == daemon}
-    log.warning(f"mps: control daemon {daemon} in {dir} was left by meshd-mps {owner.meshd_pid}, which is gone;"
-                " quitting it before the fresh start", dir=dir, daemon_pid=daemon, servers=sorted(p for p, _ in servers))
-    try:
-        await run([], "quit\n", deadlines.control_quit)
-    except MpsError as e:
-        log.error(str(e))
-    left = [(daemon, owner.daemon_start)] if daemon and owner.daemon_start and owner.daemon_alive() else []
-    left += [(p, t) for p, t in servers if t is not None]
-    for kill in (False, True):
-        with anyio.move_on_after(deadlines.control_reap):
-            while left := [(p, t) for p, t in left if procfs.alive(p, t)]:
-                await anyio.sleep(0.01)  # not our children: no pidfd wait without a race on reuse
-        if not left or kill:
-            break
-        for p, _ in left:
-            log.error(f"mps: process {p} left by meshd-mps {owner.meshd_pid} did not quit; killing it")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p, signal.SIGKILL)
-    for p, _ in left:
-        log.error(f"mps: process {p} left by meshd-mps {owner.meshd_pid} is still there after SIGKILL")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(dir, MARKER))
-
-
-def _left_dirs(tmp: str, but: str | None) -> list[tuple[str, Owner | None]]:
-    """The default MPS directories in ``tmp`` that a dead meshd-mps of this user left, with their
-    markers (None: a directory without one, whose meshd-mps, named in it, is gone and where no
-    control daemon socket was ever made)."""
-    try:
-        names = [n for n in os.listdir(tmp) if n.startswith(TEMP_PREFIX)]
-    except OSError:
-        return []
-    out: list[tuple[str, Owner | None]] = []
-    for n in names:
-        d = os.path.join(tmp, n)
-        try:
-            st = os.lstat(d)
-        except OSError:
-            continue
-        if d == but or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            continue
-        owner = Owner.read(d)
-        if owner is not None:
-            if owner.temporary and not owner.meshd_alive():
-                out.append((d, owner))
-            continue
-        pid = n[len(TEMP_PREFIX):].split(".", 1)[0]
-        if pid.isdigit() and procfs.starttime(int(pid)) is None and not os.path.exists(os.path.join(d, "pipe", "control")):
-            out.append((d, None))
-    return out
-
-
 async def sweep(tmp: str, deadlines: Deadlines = DEFAULT, but: str | None = None) -> list[str]:
     """Clean what dead meshd-mps runs of this user left in their default MPS directories
-    (``_left_dirs``): each one's control daemon and server quit (each is a context and GPU memory
+    (``left_dirs``): each one's control daemon and server quit (each is a context and GPU memory
     held, one per crash), the directory removed.  Returns the directories removed."""
     removed: list[str] = []
     binary = shutil.which(CONTROL)
-    for d, owner in _left_dirs(tmp, but):
+    for d, owner in left_dirs(tmp, but):
         if owner is not None and owner.daemon_alive() and binary is not None:
             left = ControlDaemon(d, temporary=True, deadlines=deadlines)
             left.binary = binary

@@ -170,7 +170,10 @@ class Loaded:
 
 
 @dataclass(frozen=True)
-class Launch:
+class LaunchReq:
+    """A LAUNCH request's body: which module's kernel, its generation, slot and blocks (what a
+    program's residency, ``isolation.launch.Launch``, starts with)."""
+
     module: int
     gen: int
     slot: int
@@ -180,7 +183,7 @@ class Launch:
         return LAUNCH_BODY.pack(self.module, self.gen, self.slot, self.nodes)
 
     @classmethod
-    def decode(cls, body: bytes) -> Launch:
+    def decode(cls, body: bytes) -> LaunchReq:
         return cls(*_exact("LAUNCH", LAUNCH_BODY, body))
 
 

@@ -12,6 +12,9 @@ their own typed checks before they change anything.
 (aio-libs/aiohttp#3287): a head its parser refuses is answered like every other refusal (JSON, by
 type, counted, no traceback in the log), and a connection's first head that does not come in
 ``Deadlines.http_head`` gets a 408 (aiohttp's keep-alive timer would only close the connection).
+aiohttp's parser bounds each line of a head, not the head: a head over ``MAX_HEAD`` as a whole is
+refused (431) by the middleware, before anything else is looked at.  A client that hangs up
+before its answer is counted as ``CLIENT_GONE`` (499), not as an internal error.
 """
 
 from __future__ import annotations
@@ -55,9 +58,15 @@ from meshd_mps.supervision import cpus
 
 log = structlog.get_logger("meshd_mps")
 
-#: The request line, and each header line, at most (431 beyond); headers at most (400 beyond).
+#: The request head (its request line and header lines together) at most, 431 beyond: checked as
+#: a whole once parsed (:func:`head_size`), and per line by the parser as it reads, so that a line
+#: over it is refused before the rest arrives.  Header lines at most (400 beyond).
 MAX_HEAD = 64 << 10
 MAX_HEADERS = 100
+#: The status counted (meshd_mps_http_requests_total{code="499"}) for a client that hung up before
+#: its answer (in the middle of its body, say): nginx's "client closed request", as aiohttp's
+#: access log writes it too.  Never sent: there is nobody to send it to.
+CLIENT_GONE = 499
 #: How long an answered request's unread body is still taken before the connection is closed
 #: (so that a client still sending it reads the answer).
 LINGER_S = 2.0
@@ -101,6 +110,14 @@ def check_path(request: web.BaseRequest) -> None:
             raise HeadRefused(f"path {path[:80]!r}: not UTF-8") from e
         if seg in (".", ".."):
             raise HeadRefused(f"path {path[:80]!r}: '.' and '..' segments are refused")
+
+
+def head_size(request: web.BaseRequest) -> int:
+    """The request head's size in bytes as parsed: the request line and every header line with
+    their line ends, and the blank line (blanks around a header's value not counted)."""
+    v = request.version
+    size = len(request.method) + len(request.raw_path) + len(f"  HTTP/{v.major}.{v.minor}\r\n") + 2
+    return size + sum(len(k) + len(val) + 4 for k, val in request.raw_headers)
 
 
 def _name(request: web.Request) -> str:
@@ -198,6 +215,12 @@ class Api:
         return resp
 
     async def _checked(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        size = head_size(request)
+        if size > MAX_HEAD:
+            log.warning(f"{request.method} {_path(request)[:200]}: request head of {size} bytes refused (over"
+                        f" {MAX_HEAD})", size=size, limit=MAX_HEAD)
+            raise HeadTooLarge(f"request head of {size} bytes: over the limit of {MAX_HEAD} bytes (64 KiB) for the"
+                               " request line and the headers together")
         if request.version.major != 1:
             v = request.version
             raise VersionNotSupported(f"HTTP/{v.major}.{v.minor}: only HTTP/1.x is served")
@@ -245,7 +268,7 @@ class Api:
 
     def _describe(self, p: Program) -> dict[str, Any]:
         d = self.ps.describe(p)
-        d["worker_pid"] = d["pid"]
+        d["worker_pid"] = d["pid"]  # deprecated: the same as "pid" (docs/api.md, "Words")
         d["started"] = datetime.fromtimestamp(p.started_wall, UTC).isoformat()
         d["compile_ms"] = round(p.compile_ms, 3)
         d["cached"] = p.cached
@@ -304,14 +327,15 @@ class Api:
     async def get_program(self, request: web.Request) -> web.Response:
         return answer(200, {"ok": True, "program": self._describe(self.ps.get(_name(request)))})
 
-    def _loaded(self, p: Program, status: int, what: str) -> web.Response:
+    def _loaded(self, p: Program, status: int, verb: str) -> web.Response:
         self.metrics.loaded()
-        return answer(status, {"ok": True, what: p.name, "program": self._describe(p)})
+        # "program": the program's row, in every verb's answer; "loaded"/"upgraded": its name, deprecated.
+        return answer(status, {"ok": True, "program": self._describe(p), verb: p.name})
 
     async def post_program(self, request: web.Request) -> web.Response:
-        img = schemas.image(await self._json(request))
+        body = schemas.load_body(await self._json(request))
         try:
-            p = await self.ps.load(img.manifest, img.text.encode(), img.expect, img.nodes or 1, img.device, img.restart)
+            p = await self.ps.load(body.manifest, body.text.encode(), body.hash, body.nodes or 1, body.device, body.restart)
         except NotServedHere as e:  # Backend's check, said in the body's terms
             raise NotServedHere(f"field 'device' {e.device}: this daemon serves GPU {', '.join(map(str, e.devices))}"
                                 " (--devices)", device=e.device, devices=e.devices) from e
@@ -319,30 +343,31 @@ class Api:
 
     async def put_program(self, request: web.Request) -> web.Response:
         name = _name(request)
-        img = schemas.image(await self._json(request))
-        if img.nodes is not None or img.device is not None:
+        body = schemas.load_body(await self._json(request))
+        if body.nodes is not None or body.device is not None:
             # What an upgrade keeps; Programs.upgrade takes neither (the manifest's name it checks itself).
             old = self.ps.get(name)
-            if img.nodes is not None and img.nodes != old.nodes:
-                raise UpgradeMismatch(f"field 'nodes' {img.nodes}: an upgrade keeps the program's {old.nodes} (unload"
+            if body.nodes is not None and body.nodes != old.nodes:
+                raise UpgradeMismatch(f"field 'nodes' {body.nodes}: an upgrade keeps the program's {old.nodes} (unload"
                                       " and load to change it)", program=name, field="nodes")
-            if img.device is not None and img.device != old.device:
-                raise UpgradeMismatch(f"field 'device' {img.device}: an upgrade keeps the program on its GPU"
+            if body.device is not None and body.device != old.device:
+                raise UpgradeMismatch(f"field 'device' {body.device}: an upgrade keeps the program on its GPU"
                                       f" {old.device} (unload and load to move it)", program=name, field="device")
-        p = await self.ps.upgrade(name, img.manifest, img.text.encode(), img.expect, img.restart)
+        p = await self.ps.upgrade(name, body.manifest, body.text.encode(), body.hash, body.restart)
         return self._loaded(p, 200, "upgraded")
 
     async def delete_program(self, request: web.Request) -> web.Response:
         name = _name(request)
-        p = self.ps.get(name)
+        row = self._describe(self.ps.get(name))  # as it was before it was unloaded
         await self.ps.unload(name)
-        return answer(200, {"ok": True, "unloaded": name, "slot": p.slot})
+        # "unloaded" (its name) and "slot": deprecated, the same as "program"'s "name" and "slot".
+        return answer(200, {"ok": True, "program": row, "unloaded": name, "slot": row["slot"]})
 
     async def post_call(self, request: web.Request) -> web.Response:
         name = _name(request)
         c = schemas.call(await self._json(request), self.deadlines)
         t0 = time.perf_counter()
-        got = await self.ps.call(name, c.payload, c.within)
+        got = await self.ps.call(name, c.payload, c.timeout)
         return answer(200, {"ok": True, "program": name, "data": got.decode("utf-8", "replace"), "hex": got.hex(),
                             "bytes": len(got), "ms": round((time.perf_counter() - t0) * 1e3, 3)})
 
@@ -410,7 +435,15 @@ class Protocol(web.RequestHandler):
         if isinstance(exc, HttpProcessingError):
             words = " ".join((exc.message or str(exc)).split())[:300]
             e = HeadTooLarge(f"request head: {words}") if isinstance(exc, LineTooLong) else HeadRefused(f"request head: {words}")
-        elif not isinstance(exc, ConnectionError):  # the client gone: nothing to log
+        elif isinstance(exc, ConnectionError) and (self.transport is None or self.transport.is_closing()):
+            # The client hung up (in the middle of its body, say): nobody to answer, and no fault of
+            # ours.  Said once, and counted as such (log_access), never as a 500.
+            log.info(f"{request.method} {_path(request)[:200]}: the client went away before its answer",
+                     code=CLIENT_GONE, error=f"{type(exc).__name__}: {exc}")
+            resp = web.Response(status=CLIENT_GONE, reason="Client Closed Request", headers=SERVER)
+            resp.force_close()
+            return resp
+        else:
             tb = "".join(traceback.format_exception(exc)) if exc is not None else f"status {status}: {message}"
             log.error(f"{request.method} {_path(request)}: internal error", traceback=tb)
         resp = self.api.refusal(request, e)

@@ -1,19 +1,21 @@
 """The ``meshd-mps`` command: ``serve``, ``worker`` and the client subcommands.
 
 ``worker`` is dispatched first and imports nothing else (it must start fast);
-the client subcommands import only :mod:`meshd_mps.client` (standard library);
-``serve`` imports the daemon.
+the client subcommands import only :mod:`meshd_mps.serving.client` and
+:mod:`meshd_mps.serving.tables` (standard library); ``serve`` imports the daemon.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shlex
 import sys
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
+
+from meshd_mps.serving.tables import ps_table, status_table
 
 if TYPE_CHECKING:
     from meshd_mps.serving.server import Config
@@ -59,10 +61,26 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _sub(sub: Any, name: str) -> argparse.ArgumentParser:
+def _sub(sub: Any, name: str, formatter: type[argparse.HelpFormatter] = argparse.RawDescriptionHelpFormatter,
+         ) -> argparse.ArgumentParser:
     line, example = COMMANDS[name]
     return sub.add_parser(name, help=line, description=line[0].upper() + line[1:] + ".",
-                          epilog=f"example:\n  {example}", formatter_class=argparse.RawDescriptionHelpFormatter)
+                          epilog=f"example:\n  {example}", formatter_class=formatter)
+
+
+class _ServeHelp(argparse.RawDescriptionHelpFormatter):
+    """serve's --help: ``%(default)s`` is the option's default as state/config.py sets it
+    (``help_defaults``), read only when the help is printed (the parser's own defaults are None, and
+    the client commands start without importing the config module)."""
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        from meshd_mps.state.config import help_defaults
+
+        shown = help_defaults().get(action.dest)
+        if shown is not None:
+            action = copy.copy(action)
+            action.default = shown
+        return super()._expand_help(action)
 
 
 def _client_opts(p: argparse.ArgumentParser) -> None:
@@ -96,23 +114,23 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action=_Version, nargs=0, help="print meshd-mps's version and the ABI it speaks")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    s = _sub(sub, "serve")
+    s = _sub(sub, "serve", _ServeHelp)
     # Every default here is None, so that a flag not given is seen as such: the config file's value,
     # else state/config.py's SERVE_DEFAULTS, applies then (serve_config).
     s.add_argument("--config", metavar="FILE", help="serve's options ([serve]) and the programs always loaded"
                    " ([program.NAME]) from a TOML file; flags given here override it")
     s.add_argument("--isolation", choices=("blink", "mps"),
                    help="blink: one CUDA context, a load halts every program briefly; mps: one MPS client per program"
-                        " (default blink)")
+                        " (default %(default)s)")
     s.add_argument("--sms", type=int, metavar="N",
-                   help="SMs per program, a green context (default 0: the whole device)")
+                   help="SMs per program, a green context (0: the whole device; default %(default)s)")
     s.add_argument("--mps-dir", metavar="DIR",
                    help="the private MPS daemon's directory (default: a temporary one, removed at exit)")
-    s.add_argument("--pool", type=int, metavar="N", help="idle workers kept ready on each GPU (default 2 in mps mode)")
+    s.add_argument("--pool", type=int, metavar="N", help="idle workers kept ready on each GPU (default %(default)s)")
     s.add_argument("--devices", metavar="LIST",
-                   help="the GPUs to drive: CUDA ordinals such as 0,1, or all (default all visible)")
+                   help="the GPUs to drive: CUDA ordinals such as 0,1, or all (every visible one; default %(default)s)")
     s.add_argument("--gpu", choices=("cuda", "sim"),
-                   help="cuda: the GPU; sim: the explicit CPU simulation, for trying meshd-mps without one (default cuda)")
+                   help="cuda: the GPU; sim: the explicit CPU simulation, for trying meshd-mps without one (default %(default)s)")
     s.add_argument("--socket", metavar="PATH", help="the control socket (default: $MESHD_MPS_SOCKET, "
                    "$XDG_RUNTIME_DIR/meshd-mps.sock, /run/meshd-mps/meshd-mps.sock for root, else"
                    " /tmp/meshd-mps-$UID/meshd-mps.sock); its directory must be writable by this user only")
@@ -120,10 +138,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="default info ($MESHD_MPS_LOG_LEVEL)")
     s.add_argument("--log-format", choices=("json", "console"), help="default: JSON lines unless stderr is a terminal")
     s.add_argument("--loop", choices=("auto", "uvloop", "asyncio"),
-                   help="the event loop: auto takes uvloop where it is installed (default auto)")
+                   help="the event loop: auto takes uvloop where it is installed (default %(default)s)")
     s.add_argument("--stall-after", type=float, metavar="S",
                    help="a running program whose heartbeat has not advanced for S seconds is shown as stalled"
-                        " (default 5)")
+                        " (default %(default)s)")
     s.add_argument("--state-dir", metavar="DIR", help="the desired state kept across restarts (default: $STATE_DIRECTORY,"
                    " else /var/lib/meshd-mps for root, else $XDG_STATE_HOME/meshd-mps or ~/.local/state/meshd-mps);"
                    " it must be this user's, mode 0700; every load, upgrade and unload is recorded there, and the"
@@ -131,13 +149,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--live-restore", action=argparse.BooleanOptionalAction,
                    help="leave the programs running when the daemon stops (SIGTERM, SIGINT, SIGHUP) or dies, for the"
                         " next one with the same --state-dir to adopt: the workers, their kernels, the MPS daemon and"
-                        " the mailbox stay (default off: a stop halts every program)")
+                        " the mailbox stay (default %(default)s: a stop halts every program)")
     s.add_argument("--daemon-cpus", metavar="LIST",
                    help="host CPUs for the daemon alone (3, 2,3 or 0-3,8): its workers and the MPS daemon run on the"
                         " others, so that none takes the event loop's CPU (default: the scheduler places every thread)")
     s.add_argument("--orphan-timeout", type=float, metavar="S",
                    help="with --live-restore: how long the programs run on with no daemon before their workers halt"
-                        " them and exit (default 30)")
+                        " them and exit (default %(default)s)")
 
     p = _sub(sub, "unit")
     p.add_argument("--exec", metavar="PATH", dest="executable",
@@ -180,20 +198,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["worker"]:
-        # The worker parses its own options; it must start fast and import no supervisor code.
-        # structlog.dev imports rich and better_exceptions where they are installed, for console
-        # tracebacks the worker never prints (it writes JSON lines): on the H200 host that was
-        # 85 of the 134 ms a worker spent importing (docs/benchmarks.md, row d).
-        for name in ("rich", "better_exceptions"):
-            cast(dict[str, ModuleType | None], sys.modules).setdefault(name, None)  # None: an import of it fails
-        from workers import pipes, warm
+        from workers.start import run  # the worker's own start (python -m workers), importing nothing else
 
-        if not {"-h", "--help"} & set(argv[1:]):  # --help prints to the caller's stdout: no frames follow
-            pipes.take()  # first: the frame pipes out of reach of the driver and of stray prints
-        warm.start(argv[1:])  # the CUDA context is created while the worker imports the rest
-        from workers.main import main as worker_main
-
-        return worker_main(argv[1:])
+        return run(argv[1:])
     if argv[:1] == ["bench"]:
         from meshd_mps.bench import main as bench_main  # it has its own options (--gpu, --quick, --json)
 
@@ -264,17 +271,12 @@ def serve_config(args: argparse.Namespace) -> Config:
 
 def version_line() -> str:
     """``meshd-mps X.Y.Z (frame protocol P, program ABI N, state schema M)``."""
-    import importlib.metadata  # here, not at the top: the worker starts through this module (24 ms)
-
     from meshd_mps.protocol.abi import RT_ABI
     from meshd_mps.protocol.frames import PROTOCOL_VERSION
     from meshd_mps.state.store import SCHEMA
+    from meshd_mps.version import version  # here, not at the top: the worker starts through this module
 
-    try:
-        v = importlib.metadata.version("meshd-mps")
-    except importlib.metadata.PackageNotFoundError:
-        v = "unknown (not installed)"
-    return f"meshd-mps {v} (frame protocol {PROTOCOL_VERSION}, program ABI {RT_ABI}, state schema {SCHEMA})"
+    return f"meshd-mps {version()} (frame protocol {PROTOCOL_VERSION}, program ABI {RT_ABI}, state schema {SCHEMA})"
 
 
 class _Version(argparse.Action):
@@ -351,7 +353,8 @@ def _client(args: argparse.Namespace) -> int:
             ans = c.unload(args.name)
             if args.json:
                 return _json(ans)
-            print(f"{args.name} unloaded from slot {ans.get('slot')}")
+            p = ans.get("program") or {"name": args.name, "slot": ans.get("slot")}  # "slot": an older daemon's
+            print(f"{p['name']} unloaded from slot {p.get('slot')}")
         elif args.cmd == "ps":
             ans = c.request("GET", "/v1/programs")
             if args.json:
@@ -395,105 +398,3 @@ def _client(args: argparse.Namespace) -> int:
 def _json(ans: dict[str, Any]) -> int:
     print(json.dumps(ans, indent=2))
     return 0
-
-
-def duration(s: float) -> str:
-    """12.3s, 4m05s, 2h03m, 3d04h."""
-    if s < 60:
-        return f"{s:.1f}s"
-    m, sec = divmod(int(s), 60)
-    if m < 60:
-        return f"{m}m{sec:02d}s"
-    h, m = divmod(m, 60)
-    if h < 24:
-        return f"{h}h{m:02d}m"
-    d, h = divmod(h, 24)
-    return f"{d}d{h:02d}h"
-
-
-def table(rows: list[list[str]]) -> str:
-    """Left-aligned columns, two spaces apart; the last column is not padded."""
-    if not rows:
-        return ""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n" for r in rows)
-
-
-def beat_age(p: dict[str, Any]) -> str:
-    """BEAT-AGE: seconds since the heartbeat was last seen advancing; "-" if it never beat (or the
-    daemon does not say)."""
-    age = p.get("beat_age_s")
-    return "-" if age is None or isinstance(age, bool) or not isinstance(age, (int, float)) else duration(float(age))
-
-
-def restarts(p: dict[str, Any]) -> str:
-    """RESTARTS: how often it came back by itself, and its restart policy where it is not the default."""
-    n, policy = p.get("restarts", 0), p.get("restart", "on-failure")
-    return str(n) if policy == "on-failure" else f"{n} ({policy})"
-
-
-def ps_table(programs: list[dict[str, Any]]) -> str:
-    head = ["NAME", "SLOT", "STATE", "PID", "GPU", "HEARTBEAT", "BEAT-AGE", "UPTIME", "UPGRADES", "RESTARTS", "HASH"]
-    errors = any(p.get("error") for p in programs)
-    if errors:
-        head.append("ERROR")
-    rows = [head]
-    for p in programs:
-        r = [p["name"], str(p["slot"]), p["state"], str(p["pid"]), str(p.get("device", "-")), str(p["heartbeat"]),
-             beat_age(p), duration(p["uptime_s"]), str(p["upgrades"]), restarts(p), p["hash"]]
-        if errors:
-            r.append(p.get("error") or "")
-        rows.append(r)
-    out = table(rows)
-    return out if programs else out + "(no programs loaded)\n"
-
-
-def status_table(s: dict[str, Any]) -> str:
-    caps = s.get("caps") or {}
-    pool = s.get("pool") or {}
-    devices = s.get("devices") or []
-    rows = [
-        ["socket", s.get("socket", "")],
-        ["pid", str(s.get("pid", ""))],
-        ["isolation", s.get("isolation", "")],
-        ["gpu", s.get("gpu", "")],
-    ]
-    if len(devices) <= 1:
-        rows.append(["device", f"{s.get('device')} ({caps.get('arch', '?')}, {caps.get('sms_total', '?')} SMs)"])
-    rows.append(["sms", f"{caps.get('sms', '?')} per program" + (" (green context)" if caps.get("green") else "")])
-    if len(devices) > 1:  # a row per GPU: what it is, its programs, its pool (MPS) or blinks (blink)
-        for d in devices:
-            c = d.get("caps") or {}
-            what = [f"{d.get('name')} ({c.get('arch', '?')}, {c.get('sms_total', '?')} SMs)",
-                    f"{d.get('programs', 0)} program{'' if d.get('programs', 0) == 1 else 's'}"]
-            if "pool" in d:
-                what.append(f"pool {len(d['pool'])} idle of {d.get('pool_cap', 0)} {_pids(d['pool'])}")
-            if "blinks" in d:
-                what.append(f"context {d.get('context_pid')}, {d.get('blinks', 0)} blinks")
-            rows.append([f"gpu {d.get('device')}", ", ".join(what)])
-    if s.get("isolation") == "mps":
-        clients = s.get("clients")
-        rows += [
-            ["pool", f"{len(pool.get('idle', []))} idle of {pool.get('capacity', 0)} {_pids(pool.get('idle', []))}"],
-            ["mps daemon", f"{s.get('daemon_died') or s.get('daemon_pid')} ({s.get('mps_dir')})"],
-            ["mps server", f"{s.get('server_pid') or '-'}, clients " + (_pids(clients) if clients is not None
-                                                                         else s.get("clients_error", "?"))],
-        ]
-    else:
-        last = s.get("last_blink_ms")
-        rows += [["context", str(s.get("context_pid"))],
-                 ["blinks", f"{s.get('blinks', 0)}" + (f", the last {last:.2f} ms" if last is not None else "")]]
-    rows += [
-        ["workers", f"{len(s.get('workers', []))} {_pids(s.get('workers', []))}, {s.get('retired', 0)} retired"],
-        ["programs", str(s.get("programs", 0))],
-        ["stalled", str(s.get("stalled", 0))],
-        ["loads", str(s.get("loads", 0))],
-        ["uptime", duration(float(s.get("uptime_s", 0)))],
-        ["versions", ", ".join(f"{k} {v}" for k, v in (s.get("versions") or {}).items())],
-    ]
-    return table(rows)
-
-
-def _pids(pids: list[int]) -> str:
-    return "[" + ", ".join(str(p) for p in pids) + "]"
-

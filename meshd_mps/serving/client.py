@@ -2,7 +2,7 @@
 
 Standard library only (``http.client`` on an AF_UNIX socket), and light to
 import: the CLI's client commands load nothing else of meshd-mps, except
-:mod:`meshd_mps.compiler` (and NVRTC) when a command compiles CUDA C.
+:mod:`meshd_mps.gpu.compiler` (and NVRTC) when a command compiles CUDA C.
 
 The daemon takes PTX only: CUDA C is compiled here, by the client, with the
 user's own rights (``#include`` reads the user's files, never the daemon's),
@@ -25,9 +25,17 @@ import socket
 import stat
 import struct
 import urllib.parse
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+# Re-exported (``X as X``): the program files' reader (state/program_files.py), as the CLI used it here.
+from meshd_mps.state.program_files import (
+    DEFAULT_ARCH as DEFAULT_ARCH,
+    MAX_FILE as MAX_FILE,
+    ProgramFilesError,
+    compile_cuda as compile_cuda,
+    program_body,
+    read_file as read_file,
+)
 
 # Re-exported (``X as X``): the CLI and its users read JSON through the client module.
 from meshd_mps.strictjson import (
@@ -46,8 +54,6 @@ RUN_DIR = "/run/meshd-mps"
 #: Where other users' default socket directory, ``meshd-mps-$UID``, is made (0700, by the daemon).
 TMP_ROOT = "/tmp"
 SOCKET_NAME = "meshd-mps.sock"
-#: The architecture CUDA C is compiled for when no daemon is asked (``program_body`` without ``arch``).
-DEFAULT_ARCH = "compute_90"
 
 
 def private_dirs(euid: int | None = None) -> tuple[str, ...]:
@@ -218,7 +224,10 @@ class Client:
     def program_body(self, *args: Any, **kw: Any) -> dict[str, Any]:
         """:func:`program_body`, CUDA C compiled for this daemon's oldest GPU (asked only if needed)."""
         kw.setdefault("arch", self.arch)
-        return program_body(*args, **kw)
+        try:
+            return program_body(*args, **kw)
+        except ProgramFilesError as e:  # the CLI's errors are ClientErrors, said as they were
+            raise ClientError(str(e)) from e
 
     def programs(self) -> list[dict[str, Any]]:
         return self.request("GET", "/v1/programs")["programs"]
@@ -261,114 +270,3 @@ class Client:
         if status != 200:
             raise ClientError(f"/metrics: HTTP {status}", status)
         return data.decode()
-
-
-# ---- program files --------------------------------------------------------------------------
-
-
-def compile_cuda(source: bytes, name: str, arch: str, include: list[str] | None = None) -> str:
-    """CUDA C -> PTX text here, in this process (NVRTC, with the caller's own file access; the
-    examples' ``mesh_program.h`` on the include path): ClientError with NVRTC's log, never a
-    traceback."""
-    try:
-        from meshd_mps.errors import CompileError
-        from meshd_mps.gpu.compiler import cuda_to_ptx
-    except ImportError as e:
-        raise ClientError(f"{name}: compiling CUDA C needs meshd-mps's compiler: {e}") from e
-    try:
-        ptx = cuda_to_ptx(source, name, arch, include)
-    except CompileError as e:
-        raise ClientError(str(e)) from e
-    except ImportError as e:  # cuda.bindings is imported by the call
-        raise ClientError(f"{name}: compiling CUDA C needs NVRTC (the cuda-bindings package): {e}") from e
-    except Exception as e:  # NVRTC's library missing or broken: said in one line, not a traceback
-        raise ClientError(f"{name}: NVRTC failed: {type(e).__name__}: {e}") from e
-    try:
-        return ptx.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ClientError(f"{name}: NVRTC's PTX is not UTF-8 text: {e}") from e
-
-
-#: The most a program file read here may hold: the daemon's whole request body (64 MiB).
-MAX_FILE = 64 << 20
-
-
-def read_file(path: Path) -> bytes:
-    """A regular file's bytes, at most MAX_FILE; ClientError otherwise (a device such as /dev/zero
-    would be read without end, a FIFO would wait for a writer)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO's open would wait
-    except OSError as e:
-        raise ClientError(f"{path}: {e.strerror or e}") from e
-    with open(fd, "rb", buffering=0) as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ClientError(f"{path}: not a regular file")
-        if st.st_size > MAX_FILE:
-            raise ClientError(f"{path}: {st.st_size} bytes, over the limit of {MAX_FILE} (64 MiB)")
-        try:
-            return f.read(MAX_FILE)
-        except OSError as e:
-            raise ClientError(f"{path}: {e.strerror or e}") from e
-
-
-def program_body(dir: str | None = None, manifest: str | None = None, ptx: str | None = None, cuda: str | None = None,
-                 hash: str | None = None, nodes: int | None = None, device: int | None = None,
-                 arch: str | Callable[[], str] | None = None, restart: str | None = None) -> dict[str, Any]:
-    """A load/upgrade body from files: a program directory (manifest.json and one ``*.ptx``
-    or ``*.cu``) or ``manifest`` with ``ptx`` or ``cuda``; ``device``: the GPU (a CUDA ordinal);
-    ``restart``: its restart policy (on-failure, always, never; the daemon checks it).
-    The body always carries PTX: CUDA C is compiled here (:func:`compile_cuda`, the source's own
-    directory on the include path) for ``arch`` (``compute_XY``, or a function that returns it,
-    called only then, e.g. :meth:`Client.arch`; default ``DEFAULT_ARCH``).
-    ClientError says what is wrong."""
-    if dir is not None:
-        d = Path(dir)
-        if not d.is_dir():
-            raise ClientError(f"{dir}: not a directory")
-        mpath = Path(manifest) if manifest else d / "manifest.json"
-        if ptx is None and cuda is None:
-            ptxs, cus = sorted(d.glob("*.ptx")), sorted(d.glob("*.cu"))
-            if len(ptxs) == 1:
-                ptx = str(ptxs[0])
-            elif len(ptxs) > 1:
-                raise ClientError(f"{dir}: {len(ptxs)} .ptx files; name one with --ptx")
-            elif len(cus) == 1:
-                cuda = str(cus[0])
-            elif len(cus) > 1:
-                raise ClientError(f"{dir}: {len(cus)} .cu files; name one with --cuda")
-            else:
-                raise ClientError(f"{dir}: no .ptx or .cu file")
-    elif manifest is not None:
-        mpath = Path(manifest)
-    else:
-        raise ClientError("a program directory or --manifest FILE is needed")
-    if (ptx is None) == (cuda is None):
-        raise ClientError("one of --ptx FILE or --cuda FILE is needed")
-    mtext = read_file(mpath)
-    try:
-        mobj = parse_json(mtext)
-    except ValueError as e:
-        raise ClientError(f"{mpath}: not JSON: {e}") from e
-    src = Path(ptx if ptx is not None else cuda)  # type: ignore[arg-type]
-    raw = read_file(src)
-    if ptx is not None:
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ClientError(f"{src}: not UTF-8 text: {e}") from e
-    else:
-        given = mobj.get("name") if isinstance(mobj, dict) else None
-        name = given if isinstance(given, str) else src.stem
-        target = arch() if callable(arch) else (arch or DEFAULT_ARCH)
-        text = compile_cuda(raw, name, target, [str(src.resolve().parent)])
-    body: dict[str, Any] = {"manifest": mobj, "ptx": text}
-    if hash is not None:
-        body["hash"] = hash
-    if nodes is not None:
-        body["nodes"] = nodes
-    if device is not None:
-        body["device"] = device
-    if restart is not None:
-        body["restart"] = restart
-    return body

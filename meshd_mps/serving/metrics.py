@@ -182,7 +182,7 @@ class Metrics:
                    "Processes with a context on each GPU outside our MPS server (blink: beside our context), per NVML.",
                    self._foreign, ("device",)),
         ]
-        if not b.isolated:
+        if b.blink_stats():  # the GPUs' module changes halt their programs (blink mode)
             def last_blink() -> float | None:
                 ms = b.last_blink_ms()
                 return None if ms is None else ms / 1e3
@@ -190,9 +190,9 @@ class Metrics:
             out += [
                 Family("meshd_mps_blinks_total", "counter",
                        "Blinks: module changes that halted and relaunched running programs.",
-                       lambda: sum(c.blinks for c in b.isolations.values())),
+                       lambda: sum(s.count for s in b.blink_stats().values())),
                 Family("meshd_mps_device_blinks_total", "counter", "Blinks on each GPU (each GPU's context blinks alone).",
-                       lambda: [({"device": str(d)}, c.blinks) for d, c in sorted(b.isolations.items())], ("device",)),
+                       lambda: [({"device": str(d)}, s.count) for d, s in b.blink_stats().items()], ("device",)),
                 Family("meshd_mps_last_blink_seconds", "gauge",
                        "Length of the last blink on any GPU (absent before the first).", last_blink),
             ]

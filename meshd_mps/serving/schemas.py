@@ -110,18 +110,18 @@ def _string_field(obj: dict[str, Any], key: str) -> str:
 
 
 @dataclass
-class Image:
-    """A load or upgrade request, checked."""
+class LoadBody:
+    """A load or upgrade request's body, checked (not an image yet: Backend prepares that from it)."""
 
     manifest: Manifest
     text: str  # PTX
-    expect: int | None
+    hash: int | None  # the image hash required (field "hash"); None: any
     nodes: int | None
     device: int | None = None
     restart: Policy | None = None  # None: the daemon's default (a load), the program's own (an upgrade)
 
 
-def image(obj: dict[str, Any]) -> Image:
+def load_body(obj: dict[str, Any]) -> LoadBody:
     """A load/upgrade body.  ``device`` is only an integer here: Backend says whether it is a GPU
     served here; ``nodes`` at least 1: Programs says whether it fits the GPU (409)."""
     if "cuda" in obj:
@@ -143,22 +143,22 @@ def image(obj: dict[str, Any]) -> Image:
     text = _string_field(obj, "ptx")
     if not text.strip():
         raise BadBody("field 'ptx' is empty", field="ptx")
-    expect = None
+    required = None
     if obj.get("hash") is not None:
         h = obj["hash"]
         if not isinstance(h, str) or len(h) != 16 or any(c not in "0123456789abcdefABCDEF" for c in h):
             raise BadBody(f"field 'hash' {_show(h)}: 16 hex digits expected", field="hash")
-        expect = int(h, 16)
+        required = int(h, 16)
     nodes = _int_field(obj, "nodes")
     if nodes is not None and nodes < 1:
         raise BadBody(f"field 'nodes' {nodes}: at least 1", field="nodes")
-    policy = None
+    restart = None
     if obj.get("restart") is not None:
         try:
-            policy = Policy.parse(obj["restart"])
+            restart = Policy.parse(obj["restart"])
         except BadRestartPolicy as e:
             raise e.prefixed("field 'restart'") from e
-    return Image(m, text, expect, nodes, _int_field(obj, "device"), policy)
+    return LoadBody(m, text, required, nodes, _int_field(obj, "device"), restart)
 
 
 @dataclass
@@ -166,7 +166,7 @@ class Call:
     """A call request, checked: the bytes for the ring and how long to wait for the answer."""
 
     payload: bytes
-    within: float
+    timeout: float  # seconds to wait for the answer (field "timeout")
 
 
 def call(obj: dict[str, Any], deadlines: Deadlines) -> Call:
@@ -182,14 +182,14 @@ def call(obj: dict[str, Any], deadlines: Deadlines) -> Call:
             raise BadBody(f"field 'hex' {_show(text)}: pairs of hex digits (0-9, a-f) expected, no blanks",
                           field="hex")
         payload = bytes.fromhex(text)
-    within = deadlines.call
+    timeout = deadlines.call
     if obj.get("timeout") is not None:
         t = obj["timeout"]
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= deadlines.call_max:
             raise BadBody(f"field 'timeout' {_show(t)}: seconds, more than 0 and at most {deadlines.call_max:g}",
                           field="timeout")
-        within = float(t)
-    return Call(payload, within)
+        timeout = float(t)
+    return Call(payload, timeout)
 
 
 NATIVE_FIELDS = ("pid",)

@@ -1,9 +1,9 @@
 """``meshd-mps serve``: the daemon's lifecycle (start, serve, stop), its signals and its socket.
 
-Start: the socket is bound first (in a directory only the daemon's user can write, checked by
-``_check_socket_dir``; created 0600; a stale one replaced; listened on with a backlog of
-``BACKLOG``), so that a client connecting during start-up waits for its answer; then the Backend
-and Programs open, and the control API (``api.py``, on aiohttp) serves on that socket.
+Start: the socket is bound first (``unix_socket.py``: in a directory only the daemon's user can
+write, created 0600, a stale one replaced), so that a client connecting during start-up waits for
+its answer; then the Backend and Programs open, and the control API (``api.py``, on aiohttp)
+serves on that socket.
 
 Signals: SIGTERM, SIGINT or SIGHUP shuts down cleanly (stop accepting, the in-flight requests get
 ``Deadlines.http_grace`` to finish, every program halted and unloaded, the backend closed, the
@@ -23,20 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import errno
 import importlib.metadata
 import os
 import platform
 import shutil
 import signal
 import socket
-import stat
 import sys
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -57,57 +54,52 @@ from meshd_mps.neighbours import NeighbourWatch, classify, look
 from meshd_mps.programs import Programs
 from meshd_mps.serving import reaper, sdnotify
 from meshd_mps.serving.api import Api
-from meshd_mps.serving.client import default_socket, private_dirs, program_body
+from meshd_mps.serving.client import default_socket, program_body
 from meshd_mps.serving.metrics import Metrics
-from meshd_mps.state.config import DeclaredProgram
+from meshd_mps.serving.unix_socket import BACKLOG, ControlSocket
+from meshd_mps.state.config import SERVE_DEFAULTS, DeclaredProgram, pool_of
 from meshd_mps.state.desired import Recorder, Restored, restore
 from meshd_mps.state.store import Store
 from meshd_mps.supervision import cpus
+from meshd_mps.version import version
 
 log = structlog.get_logger("meshd_mps")
 
 NO_DRIVER_HINT = "no NVIDIA driver on this machine; to try meshd-mps without a GPU: meshd-mps serve --gpu sim"
 
 NEIGHBOURS_S = 2.0  # NVML is asked this often for the processes on our GPUs
-SUN_PATH_MAX = 107  # AF_UNIX: 108 bytes with the NUL
-#: The socket's listen backlog: connections the kernel queues while the loop is busy (a burst of
-#: clients).  The kernel caps it at net.core.somaxconn (4096 on Linux 5.4+).  Passed to
-#: ``create_server`` too, which listens again with its own default (100) otherwise.
-BACKLOG = 1024
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: The forced exit's deadline to kill and reap every child.
 REAP_S = 3.0
 
 
-# ---- configuration and start-up errors ----------------------------------------------------
+# ---- configuration ---------------------------------------------------------------------------
 
 
 @dataclass
 class Config:
-    isolation: str = "blink"
-    sms: int = 0
-    mps_dir: str | None = None
-    pool: int | None = None  # None: 2 in MPS mode, 0 in blink mode
-    gpu: str = "cuda"
-    socket: str | None = None
-    cache_dir: str | None = None
-    log_level: str | None = None
-    log_format: str | None = None  # json | console | None (JSON unless stderr is a TTY)
-    loop: str = "auto"  # auto (uvloop if installed) | uvloop | asyncio
-    devices: tuple[int, ...] | None = None  # the GPUs to drive (None: every visible one)
-    stall_after: float | None = None  # seconds without a heartbeat before "stalled" (None: Programs' default)
+    """serve's options, checked (``cli.serve_config``); each default is ``SERVE_DEFAULTS``'s."""
+
+    isolation: str = SERVE_DEFAULTS["isolation"]
+    sms: int = SERVE_DEFAULTS["sms"]
+    mps_dir: str | None = SERVE_DEFAULTS["mps_dir"]
+    pool: int | None = SERVE_DEFAULTS["pool"]  # None: POOL_BY_ISOLATION's (state/config.py)
+    gpu: str = SERVE_DEFAULTS["gpu"]
+    socket: str | None = SERVE_DEFAULTS["socket"]
+    cache_dir: str | None = SERVE_DEFAULTS["cache_dir"]
+    log_level: str | None = SERVE_DEFAULTS["log_level"]
+    log_format: str | None = SERVE_DEFAULTS["log_format"]  # json | console | None (JSON unless stderr is a TTY)
+    loop: str = SERVE_DEFAULTS["loop"]  # auto (uvloop if installed) | uvloop | asyncio
+    devices: tuple[int, ...] | None = None  # the GPUs to drive (None: every visible one, SERVE_DEFAULTS' "all")
+    stall_after: float | None = SERVE_DEFAULTS["stall_after"]  # seconds without a heartbeat before "stalled"
     # Issue 17: --state-dir as given (None: state.store.resolve_state_dir's default), --live-restore and the
     # workers' --orphan-timeout (None: Deadlines.orphan), the --config file (absolute) and its [program.NAME] tables.
-    state_dir: str | None = None
-    live_restore: bool = False
-    orphan_timeout: float | None = None
+    state_dir: str | None = SERVE_DEFAULTS["state_dir"]
+    live_restore: bool = SERVE_DEFAULTS["live_restore"]
+    orphan_timeout: float | None = SERVE_DEFAULTS["orphan_timeout"]
     config_file: str | None = None
     programs: tuple[DeclaredProgram, ...] = ()
     daemon_cpus: frozenset[int] | None = None  # --daemon-cpus (supervision/cpus.py); None: unplaced
-
-
-class StartError(MeshError):
-    """The daemon cannot start (the socket is taken, ...)."""
 
 
 def main(cfg: Config) -> int:
@@ -145,22 +137,8 @@ def _sole(group: BaseExceptionGroup) -> BaseException:
 # ---- versions -----------------------------------------------------------------------------
 
 
-def own_version() -> str:
-    try:
-        return importlib.metadata.version("meshd-mps")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    try:
-        import tomllib
-
-        with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as f:
-            return str(tomllib.load(f)["project"]["version"]) + "+source"
-    except (OSError, KeyError, ValueError):
-        return "unknown"
-
-
 def versions() -> dict[str, str]:
-    out = {"meshd-mps": own_version(), "python": platform.python_version()}
+    out = {"meshd-mps": version(), "python": platform.python_version()}
     try:
         out["cuda-bindings"] = importlib.metadata.version("cuda-bindings")
     except importlib.metadata.PackageNotFoundError:
@@ -195,7 +173,7 @@ class Daemon:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._starting: anyio.CancelScope | None = None  # the start-up's scope, cancelled by the first signal
-        self._sock_id: tuple[int, int] | None = None
+        self.sock = ControlSocket(self.socket_path)
         self.t0 = time.monotonic()
         self.started = datetime.now(UTC)
         self.versions: dict[str, str] = {}
@@ -249,7 +227,7 @@ class Daemon:
 
     async def _open(self) -> None:
         c = self.cfg
-        pool = c.pool if c.pool is not None else (2 if c.isolation == "mps" else 0)
+        pool = pool_of(c.isolation, c.pool)
         self.versions = await anyio.to_thread.run_sync(versions)
         # First: its lock makes the state dir ours alone, and with it (live restore) the mailbox file, the MPS
         # directory and the workers' sockets under it.  Refused: another user's dir, another daemon on it.
@@ -260,7 +238,7 @@ class Daemon:
                                live=self.store.dir if c.live_restore else None,
                                clear=None if c.live_restore else self.store.dir)
         self.backend = b
-        # stall_after only when given: Programs' own default (programs.STALL_S) otherwise.
+        # stall_after only when given: Programs' own default (Deadlines.stall) otherwise.
         self.programs = Programs(b) if c.stall_after is None else Programs(b, stall_after=c.stall_after)
         self.metrics = Metrics(b, self.programs, self.versions.get("meshd-mps", ""), self.t0)
         await self._restore()
@@ -416,113 +394,9 @@ class Daemon:
         sys.stderr.flush()
         os._exit(128 + sig)
 
-    # ---- the socket -----------------------------------------------------------------------
+    # ---- the socket (unix_socket.py) ---------------------------------------------------------
     def _bind(self) -> socket.socket:
-        path = self.socket_path
-        if len(os.fsencode(path)) > SUN_PATH_MAX:
-            raise StartError(f"--socket {path}: {len(os.fsencode(path))} bytes, AF_UNIX allows {SUN_PATH_MAX}")
-        _check_socket_dir(os.path.dirname(path))
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            st = None
-        if st is not None:
-            if not stat.S_ISSOCK(st.st_mode):
-                raise StartError(f"{path} exists and is not a socket; refusing to replace it")
-            if _serves(path):
-                raise StartError(f"another meshd-mps serves on {path}")
-            os.unlink(path)
-            log.info(f"replaced the stale socket {path}")
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            s.bind(path)
-        except OSError as e:
-            s.close()
-            if e.errno == errno.EADDRINUSE:
-                raise StartError(f"another meshd-mps serves on {path}") from e
-            raise StartError(f"{path}: bind: {e.strerror}") from e
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
-        st = os.stat(path)
-        self._sock_id = (st.st_dev, st.st_ino)
-        s.listen(BACKLOG)  # a client that connects during start-up waits for the answer
-        s.setblocking(False)
-        return s
+        return self.sock.bind()
 
     def _remove_socket(self) -> None:
-        if self._sock_id is None:
-            return
-        try:
-            st = os.lstat(self.socket_path)
-            if (st.st_dev, st.st_ino) == self._sock_id:
-                os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            log.error(f"{self.socket_path}: not removed: {e.strerror}")
-        self._sock_id = None
-
-
-# ---- the socket's directory -------------------------------------------------------------------
-
-
-def _check_socket_dir(d: str) -> None:
-    """The socket's directory, created (0700) if it is missing, and refused (StartError) unless only
-    the daemon's user can write it: a directory owned by the daemon's uid, or by root, with no group
-    or other write bit, so that nobody else can remove, rename or replace the socket or plant
-    another one in its place.  This holds for every socket (--socket, $MESHD_MPS_SOCKET, the
-    defaults), with no exception for sticky directories such as /tmp.  A symlink is followed if it
-    is the daemon's user's or root's.  The default directories the daemon makes itself
-    (client.private_dirs: /run/meshd-mps for root, /tmp/meshd-mps-$UID) must be its own: owned by
-    its uid, and never a symlink (anyone can create that name in /tmp first)."""
-    me = os.geteuid()
-    own = os.path.abspath(d) in private_dirs(me)
-    hint = "put the socket in a directory only you can write (--socket), or remove it and let meshd-mps make it"
-    try:
-        os.makedirs(d, mode=0o700, exist_ok=True)
-    except FileExistsError:
-        pass  # not a directory (or a dangling symlink): said below
-    except OSError as e:
-        raise StartError(f"socket directory {d}: cannot create it: {e.strerror}") from e
-    try:
-        st = os.lstat(d)
-        if stat.S_ISLNK(st.st_mode):
-            if own:
-                raise StartError(f"socket directory {d} is a symlink; refusing it (the default directory must be a real"
-                                 f" one, owned by uid {me}, mode 0700: remove the link and meshd-mps makes it)")
-            if st.st_uid not in (me, 0):
-                raise StartError(f"socket directory {d} is a symlink owned by uid {st.st_uid}, not by this daemon's uid"
-                                 f" {me} or root; refusing it: {hint}")
-            st = os.stat(d)
-    except FileNotFoundError as e:
-        raise StartError(f"socket directory {d}: a dangling symlink; refusing it") from e
-    except OSError as e:
-        raise StartError(f"socket directory {d}: {e.strerror}") from e
-    if not stat.S_ISDIR(st.st_mode):
-        raise StartError(f"socket directory {d} is not a directory; refusing it")
-    if st.st_uid != me and (own or st.st_uid != 0):
-        raise StartError(f"socket directory {d} is owned by uid {st.st_uid}, not by this daemon's uid {me}; refusing it"
-                         f" (its owner could replace the socket): {hint}")
-    if st.st_mode & 0o022:
-        who = " and ".join(w for w, bit in (("its group", 0o020), ("other users", 0o002)) if st.st_mode & bit)
-        raise StartError(f"socket directory {d} is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}); refusing it"
-                         f" (they could remove or replace the socket): {hint}")
-
-
-def _serves(path: str) -> bool:
-    """Someone accepts connections on the socket ``path`` (a stale socket refuses them)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(2.0)
-    try:
-        s.connect(path)
-        return True
-    except (ConnectionRefusedError, FileNotFoundError):
-        return False
-    except TimeoutError:
-        return True  # a full backlog: it is alive
-    except OSError as e:
-        raise StartError(f"{path}: {e.strerror}; refusing to replace it") from e
-    finally:
-        s.close()
+        self.sock.remove()

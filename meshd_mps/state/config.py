@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from meshd_mps import defaults
 from meshd_mps.errors import BadName, ConfigError, ConfigFileError, ManifestError
 from meshd_mps.names import check_name
 from meshd_mps.restart import DEFAULT as DEFAULT_RESTART
@@ -38,23 +39,45 @@ from meshd_mps.state.store import RESTART
 
 #: serve's options and their defaults, applied after the file and the flags: the one place they are.
 SERVE_DEFAULTS: dict[str, Any] = {
-    "isolation": "blink",
-    "sms": 0,
+    "isolation": defaults.ISOLATION,
+    "sms": defaults.SMS,
     "mps_dir": None,  # a temporary directory, removed at exit
-    "pool": None,  # 2 in MPS mode, 0 in blink mode (server.Daemon)
+    "pool": None,  # POOL_BY_ISOLATION: 2 in MPS mode, 0 in blink mode
     "devices": "all",
-    "gpu": "cuda",
+    "gpu": defaults.GPU,
     "socket": None,  # client.default_socket()
     "cache_dir": None,
     "log_level": None,  # $MESHD_MPS_LOG_LEVEL, else info
     "log_format": None,  # JSON lines unless stderr is a terminal
     "loop": "auto",
-    "stall_after": None,  # Programs' own default
+    "stall_after": None,  # Programs' own default, Deadlines.stall
     "state_dir": None,  # store.resolve_state_dir's default
     "live_restore": False,
     "orphan_timeout": None,  # Deadlines.orphan
     "daemon_cpus": None,  # unplaced: the scheduler decides (supervision/cpus.py)
 }
+
+#: ``pool`` when it is None: the idle workers kept ready on each GPU, by isolation (meshd_mps/defaults.py).
+POOL_BY_ISOLATION = defaults.POOL_BY_ISOLATION
+
+
+def pool_of(isolation: str, pool: int | None) -> int:
+    """The pool size serve runs with: ``pool`` as given, else its isolation's default."""
+    return POOL_BY_ISOLATION[isolation] if pool is None else pool
+
+
+def help_defaults() -> dict[str, str]:
+    """Each serve option's default as ``meshd-mps serve --help`` prints it: SERVE_DEFAULTS's value,
+    and for a None that stands for a number, that number (read where it is set)."""
+    from meshd_mps.deadlines import DEFAULT as D
+
+    out = {k: str(v) for k, v in SERVE_DEFAULTS.items() if v is not None and not isinstance(v, bool)}
+    out["live_restore"] = "on" if SERVE_DEFAULTS["live_restore"] else "off"
+    out["pool"] = ", ".join(f"{n} in {mode} mode" for mode, n in sorted(POOL_BY_ISOLATION.items(), reverse=True))
+    out["stall_after"] = f"{D.stall:g}"
+    out["orphan_timeout"] = f"{D.orphan:g}"
+    return out
+
 
 #: The longest ``stall_after`` and ``orphan_timeout`` taken (s): 30 days.  A socket timeout far
 #: past that overflows the OS's (a worker given 1e10 s died of it).

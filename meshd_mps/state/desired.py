@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import structlog
@@ -24,19 +24,18 @@ import structlog
 from meshd_mps.errors import MeshError
 from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.isolation.base import Found
+from meshd_mps.programs import FaultReport, Program, Programs
 from meshd_mps.protocol import abi
-from meshd_mps.serving.client import ClientError
 from meshd_mps.state.config import DeclaredProgram
+from meshd_mps.state.history import History, Launched
 from meshd_mps.state.store import ProgramRecord, Store
-
-if TYPE_CHECKING:
-    from meshd_mps.programs import Program, Programs
 
 log = structlog.get_logger("meshd_mps")
 
 
 class Recorder:
-    """Programs' successful changes, into ``store``."""
+    """Programs' successful changes, into ``store`` (``programs.Recorder``, the Protocol that
+    Programs calls)."""
 
     def __init__(self, store: Store):
         self.store = store
@@ -45,11 +44,18 @@ class Recorder:
         """A load or an upgrade: the program as it runs now."""
         assert p.manifest is not None
         rec = ProgramRecord.of(p.name, dataclasses.asdict(p.manifest), p.ptx, slot=p.slot, nodes=p.nodes,
-                               device=p.device, hash=p.hash, restart=p.policy.value)
+                               device=p.device, hash=p.hash, restart=p.restart.value)
         await anyio.to_thread.run_sync(self.store.record, rec, p.ptx)
 
     async def unloaded(self, name: str) -> None:
         await anyio.to_thread.run_sync(self.store.forget, name)
+
+    async def history(self, programs: Sequence[Program], faults: Sequence[FaultReport]) -> None:
+        """Each program's launch (its wall time, worker, restarts) and the recent fault reports, for
+        the next daemon's live restore (state/history.py)."""
+        h = History({p.name: Launched(p.started_wall, p.kernel.pid, p.restarts) for p in programs},
+                    [f.as_dict() for f in faults])
+        await anyio.to_thread.run_sync(self.store.keep_history, h)
 
 
 @dataclass
@@ -66,7 +72,8 @@ class Restored:
         return dataclasses.asdict(self)
 
 
-#: A declared program's load body (``serving.client.program_body``), its CUDA C compiled for the GPU.
+#: A declared program's load body (``state.program_files.program_body``), its CUDA C compiled for
+#: the GPU; a MeshError (ProgramFilesError) says why there is none.
 Body = Callable[[DeclaredProgram], dict[str, Any]]
 
 
@@ -94,8 +101,13 @@ async def restore(programs: Programs, store: Store, declared: Sequence[DeclaredP
                   found: Sequence[Found] = ()) -> Restored:
     """Reconcile: the adopted modules (live restore, ``found``) that match their records taken over
     as they run, those that do not halted and unloaded; then every recorded program not adopted
-    loaded again on its slot, then the declared ones the state lacks."""
+    loaded again on its slot, then the declared ones the state lacks.  An adopted program keeps its
+    launch time and restart count, and the daemon the fault reports, as the last daemon kept them
+    (``Store.history``)."""
     out = Restored()
+    kept = await anyio.to_thread.run_sync(store.history) if found else History()
+    if found:
+        programs.carry_over(_reports(kept))
     for name, why in store.skipped.items():  # records the store could not use (logged by it)
         out.skipped[name] = why
     records = store.programs()
@@ -114,7 +126,11 @@ async def restore(programs: Programs, store: Store, declared: Sequence[DeclaredP
     for f, rec in keep:  # first: in blink mode each unload below is a blink, which must halt them too
         try:
             ptx = await anyio.to_thread.run_sync(store.ptx, rec)
-            await programs.adopt(f, Manifest.parse(rec.manifest), ptx, int(rec.hash, 16), rec.nodes, rec.restart)
+            seen = kept.programs.get(f.name)
+            if seen is not None and seen.pid != f.module.proc.pid:
+                seen = None  # another launch's (a relaunch the last daemon did not live to keep)
+            await programs.adopt(f, Manifest.parse(rec.manifest), ptx, int(rec.hash, 16), rec.nodes, rec.restart,
+                                 started_wall=seen.started_at if seen else None, restarts=seen.restarts if seen else 0)
             out.adopted.append(rec.name)
         except MeshError as e:
             drop.append((f, f"not adopted: {e}"))
@@ -144,17 +160,28 @@ async def restore(programs: Programs, store: Store, declared: Sequence[DeclaredP
         # program is still wanted, and its own files may load where the record's copy did not.
         unused = out.skipped.pop(d.name, None)
         try:
-            b = await anyio.to_thread.run_sync(body, d)  # its files read, CUDA C compiled: ClientError
-            expect = None if d.hash is None else int(d.hash, 16)
-            await programs.load(b["manifest"], b["ptx"].encode(), expect, d.nodes or 1, d.device, d.restart)
+            b = await anyio.to_thread.run_sync(body, d)  # its files read, CUDA C compiled: ProgramFilesError
+            want = None if d.hash is None else int(d.hash, 16)
+            await programs.load(b["manifest"], b["ptx"].encode(), want, d.nodes or 1, d.device, d.restart)
             out.declared.append(d.name)
             if unused is not None:
                 log.warning(f"restore: program {d.name} loaded from its declaration (config line {d.line}), not from its"
                             f" record: {unused}", program=d.name)
-        except (MeshError, ClientError) as e:
+        except MeshError as e:
             out.skipped[d.name] = str(e) if unused is None else f"{unused}; from its declaration: {e}"
             log.error(f"restore: declared program {d.name} (config line {d.line}) not loaded: {e}", program=d.name)
     log.info(f"restore: {len(out.adopted)} adopted, {len(out.restored)} recorded and {len(out.declared)} declared"
              f" programs loaded, {len(out.halted)} halted, {len(out.skipped)} skipped", adopted=out.adopted,
              restored=out.restored, declared=out.declared, halted=out.halted, skipped=out.skipped)
+    return out
+
+
+def _reports(h: History) -> list[FaultReport]:
+    """The fault reports kept, those that can be read (a damaged one is logged and left out)."""
+    out: list[FaultReport] = []
+    for d in h.faults:
+        try:
+            out.append(FaultReport.from_dict(d))
+        except (TypeError, ValueError) as e:
+            log.warning(f"restore: a fault report kept by the last daemon not carried over: {e}")
     return out

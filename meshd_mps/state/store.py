@@ -15,6 +15,11 @@ The state directory (``resolve_state_dir``; made and checked by ``open_state_dir
   name when loaded.  A PTX file that neither generation names is removed (``gc``).
 - ``lock``: held (flock) by the one :class:`Store` open on the directory, so two daemons never
   write over each other's state.
+- ``history.json``: what a live restore carries over besides the records (each program's launch
+  time and restarts, the recent fault reports): ``history.py``.
+
+Where the directory is and how it is checked, and how a file in it is written whole, is
+``statedir.py``; a program's record is ``record.py``.
 
 Everything here blocks (reads, fsyncs): from the event loop, call it through
 ``anyio.to_thread.run_sync``.
@@ -26,22 +31,29 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import math
 import os
-import pwd
-import re
-import stat
-import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import replace
 from typing import Any
 
 import structlog
 
-from meshd_mps.errors import BadName, StateDirRefused, StateFileNewer, StateIOError
-from meshd_mps.names import check_name
-from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
+from meshd_mps.errors import StateFileNewer, StateIOError
+from meshd_mps.state.history import History, read_history, write_history
+
+# Re-exported (``X as X``): the store's names, as they were before statedir.py and record.py.
+from meshd_mps.state.record import RESTART as RESTART, ProgramRecord as ProgramRecord, ptx_key as ptx_key
+from meshd_mps.state.statedir import (
+    PTX_DIR as PTX_DIR,
+    ROOT_STATE_DIR as ROOT_STATE_DIR,
+    TMP_SUFFIX as TMP_SUFFIX,
+    atomic_write,
+    check_state_dir as check_state_dir,
+    open_state_dir as open_state_dir,
+    refused,
+    resolve_state_dir as resolve_state_dir,
+)
 
 log = structlog.get_logger("meshd_mps")
 
@@ -49,170 +61,7 @@ log = structlog.get_logger("meshd_mps")
 SCHEMA = 1
 #: The two generations' files: a write replaces the one that does not hold the newest good state.
 SLOTS = ("programs.a.json", "programs.b.json")
-PTX_DIR = "ptx"
 LOCK = "lock"
-TMP_SUFFIX = ".tmp"
-#: A program's restart policies (``restart.Policy``), by name.
-RESTART = tuple(p.value for p in Policy)
-ROOT_STATE_DIR = "/var/lib/meshd-mps"
-
-_HASH = re.compile(r"[0-9a-f]{16}")
-_KEY = re.compile(r"[0-9a-f]{64}")
-
-
-# ---- where the state lives ----------------------------------------------------------------------
-
-
-def resolve_state_dir(given: str | None, environ: Mapping[str, str] = os.environ, uid: int | None = None) -> str:
-    """The state directory: ``given`` (``--state-dir``), else systemd's ``$STATE_DIRECTORY`` (the
-    first of its colon-separated paths), else ``/var/lib/meshd-mps`` for root, else the XDG state
-    directory (``$XDG_STATE_HOME/meshd-mps``, ``~/.local/state/meshd-mps`` by default; a relative
-    ``$XDG_STATE_HOME`` is ignored, as the XDG spec says).  Nothing is created here."""
-    if given:
-        return os.path.abspath(given)
-    first = environ.get("STATE_DIRECTORY", "").split(":")[0]
-    if first:
-        return os.path.abspath(first)
-    uid = os.getuid() if uid is None else uid
-    if uid == 0:
-        return ROOT_STATE_DIR
-    xdg = environ.get("XDG_STATE_HOME", "")
-    if os.path.isabs(xdg):
-        return os.path.join(xdg, "meshd-mps")
-    home = environ.get("HOME") or pwd.getpwuid(uid).pw_dir
-    return os.path.join(home, ".local", "state", "meshd-mps")
-
-
-def open_state_dir(path: str, *, uid: int | None = None) -> str:
-    """``path`` made (0700) if it is missing, then refused (StateDirRefused, saying why) unless it
-    is the daemon's alone: what it holds is loaded back as the programs to run, so whoever else can
-    write it could make the daemon run their code.  ``uid``: the daemon's (default the effective
-    uid; a parameter so that the refusal of another owner can be tested without root).  The
-    absolute path."""
-    me = os.geteuid() if uid is None else uid
-    path = os.path.abspath(path)
-    try:
-        os.makedirs(path, mode=0o700)
-        os.chmod(path, 0o700)  # the umask could have taken bits off, never added: this is exact
-        log.info(f"state: made the state directory {path}", path=path)
-    except FileExistsError:
-        pass  # checked below, whatever it is
-    except OSError as e:
-        raise StateIOError(f"state directory {path}: cannot create it: {e.strerror}", file=path,
-                           why=e.strerror or str(e)) from e
-    try:
-        lst = os.lstat(path)
-        try:
-            st = os.stat(path)
-        except FileNotFoundError as e:
-            raise _refused(path, lst.st_uid, "it is a dangling symlink") from e
-    except OSError as e:
-        raise StateIOError(f"state directory {path}: {e.strerror}", file=path, why=e.strerror or str(e)) from e
-    check_state_dir(path, lst, st, me)
-    ptx = os.path.join(path, PTX_DIR)
-    try:
-        os.makedirs(ptx, mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise StateIOError(f"state directory {ptx}: cannot create it: {e.strerror}", file=ptx,
-                           why=e.strerror or str(e)) from e
-    return path
-
-
-def check_state_dir(path: str, lst: os.stat_result, st: os.stat_result, me: int) -> None:
-    """The refusals of :func:`open_state_dir`, on the directory's ``lstat`` and ``stat``: a pure
-    function of them, so every branch is tested with the stat results it refuses."""
-    link = stat.S_ISLNK(lst.st_mode)
-    via = f" (through the symlink {path} -> {os.path.realpath(path)})" if link else ""
-    if link and lst.st_uid not in (me, 0):
-        raise _refused(path, lst.st_uid, f"it is a symlink owned by uid {lst.st_uid}, not by this daemon's uid {me} or root")
-    if not stat.S_ISDIR(st.st_mode):
-        raise _refused(path, st.st_uid, f"it is not a directory{via}")
-    if st.st_uid != me:
-        raise _refused(path, st.st_uid, f"it is owned by uid {st.st_uid}, not by this daemon's uid {me}{via}")
-    if st.st_mode & 0o022:
-        who = " and ".join(w for w, bit in (("its group", 0o020), ("other users", 0o002)) if st.st_mode & bit)
-        raise _refused(path, st.st_uid, f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}){via}")
-
-
-def _refused(path: str, owner: int, why: str) -> StateDirRefused:
-    return StateDirRefused(f"state directory {path}: {why}; refusing it (what it holds is loaded back as the programs"
-                           f" to run): make it yours, mode 0700, or name another with --state-dir", path=path, owner=owner,
-                           why=why)
-
-
-# ---- a program's record -------------------------------------------------------------------------
-
-
-def ptx_key(ptx: bytes) -> str:
-    """The PTX's name in ``ptx/``: its SHA-256, in hex."""
-    return hashlib.sha256(ptx).hexdigest()
-
-
-@dataclass(frozen=True)
-class ProgramRecord:
-    """What it takes to run a program again as it ran: its manifest and PTX (by ``ptx_key``), the
-    mailbox ``slot`` it had, its ``nodes``, its GPU (``device``), its ``restart`` policy
-    (``RESTART``), its image ``hash`` (16 hex digits) and when it was recorded (wall time, for
-    people: nothing orders by it)."""
-
-    name: str
-    manifest: dict[str, Any]
-    ptx_key: str
-    slot: int
-    nodes: int
-    device: int
-    restart: str
-    hash: str
-    recorded_at: float
-
-    @classmethod
-    def of(cls, name: str, manifest: Mapping[str, Any], ptx: bytes, *, slot: int, nodes: int, device: int,
-           hash: int | str, restart: str = DEFAULT_RESTART.value) -> ProgramRecord:
-        """The record of a program just loaded: ``ptx_key`` computed from ``ptx``, ``hash`` as
-        ``Program.hash`` (an int) or its 16 hex digits, recorded now; checked."""
-        h = f"{hash:016x}" if isinstance(hash, int) else hash
-        return cls(name=name, manifest=dict(manifest), ptx_key=ptx_key(ptx), slot=slot, nodes=nodes, device=device,
-                   restart=restart, hash=h, recorded_at=time.time()).check()
-
-    def check(self) -> ProgramRecord:
-        """Itself, or ValueError naming the field that is wrong."""
-        try:
-            check_name(self.name, "name")
-        except BadName as e:
-            raise ValueError(str(e)) from e
-        if not isinstance(self.manifest, dict):
-            raise ValueError(f"manifest: a JSON object expected, got {type(self.manifest).__name__}")
-        if not isinstance(self.ptx_key, str) or not _KEY.fullmatch(self.ptx_key):
-            raise ValueError(f"ptx_key {self.ptx_key!r}: 64 hex digits expected (a SHA-256)")
-        for k, lo in (("slot", 0), ("nodes", 1), ("device", 0)):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{k} {v!r}: an integer, {lo} or more, expected")
-        if self.restart not in RESTART:
-            raise ValueError(f"restart {self.restart!r}: one of {', '.join(RESTART)} expected")
-        if not isinstance(self.hash, str) or not _HASH.fullmatch(self.hash):
-            raise ValueError(f"hash {self.hash!r}: 16 lowercase hex digits expected")
-        t = self.recorded_at
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
-            raise ValueError(f"recorded_at {t!r}: a time in seconds expected")
-        return self
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, obj: object) -> ProgramRecord:
-        """A record read back, checked; ValueError says what is wrong with it."""
-        if not isinstance(obj, dict):
-            raise ValueError(f"a JSON object expected, got {type(obj).__name__}")
-        names = [f.name for f in fields(cls)]
-        missing = [k for k in names if k not in obj]
-        if missing:
-            raise ValueError(f"field {missing[0]!r} is missing")
-        extra = sorted(set(obj) - set(names))
-        if extra:
-            raise ValueError(f"unknown field {extra[0]!r}")
-        return cls(**{k: obj[k] for k in names}).check()
 
 
 # ---- the store -----------------------------------------------------------------------------------
@@ -339,6 +188,15 @@ class Store:
             log.debug(f"state: removed {len(removed)} PTX files no record names", files=removed)
         return removed
 
+    # ---- what a live restore carries over (history.py) -----------------------------------------
+    def history(self) -> History:
+        """The programs' launches and the fault reports the last daemon kept."""
+        return read_history(self.dir)
+
+    def keep_history(self, h: History) -> None:
+        """``h`` kept, whole, before it returns; StateIOError if the disk refuses."""
+        write_history(self.dir, h)
+
     # ---- the files ----------------------------------------------------------------------------
     def _lock(self) -> int:
         path = os.path.join(self.dir, LOCK)
@@ -351,7 +209,7 @@ class Store:
         except BlockingIOError as e:
             os.close(fd)
             why = "another meshd-mps holds its lock (two daemons would write over each other's state)"
-            raise _refused(self.dir, os.stat(self.dir).st_uid, why) from e
+            raise refused(self.dir, os.stat(self.dir).st_uid, why) from e
         return fd
 
     def _sweep_temps(self) -> None:
@@ -437,7 +295,7 @@ class Store:
     def _write_ptx(self, key: str, ptx: bytes) -> None:
         if self._ptx_problem(key) is None:
             return  # content-addressed: already there, and whole
-        _atomic_write(self.ptx_dir, f"{key}.ptx", ptx)
+        atomic_write(self.ptx_dir, f"{key}.ptx", ptx)
 
     def _write(self, records: dict[str, ProgramRecord]) -> None:
         gen = self.generation + 1
@@ -445,7 +303,7 @@ class Store:
         body: dict[str, Any] = {"schema": SCHEMA, "generation": gen, "written_at": time.time(),
                                 "programs": {**self._unusable, **{n: records[n].to_json() for n in sorted(records)}}}
         body["checksum"] = _checksum(body)
-        _atomic_write(self.dir, SLOTS[slot], json.dumps(body, indent=1, sort_keys=True).encode() + b"\n")
+        atomic_write(self.dir, SLOTS[slot], json.dumps(body, indent=1, sort_keys=True).encode() + b"\n")
         self._prev_keys = {r.ptx_key for r in self._records.values()}
         self._records = dict(records)
         self.generation, self._slot = gen, slot
@@ -483,29 +341,3 @@ def _decode(path: str, data: bytes) -> tuple[int, dict[str, Any]]:
     if not isinstance(programs, dict):
         raise _Skip("no programs object")
     return gen, programs
-
-
-def _atomic_write(dir: str, name: str, data: bytes) -> None:
-    """``dir/name`` is the old content or the new one, whole, at every instant, even across a
-    crash: a temp file in ``dir``, written and fsynced, renamed over it, then ``dir`` fsynced so
-    that the rename itself is durable."""
-    path = os.path.join(dir, name)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=dir, prefix=f".{name}.", suffix=TMP_SUFFIX)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        dfd = os.open(dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError as e:
-        raise StateIOError(f"state: {path}: not written: {e.strerror or e}", file=path, why=e.strerror or str(e)) from e

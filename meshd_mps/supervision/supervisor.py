@@ -14,7 +14,7 @@ Live restore (issue 17): a worker spawned with ``listen=DIR`` serves its frames 
 ``DIR/<pid>.sock`` and outlives us; ``detach()`` stops the supervisor without retiring such
 workers (their connections closed, nothing killed), and the next meshd-mps's supervisor
 ``adopt()``s each one by its socket: the same process, its HELLO (docs/protocol.md) saying what it
-runs.
+runs.  Reaching such a worker and checking its HELLO is handshake.py's.
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
-import struct
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -34,31 +31,13 @@ import structlog
 from anyio.abc import TaskGroup
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.errors import (
-    ConfigError,
-    FrameError,
-    MeshError,
-    NoReply,
-    PeerMismatch,
-    ProtocolMismatch,
-    SpawnFailed,
-    WorkerError,
-    WorkerGone,
-    WorkerUnfit,
-)
+from meshd_mps.errors import MeshError, ProtocolMismatch, SpawnFailed, WorkerError, WorkerGone
 from meshd_mps.protocol import frames
-from meshd_mps.protocol.frames import Hello, Op
-from meshd_mps.supervision import child, procfs
+from meshd_mps.protocol.frames import Op
+from meshd_mps.supervision import child, handshake, procfs
 from meshd_mps.supervision.proc import DETACHABLE, WorkerProc, WorkerState
-from meshd_mps.supervision.wire import FrameReader, SocketWriter
 
 log = structlog.get_logger("meshd_mps")
-
-
-async def _open(path: str) -> tuple[FrameReader, SocketWriter]:
-    """A connection to the worker listening on ``path``: its frames read as they arrive."""
-    transport, reader = await asyncio.get_running_loop().create_unix_connection(FrameReader, path)
-    return reader, SocketWriter(transport, reader)
 
 
 class Supervisor:
@@ -163,7 +142,7 @@ class Supervisor:
 
     async def _spawn_listening(self, argv: Sequence[str], env: Mapping[str, str], program: str | None,
                                dir: str) -> WorkerProc:
-        dir, fd, spawning = _listen_dir(dir)
+        dir, fd, spawning = handshake.listen_dir(dir)
         d = self.deadlines
         argv = [*argv, "--listen", dir, "--orphan-timeout", f"{d.orphan:g}", "--halt-within", f"{d.orphan_halt:g}"]
         try:
@@ -177,9 +156,9 @@ class Supervisor:
         os.replace(spawning, log_file)
         path = frames.listen_path(dir, process.pid)
         try:
-            link = await self._connect(path, process)
+            link = await handshake.connect(path, process, self.deadlines)
             try:
-                hello = await self._hello(link, process.pid, path)
+                hello = await handshake.check_hello(link, process.pid, path, self.deadlines)
             except BaseException:
                 link[1].close()
                 raise
@@ -198,60 +177,6 @@ class Supervisor:
         log.debug("worker spawned", pid=w.pid, socket=path)
         return w
 
-    async def _connect(self, path: str, process: child.Child) -> tuple[FrameReader, SocketWriter]:
-        """Our connection to a worker we just started: retried until its socket is there."""
-        within = self.deadlines.connect
-        try:
-            with anyio.fail_after(within):
-                while True:
-                    try:
-                        return await _open(path)
-                    except (FileNotFoundError, ConnectionRefusedError):
-                        if process.exited:
-                            raise WorkerGone(f"worker {process.pid} exited (status {process.returncode}) before it"
-                                             f" listened on {path}", pid=process.pid) from None
-                        await anyio.sleep(0.005)  # it is starting: poll for its socket
-        except TimeoutError as e:
-            raise NoReply(f"worker {process.pid}: no socket at {path} within {within:g}s", pid=process.pid,
-                          within=within) from e
-
-    async def _hello(self, link: tuple[FrameReader, SocketWriter], pid: int | None, path: str) -> Hello:
-        """The HELLO a worker sends first on our connection, checked: the peer's credentials
-        (SO_PEERCRED: the process that listens) must be ours and name the pid it claims (and
-        ``pid``, where we know it), its protocol version ours."""
-        reader, writer = link
-        sock: Any = writer.get_extra_info("socket")
-        peer, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-        who = pid if pid is not None else peer
-        if uid != os.getuid():
-            raise PeerMismatch(f"worker socket {path}: served by uid {uid}, not ours ({os.getuid()}); refusing",
-                               pid=peer, claimed=who)
-        if pid is not None and peer != pid:
-            raise PeerMismatch(f"worker {pid}: its socket {path} is served by process {peer}; refusing",
-                               pid=peer, claimed=pid)
-        within = self.deadlines.hello
-        try:
-            with anyio.fail_after(within):
-                op, body = await reader.first()
-            if op != Op.HELLO:
-                raise FrameError(f"{op.name} where HELLO comes first")
-            version, claimed = Hello.head(body)
-            if version not in frames.ADOPTS:
-                raise ProtocolMismatch(peer, version, frames.PROTOCOL_VERSION)
-            hello = Hello.decode(body)
-        except TimeoutError as e:
-            raise NoReply(f"worker {who}: no HELLO in {within:g}s", pid=who, within=within) from e
-        except EOFError as e:
-            if isinstance(reader.why, FrameError):
-                raise WorkerUnfit(f"worker {who}: bad frame: {reader.why}", pid=who) from e
-            raise WorkerGone(f"worker {who} closed its socket before its HELLO", pid=who) from e
-        except FrameError as e:
-            raise WorkerUnfit(f"worker {who}: bad frame: {e}", pid=who) from e
-        if claimed != peer:
-            raise PeerMismatch(f"worker socket {path}: HELLO names pid {claimed}, but process {peer} serves it;"
-                               " refusing", pid=peer, claimed=claimed)
-        return hello
-
     async def adopt(self, path: str) -> WorkerProc:
         """The worker that listens on ``path`` (started by an earlier meshd-mps with ``listen``),
         taken over: connected, its HELLO checked (``PeerMismatch``: left as it runs; ``ProtocolMismatch``: kept for
@@ -265,7 +190,7 @@ class Supervisor:
         named = os.path.basename(path).removesuffix(".sock")
         pid_of_name = int(named) if named.isdigit() else 0
         try:
-            link = await _open(path)
+            link = await handshake.open_link(path)
         except FileNotFoundError as e:
             raise WorkerGone(f"worker {pid_of_name}: no socket at {path}", pid=pid_of_name) from e
         except ConnectionRefusedError as e:
@@ -276,7 +201,7 @@ class Supervisor:
         except OSError as e:
             raise WorkerGone(f"worker {pid_of_name}: {path}: {e.strerror or e}", pid=pid_of_name) from e
         try:
-            hello = await self._hello(link, None, path)
+            hello = await handshake.check_hello(link, None, path, self.deadlines)
         except ProtocolMismatch as e:
             self._unadopted(e.pid, path, link)  # its connection kept: dismiss tells it to QUIT
             raise
@@ -297,7 +222,7 @@ class Supervisor:
                  modules=[m.name for m in hello.modules], launches=len(hello.launches))
         return w
 
-    def _unadopted(self, pid: int, path: str, link: tuple[FrameReader, SocketWriter]) -> None:
+    def _unadopted(self, pid: int, path: str, link: handshake.Link) -> None:
         """A worker of another protocol version: kept (its connection, a pidfd) for ``dismiss``."""
         try:
             process = child.Adopted.watch(pid)
@@ -482,21 +407,6 @@ class Supervisor:
             with anyio.CancelScope(shield=True):
                 await asyncio.wait({self._runner})
             self._runner.result()  # what a task of the group raised
-
-
-def _listen_dir(dir: str) -> tuple[str, int, str]:
-    """The absolute ``dir`` (made 0700 if missing) and a fresh log file in it (0600, fd and path),
-    named by the worker's pid once it runs."""
-    dir = os.path.abspath(dir)
-    if not frames.listen_dir_fits(dir):
-        raise ConfigError(f"worker sockets under {dir} would be over the {frames.SUN_PATH_MAX}-byte limit of a"
-                          " Unix socket's path; choose a shorter state directory")
-    try:
-        os.makedirs(dir, mode=0o700, exist_ok=True)
-        fd, spawning = tempfile.mkstemp(prefix="spawn.", suffix=".log", dir=dir)
-    except OSError as e:
-        raise SpawnFailed(f"mps worker: {dir}: {e.strerror or e}") from e
-    return dir, fd, spawning
 
 
 def _kill(w: WorkerProc) -> None:

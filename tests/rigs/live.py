@@ -7,9 +7,9 @@ import os
 
 from meshd_mps.backend import live_paths
 from meshd_mps.deadlines import Deadlines
-from meshd_mps.mps.clients import worker_argv
 from meshd_mps.mps.control import ControlDaemon
 from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.supervision.argv import worker_argv
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
 

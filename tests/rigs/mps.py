@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import tempfile
 
-from meshd_mps.isolation.mps import MpsIsolation
-from meshd_mps.mps.clients import Mps
+from meshd_mps.isolation.mps import Mps, MpsIsolation
 from meshd_mps.mps.control import ControlDaemon
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.supervision.supervisor import Supervisor

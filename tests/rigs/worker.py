@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from meshd_mps.protocol import frames
-from meshd_mps.protocol.frames import Done, Launch, Load, Loaded, Op
+from meshd_mps.protocol.frames import Done, LaunchReq, Load, Loaded, Op
 from meshd_mps.protocol.mailbox import Mailbox
 
 from .waits import poll
@@ -118,7 +118,7 @@ class Worker:
         return frames.reply_text(payload)
 
     def launch(self, module: int, gen: int, slot: int, nodes: int = 1) -> None:
-        ok, payload = self.ask(Op.LAUNCH, Launch(module, gen, slot, nodes).encode(), Op.LAUNCHED)
+        ok, payload = self.ask(Op.LAUNCH, LaunchReq(module, gen, slot, nodes).encode(), Op.LAUNCHED)
         assert ok, frames.reply_text(payload)
 
     def unload(self, module: int) -> None:

@@ -1,7 +1,7 @@
 """The CUDA backend in either mode, for an asyncio host: ``await Backend.open()``, or
 ``async with Backend.open() as b``.
 
-Its surface mirrors the seed's backend ops: caps, isolated / isolation, the
+Its surface mirrors the seed's backend ops: caps, isolation, the
 mailbox, prepare (compile and, in MPS mode, preload), load, launch with an
 awaitable completion, query, unload, close.  Each op is that of its GPU's
 :class:`~meshd_mps.isolation.base.Isolation` (blink or MPS, chosen once at
@@ -18,110 +18,39 @@ the GPU named, else on the least loaded one.  ``info``, ``caps`` and
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import os
 from collections.abc import Awaitable, Callable, Collection, Generator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
 import structlog
 
+from meshd_mps import defaults
+from meshd_mps.backend import leftovers
+from meshd_mps.backend.inventory import inventory
+from meshd_mps.backend.leftovers import live_mailbox, live_paths
+from meshd_mps.backend.native import NativeClients
 from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import (
-    ConfigError,
-    MailboxError,
-    MpsError,
-    NotOurClient,
-    NotServedHere,
-    ProtocolMismatch,
-    Unavailable,
-    WorkerError,
-    WorkerGone,
-    WrongMode,
-)
+from meshd_mps.errors import ConfigError, MailboxError, NotServedHere, Unavailable
 from meshd_mps.faults import Stray
 from meshd_mps.gpu.compiler import Compiler, Manifest
-from meshd_mps.gpu.device import (
-    Caps,
-    DeviceInfo,
-    caps_of,
-    check_sms,
-    check_unique,
-    choose_devices,
-    device_count,
-    ordinals_text,
-    query_device,
-    simulated_count,
-    simulated_device,
-)
+from meshd_mps.gpu.device import Caps, DeviceInfo, check_unique, ordinals_text
 from meshd_mps.isolation import limits
-from meshd_mps.isolation.base import Admit, Found, Image, Isolation, Kernel, Mode
+from meshd_mps.isolation.base import Admit, BlinkStats, Evidence, Found, Image, Isolation, Kernel, Mode
 from meshd_mps.isolation.blink import Blink, last_blink_ms
 from meshd_mps.isolation.launch import Launch
+from meshd_mps.isolation.mps import Mps
 from meshd_mps.log import setup_logging
-from meshd_mps.mps.clients import MAX_CLIENTS, Mps
-from meshd_mps.mps.control import ControlDaemon, Owner
+from meshd_mps.mps.clients import MAX_CLIENTS
+from meshd_mps.mps.control import ControlDaemon
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
 
-__all__ = ["Backend", "Evidence", "Found", "Image", "Kernel", "LivePaths", "Opening", "live_paths"]
-
 log = structlog.get_logger("meshd_mps")
 
 IsolationName = Literal["blink", "mps"]
-
-
-#: Where the live-restore mailbox lives: shared memory (tmpfs).  The GPU maps the mailbox as host
-#: memory (cuMemHostRegister), which the H200's driver refused for a regular file's pages
-#: (CUDA_ERROR_INVALID_VALUE, 2026-12-03) and takes for shmem, as for today's memfd.
-SHM_DIR = "/dev/shm"
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """What one GPU holds about a failure, read in one call (``Backend.evidence``) for faults.py to
-    weigh: the mode's differences stay in its isolation."""
-
-    #: The pids the MPS server logged as having hit a fatal error on that GPU, taken (a later look
-    #: does not see them again); none where there is no server (blink).
-    fatal_pids: list[int]
-    #: Workers of that GPU, none of the caller's, that ended on their own with a kernel launched:
-    #: the culprit where no program is (faults.name_culprit); ``Backend.took`` once one is named.
-    strays: list[Stray]
-    #: Every failure of a program's launch is its GPU's (blink: one context, whose error is
-    #: sticky); False: whether it was a fault of the GPU is for the rest of the evidence to say.
-    gpu_wide: bool
-
-
-@dataclass(frozen=True)
-class LivePaths:
-    """What outlives the daemon for a live-restore directory (the state dir)."""
-
-    mailbox: str  # the mailbox every worker maps: a file in SHM_DIR named after the state dir, this user's
-    mps: str  # the MPS control daemon's directory (pipes, logs, its marker)
-    workers: str  # each worker's <pid>.sock and <pid>.log
-
-
-def live_paths(dir: str) -> LivePaths:
-    d = os.path.abspath(dir)  # the workers compare the mailbox path they were given with ours
-    tag = hashlib.sha256(os.fsencode(d)).hexdigest()[:16]
-    return LivePaths(os.path.join(SHM_DIR, f"meshd-mps.{os.getuid()}.{tag}.mailbox"), os.path.join(d, "mps"),
-                     os.path.join(d, "workers"))
-
-
-def _live_mailbox(path: str) -> Mailbox:
-    """The mailbox an earlier meshd-mps left (its kernels may run on it: its contents kept), else a
-    new one."""
-    if os.path.exists(path):
-        try:
-            return Mailbox.open(path)
-        except MailboxError as e:
-            log.warning(f"live restore: {e}; making a new one")
-    return Mailbox.create(path)
 
 
 class Opening:
@@ -172,7 +101,7 @@ class Opening:
         return await self._b.sup.__aexit__(typ, exc, tb)
 
 
-class Backend:
+class Backend(NativeClients):
     def __init__(self, isolation: IsolationName, sms: int, mps_dir: str | None, pool: int, gpu: str,
                  cache_dir: str | None, deadlines: Deadlines, max_clients: int, devices: Sequence[int] | None = None,
                  live: str | None = None, clear: str | None = None):
@@ -195,13 +124,14 @@ class Backend:
         #: file, the MPS directory and the workers' sockets (``live_paths``); None: nothing does.
         self.live = live
         self._clear = clear
-        self.mailbox = _live_mailbox(live_paths(live).mailbox) if live is not None else Mailbox.create()
+        self.mailbox = live_mailbox(live_paths(live).mailbox) if live is not None else Mailbox.create()
         #: Live restore: the modules the adopted workers hold, for the programs to take or halt.
         self.found: list[Found] = []
         #: Live restore: what adoption did with each worker left, for status and the log.
         self.adoption: dict[str, list[int]] = {}
         #: The mode's host-wide part, which holds each GPU's isolation (made at open).
         self.mode: Mode | None = None
+        self._mps: Mps | None = None  # the same, in MPS mode
         self.devices: tuple[int, ...] = ()  # the GPUs driven, ascending (known once open)
         self.infos: dict[int, DeviceInfo] = {}
         self.device_caps: dict[int, Caps] = {}
@@ -209,8 +139,8 @@ class Backend:
         self._closed = False
 
     @classmethod
-    def open(cls, *, isolation: IsolationName = "blink", sms: int = 0, mps_dir: str | None = None, pool: int = 0,
-             gpu: str = "cuda", cache_dir: str | None = None, deadlines: Deadlines = Deadlines(),
+    def open(cls, *, isolation: IsolationName = defaults.ISOLATION, sms: int = defaults.SMS, mps_dir: str | None = None,
+             pool: int = 0, gpu: str = defaults.GPU, cache_dir: str | None = None, deadlines: Deadlines = Deadlines(),
              max_clients: int = MAX_CLIENTS, devices: Sequence[int] | None = None, live: str | None = None,
              clear: str | None = None) -> Opening:
         """Start the backend: in MPS mode the private daemon and the pools first.  ``devices``: the
@@ -239,168 +169,24 @@ class Backend:
         listen = paths.workers if paths is not None else None
         if self.isolation == "mps":
             mps_dir = self._mps_dir or (paths.mps if paths is not None else None)
-            return Mps.under(mps_dir, self.sup, self.mailbox.path, self.sms, self.gpu, self._pool_n, self._max_clients,
-                             listen)
+            self._mps = Mps.under(mps_dir, self.sup, self.mailbox.path, self.sms, self.gpu, self._pool_n,
+                                  self._max_clients, listen)
+            return self._mps
         return Blink(self.sup, self.mailbox, self.sms, self.gpu, listen)
 
     async def _open(self) -> None:
         if self._clear is not None:
-            await self._clear_left(self._clear)
+            await leftovers.clear_left(self.sup, self._clear)
         self.mode = self._choose()
         await self.mode.start()
-        await self._devices()
-        adopted = await self._adopt() if self.live is not None else {}
+        inv = await inventory(self.gpu, self._asked, self.sms, self._cache_dir)
+        self.devices, self.infos, self.device_caps, self.compilers = inv.devices, inv.infos, inv.caps, inv.compilers
+        adopted: dict[int, list[WorkerProc]] = {}
+        if self.live is not None:
+            adoption = await leftovers.adopt(self.sup, self.mailbox, self.live, self.devices, self.mode.keeps_workers)
+            self.adoption, adopted = adoption.report, adoption.kept
         await self.mode.open(self.devices, adopted)
         self.found = [f for g in self.isolations.values() for f in g.found]
-
-    async def _adopt(self) -> dict[int, list[WorkerProc]]:
-        """Live restore: every worker an earlier meshd-mps left on its socket, adopted (its HELLO:
-        what it runs).  Those this backend cannot keep (another protocol version, another mailbox,
-        a GPU not served here, clients of an MPS server that is gone) have their kernels halted
-        through the mailbox and are told to QUIT; every slot that no kept worker runs on is zeroed.
-        Each GPU's kept workers, for its isolation to take in."""
-        assert self.mode is not None and self.live is not None
-        d = live_paths(self.live).workers
-        try:
-            paths = sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".sock"))
-        except FileNotFoundError:
-            paths = []
-        kept: list[WorkerProc] = []
-        unwanted: list[WorkerProc] = []
-        out: dict[str, list[int]] = {"adopted": [], "dismissed": [], "gone": []}
-        for path in paths:
-            try:
-                w = await self.sup.adopt(path)
-            except ProtocolMismatch as e:
-                log.warning(f"live restore: {e}: its programs are reloaded", pid=e.pid, theirs=e.theirs, ours=e.ours)
-                continue
-            except WorkerError as e:  # gone, not ours (PeerMismatch), or no HELLO
-                log.warning(f"live restore: {path}: {e}", pid=e.pid)
-                if isinstance(e, WorkerGone):
-                    out["gone"].append(e.pid or 0)
-                continue
-            if why := self._not_kept(w):
-                log.warning(f"live restore: worker {w.pid} not kept: {why}", pid=w.pid)
-                unwanted.append(w)
-            else:
-                kept.append(w)
-        keep = {la.slot for w in kept for la in (w.hello.launches if w.hello else ()) if la.running}
-        stale = [s for s in range(abi.SLOTS) if s not in keep and self.mailbox.u32(s, abi.STATE) == abi.RUNNING]
-        if stale:
-            await self._halt_slots(stale)
-        for w in unwanted:
-            self.sup.retire(w, before_exit=False)
-        out["dismissed"] = [w.pid for w in unwanted] + await self.sup.dismiss()
-        for s in range(abi.SLOTS):
-            if s not in keep:
-                self.mailbox.reset_slot(s)
-        out["adopted"] = sorted(w.pid for w in kept)
-        self.adoption = out
-        by: dict[int, list[WorkerProc]] = {}
-        for w in kept:
-            by.setdefault(w.device, []).append(w)
-        return by
-
-    def _not_kept(self, w: WorkerProc) -> str:
-        """Why an adopted worker cannot be kept ("": it can)."""
-        assert self.mode is not None and w.hello is not None
-        if not self.mode.keeps_workers:
-            return "its MPS server is gone"
-        if w.hello.mailbox != self.mailbox.path:
-            return f"it maps mailbox {w.hello.mailbox}, not ours"
-        if w.device not in self.devices:
-            return f"its GPU {w.device} is not served here"
-        return ""
-
-    async def _halt_slots(self, slots: list[int], mailbox: Mailbox | None = None) -> None:
-        """HALT on ``slots`` of ``mailbox`` (ours), whose kernels no worker of ours runs (left by
-        workers we cannot keep), and their STATE awaited off RUNNING within ``halt``: they must not
-        exit with a kernel running (under MPS that faults the GPU), nor share a slot with a new one."""
-        mb = mailbox or self.mailbox
-        for s in slots:
-            mb.halt(s)
-        within = self.sup.deadlines.halt
-        with anyio.move_on_after(within):
-            while any(mb.u32(s, abi.STATE) == abi.RUNNING for s in slots):
-                await anyio.sleep(0.005)  # the kernels answer in host memory: nothing to await but the words
-        left = [s for s in slots if mb.u32(s, abi.STATE) == abi.RUNNING]
-        log.info(f"live restore: halted the kernels on slots {slots} that no adopted worker runs",
-                 still_running=left)
-        if left:
-            log.error(f"live restore: slots {left} still RUNNING {within:g}s after HALT (no kernel answers there, or"
-                      " one that ignores HALT); they are zeroed and reused", slots=left)
-
-    async def _clear_left(self, dir: str) -> None:
-        """Without live restore: what an earlier meshd-mps with live restore left under ``dir``
-        (workers on sockets, their kernels, the MPS daemon, the mailbox file) halted and ended, so
-        that nothing of it runs on unseen: kernels halted through that mailbox, workers told to
-        QUIT (killed past ``retire_quit``), the daemon adopted and quit."""
-        paths = live_paths(dir)
-        try:
-            socks = sorted(os.path.join(paths.workers, n) for n in os.listdir(paths.workers) if n.endswith(".sock"))
-        except FileNotFoundError:
-            socks = []
-        mb = None
-        if socks:
-            try:
-                mb = Mailbox.open(paths.mailbox)
-            except MailboxError as e:
-                log.error(f"left by live restore: {e}: its kernels cannot be halted")
-        try:
-            ws: list[WorkerProc] = []
-            for path in socks:
-                try:
-                    ws.append(await self.sup.adopt(path))
-                except WorkerError as e:  # ProtocolMismatch too: kept by the supervisor for dismiss
-                    log.warning(f"left by live restore: {path}: {e}", pid=e.pid)
-            if mb is not None:
-                running = [s for s in range(abi.SLOTS) if mb.u32(s, abi.STATE) == abi.RUNNING]
-                if running:
-                    await self._halt_slots(running, mb)
-            for w in ws:
-                self.sup.retire(w, before_exit=False)
-            dismissed = await self.sup.dismiss()
-            d = self.sup.deadlines
-            with anyio.move_on_after(d.retire_quit + d.retire_kill):
-                for w in ws:
-                    await w.process.wait()
-            if ws or dismissed:
-                log.warning(f"without --live-restore: {len(ws) + len(dismissed)} workers an earlier meshd-mps left"
-                            f" running in {paths.workers} halted and ended", pids=[w.pid for w in ws] + dismissed)
-        finally:
-            if mb is not None:
-                mb.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(paths.mailbox)
-        if Owner.read(paths.mps) is not None:  # a marker: a daemon of ours may run there
-            left = ControlDaemon(paths.mps, temporary=False, deadlines=self.sup.deadlines)
-            try:
-                await left.adopt()
-            except MpsError:
-                return  # none runs there (or not ours to quit: its meshd-mps is alive)
-            log.warning(f"without --live-restore: the MPS control daemon {left.pid} left in {paths.mps} quit")
-            await left.quit()
-
-    async def _devices(self) -> None:
-        """Which GPUs (checked against those visible), their figures, caps and compilers."""
-        if self.gpu == "sim":
-            visible = simulated_count()
-        else:
-            visible = await anyio.to_thread.run_sync(device_count)
-        self.devices = choose_devices(self._asked, visible)
-        several = len(self.devices) > 1
-        for d in self.devices:
-            info = simulated_device(d) if self.gpu == "sim" else await anyio.to_thread.run_sync(query_device, d)
-            check_sms(info, self.sms, f"GPU {d}" if several else "the device")
-            self.infos[d] = info
-            self.device_caps[d] = caps_of(info, self.sms)
-            # GPUs of the same kind share one compiler, so one cubin cache: a JIT once per kind.
-            same = next((c for c in self.compilers.values() if dataclasses.replace(c.info, ordinal=0)
-                         == dataclasses.replace(info, ordinal=0)), None)
-            self.compilers[d] = same or Compiler(info, self._cache_dir)
-        log.info(f"GPUs {ordinals_text(self.devices)} of {visible} visible: "
-                 + ", ".join(f"{d}: {self.infos[d].name} ({self.infos[d].arch}, {self.infos[d].sms_total} SMs)"
-                             for d in self.devices))
 
     # ---- each GPU's isolation -------------------------------------------------------------
     @property
@@ -414,7 +200,7 @@ class Backend:
     @property
     def mps(self) -> Mps | None:
         """MPS mode's host-wide part (the daemon, client checks, each GPU's pool); None in blink mode."""
-        return self.mode.as_mps() if self.mode is not None else None
+        return self._mps
 
     @property
     def daemon(self) -> ControlDaemon | None:
@@ -468,10 +254,6 @@ class Backend:
         return min(self.devices, key=lambda d: (count(d), d))
 
     # ---- the seed's backend ops ------------------------------------------------------------
-    @property
-    def isolated(self) -> bool:
-        return self.isolation == "mps"
-
     def mailbox_dev(self, device: int | None = None) -> int:
         """The mailbox's device address in GPU ``device``'s shared context (default: the first);
         0 in MPS mode (each worker has its own)."""
@@ -489,14 +271,15 @@ class Backend:
             raise Unavailable("backend closed")
         return c
 
-    async def prepare(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, expect: int | None = None,
+    async def prepare(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, hash: int | None = None,
                       device: int | None = None) -> Image:
         """Checks, PTX -> cubin (cached), and in MPS mode the preload into a worker; on GPU
-        ``device``, else on the least loaded one (``least_loaded``)."""
+        ``device``, else on the least loaded one (``least_loaded``).  ``hash``: the image hash the
+        caller requires (HashMismatch otherwise)."""
         if self._closed or not self.devices:
             raise Unavailable("backend closed")
         d = self.least_loaded() if device is None else self.device_or_first(device)
-        p = await self._compiler(d).prepare(manifest, ptx, expect)
+        p = await self._compiler(d).prepare(manifest, ptx, hash)
         return await self.isolations[d].prepare(p)
 
     def admit(self, device: int, name: str, nodes: int, used: float, new: bool = True) -> None:
@@ -569,13 +352,7 @@ class Backend:
         """GPU ``device``'s evidence about a failure: the server log's culprits (watched for up to
         ``wait`` seconds until one shows: the server writes its line within milliseconds of the
         fault), the strays that are none of ``ours`` (pids), and whether every failure is the GPU's."""
-        g = self._on(device)
-        pids = g.fatal_pids()
-        if not pids and wait > 0 and not g.shared_fate:
-            with anyio.move_on_after(wait):
-                while not (pids := g.fatal_pids()):
-                    await anyio.sleep(0.02)
-        return Evidence(pids, g.strays(set(ours)), g.shared_fate)
+        return await self._on(device).evidence(ours, wait)
 
     def took(self, device: int, stray: Stray) -> None:
         """``stray`` was named a fault's culprit: a later fault does not name it again."""
@@ -608,39 +385,6 @@ class Backend:
         """A task in the backend's task group (the supervisor's), ended with it."""
         self.sup.start_soon(fn, *args, name=name)
 
-    # ---- native clients ---------------------------------------------------------------------
-    def _mps_mode(self, what: str) -> Mps:
-        mps = self.mps
-        if mps is None:
-            raise WrongMode(f"{what}: native clients join our MPS server; this backend runs --isolation {self.isolation}",
-                            isolation=self.isolation)
-        return mps
-
-    def native_env(self) -> dict[str, str]:
-        """The environment a CUDA process that is not one of our workers needs to join our MPS
-        server as a native client (then register its pid: ``add_native``)."""
-        return self._mps_mode("native env").native_env()
-
-    async def add_native(self, pid: int) -> None:
-        """Register ``pid`` as a native client: checked to be a client of our server (MpsError
-        otherwise), then counted against the server's clients and not logged as foreign; dropped
-        when it exits."""
-        mps = self._mps_mode(f"native client {pid}")
-        mps.daemon.check_alive()  # a dead daemon is ours to report (500), not the caller's pid
-        try:
-            await mps.check_native(pid)
-        except MpsError as e:
-            raise NotOurClient(f"native client {pid} not registered: {e} (start it with the environment of"
-                               " `meshd-mps native`, and register it once its CUDA context exists)", pid=pid) from e
-
-    def drop_native(self, pid: int) -> bool:
-        """``pid`` no longer a native client of ours; False if it was not one."""
-        return self._mps_mode(f"native client {pid}").drop_native(pid)
-
-    def natives(self) -> list[int]:
-        """The native clients that still run (none in blink mode)."""
-        return sorted(self.mps.native) if self.mps is not None else []
-
     # ---- state ----------------------------------------------------------------------------
     def device_status(self, d: int) -> dict[str, Any]:
         """One GPU's part of ``status()``: its caps, workers, pool (MPS) or context and blinks (blink)."""
@@ -655,6 +399,10 @@ class Backend:
     def last_blink_ms(self) -> float | None:
         """Blink mode: the length of the latest blink on any GPU (None before the first)."""
         return last_blink_ms(self.isolations.values())
+
+    def blink_stats(self) -> dict[int, BlinkStats]:
+        """Each GPU's blinks, of those whose module changes halt their programs (blink mode; none in MPS mode)."""
+        return {d: s for d, g in sorted(self.isolations.items()) if (s := g.blink_stats()) is not None}
 
     def status(self) -> dict[str, Any]:
         """The first GPU's caps and context at the top (as on a one-GPU host), every GPU's under ``devices``;

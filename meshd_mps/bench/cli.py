@@ -1,0 +1,66 @@
+"""``meshd-mps bench`` and ``python -m meshd_mps.bench``: the arguments checked as serve checks its
+own (exit 2, the fault named), the sections run, the table printed and the JSON written; exit 1 on an
+ERROR row or a child process left behind."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from meshd_mps import eventloop
+from meshd_mps.bench.children import leftovers
+from meshd_mps.bench.report import as_json, header, table
+from meshd_mps.bench.rig import Bench
+from meshd_mps.bench.runner import SECTIONS, run_bench
+from meshd_mps.errors import ConfigError
+from meshd_mps.log import setup_logging
+from meshd_mps.supervision import cpus
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="python -m meshd_mps.bench", description="meshd-mps's figures, each beside its baseline.")
+    ap.add_argument("--gpu", choices=("cuda", "sim"), default="cuda", help="the real GPU (default) or the CPU simulation")
+    ap.add_argument("--quick", action="store_true", help="smaller counts (8 workers, fewer samples): a CPU smoke run")
+    ap.add_argument("--json", metavar="FILE", help="also write the header and rows as JSON")
+    ap.add_argument("--mps-dir", metavar="DIR", help="where the private MPS daemons' directories go (default: a temporary one)")
+    ap.add_argument("--loop", choices=eventloop.CHOICES, default="auto",
+                    help="the event loop (default auto: uvloop where installed; (b) then runs once more on asyncio)")
+    ap.add_argument("--only", metavar="a,b,...", help="run only these sections (letters a-j, comma-separated)")
+    ap.add_argument("--cpu", default="auto", metavar="N|auto|off",
+                    help="the host CPU that (f)'s floor and ring spin on (default auto: the fastest floor of a survey)")
+    args = ap.parse_args(argv)
+    if args.cpu not in ("auto", "off"):
+        try:  # checked as serve checks --daemon-cpus: (f) and (b) place the bench's process so
+            one = cpus.parse(args.cpu, "--cpu")
+            if len(one) != 1:
+                raise ConfigError(f"--cpu {args.cpu}: one CPU, auto or off")
+            cpus.split(one, "--cpu")
+        except ConfigError as e:
+            print(f"meshd-mps bench: {e}", file=sys.stderr)
+            return 2
+    os.environ.setdefault("MESHD_MPS_LOG_LEVEL", "warning")  # workers inherit it
+    setup_logging(component="bench")
+    try:
+        eventloop.factory(args.loop)
+    except eventloop.LoopError as e:
+        print(f"meshd-mps bench: {e}", file=sys.stderr)
+        return 2
+    if args.only and not set(args.only.split(",")) <= {sec[0] for sec in SECTIONS}:
+        print(f"meshd-mps bench: --only {args.only}: expected letters a-j, comma-separated", file=sys.stderr)
+        return 2
+    bench = Bench(args.gpu, args.quick, args.mps_dir, args.loop, args.cpu)
+    try:
+        rows = run_bench(bench, args.only)
+    finally:
+        bench.cleanup()
+    left = leftovers()
+    h = header(bench, argv)
+    print(table(h, rows))
+    if left:
+        print(f"ERROR: child processes left behind (killed): {left}")
+    if args.json:
+        Path(args.json).write_text(as_json(h, rows, left))
+    return 1 if left or any(r.error for r in rows) else 0

@@ -1,0 +1,226 @@
+"""Rows (j) and (k), meshd-mps itself restarted:
+
+(j) restart (issue 17): ``meshd-mps serve`` with a state dir and ``heartbeat``, stopped (SIGTERM)
+    and started again: the heartbeat's largest beat gap across it (polled through the control API)
+    against its idle gap, and the stop to the API answering again against the first start's.
+    Restore by reload: the program is halted, loaded and launched again.
+(k) live restore (issue 17): ``serve --live-restore`` with ``heartbeat``, across a restart
+    (SIGTERM), an upgrade (a copy of this source tree with a later version started) and a SIGKILL
+    followed by a start: the kernel's own largest beat gap (MAX_GAP, read from the mailbox file)
+    against its idle MAX_GAP over a window as long as the longest of them (target: within 2x),
+    and the stop to the API answering again against (j)'s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from meshd_mps.backend import live_paths
+from meshd_mps.bench.children import our_children, reap_new_children
+from meshd_mps.bench.measure import spin
+from meshd_mps.bench.report import Row
+from meshd_mps.bench.rig import EXAMPLES, SOURCE, Bench
+from meshd_mps.protocol import abi
+from meshd_mps.protocol.mailbox import Mailbox
+
+
+def _beats(c: Any, name: str, within: float, until_after: float = 0.0) -> list[tuple[float, int]]:
+    """(monotonic time, heartbeat) of ``name`` polled through the control API for ``within`` s, or
+    (``until_after``) until it has advanced twice after that time."""
+    out: list[tuple[float, int]] = []
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        try:
+            hb = c.program(name)["heartbeat"]
+        except Exception:  # not loaded again yet
+            hb = None
+        if hb is not None:
+            out.append((time.monotonic(), hb))
+            if until_after and sum(1 for t, _ in out if t > until_after) > 2 and out[-1][1] > out[-2][1]:
+                break
+        time.sleep(0.001)
+    return out
+
+
+def _largest_gap(samples: list[tuple[float, int]]) -> float:
+    """The longest time between two samples whose heartbeat changed (a restart resets it)."""
+    changes = [t for (t, hb), (_, prev) in zip(samples[1:], samples, strict=False) if hb != prev]
+    return max((b - a for a, b in itertools.pairwise(changes)), default=0.0)
+
+
+class _Serve:
+    """A ``meshd-mps serve`` of the bench's in directory ``d``, started again as often as asked,
+    and timed from its start (or an earlier moment) to its control API answering."""
+
+    def __init__(self, d: str, bench: Bench, *extra: str):
+        self.d, self.sock, self.state = d, os.path.join(d, "s.sock"), os.path.join(d, "state")
+        self.argv = [sys.executable, "-m", "meshd_mps", "serve", "--gpu", bench.gpu, "--isolation", "mps", "--pool",
+                     "1", "--socket", self.sock, "--state-dir", self.state, "--log-format", "json", *extra]
+        self.p: subprocess.Popen[bytes] | None = None
+
+    def start(self, env: dict[str, str] | None = None) -> float:
+        """Started; the seconds until its API answered (``status``, which answers after the restore)."""
+        from meshd_mps.serving.client import Client
+
+        t0 = time.monotonic()
+        with open(os.path.join(self.d, "serve.log"), "ab") as log:
+            self.p = p = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        c = Client(self.sock, timeout=5)
+        while True:
+            if p.poll() is not None:
+                with open(os.path.join(self.d, "serve.log"), errors="replace") as f:
+                    tail = f.read()[-600:]
+                raise RuntimeError(f"serve exited with {p.returncode}: {tail}")
+            try:
+                c.status()
+                return time.monotonic() - t0
+            except Exception:
+                time.sleep(0.005)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.p is not None and self.p.poll() is None:
+            self.p.send_signal(sig)
+            self.p.wait(60)
+
+
+def restart_by_reload(bench: Bench) -> tuple[float, float, float, float]:
+    """A ``meshd-mps serve`` with a state dir and ``heartbeat`` loaded, stopped (SIGTERM) and started
+    again: (idle beat gap, beat gap across the restart, the stop-to-API-answering time, the first
+    start's), in seconds, as the control API shows them (polled every ~1 ms)."""
+    from meshd_mps.serving.client import Client, program_body
+
+    s = _Serve(tempfile.mkdtemp(prefix="mbr-", dir=bench.base), bench)
+    try:
+        first = s.start()
+        c = Client(s.sock, timeout=60)
+        c.load(program_body(str(EXAMPLES / "heartbeat"), arch=c.arch))
+        idle = _largest_gap(_beats(c, "heartbeat", 0.3 if bench.quick else 1.0))
+        before = _beats(c, "heartbeat", 0.2)
+        t_stop = time.monotonic()
+        s.stop()
+        s.start()
+        api = time.monotonic() - t_stop
+        after = _beats(Client(s.sock, timeout=60), "heartbeat", 60, until_after=time.monotonic())
+        gap = _largest_gap(before + after)
+        return idle, gap, api, first
+    finally:
+        s.stop()
+        shutil.rmtree(s.d, ignore_errors=True)
+
+
+def _gap_since_reset(mb: Mailbox, slot: int, reset: bool) -> int:
+    """The kernel's own MAX_GAP (ns); ``reset``: zeroed first (its next beat acknowledges it)."""
+    if reset:
+        mb.set_u32(slot, abi.GAP_RESET, 1)
+        spin(lambda: mb.u32(slot, abi.GAP_RESET) == 0, 10, "the heartbeat to zero MAX_GAP")
+        return 0
+    n = mb.heartbeat(slot)
+    spin(lambda: mb.heartbeat(slot) > n, 10, "the heartbeat's next beat")
+    return mb.u64(slot, abi.MAX_GAP)
+
+
+def _next_release(d: str) -> tuple[dict[str, str], str]:
+    """A copy of this meshd-mps's source tree with a later version, as an upgrade installs one: the
+    environment that runs it, and its version."""
+    src = SOURCE
+    dst = os.path.join(d, "next")
+    for part in ("meshd_mps", "workers"):
+        shutil.copytree(src / part, os.path.join(dst, part), ignore=shutil.ignore_patterns("__pycache__"))
+    version = "unknown"
+    if (src / "pyproject.toml").exists():
+        text = (src / "pyproject.toml").read_text()
+        m = re.search(r'^version = "([^"]+)"', text, re.M)
+        if m:
+            version = m.group(1) + ".post1"
+            text = text.replace(m.group(0), f'version = "{version}"', 1)
+        Path(dst, "pyproject.toml").write_text(text)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([dst, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return env, version
+
+
+def restart_live(bench: Bench) -> tuple[float, dict[str, tuple[float, float]], str]:
+    """``serve --live-restore`` with ``heartbeat`` loaded, stopped and started again three ways
+    (SIGTERM; SIGTERM and a later release started; SIGKILL): (the kernel's idle MAX_GAP, and for
+    each way its MAX_GAP across it and the stop-to-API-answering time, in seconds; the versions).
+    The gaps are the kernel's own (globaltimer), read from the mailbox file: no daemon needed."""
+    from meshd_mps.serving.client import Client, program_body
+
+    s = _Serve(tempfile.mkdtemp(prefix="mbl-", dir=bench.base), bench, "--live-restore")
+    mb: Mailbox | None = None
+    before = our_children()
+    try:
+        s.start()
+        c = Client(s.sock, timeout=60)
+        old = c.status()["versions"]["meshd-mps"]
+        slot = c.load(program_body(str(EXAMPLES / "heartbeat"), arch=c.arch))["program"]["slot"]
+        mb = Mailbox.open(live_paths(s.state).mailbox)
+        env, new = _next_release(s.d)
+        out: dict[str, tuple[float, float]] = {}
+        for how in ("restart", "upgrade", "sigkill"):
+            _gap_since_reset(mb, slot, reset=True)
+            t0 = time.monotonic()
+            s.stop(signal.SIGKILL if how == "sigkill" else signal.SIGTERM)
+            s.start(env if how == "upgrade" else None)
+            api = time.monotonic() - t0
+            st = Client(s.sock, timeout=60).status()
+            if st["state"]["restore"]["adopted"] != ["heartbeat"]:
+                raise RuntimeError(f"{how}: heartbeat not adopted: {st['state']['restore']}")
+            time.sleep(0.2)
+            out[how] = (_gap_since_reset(mb, slot, reset=False) / 1e9, api)
+            if how == "upgrade" and st["versions"]["meshd-mps"] != old:
+                new = st["versions"]["meshd-mps"]
+        # The baseline: as long a window with nothing happening as the longest of the three.
+        _gap_since_reset(mb, slot, reset=True)
+        time.sleep(max(a for _, a in out.values()) + 0.2)
+        idle = _gap_since_reset(mb, slot, reset=False) / 1e9
+        Client(s.sock, timeout=60).unload("heartbeat")
+        return idle, out, f"{old} -> {new}"
+    finally:
+        if mb is not None:
+            mb.close()
+        s.stop()
+        # What the SIGKILLed serve left (its workers, its control daemon) became ours: the bench is a
+        # subreaper.  Its successor ended them at the full stop above; reaped here, as init would.
+        reap_new_children(before, 10.0)
+        shutil.rmtree(s.d, ignore_errors=True)
+
+
+async def sec_restart(bench: Bench) -> list[Row]:
+    """meshd-mps itself restarted: (j) restore by reload, the program halted and loaded again; (k)
+    live restore, the program adopted as it runs (a restart, an upgrade to a later release, a SIGKILL
+    and a restart)."""
+    idle, gap, api, first = await anyio.to_thread.run_sync(restart_by_reload, bench)
+    rows = [
+        Row("j", "restart by reload: heartbeat's largest beat gap", "ms", gap * 1e3, idle * 1e3,
+            "its idle gap, polled", "-", None,
+            "serve stopped (SIGTERM) and started again on its --state-dir: the program halted, then loaded and"
+            " launched again on its slot; polled through the control API every ~1 ms"),
+        Row("j", "restart by reload: the stop to the API answering again", "ms", api * 1e3, first * 1e3,
+            "the first start to its API answering", "-", None,
+            "the old daemon's whole stop, the new one's start and the restore (status answers only after it)"),
+    ]
+    live_idle, live, versions = await anyio.to_thread.run_sync(restart_live, bench)
+    what = {"restart": "a restart (SIGTERM, then serve)", "upgrade": f"an upgrade of meshd-mps ({versions})",
+            "sigkill": "a SIGKILL, then serve"}
+    for how, (g, _) in live.items():
+        rows.append(Row("k", f"live restore across {what[how]}: heartbeat's largest beat gap", "us", g * 1e6,
+                        live_idle * 1e6, "its idle gap (MAX_GAP, as long a window)", "<= 2x", g <= 2 * live_idle,
+                        "the kernel's own MAX_GAP (globaltimer) read from the mailbox file: it beats on while no"
+                        " daemon runs; adopted, never halted"))
+    for how, (_, a) in live.items():
+        rows.append(Row("k", f"live restore across {what[how]}: the stop to the API answering again", "ms", a * 1e3,
+                        api * 1e3, "restore by reload's (j)", "-", None,
+                        "the new daemon answers once it has adopted the daemon, the workers and the program"))
+    return rows

@@ -1,0 +1,67 @@
+"""Live restore's side of the programs: a module an earlier meshd-mps left running adopted as it
+runs (its launch time and restarts carried over when they were kept), or discarded."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from meshd_mps.errors import AlreadyLoaded
+from meshd_mps.programs.program import Program
+from meshd_mps.restart import Policy
+
+if TYPE_CHECKING:
+    from meshd_mps.gpu.compiler import Manifest
+    from meshd_mps.isolation.base import Found
+    from meshd_mps.programs.recovery import Recovery
+    from meshd_mps.programs.registry import Registry
+
+log = structlog.get_logger("meshd_mps")
+
+
+class Adoption:
+    def __init__(self, reg: Registry, recovery: Recovery):
+        self.reg = reg
+        self.recovery = recovery
+
+    async def adopt(self, f: Found, manifest: Manifest, ptx: bytes, hash: int, nodes: int,
+                    restart: Policy | str | None = None, *, started_wall: float | None = None,
+                    restarts: int = 0) -> Program:
+        """A program an earlier meshd-mps left running (live restore, ``Backend.found``), taken
+        over as it runs: its worker, kernel and launch unchanged, nothing halted, its heartbeat
+        counted on from the mailbox.  The caller (state/desired.py) matched it to its record.
+        ``started_wall`` and ``restarts``: its launch's wall time and its relaunches, as the
+        earlier daemon kept them (its uptime counts from that launch, as docker's does)."""
+        reg = self.reg
+        pol = reg.restart if restart is None else Policy.parse(restart)
+        assert f.launch is not None, "adopt: a module with no launch runs nothing"
+        async with reg.lock:
+            if f.name in reg.by_name:
+                raise AlreadyLoaded(f.name)
+            slot = reg.free_slot(f.launch.slot)
+            k = reg.b.take(f, manifest)
+            assert k.launch is not None
+            now, wall = time.monotonic(), time.time()
+            since = wall if started_wall is None or started_wall > wall else started_wall
+            p = Program(f.name, slot, k, k.launch, hash, nodes, cached=True, manifest=manifest, ptx=ptx, restart=pol,
+                        started=now - (wall - since), started_wall=since, restarts=restarts)
+            p.saw_beat(reg.b.mailbox.heartbeat(slot), now)  # it beat before we came: a stall from here on is one
+            self.recovery.install(p)
+            log.info(f"program {f.name} adopted on slot {slot}, GPU {k.device}, worker {k.pid}: it runs on",
+                     program=f.name, pid=k.pid, slot=slot, device=k.device, heartbeat=p.beat)
+            return p
+
+    async def discard(self, f: Found, why: str) -> None:
+        """An adopted module that the desired state does not want (no record names it, another
+        version, a half-done load or upgrade): its kernel halted through its slot if it runs, and
+        the module unloaded (MPS: its worker back to the pool; blink: in one blink)."""
+        async with self.reg.lock:
+            k = self.reg.b.take(f, None)
+            log.warning(f"program {f.name} on worker {k.pid}: halted and unloaded at adoption: {why}", program=f.name,
+                        pid=k.pid, slot=f.launch.slot if f.launch else None)
+            if k.launch is not None:
+                await self.reg.b.abandon(k, k.launch.slot)
+            else:
+                await self.reg.b.unload(k)

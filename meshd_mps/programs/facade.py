@@ -1,0 +1,223 @@
+"""``Programs``: named resident programs on mailbox slots, the layer ``meshd-mps serve`` exposes.
+
+A facade over small objects that share one :class:`Registry` (the programs by name, the lock, the
+slots): ``Launching`` (a kernel onto its slot and off it), ``Lifecycle`` (load, upgrade, unload,
+close, detach), ``Adoption`` (live restore), ``Calls`` (the ring), ``Recovery`` (a program's end: its
+own failure, a fault of its GPU, its restart policy) and ``Heartbeats`` (stalls).
+
+Several GPUs: a program goes to the GPU named, else to the one with the fewest programs (ties to
+the lowest ordinal), and stays there through upgrades and fault relaunches.  MPS contains a fatal
+fault to the clients of the faulting GPU, so a fault's recovery is scoped to that GPU: only its
+workers and pool are retired and only its programs relaunched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from meshd_mps.errors import ConfigError
+from meshd_mps.programs.adoption import Adoption
+from meshd_mps.programs.calls import Calls
+from meshd_mps.programs.heartbeats import Heartbeats
+from meshd_mps.programs.launching import Launching
+from meshd_mps.programs.lifecycle import Lifecycle
+from meshd_mps.programs.recovery import Recovery
+from meshd_mps.programs.registry import Registry
+from meshd_mps.protocol import abi
+from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
+
+if TYPE_CHECKING:
+    from meshd_mps.backend import Backend
+    from meshd_mps.deadlines import Deadlines
+    from meshd_mps.gpu.compiler import Manifest
+    from meshd_mps.isolation.base import Found
+    from meshd_mps.programs.program import Program
+    from meshd_mps.programs.recorder import Recorder
+    from meshd_mps.programs.report import FaultReport
+
+def _either(new: Any, old: Any, names: str) -> Any:
+    """Issue 31's one vocabulary: the new keyword, or (for one release) its old name."""
+    if new is not None and old is not None:
+        raise TypeError(f"{names}: give one of them")
+    return new if new is not None else old
+
+
+class Programs:
+    """``restart``: the restart policy of a program loaded without one (restart.py; ``policy`` is
+    its old name); ``stall_after``: seconds without a heartbeat before a running program is
+    stalled (None: the deadlines' ``stall``)."""
+
+    def __init__(self, backend: Backend, restart: Policy | str | None = None, stall_after: float | None = None, *,
+                 policy: Policy | str | None = None):
+        d = backend.deadlines
+        stall_after = d.stall if stall_after is None else stall_after
+        if not stall_after > 0:
+            raise ConfigError(f"stall_after {stall_after!r}: seconds, more than 0")
+        pol = _either(restart, policy, "restart or policy")
+        self.reg = Registry(backend, Policy.parse(DEFAULT_RESTART if pol is None else pol), stall_after)
+        self.launching = Launching(self.reg)
+        self.recovery = Recovery(self.reg, self.launching)
+        self.lifecycle = Lifecycle(self.reg, self.launching, self.recovery)
+        self.adoption = Adoption(self.reg, self.recovery)
+        self.calls = Calls(self.reg)
+        self.heartbeats = Heartbeats(self.reg)
+        backend.start_soon(self.heartbeats.watch, name="heartbeats")
+
+    # ---- what the daemon, its API and metrics read --------------------------------------------
+    @property
+    def b(self) -> Backend:
+        return self.reg.b
+
+    @property
+    def d(self) -> Deadlines:
+        return self.reg.d
+
+    @property
+    def restart(self) -> Policy:
+        return self.reg.restart
+
+    policy = restart  # its old name (issue 31's one vocabulary), for one release
+
+    @property
+    def stall_after(self) -> float:
+        return self.reg.stall_after
+
+    @property
+    def by_name(self) -> dict[str, Program]:
+        return self.reg.by_name
+
+    @property
+    def faults(self) -> list[FaultReport]:
+        return self.reg.faults
+
+    @property
+    def recorder(self) -> Recorder | None:
+        return self.reg.recorder
+
+    @recorder.setter
+    def recorder(self, r: Recorder | None) -> None:
+        self.reg.recorder = r
+
+    @property
+    def loads(self) -> int:
+        return self.reg.loads
+
+    @property
+    def load_ms(self) -> list[float]:
+        return self.reg.load_ms
+
+    @property
+    def start_ms(self) -> list[float]:
+        return self.reg.start_ms
+
+    @property
+    def failed_total(self) -> int:
+        return self.reg.failed_total
+
+    @property
+    def deaths_total(self) -> int:
+        return self.reg.deaths_total
+
+    @property
+    def relaunched_total(self) -> int:
+        return self.reg.relaunched_total
+
+    def get(self, name: str) -> Program:
+        return self.reg.get(name)
+
+    def place(self, device: int | None = None) -> int:
+        return self.reg.place(device)
+
+    def on_device(self, device: int) -> list[Program]:
+        return self.reg.on_device(device)
+
+    def _free_slot(self, want: int | None = None) -> int:
+        return self.reg.free_slot(want)
+
+    # ---- changes ------------------------------------------------------------------------------
+    async def load(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, hash: int | None = None,
+                   nodes: int = 1, device: int | None = None, restart: Policy | str | None = None,
+                   slot: int | None = None, *, expect: int | None = None, policy: Policy | str | None = None) -> Program:
+        """Compile, preload and launch on a free slot (``slot``: that one, a restore's), on GPU
+        ``device`` (None: ``place``'s choice); ``hash``: the image hash it must have; ``restart``:
+        its restart policy (None: the default of these Programs).  ``expect`` and ``policy``: the
+        old names of ``hash`` and ``restart``, for one release."""
+        return await self.lifecycle.load(manifest, ptx, _either(hash, expect, "hash or expect"), nodes, device,
+                                         _either(restart, policy, "restart or policy"), slot)
+
+    async def upgrade(self, name: str, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes,
+                      hash: int | None = None, restart: Policy | str | None = None, *, expect: int | None = None,
+                      policy: Policy | str | None = None) -> Program:
+        """A new image on the program's slot (Lifecycle.upgrade)."""
+        return await self.lifecycle.upgrade(name, manifest, ptx, _either(hash, expect, "hash or expect"),
+                                            _either(restart, policy, "restart or policy"))
+
+    async def unload(self, name: str) -> None:
+        await self.lifecycle.unload(name)
+
+    async def close(self) -> None:
+        """Every program halted (briefly) and unloaded, before the backend closes."""
+        await self.lifecycle.close()
+
+    async def detach(self) -> None:
+        """Live restore's stop: the programs left running for the next meshd-mps."""
+        await self.lifecycle.detach()
+
+    # ---- live restore -------------------------------------------------------------------------
+    async def adopt(self, f: Found, manifest: Manifest, ptx: bytes, hash: int, nodes: int,
+                    restart: Policy | str | None = None, *, started_wall: float | None = None, restarts: int = 0,
+                    policy: Policy | str | None = None) -> Program:
+        return await self.adoption.adopt(f, manifest, ptx, hash, nodes, _either(restart, policy, "restart or policy"),
+                                         started_wall=started_wall, restarts=restarts)
+
+    async def discard(self, f: Found, why: str) -> None:
+        await self.adoption.discard(f, why)
+
+    def carry_over(self, reports: Iterable[FaultReport]) -> None:
+        """The fault reports an earlier meshd-mps kept (live restore), before this one's own."""
+        self.reg.faults[:0] = list(reports)
+
+    # ---- calls --------------------------------------------------------------------------------
+    async def call(self, name: str, payload: bytes, timeout: float | None = None, *,  # noqa: ASYNC109
+                   within: float | None = None) -> bytes:
+        """A request through the program's ring, and its response (Calls.call); ``within``: the old
+        name of ``timeout``, for one release."""
+        return await self.calls.call(name, payload, _either(timeout, within, "timeout or within"))
+
+    async def call_many(self, name: str, payloads: Sequence[bytes], timeout: float | None = None,  # noqa: ASYNC109
+                        window: int = abi.RING, *, within: float | None = None) -> list[bytes]:
+        """Requests through the program's ring, pipelined (Calls.call_many)."""
+        return await self.calls.call_many(name, payloads, _either(timeout, within, "timeout or within"), window)
+
+    # ---- reads --------------------------------------------------------------------------------
+    def sample(self) -> None:
+        """The heartbeats read now (the heartbeat watcher's step, taken at once)."""
+        self.heartbeats.sample()
+
+    def describe(self, p: Program) -> dict[str, Any]:
+        """``p`` as the API shows it; a read, which changes nothing."""
+        state, error = p.state()
+        age = p.beat_age()
+        return {
+            "name": p.name,
+            "slot": p.slot,
+            "state": state,
+            "error": error,
+            "pid": p.kernel.pid,
+            "device": p.device,
+            "heartbeat": self.reg.b.mailbox.heartbeat(p.slot),
+            "beat_age_s": None if age is None else round(age, 3),
+            "uptime_s": round(time.monotonic() - p.started, 3),
+            "hash": f"{p.hash:016x}",
+            "upgrades": p.upgrades,
+            "restarts": p.restarts,
+            "restart": p.restart.value,
+            "regs": p.kernel.regs,
+            "nodes": p.nodes,
+        }
+
+    def list(self) -> list[dict[str, Any]]:
+        """Every program, by slot, as ``describe`` shows it."""
+        return [self.describe(p) for p in sorted(self.reg.by_name.values(), key=lambda p: p.slot)]

@@ -1,0 +1,131 @@
+"""Where the state lives (``resolve_state_dir``), the directory made and refused unless it is the
+daemon's alone (``open_state_dir``), and how a file in it is written whole (``atomic_write``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import stat
+import tempfile
+from collections.abc import Mapping
+
+import structlog
+
+from meshd_mps.errors import StateDirRefused, StateIOError
+
+log = structlog.get_logger("meshd_mps")
+
+PTX_DIR = "ptx"
+TMP_SUFFIX = ".tmp"
+ROOT_STATE_DIR = "/var/lib/meshd-mps"
+
+
+# ---- where the state lives ----------------------------------------------------------------------
+
+
+def resolve_state_dir(given: str | None, environ: Mapping[str, str] = os.environ, uid: int | None = None) -> str:
+    """The state directory: ``given`` (``--state-dir``), else systemd's ``$STATE_DIRECTORY`` (the
+    first of its colon-separated paths), else ``/var/lib/meshd-mps`` for root, else the XDG state
+    directory (``$XDG_STATE_HOME/meshd-mps``, ``~/.local/state/meshd-mps`` by default; a relative
+    ``$XDG_STATE_HOME`` is ignored, as the XDG spec says).  Nothing is created here."""
+    if given:
+        return os.path.abspath(given)
+    first = environ.get("STATE_DIRECTORY", "").split(":")[0]
+    if first:
+        return os.path.abspath(first)
+    uid = os.getuid() if uid is None else uid
+    if uid == 0:
+        return ROOT_STATE_DIR
+    xdg = environ.get("XDG_STATE_HOME", "")
+    if os.path.isabs(xdg):
+        return os.path.join(xdg, "meshd-mps")
+    home = environ.get("HOME") or pwd.getpwuid(uid).pw_dir
+    return os.path.join(home, ".local", "state", "meshd-mps")
+
+
+def open_state_dir(path: str, *, uid: int | None = None) -> str:
+    """``path`` made (0700) if it is missing, then refused (StateDirRefused, saying why) unless it
+    is the daemon's alone: what it holds is loaded back as the programs to run, so whoever else can
+    write it could make the daemon run their code.  ``uid``: the daemon's (default the effective
+    uid; a parameter so that the refusal of another owner can be tested without root).  The
+    absolute path."""
+    me = os.geteuid() if uid is None else uid
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(path, mode=0o700)
+        os.chmod(path, 0o700)  # the umask could have taken bits off, never added: this is exact
+        log.info(f"state: made the state directory {path}", path=path)
+    except FileExistsError:
+        pass  # checked below, whatever it is
+    except OSError as e:
+        raise StateIOError(f"state directory {path}: cannot create it: {e.strerror}", file=path,
+                           why=e.strerror or str(e)) from e
+    try:
+        lst = os.lstat(path)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError as e:
+            raise refused(path, lst.st_uid, "it is a dangling symlink") from e
+    except OSError as e:
+        raise StateIOError(f"state directory {path}: {e.strerror}", file=path, why=e.strerror or str(e)) from e
+    check_state_dir(path, lst, st, me)
+    ptx = os.path.join(path, PTX_DIR)
+    try:
+        os.makedirs(ptx, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise StateIOError(f"state directory {ptx}: cannot create it: {e.strerror}", file=ptx,
+                           why=e.strerror or str(e)) from e
+    return path
+
+
+def check_state_dir(path: str, lst: os.stat_result, st: os.stat_result, me: int) -> None:
+    """The refusals of :func:`open_state_dir`, on the directory's ``lstat`` and ``stat``: a pure
+    function of them, so every branch is tested with the stat results it refuses."""
+    link = stat.S_ISLNK(lst.st_mode)
+    via = f" (through the symlink {path} -> {os.path.realpath(path)})" if link else ""
+    if link and lst.st_uid not in (me, 0):
+        raise refused(path, lst.st_uid, f"it is a symlink owned by uid {lst.st_uid}, not by this daemon's uid {me} or root")
+    if not stat.S_ISDIR(st.st_mode):
+        raise refused(path, st.st_uid, f"it is not a directory{via}")
+    if st.st_uid != me:
+        raise refused(path, st.st_uid, f"it is owned by uid {st.st_uid}, not by this daemon's uid {me}{via}")
+    if st.st_mode & 0o022:
+        who = " and ".join(w for w, bit in (("its group", 0o020), ("other users", 0o002)) if st.st_mode & bit)
+        raise refused(path, st.st_uid, f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}){via}")
+
+
+def refused(path: str, owner: int, why: str) -> StateDirRefused:
+    return StateDirRefused(f"state directory {path}: {why}; refusing it (what it holds is loaded back as the programs"
+                           f" to run): make it yours, mode 0700, or name another with --state-dir", path=path, owner=owner,
+                           why=why)
+
+
+
+# ---- a file written whole ------------------------------------------------------------------------
+
+
+def atomic_write(dir: str, name: str, data: bytes) -> None:
+    """``dir/name`` is the old content or the new one, whole, at every instant, even across a
+    crash: a temp file in ``dir``, written and fsynced, renamed over it, then ``dir`` fsynced so
+    that the rename itself is durable."""
+    path = os.path.join(dir, name)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=dir, prefix=f".{name}.", suffix=TMP_SUFFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        dfd = os.open(dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        raise StateIOError(f"state: {path}: not written: {e.strerror or e}", file=path, why=e.strerror or str(e)) from e

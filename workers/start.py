@@ -1,0 +1,28 @@
+"""The worker's start: what must happen before anything else is imported, then its loop.
+
+The worker parses its own options; it must start fast and import no supervisor code.
+structlog.dev imports rich and better_exceptions where they are installed, for console tracebacks
+the worker never prints (it writes JSON lines): on the H200 host that was 85 of the 134 ms a worker
+spent importing (docs/benchmarks.md, row d).
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import cast
+
+
+def run(argv: list[str] | None = None) -> int:
+    """The worker with ``argv`` (default: this process's arguments), its exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    for name in ("rich", "better_exceptions"):
+        cast(dict[str, ModuleType | None], sys.modules).setdefault(name, None)  # None: an import of it fails
+    from workers import pipes, warm
+
+    if not {"-h", "--help"} & set(argv):  # --help prints to the caller's stdout: no frames follow
+        pipes.take()  # first: the frame pipes out of reach of the driver and of stray prints
+    warm.start(argv)  # the CUDA context is created while the worker imports the rest
+    from workers.main import main as worker_main
+
+    return worker_main(argv)
