@@ -163,4 +163,5 @@ async def test_every_program_verb_answers_its_row_under_program(tmp, capsys):
         await anyio.to_thread.run_sync(c.load, body)
         capsys.readouterr()
         rc = await anyio.to_thread.run_sync(cli.main, ["unload", "echo", "--socket", d.socket_path])
-        assert (rc, capsys.readouterr().out) == (0, f"echo unloaded from slot {row['slot']}\n")
+        # The daemon runs in this process: a log line of its may share stdout with the CLI's answer.
+        assert rc == 0 and f"echo unloaded from slot {row['slot']}" in capsys.readouterr().out.splitlines()
