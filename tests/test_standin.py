@@ -170,7 +170,7 @@ def test_found_on_path_and_executable(mps):
     path = shutil.which(BIN, path=mps.env["PATH"])
     assert path == os.path.join(BIN_DIR, BIN)
     assert os.stat(path).st_mode & 0o777 == 0o755
-    assert Path(path).read_text().startswith("#!/usr/bin/env python3\n")
+    assert Path(path).read_text().startswith("#!/usr/bin/env -S python3 -S\n")  # stdlib only: no site packages
 
 
 @pytest.mark.parametrize("flag", ["-h", "--help"])

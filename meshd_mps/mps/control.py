@@ -65,8 +65,12 @@ def _children_where(match: Callable[[list[str], str], bool]) -> set[int]:
 
 def _children_running(program: str) -> set[int]:
     """Children running ``program``: by command line, not name (a script's process is
-    named after its interpreter; the stand-in's is "python3")."""
-    return _children_where(lambda argv, comm: any(os.path.basename(a) == program for a in argv[:2]))
+    named after its interpreter, the stand-in's "python3", and its program is the interpreter's
+    first argument that is not an option: ``python3 -S .../nvidia-cuda-mps-control -d``)."""
+    def runs(argv: list[str], comm: str) -> bool:
+        script = next((a for a in argv[1:] if not a.startswith("-")), "")
+        return program in (os.path.basename(argv[0]) if argv else "", os.path.basename(script))
+    return _children_where(runs)
 
 
 def _mps_orphans() -> set[int]:
