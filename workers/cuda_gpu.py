@@ -34,13 +34,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import structlog
-
 from meshd_mps.gpu.device import error_name, is_no_driver
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.frames import Done, Load, Loaded
 from meshd_mps.protocol.mailbox import Mailbox
 
+from . import wlog
 from .gpu import DoneCallback, GpuError, Streams
 from .warm import Warm, driver_queues
 
@@ -52,7 +51,7 @@ except ImportError as _e:  # reported by the constructor
 else:
     _IMPORT_ERROR = None
 
-log = structlog.get_logger("meshd_mps.worker.cuda")
+log = wlog.log
 
 #: cuModuleLoadData's errors that are the image's fault, not the worker's: a LOADED refusal.
 IMAGE_ERRORS: frozenset[int] = frozenset(

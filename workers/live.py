@@ -30,15 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import structlog
-
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Done, Hello, HelloLaunch, HelloModule, Loaded, Op
 from meshd_mps.protocol.mailbox import Mailbox
 
-from . import pipes
+from . import pipes, wlog
 
-log = structlog.get_logger("meshd_mps.worker")
+log = wlog.log
 
 
 @dataclass

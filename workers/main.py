@@ -33,19 +33,16 @@ import threading
 import time
 from collections.abc import Callable
 
-import structlog
-
 from meshd_mps.deadlines import DEFAULT
-from meshd_mps.log import setup_logging
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Done, FrameError, LaunchReq, Load, Op
 from meshd_mps.protocol.mailbox import Mailbox
 
-from . import live
+from . import live, wlog
 from .gpu import Gpu, GpuError
 from .warm import HOLD, MAX_QUEUES, QUEUES_ENV
 
-log = structlog.get_logger("meshd_mps.worker")
+log = wlog.log
 
 EXIT_PROTOCOL = 2
 
@@ -337,8 +334,8 @@ def protect_from_oom(path: str = "/proc/self/oom_score_adj") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)  # --queues is in the environment already: warm.start put it there, before cuInit
-    setup_logging(component="worker")
-    structlog.contextvars.bind_contextvars(pid=os.getpid(), device=args.device)
+    wlog.setup(component="worker")
+    wlog.bind(pid=os.getpid(), device=args.device)
     log.debug("worker up", oom=protect_from_oom())
     try:
         inject = parse_inject(os.environ.get(INJECT_ENV))

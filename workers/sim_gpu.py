@@ -71,18 +71,16 @@ from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
 
-import structlog
-
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.frames import Done, Load, Loaded
 from meshd_mps.protocol.mailbox import Mailbox
 
-from . import pipes
+from . import pipes, wlog
 from .gpu import DoneCallback, GpuError, Streams
 from .sim_kernels import Script, resident
 from .warm import driver_queues
 
-log = structlog.get_logger("meshd_mps.worker")
+log = wlog.log
 
 MAGIC = b"MESHSIM1"
 SIM_SMS = 132

@@ -1,9 +1,10 @@
 """The worker's start: what must happen before anything else is imported, then its loop.
 
-The worker parses its own options; it must start fast and import no supervisor code.
-structlog.dev imports rich and better_exceptions where they are installed, for console tracebacks
-the worker never prints (it writes JSON lines): on the H200 host that was 85 of the 134 ms a worker
-spent importing (docs/benchmarks.md, row d).
+The worker parses its own options; it must start fast and import no supervisor code.  It logs
+through workers/wlog.py, not structlog, whose import was 78 of a worker's ~180 ms start; and
+should anything import structlog after all, rich and better_exceptions stay out (structlog.dev
+imports them where installed, for console tracebacks the worker never prints: on the H200 host
+that was 85 of the 134 ms a worker spent importing, docs/benchmarks.md, row d).
 """
 
 from __future__ import annotations

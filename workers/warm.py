@@ -1,7 +1,7 @@
 """The worker's CUDA context, created while the rest of the worker is still importing.
 
 An MPS client's context takes ~115 ms to create on the H200, and the driver
-holds no GIL meanwhile; the worker's own imports (structlog, meshd-mps's frame
+holds no GIL meanwhile; the worker's own imports (meshd-mps's frame
 and mailbox code) need the GIL but not the GPU.  So ``meshd-mps worker``
 starts this thread before it imports anything else, and CudaGpu takes the
 primary context it retained.  Any failure here is only remembered: CudaGpu

@@ -1,0 +1,62 @@
+"""The worker's log lines (workers/wlog.py) are the daemon's (meshd_mps/log.py): the same keys and
+values in JSON, the same console line, the same level filter; and a worker imports no structlog."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import structlog
+
+from meshd_mps.log import setup_logging
+from workers import wlog
+
+
+def _structlog_line(capsys, as_json: bool) -> str:
+    setup_logging("worker", json=as_json)
+    structlog.contextvars.bind_contextvars(pid=5, device=0)
+    try:
+        structlog.get_logger("x").warning("module loaded", program="echo", module=0, ms=0.53, slots=[1, 2])
+    finally:
+        structlog.contextvars.clear_contextvars()
+    return capsys.readouterr().err
+
+
+def _wlog_line(capsys, monkeypatch, as_json: bool) -> str:
+    monkeypatch.setattr(wlog, "_bound", {})
+    monkeypatch.setattr(wlog, "_state", dict(wlog._state))
+    wlog.setup("worker", as_json=as_json)
+    wlog.bind(pid=5, device=0)
+    wlog.log.warning("module loaded", program="echo", module=0, ms=0.53, slots=[1, 2])
+    return capsys.readouterr().err
+
+
+def _no_time(line: str) -> str:
+    return line.split(" ", 1)[1]  # the console line's timestamp, the one field that differs
+
+
+def test_json_lines_are_the_daemons(capsys, monkeypatch):
+    theirs, ours = json.loads(_structlog_line(capsys, True)), json.loads(_wlog_line(capsys, monkeypatch, True))
+    assert theirs.pop("timestamp")[:4] == ours.pop("timestamp")[:4]  # (structlog's contextvars come in hash order)
+    assert ours == theirs == {"program": "echo", "module": 0, "ms": 0.53, "slots": [1, 2], "pid": 5, "device": 0,
+                              "level": "warning", "msg": "module loaded", "component": "worker"}
+
+
+def test_console_lines_are_the_daemons(capsys, monkeypatch):
+    assert _no_time(_wlog_line(capsys, monkeypatch, False)) == _no_time(_structlog_line(capsys, False))
+
+
+@pytest.mark.parametrize(("level", "shown"), [("warning", False), ("debug", True)])
+def test_the_level_filters_as_the_daemons(capsys, monkeypatch, level, shown):
+    monkeypatch.setenv("MESHD_MPS_LOG_LEVEL", level)
+    monkeypatch.setattr(wlog, "_state", dict(wlog._state))
+    wlog.setup("worker", as_json=True)
+    wlog.log.info("said")
+    assert ("said" in capsys.readouterr().err) is shown
+
+
+def test_a_worker_imports_no_structlog():
+    code = "import sys, workers.start, workers.main, workers.sim_gpu; print('structlog' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
