@@ -15,12 +15,16 @@ from workers import wlog
 
 
 def _structlog_line(capsys, as_json: bool) -> str:
+    """The line meshd_mps.log writes; structlog's configuration (which holds this test's captured
+    stderr) is put back after, for the tests that run next in this process."""
+    was, config = structlog.is_configured(), structlog.get_config()
     setup_logging("worker", json=as_json)
     structlog.contextvars.bind_contextvars(pid=5, device=0)
     try:
         structlog.get_logger("x").warning("module loaded", program="echo", module=0, ms=0.53, slots=[1, 2])
     finally:
         structlog.contextvars.clear_contextvars()
+        structlog.configure(**config) if was else structlog.reset_defaults()
     return capsys.readouterr().err
 
 

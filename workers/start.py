@@ -21,9 +21,12 @@ def run(argv: list[str] | None = None) -> int:
         cast(dict[str, ModuleType | None], sys.modules).setdefault(name, None)  # None: an import of it fails
     from workers import pipes, warm
 
-    if not {"-h", "--help"} & set(argv):  # --help prints to the caller's stdout: no frames follow
+    if not {"-h", "--help"} & set(argv):  # --help prints to the caller's stdout: no frames follow, no GPU
         pipes.take()  # first: the frame pipes out of reach of the driver and of stray prints
-    warm.start(argv)  # the CUDA context is created while the worker imports the rest
+        # The CUDA context is created while the worker imports the rest.  Not for --help: the
+        # process would exit with that thread still in cuda-bindings' import, whose ldconfig child
+        # is then orphaned (to meshd-mps, a subreaper, or to whoever ran the help).
+        warm.start(argv)
     from workers.main import main as worker_main
 
     return worker_main(argv)
