@@ -15,11 +15,10 @@ PYTEST_WORKERS ?= 4
 RUFF_PATHS ?= meshd_mps workers tests scripts
 MYPY_PATHS ?= meshd_mps workers
 
-.PHONY: install lint test test-gpu serve bench clean
+.PHONY: install lint bytecode test test-gpu serve bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	# compat: the checkout on sys.path through a plain .pth; the default finder hook is imported
 	# by every Python process of the venv (18 ms each, ~2000 processes in a run of the suite)
 	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat
@@ -31,10 +30,16 @@ lint: $(STAMP)
 	$(BIN)/ruff check $(RUFF_PATHS)
 	$(BIN)/mypy $(MYPY_PATHS)
 
-test: lint
+# The checkout's bytecode, compiled once: pip compiles what it installs, but an editable checkout is
+# compiled by each process that imports it unless it may write __pycache__ (PYTHONDONTWRITEBYTECODE,
+# set on CI's machines, forbids that): ~2000 processes each compiling the daemon's modules again.
+bytecode: $(STAMP)
+	$(BIN)/python -m compileall -q meshd_mps workers tests
+
+test: lint bytecode
 	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist load --maxschedchunk 1 $(PYTEST_ARGS)
 
-test-gpu: $(STAMP)
+test-gpu: bytecode
 	$(BIN)/python -m pytest -m 'gpu or mps' -v $(PYTEST_ARGS)
 
 serve: $(STAMP)
