@@ -39,7 +39,7 @@ def test_an_adopted_program_keeps_its_launch_time_restarts_and_faults(tmp, how):
             a.proc.kill()
             a.proc.wait(10)
         else:
-            assert a.stop() == 0
+            assert a.stop() == 0, a.log()[-4000:]
         b = serve(tmp, state, "mps", name="b")
         try:
             st = b.client.status()
@@ -54,7 +54,7 @@ def test_an_adopted_program_keeps_its_launch_time_restarts_and_faults(tmp, how):
             assert st["faults"] == faults, "the fault reports carried over"
             b.client.unload("echo")
             b.client.unload("heartbeat")
-            assert b.stop() == 0
+            assert b.stop() == 0, b.log()[-4000:]
         finally:
             b.kill()
     finally:
@@ -83,7 +83,7 @@ def test_a_history_is_taken_only_for_the_launch_it_names(tmp):
             assert after["pid"] == before["pid"] and after["restarts"] == 0
             assert not after["started"].startswith("1970"), after["started"]
             b.client.unload("heartbeat")
-            assert b.stop() == 0
+            assert b.stop() == 0, b.log()[-4000:]
         finally:
             b.kill()
     finally:

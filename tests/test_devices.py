@@ -206,17 +206,18 @@ async def test_a_fault_on_gpu_1_leaves_gpu_0_running(two_gpus):
         hb1 = await progs.load(*renamed("heartbeat", "heartbeat-1"), device=1)
         for p in (hb0, hb1):
             await beats(b, p.slot, 10)
-        run0, pids0 = hb0.launch, (hb0.kernel.pid, echo0.kernel.pid)
+        run0, pids0, gens0 = hb0.launch, (hb0.kernel.pid, echo0.kernel.pid), (hb0.generation, echo0.generation)
         pool0, pool1 = set(b.isolations[0].pool.pids()), set(b.isolations[1].pool.pids())
         old1 = hb1.kernel.pid
         before = b.mailbox.heartbeat(hb0.slot)
-        await progs.load(*example("fault"), device=1, policy="never")
+        await progs.load(*example("fault"), device=1, restart="never")
         await until(lambda: progs.faults and progs.faults[-1].ms > 0)
         r = progs.faults[-1]
         assert r.gpu_wide and r.device == 1 and r.faulted == "fault" and "ILLEGAL_ADDRESS" in r.error
         assert r.lost == ["heartbeat-1"] and r.relaunched == ["heartbeat-1"] and r.not_relaunched == {}
         # GPU 0: the same programs, launches and workers, never stopped nor relaunched.
         assert progs.by_name["heartbeat"] is hb0 and progs.by_name["echo"] is echo0
+        assert (hb0.generation, echo0.generation) == gens0  # not relaunched: a relaunch is a new generation
         assert hb0.launch is run0 and not run0.finished() and hb0.restarts == 0 and echo0.restarts == 0
         assert (hb0.kernel.pid, echo0.kernel.pid) == pids0 and hb0.kernel.proc.gen[0] == 1
         assert set(b.isolations[0].pool.pids()) == pool0

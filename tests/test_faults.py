@@ -28,12 +28,12 @@ async def test_fault_is_survived_and_innocents_relaunched(standin_on_path, polic
     faults once) stays faulted; the pool refills once the lost programs are back."""
     restart = policy == "on-failure"
     async with await Backend.open(isolation="mps", gpu="sim", pool=2, deadlines=TEST_DEADLINES) as b:
-        progs = Programs(b, policy=policy)
+        progs = Programs(b, restart=policy)
         hb = await progs.load(*example("heartbeat"))
         await progs.load(*example("echo"))
         await beats(b, hb.slot, 10)
         old_pids = {p.kernel.pid for p in progs.by_name.values()} | set(b.isolations[0].pool.pids())
-        await progs.load(*example("fault"), policy="never")
+        await progs.load(*example("fault"), restart="never")
         await until(lambda: progs.faults and progs.faults[-1].ms > 0)
         r = progs.faults[-1]
         assert r.gpu_wide and r.faulted == "fault" and "ILLEGAL_ADDRESS" in r.error
@@ -68,7 +68,7 @@ async def test_a_retired_worker_stays_local(standin_on_path):
         progs = Programs(b)
         hb = await progs.load(*example("heartbeat"))
         # resident: it runs until halted, or until its worker dies; never: it stays failed
-        victim = await progs.load(*example("echo"), policy="never")
+        victim = await progs.load(*example("echo"), restart="never")
         pid, hb_pid = victim.kernel.pid, hb.kernel.pid
         b.sup.retire(victim.kernel.proc)
         await until(lambda: progs.faults)

@@ -71,7 +71,7 @@ def test_a_control_daemon_left_in_the_same_mps_dir_is_quit_before_the_fresh_star
             warned = [e for e in events(second) if "was left by meshd-mps" in str(e.get("msg"))]
             assert warned and warned[0]["daemon_pid"] == left.daemon_pid, second.log()
             second.client.load(program_body(str(EXAMPLES / "heartbeat")))
-            assert second.stop() == 0
+            assert second.stop() == 0, second.log()[-4000:]
             assert not os.path.exists(os.path.join(mps_dir, MARKER)), "the marker goes with its daemon"
         finally:
             second.kill()
@@ -117,7 +117,7 @@ def test_what_a_dead_run_left_in_its_temporary_dir_is_swept(tmp, monkeypatch):
             assert new_dir != old_dir and not os.path.exists(old_dir) and not os.path.exists(stale)
             assert not left.daemon_alive(), "the control daemon the dead run left was quit"
             reap(orphans)
-            assert second.stop() == 0
+            assert second.stop() == 0, second.log()[-4000:]
         finally:
             second.kill()
     finally:

@@ -77,7 +77,7 @@ async def test_a_relaunch_whose_old_module_is_slow_to_unload_does_not_end_the_su
     progs = Programs(b)
     try:
         await progs.load(*example("heartbeat"))
-        job = await progs.load(man("job"), sim(kernel="sleep", ms=800), policy="always")
+        job = await progs.load(man("job"), sim(kernel="sleep", ms=800), restart="always")
         gen = job.generation  # one Program per name: a relaunch is a new generation of it
         await until(lambda: progs.by_name["job"].generation != gen and progs.by_name["job"].observe() is ProgramState.RUNNING)
         await anyio.sleep(0.5)  # past the halt deadline: the relaunched kernel still runs, the supervisor too
@@ -108,7 +108,7 @@ async def test_a_program_failed_long_before_is_no_part_of_a_later_fault(standin_
     b = await opened("mps")
     progs = Programs(b)
     try:
-        await progs.load(man("stale"), sim(kernel="fail", message="its own bug"), policy="never")
+        await progs.load(man("stale"), sim(kernel="fail", message="its own bug"), restart="never")
         await until(lambda: progs.faults)
         assert progs.faults[-1].faulted == "stale" and not progs.faults[-1].gpu_wide
         hb = await progs.load(*example("heartbeat"))

@@ -55,7 +55,7 @@ def test_a_native_client_joins_is_counted_and_is_dropped_at_its_exit(tmp):
         poll(lambda: s.client.native()["clients"] == [], 30.0, "the exited native client dropped")
         with pytest.raises(ClientError, match="not a native client of ours"):
             s.client.native(drop=p.pid)
-        assert s.stop() == 0
+        assert s.stop() == 0, s.log()[-4000:]
     finally:
         s.kill()
 

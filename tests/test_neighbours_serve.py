@@ -38,7 +38,7 @@ def test_a_foreign_process_is_named_in_status_metrics_and_log(tmp, monkeypatch, 
         with open(view, "w") as f:
             json.dump({"0": {"compute_mode": "default", "processes": []}}, f)
         poll(lambda: s.client.status()["neighbours"][0]["foreign"] == [], 30.0, "the foreign process gone")
-        assert s.stop() == 0
+        assert s.stop() == 0, s.log()[-4000:]
         msgs = [json.loads(line).get("msg", "") for line in s.log().splitlines() if line.startswith("{")]
         came = [m for m in msgs if "process 424242 (python) has a context" in m]
         went = [m for m in msgs if "process 424242 (python), which had a context" in m and m.endswith("is gone")]

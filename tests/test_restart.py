@@ -97,7 +97,7 @@ async def test_a_failed_program_comes_back_by_itself(standin_on_path):
 
 async def test_never_leaves_a_failed_program_failed(standin_on_path):
     async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=QUICK) as b:
-        progs = Programs(b, policy="never")
+        progs = Programs(b, restart="never")
         echo = await progs.load(*example("echo"))
         b.sup.retire(echo.kernel.proc)
         await until(lambda: progs.faults)
@@ -133,7 +133,7 @@ async def test_always_relaunches_a_program_that_exits(standin_on_path):
     exits within the interval are a crash loop too."""
     async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=QUICK) as b:
         progs = Programs(b)
-        await progs.load(*example("spin"), policy="always")
+        await progs.load(*example("spin"), restart="always")
         await until(lambda: progs.by_name["spin"].observe() is ProgramState.CRASH_LOOP)
         p = progs.by_name["spin"]
         assert p.restarts == CRASH_LOOP_BURST - 1 and p.error.startswith("crash loop: 5 exits")

@@ -40,7 +40,7 @@ def test_programs_come_back_on_their_slots_after_a_restart(tmp):
         up = a.client.upgrade("echo", program_body(str(EXAMPLES / "echo")))["program"]
         before = {n: (p["slot"], p["hash"], p["restart"]) for n, p in rows(a).items()}
         assert before["echo"][0] == 2 and before["heartbeat"] == (0, before["heartbeat"][1], "always")
-        assert a.stop() == 0
+        assert a.stop() == 0, a.log()[-4000:]
     finally:
         a.kill()
     b = serve(tmp, state, name="b")
@@ -53,13 +53,13 @@ def test_programs_come_back_on_their_slots_after_a_restart(tmp):
         assert got["echo"]["hash"] == up["hash"] and all(p["state"] == "running" for p in got.values())
         assert b.client.call("echo", "after the restart")["data"] == "after the restart"
         b.client.unload("echo")
-        assert b.stop() == 0
+        assert b.stop() == 0, b.log()[-4000:]
     finally:
         b.kill()
     c = serve(tmp, state, name="c")
     try:
         assert list(rows(c)) == ["heartbeat"] and c.client.status()["state"]["restore"]["restored"] == ["heartbeat"]
-        assert c.stop() == 0
+        assert c.stop() == 0, c.log()[-4000:]
     finally:
         c.kill()
 
@@ -70,7 +70,7 @@ def test_a_program_that_no_longer_loads_is_skipped_and_reported(tmp):
     try:
         a.client.load(program_body(str(EXAMPLES / "heartbeat")))
         a.client.load(program_body(str(EXAMPLES / "echo")))
-        assert a.stop() == 0
+        assert a.stop() == 0, a.log()[-4000:]
     finally:
         a.kill()
     # echo's PTX damaged on disk (its sha256 no longer matches): it is skipped, heartbeat restored.
@@ -85,7 +85,7 @@ def test_a_program_that_no_longer_loads_is_skipped_and_reported(tmp):
         r = b.client.status()["state"]["restore"]
         assert r["restored"] == ["heartbeat"] and set(r["skipped"]) == {"echo"}, r
         assert list(rows(b)) == ["heartbeat"]
-        assert b.stop() == 0
+        assert b.stop() == 0, b.log()[-4000:]
     finally:
         b.kill()
     # Declared in the config file, echo comes back from its declaration instead of its damaged record.
@@ -97,7 +97,7 @@ def test_a_program_that_no_longer_loads_is_skipped_and_reported(tmp):
         r = c.client.status()["state"]["restore"]
         assert r["restored"] == ["heartbeat"] and r["declared"] == ["echo"] and r["skipped"] == {}, r
         assert c.client.call("echo", "from its declaration")["data"] == "from its declaration"
-        assert c.stop() == 0
+        assert c.stop() == 0, c.log()[-4000:]
     finally:
         c.kill()
 
@@ -115,7 +115,7 @@ def test_programs_declared_in_the_config_file_are_loaded(tmp):
         got = rows(a)
         assert got["heartbeat"]["restart"] == "never" and got["echo"]["restart"] == "on-failure"
         a.client.upgrade("heartbeat", program_body(str(EXAMPLES / "heartbeat"), restart="always"))
-        assert a.stop() == 0
+        assert a.stop() == 0, a.log()[-4000:]
     finally:
         a.kill()
     b = serve(tmp, state, "--config", conf, name="b")
@@ -124,7 +124,7 @@ def test_programs_declared_in_the_config_file_are_loaded(tmp):
         r = b.client.status()["state"]["restore"]
         assert sorted(r["restored"]) == ["echo", "heartbeat"] and r["declared"] == [], r
         assert rows(b)["heartbeat"]["restart"] == "always"
-        assert b.stop() == 0
+        assert b.stop() == 0, b.log()[-4000:]
     finally:
         b.kill()
 

@@ -86,7 +86,7 @@ def adopt_case(tmp: str, isolation: str, how: int, gpu: str = "sim") -> None:
                 a.proc.kill()
                 a.proc.wait(10)
             else:
-                assert a.stop() == 0
+                assert a.stop() == 0, a.log()[-4000:]
             last = mb.heartbeat(slot)
             pids = {p["pid"] for p in before.values()} | set(pool)
             assert all(alive(p) for p in pids), "the workers run on with no daemon"
@@ -146,7 +146,7 @@ def orphan_case(tmp: str, gpu: str = "sim") -> None:
         assert not os.path.exists(live_paths(state).mailbox)
         st = b.client.status()["state"]
         assert st["restore"]["restored"] == ["heartbeat"] and not st["restore"]["adopted"], st
-        assert b.stop() == 0
+        assert b.stop() == 0, b.log()[-4000:]
     finally:
         b.kill()
     nothing_left(state)
@@ -205,7 +205,7 @@ def reconcile_case(tmp: str, gpu: str = "sim") -> None:
         v2.pop("hash", None)
         a.client.upgrade("echo", v2)
         before = rows(a)
-        assert a.stop() == 0
+        assert a.stop() == 0, a.log()[-4000:]
     finally:
         a.kill()
     # Meanwhile: as if echo's upgrade and spin's load had never been answered (the record is written
@@ -247,7 +247,7 @@ def reconcile_case(tmp: str, gpu: str = "sim") -> None:
                 assert not alive(before["spin"]["pid"]) or before["spin"]["pid"] in b.client.status()["pool"]["idle"]
                 for n in got:
                     b.client.unload(n)
-                assert b.stop() == 0
+                assert b.stop() == 0, b.log()[-4000:]
             finally:
                 b.kill()
         finally:
@@ -268,7 +268,7 @@ def blink_discard_case(tmp: str, gpu: str = "sim") -> None:
         a.client.load(program_body(str(EXAMPLES / "heartbeat")))
         a.client.load(program_body(str(EXAMPLES / "spin")))
         before = rows(a)
-        assert a.stop() == 0
+        assert a.stop() == 0, a.log()[-4000:]
     finally:
         a.kill()
     with Store(state, lock=False) as st:
@@ -281,7 +281,7 @@ def blink_discard_case(tmp: str, gpu: str = "sim") -> None:
         assert list(got) == ["heartbeat"] and got["heartbeat"]["pid"] == before["heartbeat"]["pid"]
         assert got["heartbeat"]["state"] == "running" and b.client.status()["blinks"] == 1
         b.client.unload("heartbeat")
-        assert b.stop() == 0
+        assert b.stop() == 0, b.log()[-4000:]
     finally:
         b.kill()
     nothing_left(state)

@@ -36,7 +36,7 @@ async def blink_fault_case(gpu: str, warm: int, more: int) -> None:
     it; the culprit is the one whose slot says it ran to its end (EXITED) and failed."""
     async with await Backend.open(isolation="blink", gpu=gpu, deadlines=QUICK) as b:
         progs, hb, ctx = await heartbeat_and_echo(b, warm)
-        await progs.load(*example("fault"), policy="never")
+        await progs.load(*example("fault"), restart="never")
         await until(lambda: progs.faults and progs.faults[-1].ms > 0)
         r = progs.faults[-1]
         print(f"blink fault report: {r}", file=sys.stderr)

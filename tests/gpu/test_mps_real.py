@@ -91,7 +91,7 @@ async def test_gpu_fault_is_survived():
         hb = await progs.load(*example("heartbeat"))
         await progs.load(*example("echo"))
         await beats(b, hb.slot, 1000)
-        await progs.load(*example("fault"), policy="never")
+        await progs.load(*example("fault"), restart="never")
         with anyio.fail_after(120):
             while not (progs.faults and progs.faults[-1].ms > 0):
                 await anyio.sleep(0.01)

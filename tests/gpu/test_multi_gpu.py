@@ -77,10 +77,11 @@ async def test_each_gpu_runs_and_a_fault_on_one_leaves_the_others(two_real_gpus,
 
         hb0 = hbs[0]
         keep = (hb0.kernel.pid, echo0.kernel.pid, hb0.launch, set(b.isolations[0].pool.pids()))
+        gens = {d: p.generation for d, p in hbs.items()}
         idle_gap, _ = await gap_while(b, hb0.slot, lambda: anyio.sleep(0.2))
 
         async def fault_on_1() -> None:
-            await progs.load(*example("fault"), device=1, policy="never")
+            await progs.load(*example("fault"), device=1, restart="never")
             with anyio.fail_after(120):
                 while not (progs.faults and progs.faults[-1].ms > 0):
                     await anyio.sleep(0.01)
@@ -95,8 +96,8 @@ async def test_each_gpu_runs_and_a_fault_on_one_leaves_the_others(two_real_gpus,
         assert (hb0.kernel.pid, echo0.kernel.pid, hb0.launch, set(b.isolations[0].pool.pids())) == keep
         assert not hb0.launch.finished() and hb0.restarts == 0 and echo0.restarts == 0
         for d, p in hbs.items():
-            if d != 1:
-                assert progs.by_name[p.name] is p and not p.launch.finished()
+            if d != 1:  # the same launch, not a relaunch (each is a new generation)
+                assert p.generation == gens[d] and not p.launch.finished()
         assert fault_gap < 50_000  # a teardown and relaunch would stop it for the whole recovery (0.7 s on the H200)
         assert await progs.call("echo", b"GPU 0 kept running") == b"GPU 0 kept running"
         new1 = progs.by_name["heartbeat-1"]
