@@ -24,7 +24,7 @@ from meshd_mps.supervision.argv import worker_argv
 from workers import warm
 from workers.main import parse_args
 
-from .rigs.backend import beats, example
+from .rigs.backend import beats, example, open_sim
 from .rigs.deadlines import TEST_DEADLINES
 from .rigs.mps import MpsRig
 from .rigs.serve import EXAMPLES, cli, parse_metrics
@@ -113,7 +113,7 @@ async def test_backend_refuses_bad_devices_and_leaves_nothing(two_gpus):
 
 async def test_one_gpu_by_default(standin_on_path, monkeypatch):
     monkeypatch.delenv(SIM_GPUS_ENV, raising=False)
-    async with await Backend.open(gpu="sim", deadlines=TEST_DEADLINES) as b:
+    async with await open_sim(deadlines=TEST_DEADLINES) as b:
         assert b.devices == (0,) and b.info is b.infos[0] and b.caps is b.device_caps[0]
         s = b.status()
         assert [d["device"] for d in s["devices"]] == [0] and s["context_pid"] == s["devices"][0]["context_pid"]
@@ -124,7 +124,7 @@ async def test_one_gpu_by_default(standin_on_path, monkeypatch):
 
 @pytest.mark.usefixtures("no_leaks")
 async def test_a_pool_per_gpu_each_worker_a_client_of_its_gpu(two_gpus):
-    async with await Backend.open(isolation="mps", gpu="sim", pool=2, deadlines=TEST_DEADLINES) as b:
+    async with await open_sim("mps", pool=2, deadlines=TEST_DEADLINES) as b:
         assert b.devices == (0, 1) and set(b.isolations) == {0, 1}
         assert all(len(g.pool) == 2 for g in b.isolations.values())
         on = await gpu_of_clients(b)
@@ -141,7 +141,7 @@ async def test_a_pool_per_gpu_each_worker_a_client_of_its_gpu(two_gpus):
 
 @pytest.mark.usefixtures("no_leaks")
 async def test_placement_named_and_least_loaded(two_gpus):
-    async with await Backend.open(isolation="mps", gpu="sim", pool=2, deadlines=TEST_DEADLINES) as b:
+    async with await open_sim("mps", pool=2, deadlines=TEST_DEADLINES) as b:
         progs = Programs(b)
         pool0, pool1 = set(b.isolations[0].pool.pids()), set(b.isolations[1].pool.pids())
         hb = await progs.load(*example("heartbeat"))  # 0 and 0: the tie goes to GPU 0
@@ -199,7 +199,7 @@ async def test_client_limit_is_per_gpu(standin_on_path, monkeypatch):
 
 @pytest.mark.usefixtures("no_leaks")
 async def test_a_fault_on_gpu_1_leaves_gpu_0_running(two_gpus):
-    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=TEST_DEADLINES) as b:
+    async with await open_sim("mps", pool=1, deadlines=TEST_DEADLINES) as b:
         progs = Programs(b)
         hb0 = await progs.load(*example("heartbeat"), device=0)
         echo0 = await progs.load(*example("echo"), device=0)
@@ -241,7 +241,7 @@ async def test_a_fault_on_gpu_1_leaves_gpu_0_running(two_gpus):
 
 @pytest.mark.usefixtures("no_leaks")
 async def test_a_blink_on_one_gpu_does_not_blink_the_other(two_gpus):
-    async with await Backend.open(gpu="sim", deadlines=TEST_DEADLINES) as b:  # blink mode
+    async with await open_sim(deadlines=TEST_DEADLINES) as b:  # blink mode
         ctx = b.isolations
         assert set(ctx) == {0, 1} and ctx[0].proc.pid != ctx[1].proc.pid  # a context per GPU
         progs = Programs(b)

@@ -9,12 +9,11 @@ import signal
 import anyio
 import pytest
 
-from meshd_mps.backend import Backend
 from meshd_mps.errors import WorkerError
 from meshd_mps.programs import RECOVERY_STEPS, Programs, ProgramState
 from workers.sim_gpu import EXIT_LINGER_ENV
 
-from .rigs.backend import beats, example, into, kill_in_launch
+from .rigs.backend import beats, example, into, kill_in_launch, open_sim
 from .rigs.deadlines import TEST_DEADLINES
 from .rigs.procs import children
 from .rigs.waits import until
@@ -27,7 +26,7 @@ async def test_fault_is_survived_and_innocents_relaunched(standin_on_path, polic
     """The innocents come back under on-failure, not under never; the culprit (never, so that it
     faults once) stays faulted; the pool refills once the lost programs are back."""
     restart = policy == "on-failure"
-    async with await Backend.open(isolation="mps", gpu="sim", pool=2, deadlines=TEST_DEADLINES) as b:
+    async with await open_sim("mps", pool=2, deadlines=TEST_DEADLINES) as b:
         progs = Programs(b, restart=policy)
         hb = await progs.load(*example("heartbeat"))
         await progs.load(*example("echo"))
@@ -64,7 +63,7 @@ async def test_a_retired_worker_stays_local(standin_on_path):
     program fails, with the server's termination as its error; the others never stop and are
     not restarted; the dead worker is reaped and forgotten at once; the pool refills and serves the
     next load; the failed program unloads."""
-    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=TEST_DEADLINES) as b:
+    async with await open_sim("mps", pool=1, deadlines=TEST_DEADLINES) as b:
         progs = Programs(b)
         hb = await progs.load(*example("heartbeat"))
         # resident: it runs until halted, or until its worker dies; never: it stays failed
@@ -97,7 +96,7 @@ async def test_a_worker_killed_in_a_loads_launch_is_a_gpu_fault(standin_on_path,
     program's yet: the load fails with the worker's death, and as on the H200 the GPU's other
     clients are torn down.  The recovery names the load's image (its worker, not any program),
     so every program there is innocent: relaunched, none left faulted."""
-    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=TEST_DEADLINES) as b:
+    async with await open_sim("mps", pool=1, deadlines=TEST_DEADLINES) as b:
         progs = Programs(b)
         hb = await progs.load(*example("heartbeat"))  # takes the pooled worker: echo's is fresh
         await beats(b, hb.slot, 10)
@@ -133,7 +132,7 @@ async def test_a_worker_killed_with_its_kernel_running_is_a_gpu_fault(standin_on
     takes its program over before its worker is seen gone."""
     monkeypatch.setenv(EXIT_LINGER_ENV, str(linger))
     before = children()
-    async with await Backend.open(isolation="mps", gpu="sim", pool=2, deadlines=TEST_DEADLINES) as b:
+    async with await open_sim("mps", pool=2, deadlines=TEST_DEADLINES) as b:
         progs = Programs(b)
         hb = await progs.load(*example("heartbeat"))
         victim = await progs.load(*example("echo"))

@@ -44,7 +44,7 @@ async def test_blink_context_takes_one_program_per_hardware_queue(standin_on_pat
     """32 heartbeats beat in one context (its worker asked for 32 queues and gave each its own);
     the 33rd is refused up front, naming the limit.  With the driver's default of 8 queues the
     9th would be launched and never start (test_sim_limits.py)."""
-    b = await Backend.open(isolation="blink", gpu="sim", deadlines=TEST_DEADLINES)
+    b = await open_sim("blink", deadlines=TEST_DEADLINES)
     try:
         progs = Programs(b)
         man_hb, ptx = example("heartbeat")
@@ -65,7 +65,7 @@ async def test_blink_context_takes_one_program_per_hardware_queue(standin_on_pat
 
 async def test_mps_programs_are_the_clients_less_the_pool(standin_on_path):
     """max_clients 8 with a pool of 2: 6 programs, and the 7th refused before a worker is taken."""
-    b = await Backend.open(isolation="mps", gpu="sim", pool=2, deadlines=TEST_DEADLINES, max_clients=8)
+    b = await open_sim("mps", pool=2, deadlines=TEST_DEADLINES, max_clients=8)
     b.compiler = ScriptCompiler(b.infos[0])
     try:
         progs = Programs(b)

@@ -13,10 +13,9 @@ from typing import Any
 
 import pytest
 
-from meshd_mps.backend import Backend
 from meshd_mps.programs import Program, Programs, ProgramState
 
-from .rigs.backend import beats, example
+from .rigs.backend import beats, example, open_sim
 from .rigs.deadlines import TEST_DEADLINES
 from .rigs.waits import until
 
@@ -68,7 +67,7 @@ async def test_a_fault_and_its_recovery_write_state_only_through_to(monkeypatch)
     monkeypatch.setattr(Program, "to", to)
     monkeypatch.setattr(Program, "__setattr__", setattr_)
     d = dataclasses.replace(TEST_DEADLINES, restart_backoff=0.05, fault_window=0.5)
-    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=d) as b:
+    async with await open_sim("mps", pool=1, deadlines=d) as b:
         progs = Programs(b)
         try:
             hb = await progs.load(*example("heartbeat"))

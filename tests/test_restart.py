@@ -10,13 +10,12 @@ import functools
 import pytest
 
 from meshd_mps import restart
-from meshd_mps.backend import Backend
 from meshd_mps.errors import BadRestartPolicy
 from meshd_mps.programs import Programs, ProgramState
 from meshd_mps.restart import CRASH_LOOP_BURST, End, Policy, decide
 
 from .cases.restart import blink_fault_case, blink_killed_case
-from .rigs.backend import beats, example
+from .rigs.backend import beats, example, open_sim
 from .rigs.deadlines import QUICK_RESTARTS as QUICK
 from .rigs.waits import until as _until
 
@@ -77,7 +76,7 @@ def test_policy_parse():
 async def test_a_failed_program_comes_back_by_itself(standin_on_path):
     """Its worker retired under it (the server ends its context): an own failure, not the GPU's;
     on-failure relaunches it after its backoff, on a fresh worker, and the other never stops."""
-    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=QUICK) as b:
+    async with await open_sim("mps", pool=1, deadlines=QUICK) as b:
         progs = Programs(b)
         hb = await progs.load(*example("heartbeat"))
         echo = await progs.load(*example("echo"))
@@ -96,7 +95,7 @@ async def test_a_failed_program_comes_back_by_itself(standin_on_path):
 
 
 async def test_never_leaves_a_failed_program_failed(standin_on_path):
-    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=QUICK) as b:
+    async with await open_sim("mps", pool=1, deadlines=QUICK) as b:
         progs = Programs(b, restart="never")
         echo = await progs.load(*example("echo"))
         b.sup.retire(echo.kernel.proc)
@@ -109,7 +108,7 @@ async def test_a_program_that_keeps_faulting_the_gpu_is_a_crash_loop(standin_on_
     """A program faulting the GPU at every launch: each time the innocent comes back at once, the
     culprit after its backoff; at the fifth fault the culprit is a crash loop, not relaunched, and
     says so (ps, the error); the innocent runs on."""
-    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=QUICK) as b:
+    async with await open_sim("mps", pool=1, deadlines=QUICK) as b:
         progs = Programs(b)
         hb = await progs.load(*example("heartbeat"))
         await progs.load(*example("fault"))
@@ -131,7 +130,7 @@ async def test_a_program_that_keeps_faulting_the_gpu_is_a_crash_loop(standin_on_
 async def test_always_relaunches_a_program_that_exits(standin_on_path):
     """spin returns by itself after 100 ms: under always it is relaunched each time, and five
     exits within the interval are a crash loop too."""
-    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=QUICK) as b:
+    async with await open_sim("mps", pool=1, deadlines=QUICK) as b:
         progs = Programs(b)
         await progs.load(*example("spin"), restart="always")
         await until(lambda: progs.by_name["spin"].observe() is ProgramState.CRASH_LOOP)
@@ -145,7 +144,7 @@ async def test_always_relaunches_a_program_that_exits(standin_on_path):
 
 async def test_an_unload_during_the_backoff_cancels_the_relaunch(standin_on_path):
     slow = dataclasses.replace(QUICK, restart_backoff=30.0, restart_backoff_max=30.0)
-    async with await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=slow) as b:
+    async with await open_sim("mps", pool=1, deadlines=slow) as b:
         progs = Programs(b)
         echo = await progs.load(*example("echo"))
         b.sup.retire(echo.kernel.proc)

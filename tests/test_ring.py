@@ -14,7 +14,6 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from meshd_mps.backend import Backend
 from meshd_mps.errors import CallTimeout, NotRunning, PayloadTooLarge, RingFull
 from meshd_mps.programs import Programs
 from meshd_mps.programs.calls import Calls
@@ -23,7 +22,7 @@ from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.protocol.ring import Ring
 from workers.sim_kernels import MeshBeat, MeshRing, echo_turn
 
-from .rigs.backend import example
+from .rigs.backend import example, open_sim
 from .rigs.deadlines import TEST_DEADLINES
 
 pytestmark = pytest.mark.timeout(90)
@@ -233,7 +232,7 @@ def test_sequence_numbers_wrap(mb):
 
 @pytest.fixture
 async def progs(standin_on_path):
-    b = await Backend.open(isolation="mps", gpu="sim", pool=1, deadlines=TEST_DEADLINES)
+    b = await open_sim("mps", pool=1, deadlines=TEST_DEADLINES)
     ps = Programs(b)
     try:
         yield ps
