@@ -105,9 +105,9 @@ def serve(tmp):
 
 
 #: The tests that take longest (seconds, one at a time on 2 loaded cores, 2026-12-06), by node id
-#: prefix.  make test runs the suite on pytest-xdist workers that each take the next test when
-#: they are free (``--dist load --maxschedchunk 1``): these go first, longest first, so that none
-#: of them starts last and is run alone at the end while the other workers idle.  Only the order
+#: prefix.  make test runs the suite on pytest-xdist workers that each take the next module when
+#: they are free (``--dist loadscope``): these modules go first, longest first, so that none of
+#: them starts last and is run alone at the end while the other workers idle.  Only the order
 #: changes (a name that is no longer a test's does nothing).
 LONGEST_FIRST = (
     "tests/test_bench.py::test_bench_sim_quick",  # 77
