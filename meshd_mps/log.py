@@ -13,8 +13,13 @@ import sys
 
 import structlog
 
+#: The format the daemon chose (json | console), in its environment for its workers (workers/wlog.py):
+#: a worker's stderr is the daemon's, and one stream has one format whatever the worker's isatty says.
+FORMAT_ENV = "MESHD_MPS_LOG_FORMAT"
 
-def setup_logging(component: str = "meshd", level: str | None = None, json: bool | None = None) -> None:
+
+def setup_logging(component: str = "meshd", level: str | None = None, json: bool | None = None) -> bool:
+    """structlog configured for this process; True if it writes JSON lines."""
     level = (level or os.environ.get("MESHD_MPS_LOG_LEVEL", "info")).upper()
     if json is None:
         json = not sys.stderr.isatty()
@@ -33,6 +38,7 @@ def setup_logging(component: str = "meshd", level: str | None = None, json: bool
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
     )
+    return json
 
 
 def _noop(_logger: object, _name: str, event: structlog.typing.EventDict) -> structlog.typing.EventDict:

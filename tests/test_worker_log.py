@@ -11,7 +11,10 @@ import pytest
 import structlog
 
 from meshd_mps.log import setup_logging
+from meshd_mps.state.program_files import program_body
 from workers import wlog
+
+from .rigs.serve import EXAMPLES
 
 
 def _structlog_line(capsys, as_json: bool) -> str:
@@ -64,3 +67,24 @@ def test_the_level_filters_as_the_daemons(capsys, monkeypatch, level, shown):
 def test_a_worker_imports_no_structlog():
     code = "import sys, workers.start, workers.main, workers.sim_gpu; print('structlog' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+@pytest.mark.parametrize(("told", "is_json"), [("console", False), ("json", True)])
+def test_a_worker_writes_in_the_format_its_daemon_chose(capsys, monkeypatch, told, is_json):
+    monkeypatch.setenv("MESHD_MPS_LOG_FORMAT", told)
+    monkeypatch.setattr(wlog, "_state", dict(wlog._state))
+    wlog.setup("worker")
+    wlog.log.warning("module loaded", program="echo")
+    assert capsys.readouterr().err.startswith("{") is is_json
+
+
+def test_serve_in_console_format_is_one_format(serve, standin_on_path):
+    """``serve --log-format console`` with its stderr a file: the workers' lines are console lines
+    too, in the same stream (they were JSON, deciding by their own isatty)."""
+    s = serve("mps", "--log-format", "console", "--pool", "1")
+    s.wait_ready()
+    s.client.load(program_body(str(EXAMPLES / "echo")))
+    assert s.stop() == 0, s.log()[-4000:]
+    lines = [ln for ln in s.log().splitlines() if ln.strip()]
+    assert any("component=worker" in ln for ln in lines), lines[-20:]
+    assert not [ln for ln in lines if ln.lstrip().startswith("{")], lines[-20:]

@@ -24,12 +24,19 @@ _state: dict[str, Any] = {"level": _LEVELS["INFO"], "json": True, "component": "
 _bound: dict[str, Any] = {}
 
 
+#: meshd_mps.log.FORMAT_ENV: the format its daemon chose (the worker imports nothing of the daemon's).
+FORMAT_ENV = "MESHD_MPS_LOG_FORMAT"
+
+
 def setup(component: str = "worker", level: str | None = None, as_json: bool | None = None) -> None:
-    """As ``meshd_mps.log.setup_logging``: the level from ``MESHD_MPS_LOG_LEVEL`` (default info),
-    JSON unless stderr is a terminal."""
+    """As ``meshd_mps.log.setup_logging``: the level from ``MESHD_MPS_LOG_LEVEL`` (default info);
+    the daemon's format (``MESHD_MPS_LOG_FORMAT``, its stderr is ours), else JSON unless stderr is a
+    terminal."""
     name = (level or os.environ.get("MESHD_MPS_LOG_LEVEL", "info")).upper()
-    _state.update(level=_LEVELS[name], json=not sys.stderr.isatty() if as_json is None else as_json,
-                  component=component)
+    if as_json is None:
+        told = os.environ.get(FORMAT_ENV)
+        as_json = told == "json" if told in ("json", "console") else not sys.stderr.isatty()
+    _state.update(level=_LEVELS[name], json=as_json, component=component)
 
 
 def bind(**fields: Any) -> None:
