@@ -261,6 +261,10 @@ def _check_ptx_version(ptx: bytes) -> None:
         )
 
 
+#: The name nvJitLink is given for the one input (it appears in its error log).
+PTX_INPUT = "program.ptx"
+
+
 def ptx_to_cubin(ptx: bytes, arch: str, reg_cap: int) -> bytes:
     """nvJitLink: PTX -> cubin for ``arch`` (``sm_90``) with ``-maxrregcount=reg_cap``.
 
@@ -278,7 +282,7 @@ def ptx_to_cubin(ptx: bytes, arch: str, reg_cap: int) -> bytes:
         raise CompileError(f"jit: nvJitLinkCreate({' '.join(opts)}): {e}") from e
     try:
         try:
-            nvjitlink.add_data(h, nvjitlink.InputType.PTX, data, len(data), "program.ptx")
+            nvjitlink.add_data(h, nvjitlink.InputType.PTX, data, len(data), PTX_INPUT)
             nvjitlink.complete(h)
         except nvjitlink.nvJitLinkError as e:
             log = ""
@@ -289,7 +293,10 @@ def ptx_to_cubin(ptx: bytes, arch: str, reg_cap: int) -> bytes:
                 log = _cstr(buf)
             except Exception:
                 pass
+            log = log.replace(f"NVJITLINK_INPUT_PTX{PTX_INPUT}", "NVJITLINK_INPUT_PTX")  # its log runs the name on
             why = _lines(log) or str(e)
+            if "does not match type NVJITLINK_INPUT_PTX" in log:
+                why = f"not PTX text (the file given as PTX is something else; nvJitLink: {why})"
             if "Unsupported .version" in log:
                 why += " | (PTX from a newer NVRTC/nvcc than this nvJitLink)"
             raise CompileError(f"jit: {why}") from e

@@ -88,7 +88,9 @@ def program_body(dir: str | None = None, manifest: str | None = None, ptx: str |
     if dir is not None:
         d = Path(dir)
         if not d.is_dir():
-            raise ProgramFilesError(f"{dir}: not a directory", dir)
+            why = "not a directory (a program directory holds manifest.json and a .ptx or .cu file)" if d.exists() \
+                else "no such directory"
+            raise ProgramFilesError(f"{dir}: {why}", dir)
         mpath = Path(manifest) if manifest else d / "manifest.json"
         if ptx is None and cuda is None:
             ptxs, cus = sorted(d.glob("*.ptx")), sorted(d.glob("*.cu"))
