@@ -14,7 +14,6 @@ from dataclasses import dataclass
 #: Each request op whose reply is awaited (by its name: the op table is the protocol's, a layer up),
 #: and the field of :class:`Deadlines` that bounds the wait.
 _REPLY = {"LAUNCH": "launch", "READY": "ready", "LOAD": "load", "LIMIT": "load"}
-_FIELD: dict[enum.Enum, str] = {}  # the same by op, filled at each op's first reply
 
 
 @dataclass(frozen=True)
@@ -61,12 +60,10 @@ class Deadlines:
 
     def reply(self, op: enum.Enum) -> float:
         """The deadline of the reply to request ``op`` (a ``frames.Op``; ``WorkerProc.ask``; no dict
-        built per ask: each op's field is looked up by its name once)."""
-        field = _FIELD.get(op)
+        built per ask)."""
+        field = _REPLY.get(op.name)
         if field is None:
-            if op.name not in _REPLY:
-                raise KeyError(op)
-            field = _FIELD[op] = _REPLY[op.name]
+            raise KeyError(op)
         return float(getattr(self, field))
 
 

@@ -1,4 +1,4 @@
-"""The defaults that the library (``Backend.open``) and ``serve`` share, in one place.
+"""The defaults that the library (``Backend.open``), ``serve`` and the workers share, in one place.
 
 ``state/config.py``'s ``SERVE_DEFAULTS`` reads these for serve's options, and ``Backend.open``'s
 signature reads them too, so that a user embedding the library and one running the daemon start
@@ -8,6 +8,7 @@ from the same mode, GPU and share of SMs.  They live in the bottom layer because
 
 from __future__ import annotations
 
+import os
 from typing import Final
 
 #: The isolation a GPU runs in unless told: blink (one context), which needs no MPS binaries.
@@ -20,3 +21,15 @@ SMS: Final = 0
 #: runs in the one context, never in a pooled worker).  The library keeps none unless asked
 #: (``Backend.open(pool=0)``): an embedding program decides what it pays for idle MPS clients.
 POOL_BY_ISOLATION: Final[dict[str, int]] = {"blink": 0, "mps": 2}
+
+#: The log's level unless told (``--log-level``): the daemon's and, inherited, its workers'.
+LOG_LEVEL_ENV: Final = "MESHD_MPS_LOG_LEVEL"
+#: The format the daemon chose (json | console), set in its environment for its workers
+#: (workers/wlog.py): a worker's stderr is the daemon's, and one stream has one format.
+LOG_FORMAT_ENV: Final = "MESHD_MPS_LOG_FORMAT"
+
+
+def log_level(asked: str | None) -> str:
+    """The level's name (INFO, ...): ``asked``, else ``$MESHD_MPS_LOG_LEVEL``, else info; read here
+    by meshd_mps/log.py and workers/wlog.py alike (this module imports nothing that is slow)."""
+    return (asked or os.environ.get(LOG_LEVEL_ENV, "info")).upper()

@@ -8,19 +8,16 @@ contextvars, so every line a task logs carries it.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import structlog
 
-#: The format the daemon chose (json | console), in its environment for its workers (workers/wlog.py):
-#: a worker's stderr is the daemon's, and one stream has one format whatever the worker's isatty says.
-FORMAT_ENV = "MESHD_MPS_LOG_FORMAT"
+from meshd_mps.defaults import log_level
 
 
 def setup_logging(component: str = "meshd", level: str | None = None, json: bool | None = None) -> bool:
     """structlog configured for this process; True if it writes JSON lines."""
-    level = (level or os.environ.get("MESHD_MPS_LOG_LEVEL", "info")).upper()
+    level = log_level(level)
     if json is None:
         json = not sys.stderr.isatty()
     processors: list[structlog.typing.Processor] = [

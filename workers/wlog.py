@@ -18,23 +18,21 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from meshd_mps.defaults import LOG_FORMAT_ENV, log_level
+
 #: logging's numbers (the levels setup_logging filters by), without importing logging.
 _LEVELS = {"CRITICAL": 50, "ERROR": 40, "WARNING": 30, "INFO": 20, "DEBUG": 10, "NOTSET": 0}
 _state: dict[str, Any] = {"level": _LEVELS["INFO"], "json": True, "component": "worker"}
 _bound: dict[str, Any] = {}
 
 
-#: meshd_mps.log.FORMAT_ENV: the format its daemon chose (the worker imports nothing of the daemon's).
-FORMAT_ENV = "MESHD_MPS_LOG_FORMAT"
-
-
 def setup(component: str = "worker", level: str | None = None, as_json: bool | None = None) -> None:
     """As ``meshd_mps.log.setup_logging``: the level from ``MESHD_MPS_LOG_LEVEL`` (default info);
     the daemon's format (``MESHD_MPS_LOG_FORMAT``, its stderr is ours), else JSON unless stderr is a
     terminal."""
-    name = (level or os.environ.get("MESHD_MPS_LOG_LEVEL", "info")).upper()
+    name = log_level(level)
     if as_json is None:
-        told = os.environ.get(FORMAT_ENV)
+        told = os.environ.get(LOG_FORMAT_ENV)
         as_json = told == "json" if told in ("json", "console") else not sys.stderr.isatty()
     _state.update(level=_LEVELS[name], json=as_json, component=component)
 

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from meshd_mps import eventloop
+from meshd_mps import defaults, eventloop
 from meshd_mps.bench.children import leftovers
 from meshd_mps.bench.report import as_json, header, table
 from meshd_mps.bench.rig import Bench
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"meshd-mps bench: {e}", file=sys.stderr)
             return 2
-    os.environ.setdefault("MESHD_MPS_LOG_LEVEL", "warning")  # workers inherit it
+    os.environ.setdefault(defaults.LOG_LEVEL_ENV, "warning")  # workers inherit it
     setup_logging(component="bench")
     try:
         eventloop.factory(args.loop)

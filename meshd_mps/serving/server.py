@@ -42,13 +42,13 @@ import anyio.to_thread
 import structlog
 from aiohttp import web
 
-from meshd_mps import eventloop
+from meshd_mps import defaults, eventloop
 from meshd_mps.backend import Backend
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import MeshError, NoDriver
 from meshd_mps.gpu.compiler import nvjitlink_version
 from meshd_mps.gpu.nvml import Nvml, NvmlLike, SimNvml
-from meshd_mps.log import FORMAT_ENV, setup_logging
+from meshd_mps.log import setup_logging
 from meshd_mps.mps.control import become_subreaper
 from meshd_mps.neighbours import NeighbourWatch, classify, look
 from meshd_mps.programs import Programs
@@ -105,7 +105,7 @@ class Config:
 def main(cfg: Config) -> int:
     """Run the daemon until a signal stops it; the exit status."""
     as_json = setup_logging("meshd", cfg.log_level, json=None if cfg.log_format is None else cfg.log_format == "json")
-    os.environ[FORMAT_ENV] = "json" if as_json else "console"  # the workers' lines in the daemon's format
+    os.environ[defaults.LOG_FORMAT_ENV] = "json" if as_json else "console"  # the workers' lines in the daemon's format
     try:
         if cfg.daemon_cpus is not None:  # before the loop starts a thread: every later one inherits it
             rest = cpus.place(cfg.daemon_cpus)
