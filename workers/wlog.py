@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -43,13 +42,10 @@ def bind(**fields: Any) -> None:
 
 
 def _line(level: str, msg: str, fields: dict[str, Any]) -> str:
-    now = time.time()
+    stamp = datetime.now(UTC).isoformat().replace("+00:00", "Z")  # structlog's TimeStamper("iso", utc=True)
     if _state["json"]:
-        event = {**fields, **_bound, "level": level,
-                 "timestamp": datetime.fromtimestamp(now, UTC).isoformat().replace("+00:00", "Z"),
-                 "msg": msg, "component": _state["component"]}
+        event = {**fields, **_bound, "level": level, "timestamp": stamp, "msg": msg, "component": _state["component"]}
         return json.dumps(event, default=repr)
-    stamp = datetime.fromtimestamp(now, UTC).isoformat().replace("+00:00", "Z")
     kv = " ".join(f"{k}={v if isinstance(v, str) else repr(v)}"
                   for k, v in sorted({**fields, **_bound, "component": _state["component"]}.items()))
     return f"{stamp} [{level:<9}] {msg:<30} {kv}".rstrip()
