@@ -22,6 +22,20 @@ SMS: Final = 0
 #: (``Backend.open(pool=0)``): an embedding program decides what it pays for idle MPS clients.
 POOL_BY_ISOLATION: Final[dict[str, int]] = {"blink": 0, "mps": 2}
 
+#: The control socket unless ``--socket`` is given: the daemon's and the client's (serving/client.py).
+SOCKET_ENV: Final = "MESHD_MPS_SOCKET"
+#: The name of the default socket (``NAME.sock``) and state directory: the GPU's, and for the
+#: simulated GPU its own (``meshd-mps-sim``), so that trying ``--gpu sim`` never shares the real
+#: service's socket or desired state (a program loaded on the sim would be restored on the GPU).
+NAME: Final = "meshd-mps"
+NAME_BY_GPU: Final[dict[str, str]] = {"cuda": NAME, "sim": f"{NAME}-sim"}
+
+
+def named(gpu: str | None) -> str:
+    """The default socket's and state directory's name for ``gpu`` (None: the default GPU's)."""
+    return NAME_BY_GPU[gpu or GPU]
+
+
 #: The log's level unless told (``--log-level``): the daemon's and, inherited, its workers'.
 LOG_LEVEL_ENV: Final = "MESHD_MPS_LOG_LEVEL"
 #: The format the daemon chose (json | console), set in its environment for its workers

@@ -129,7 +129,7 @@ def not_kept(w: WorkerProc, mailbox: Mailbox, devices: Collection[int], keeps_wo
     return ""
 
 
-async def halt_slots(mb: Mailbox, slots: list[int], halt: float) -> None:
+async def halt_slots(mb: Mailbox, slots: list[int], halt: float, ending: bool = False) -> None:
     """HALT on ``slots`` of ``mb``, whose kernels no worker of ours runs (left by workers we cannot
     keep), and their STATE awaited off RUNNING within ``halt`` (``Deadlines.halt``): they must not
     exit with a kernel running (under MPS that faults the GPU), nor share a slot with a new one."""
@@ -139,10 +139,12 @@ async def halt_slots(mb: Mailbox, slots: list[int], halt: float) -> None:
         while any(mb.u32(s, abi.STATE) == abi.RUNNING for s in slots):
             await anyio.sleep(0.005)  # the kernels answer in host memory: nothing to await but the words
     left = [s for s in slots if mb.u32(s, abi.STATE) == abi.RUNNING]
-    log.info(f"live restore: halted the kernels on slots {slots} that no adopted worker runs",
-             still_running=left)
+    why = ("without --live-restore: halted the kernels an earlier meshd-mps left on slots {}" if ending
+           else "live restore: halted the kernels on slots {} that no adopted worker runs")
+    log.info(why.format(slots), still_running=left)
     if left:
-        log.error(f"live restore: slots {left} still RUNNING {halt:g}s after HALT (no kernel answers there, or"
+        who = "without --live-restore" if ending else "live restore"
+        log.error(f"{who}: slots {left} still RUNNING {halt:g}s after HALT (no kernel answers there, or"
                   " one that ignores HALT); they are zeroed and reused", slots=left)
 
 
@@ -163,13 +165,13 @@ async def clear_left(sup: Supervisor, dir: str) -> None:
         ws: list[WorkerProc] = []
         for path in socks:
             try:
-                ws.append(await sup.adopt(path))
+                ws.append(await sup.adopt(path, to_end=True))
             except WorkerError as e:  # ProtocolMismatch too: kept by the supervisor for dismiss
                 log.warning(f"left by live restore: {path}: {e}", pid=e.pid)
         if mb is not None:
             running = [s for s in range(abi.SLOTS) if mb.u32(s, abi.STATE) == abi.RUNNING]
             if running:
-                await halt_slots(mb, running, sup.deadlines.halt)
+                await halt_slots(mb, running, sup.deadlines.halt, ending=True)
         for w in ws:
             sup.retire(w, before_exit=False)
         dismissed = await sup.dismiss()

@@ -199,7 +199,8 @@ class Programs:
     def describe(self, p: Program) -> dict[str, Any]:
         """``p`` as the API shows it; a read, which changes nothing."""
         state, error = p.state()
-        age = p.beat_age()
+        hb = self.reg.b.mailbox.heartbeat(p.slot)  # one read for the count and its age
+        age = p.beat_age(hb=hb)
         return {
             "name": p.name,
             "slot": p.slot,
@@ -207,7 +208,7 @@ class Programs:
             "error": error,
             "pid": p.kernel.pid,
             "device": p.device,
-            "heartbeat": self.reg.b.mailbox.heartbeat(p.slot),
+            "heartbeat": hb,
             "beat_age_s": None if age is None else round(age, 3),
             "uptime_s": round(time.monotonic() - p.started, 3),
             "hash": f"{p.hash:016x}",

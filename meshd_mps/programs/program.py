@@ -123,6 +123,7 @@ class Program:
     beat: int = -1  # the HEARTBEAT last seen (Heartbeats.sample)
     beat_at: float = field(default_factory=time.monotonic)  # when it was last seen advancing
     beaten: bool = False  # seen advancing at least once: a program that never beats never stalls
+    sampled_at: float = field(default_factory=time.monotonic)  # when ``beat`` was read (or its launch)
     stalled_at: float = 0.0  # monotonic time it was found stalled (0: not stalled)
     ring: Ring | None = field(default=None, repr=False)  # the host's end of its slot's ring (Calls.ring)
     generation: int = field(default_factory=lambda: next(_GENERATIONS))  # its launch's (see the module's doc)
@@ -187,14 +188,20 @@ class Program:
         self.error = self.lost_to = ""
         self.failed_at = self.restart_at = self.stalled_at = 0.0
         self.settled = self.beaten = False
-        self.beat, self.beat_at, self.ring = -1, now, None
+        self.beat, self.beat_at, self.sampled_at, self.ring = -1, now, now, None
 
     def saw_beat(self, hb: int, now: float) -> None:
         """A heartbeat read from its slot (Heartbeats.sample): an observation, not a state."""
+        self.sampled_at = now
         if hb != self.beat:
-            if self.beat >= 0 or hb:  # its slot was zeroed at launch: a count is beats since
+            if self.advanced(hb):
                 self.beaten = True
             self.beat, self.beat_at = hb, now
+
+    def advanced(self, hb: int) -> bool:
+        """Whether ``hb``, read from its slot, is a beat since the last sample: another count, and
+        not the zero its slot was given at launch (a count is beats since)."""
+        return hb != self.beat and (self.beat >= 0 or hb != 0)
 
     # ---- reads (none of them changes anything) --------------------------------------------------
     def ended(self) -> tuple[ProgramState, str] | None:
@@ -230,9 +237,16 @@ class Program:
         """The part of its GPU's resident blocks it holds while it runs (limits.py)."""
         return 0.0 if self.launch.finished() else limits.share(self.nodes, self.kernel.per_sm, self.kernel.sms)
 
-    def beat_age(self, now: float | None = None) -> float | None:
-        """Seconds since its heartbeat was last seen advancing (None: it never beat)."""
-        return ((now or time.monotonic()) - self.beat_at) if self.beaten else None
+    def beat_age(self, now: float | None = None, hb: int | None = None) -> float | None:
+        """Seconds since its heartbeat was last seen advancing (None: it never beat).  ``hb``: the
+        heartbeat read now, as shown beside the age (describe): if it advanced since the watcher's
+        last sample, it beat within ``now - sampled_at``, which is the age then; without it the
+        age of a program that beats, read between its launch and the next sample, would be "never"
+        beside a count that advances."""
+        now = now or time.monotonic()
+        if hb is not None and self.advanced(hb):
+            return now - self.sampled_at
+        return (now - self.beat_at) if self.beaten else None
 
     def state(self) -> tuple[str, str]:
         """(running | stalled | exited | failed | faulted, the error text), as the API shows it; a

@@ -360,8 +360,21 @@ class Api:
         name = _name(request)
         row = self._describe(self.ps.get(name))  # as it was before it was unloaded
         await self.ps.unload(name)
+        out = {"ok": True, "program": row, "unloaded": name, "slot": row["slot"]}
         # "unloaded" (its name) and "slot": deprecated, the same as "program"'s "name" and "slot".
-        return answer(200, {"ok": True, "program": row, "unloaded": name, "slot": row["slot"]})
+        if warning := self._declared(name):
+            log.warning(f"unload: {warning}", program=name)
+            out["warning"] = warning
+        return answer(200, out)
+
+    def _declared(self, name: str) -> str:
+        """Why an unload does not last ("": it does): the config file declares the program, and
+        every start loads what it declares."""
+        st = self.state or {}
+        if name not in st.get("declared", ()):
+            return ""
+        return (f"{name} is declared in {st.get('config_file')} ([program.{name}]): it is loaded again at the next"
+                " start unless removed from there")
 
     async def post_call(self, request: web.Request) -> web.Response:
         name = _name(request)

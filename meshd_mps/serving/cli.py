@@ -30,8 +30,10 @@ examples:
   meshd-mps upgrade echo examples/echo     # a new image on the same slot
   meshd-mps unload echo
   meshd-mps serve --config /etc/meshd-mps.toml   # options and always-loaded programs from a TOML file
-the socket: --socket, else $MESHD_MPS_SOCKET, else $XDG_RUNTIME_DIR/meshd-mps.sock, else
-  /run/meshd-mps/meshd-mps.sock (root) or /tmp/meshd-mps-$UID/meshd-mps.sock (a directory only you can write)
+the socket: --socket, else $MESHD_MPS_SOCKET, else (client commands) --config FILE's socket, else
+  $XDG_RUNTIME_DIR/meshd-mps.sock, else /run/meshd-mps/meshd-mps.sock (root) or /tmp/meshd-mps-$UID/meshd-mps.sock
+  (a directory only you can write); a --gpu sim daemon's default is meshd-mps-sim.sock there, and its state dir
+  meshd-mps-sim: the client commands reach it with --gpu sim
 CUDA C is compiled by this command, as you, for the daemon's oldest GPU, and sent as PTX: the daemon takes PTX only
 """
 
@@ -84,9 +86,12 @@ class _ServeHelp(argparse.RawDescriptionHelpFormatter):
 
 
 def _client_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", metavar="PATH", help="the daemon's socket (default: $MESHD_MPS_SOCKET, "
-                   "$XDG_RUNTIME_DIR/meshd-mps.sock, /run/meshd-mps/meshd-mps.sock for root, else"
+    p.add_argument("--socket", metavar="PATH", help="the daemon's socket (default: $MESHD_MPS_SOCKET, else --config's"
+                   " socket, else $XDG_RUNTIME_DIR/meshd-mps.sock, /run/meshd-mps/meshd-mps.sock for root, else"
                    " /tmp/meshd-mps-$UID/meshd-mps.sock); refused if another user owns it")
+    p.add_argument("--config", metavar="FILE", help="the file serve reads (serve --config): its socket is used")
+    p.add_argument("--gpu", choices=("cuda", "sim"), help="whose default socket: the daemon on the GPU (cuda, the"
+                   " default) or a serve --gpu sim (meshd-mps-sim.sock beside it)")
     p.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
 
 
@@ -133,7 +138,8 @@ def parser() -> argparse.ArgumentParser:
                    help="cuda: the GPU; sim: the explicit CPU simulation, for trying meshd-mps without one (default %(default)s)")
     s.add_argument("--socket", metavar="PATH", help="the control socket (default: $MESHD_MPS_SOCKET, "
                    "$XDG_RUNTIME_DIR/meshd-mps.sock, /run/meshd-mps/meshd-mps.sock for root, else"
-                   " /tmp/meshd-mps-$UID/meshd-mps.sock); its directory must be writable by this user only")
+                   " /tmp/meshd-mps-$UID/meshd-mps.sock; meshd-mps-sim.sock with --gpu sim); its directory must be writable by"
+                   " this user only")
     s.add_argument("--cache-dir", metavar="DIR", help="keep compiled cubins here across restarts")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="default info ($MESHD_MPS_LOG_LEVEL)")
     s.add_argument("--log-format", choices=("json", "console"), help="default: JSON lines unless stderr is a terminal")
@@ -143,7 +149,8 @@ def parser() -> argparse.ArgumentParser:
                    help="a running program whose heartbeat has not advanced for S seconds is shown as stalled"
                         " (default %(default)s)")
     s.add_argument("--state-dir", metavar="DIR", help="the desired state kept across restarts (default: $STATE_DIRECTORY,"
-                   " else /var/lib/meshd-mps for root, else $XDG_STATE_HOME/meshd-mps or ~/.local/state/meshd-mps);"
+                   " else /var/lib/meshd-mps for root, else $XDG_STATE_HOME/meshd-mps or ~/.local/state/meshd-mps;"
+                   " meshd-mps-sim instead of meshd-mps with --gpu sim);"
                    " it must be this user's, mode 0700; every load, upgrade and unload is recorded there, and the"
                    " next start loads the recorded programs again on their slots")
     s.add_argument("--live-restore", action=argparse.BooleanOptionalAction,
@@ -330,9 +337,13 @@ def own_executable() -> str | None:
 
 
 def _client(args: argparse.Namespace) -> int:
-    from meshd_mps.serving.client import Client, ClientError
+    from meshd_mps.serving.client import Client, ClientError, NoDaemon
 
-    c = Client(args.socket)
+    try:
+        c = Client(_socket_of(args))
+    except ClientError as e:
+        print(f"meshd-mps: {e}", file=sys.stderr)
+        return 2
     try:
         if args.cmd in ("load", "upgrade"):
             # CUDA C is compiled here (as this user), for the daemon's oldest GPU; the daemon gets PTX.
@@ -355,6 +366,8 @@ def _client(args: argparse.Namespace) -> int:
                 return _json(ans)
             p = ans.get("program") or {"name": args.name, "slot": ans.get("slot")}  # "slot": an older daemon's
             print(f"{p['name']} unloaded from slot {p.get('slot')}")
+            if ans.get("warning"):
+                print(f"meshd-mps: warning: {ans['warning']}", file=sys.stderr)
         elif args.cmd == "ps":
             ans = c.request("GET", "/v1/programs")
             if args.json:
@@ -387,12 +400,47 @@ def _client(args: argparse.Namespace) -> int:
             print(ans["hex"] if args.hex else ans["data"])
         else:  # pragma: no cover - argparse knows the commands
             raise ClientError(f"unknown command {args.cmd}")
+    except NoDaemon as e:
+        print(f"meshd-mps: {e}{_sim_hint(args, c.socket)}", file=sys.stderr)
+        return 1
     except ClientError as e:
         print(f"meshd-mps: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _socket_of(args: argparse.Namespace) -> str:
+    """--socket, else $MESHD_MPS_SOCKET, else --config's socket, else --gpu's default (client_socket);
+    ClientError for a config file that serve would refuse too."""
+    from meshd_mps.serving.client import ClientError, client_socket
+
+    file_socket = None
+    if args.config is not None:
+        from meshd_mps.errors import ConfigError
+        from meshd_mps.state.config import load_config
+
+        try:
+            file_socket = load_config(args.config).serve.get("socket")
+        except ConfigError as e:
+            raise ClientError(str(e)) from e
+    return client_socket(args.socket, file_socket, args.gpu)
+
+
+def _sim_hint(args: argparse.Namespace, tried: str) -> str:
+    """For a default socket nobody serves on: where the other kind of daemon (``--gpu sim`` or the
+    GPU's) serves, if its default socket is there, and how to reach it."""
+    from meshd_mps.serving.client import SOCKET_ENV, own_socket
+
+    if args.socket or os.environ.get(SOCKET_ENV) or args.config:
+        return ""
+    other = "cuda" if args.gpu == "sim" else "sim"
+    there = own_socket(other)
+    if there == tried or not os.path.exists(there):
+        return ""
+    who = "a meshd-mps serve --gpu sim" if other == "sim" else "the daemon on the GPU"
+    return f"; {who} has its socket at {there}: add --gpu {other} (or --socket {there})"
 
 
 def _json(ans: dict[str, Any]) -> int:

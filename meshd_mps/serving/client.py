@@ -27,6 +27,8 @@ import struct
 import urllib.parse
 from typing import Any
 
+from meshd_mps import defaults
+
 # Re-exported (``X as X``): the program files' reader (state/program_files.py), as the CLI used it here.
 from meshd_mps.state.program_files import (
     DEFAULT_ARCH as DEFAULT_ARCH,
@@ -46,14 +48,15 @@ from meshd_mps.strictjson import (
     parse_json,
 )
 
-SOCKET_ENV = "MESHD_MPS_SOCKET"
+#: ``$MESHD_MPS_SOCKET``, named in meshd_mps/defaults.py.
+SOCKET_ENV = defaults.SOCKET_ENV
 #: The daemon refuses bodies over this (413); the client does not send them.
 MAX_BODY = 64 << 20
 #: The default socket's directory for root (without $XDG_RUNTIME_DIR); the daemon creates it 0700.
 RUN_DIR = "/run/meshd-mps"
 #: Where other users' default socket directory, ``meshd-mps-$UID``, is made (0700, by the daemon).
 TMP_ROOT = "/tmp"
-SOCKET_NAME = "meshd-mps.sock"
+SOCKET_NAME = f"{defaults.NAME}.sock"
 
 
 def private_dirs(euid: int | None = None) -> tuple[str, ...]:
@@ -63,17 +66,30 @@ def private_dirs(euid: int | None = None) -> tuple[str, ...]:
     return (RUN_DIR,) if euid == 0 else (os.path.join(TMP_ROOT, f"meshd-mps-{euid}"),)
 
 
-def default_socket() -> str:
+def default_socket(gpu: str | None = None) -> str:
     """``$MESHD_MPS_SOCKET``; else ``$XDG_RUNTIME_DIR/meshd-mps.sock``; else, for root,
     ``/run/meshd-mps/meshd-mps.sock``; else ``/tmp/meshd-mps-$UID/meshd-mps.sock``: always in a
-    directory only its owner can write (the daemon checks, and creates the last two 0700)."""
+    directory only its owner can write (the daemon checks, and creates the last two 0700).  For
+    ``gpu="sim"`` the name is ``meshd-mps-sim.sock`` (defaults.named): the simulation's own."""
     env = os.environ.get(SOCKET_ENV)
     if env:
         return env
+    return own_socket(gpu)
+
+
+def own_socket(gpu: str | None = None) -> str:
+    """The default socket of a daemon on ``gpu`` when ``$MESHD_MPS_SOCKET`` is not set."""
+    name = f"{defaults.named(gpu)}.sock"
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg:
-        return os.path.join(xdg, SOCKET_NAME)
-    return os.path.join(private_dirs()[0], SOCKET_NAME)
+        return os.path.join(xdg, name)
+    return os.path.join(private_dirs()[0], name)
+
+
+def client_socket(given: str | None, config_socket: str | None = None, gpu: str | None = None) -> str:
+    """The socket a client command talks to: ``--socket``, else ``$MESHD_MPS_SOCKET``, else the
+    ``--config`` file's ``socket``, else the default of a daemon on ``gpu`` (``--gpu``)."""
+    return given or os.environ.get(SOCKET_ENV) or config_socket or own_socket(gpu)
 
 
 # ---- the client ---------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import importlib.metadata
 import os
 import platform
@@ -164,7 +165,7 @@ class Daemon:
     def __init__(self, cfg: Config, deadlines: Deadlines = DEFAULT):
         self.cfg = cfg
         self.deadlines = deadlines
-        self.socket_path = os.path.abspath(cfg.socket or default_socket())
+        self.socket_path = os.path.abspath(cfg.socket or default_socket(cfg.gpu))
         self.backend: Backend | None = None
         self.programs: Programs | None = None
         self.metrics: Metrics | None = None
@@ -232,7 +233,7 @@ class Daemon:
         self.versions = await anyio.to_thread.run_sync(versions)
         # First: its lock makes the state dir ours alone, and with it (live restore) the mailbox file, the MPS
         # directory and the workers' sockets under it.  Refused: another user's dir, another daemon on it.
-        self.store = await anyio.to_thread.run_sync(Store.open, c.state_dir)
+        self.store = await anyio.to_thread.run_sync(functools.partial(Store.open, c.state_dir, gpu=c.gpu))
         d = self.deadlines if c.orphan_timeout is None else dataclasses.replace(self.deadlines, orphan=c.orphan_timeout)
         b = await Backend.open(isolation=c.isolation, sms=c.sms, mps_dir=c.mps_dir, pool=pool,  # type: ignore[arg-type]
                                gpu=c.gpu, cache_dir=c.cache_dir, devices=c.devices, deadlines=d,
@@ -266,7 +267,9 @@ class Daemon:
                   deadlines=self.deadlines)
         api.state = {"dir": self.store.dir if self.store else None, "live_restore": self.cfg.live_restore,
                      "restore": self.restored.as_dict() if self.restored else None,
-                     "adoption": b.adoption if b.live is not None else None}
+                     "adoption": b.adoption if b.live is not None else None,
+                     # serve --config: its [program.NAME] tables are loaded at every start (an unload warns so).
+                     "config_file": self.cfg.config_file, "declared": [d.name for d in self.cfg.programs]}
         # Idle connections and the handlers cancelled by the drain get as long again to go.
         runner = web.AppRunner(api.app(), shutdown_timeout=self.deadlines.http_grace, access_log=None)
         await runner.setup()

@@ -100,7 +100,26 @@ def status_table(s: dict[str, Any]) -> str:
         ["uptime", duration(float(s.get("uptime_s", 0)))],
         ["versions", ", ".join(f"{k} {v}" for k, v in (s.get("versions") or {}).items())],
     ]
-    return table(rows)
+    return table(rows + state_rows(s.get("state")))
+
+
+def state_rows(st: dict[str, Any] | None) -> list[list[str]]:
+    """The desired state's rows (status's ``state``): its directory, live restore, and what the
+    start did with what it found there (``restore``) and with the workers left running (``adoption``)."""
+    if not st:
+        return []
+    rows = [["state dir", str(st.get("dir") or "-")],
+            ["live restore", "on" if st.get("live_restore") else "off"]]
+    r = st.get("restore") or {}
+    did = [f"{k} {', '.join(r[k])}" for k in ("adopted", "restored", "declared") if r.get(k)]
+    if r.get("halted"):
+        did.append("halted " + ", ".join(str(h.get("program", "?")) for h in r["halted"]))
+    did += [f"skipped {n} ({why})" for n, why in (r.get("skipped") or {}).items()]
+    rows.append(["at start", "; ".join(did) or "nothing to restore"])
+    a = st.get("adoption")
+    if a is not None:  # live restore: the workers an earlier meshd-mps left
+        rows.append(["workers left", ", ".join(f"{k} {_pids(a.get(k, []))}" for k in ("adopted", "dismissed", "gone"))])
+    return rows
 
 
 def _pids(pids: list[int]) -> str:

@@ -45,13 +45,13 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "pool": None,  # POOL_BY_ISOLATION: 2 in MPS mode, 0 in blink mode
     "devices": "all",
     "gpu": defaults.GPU,
-    "socket": None,  # client.default_socket()
+    "socket": None,  # client.default_socket(gpu): meshd-mps-sim.sock for --gpu sim (defaults.named)
     "cache_dir": None,
     "log_level": None,  # $MESHD_MPS_LOG_LEVEL, else info
     "log_format": None,  # JSON lines unless stderr is a terminal
     "loop": "auto",
     "stall_after": None,  # Programs' own default, Deadlines.stall
-    "state_dir": None,  # store.resolve_state_dir's default
+    "state_dir": None,  # statedir.resolve_state_dir(gpu=...): a meshd-mps-sim directory for --gpu sim
     "live_restore": False,
     "orphan_timeout": None,  # Deadlines.orphan
     "daemon_cpus": None,  # unplaced: the scheduler decides (supervision/cpus.py)

@@ -12,36 +12,43 @@ from collections.abc import Mapping
 
 import structlog
 
+from meshd_mps import defaults
 from meshd_mps.errors import StateDirRefused, StateIOError
 
 log = structlog.get_logger("meshd_mps")
 
 PTX_DIR = "ptx"
 TMP_SUFFIX = ".tmp"
-ROOT_STATE_DIR = "/var/lib/meshd-mps"
+#: Root's default state directory's parent: ``/var/lib/meshd-mps`` (``-sim`` for the simulated GPU).
+ROOT_STATE_PARENT = "/var/lib"
+ROOT_STATE_DIR = os.path.join(ROOT_STATE_PARENT, defaults.NAME)
 
 
 # ---- where the state lives ----------------------------------------------------------------------
 
 
-def resolve_state_dir(given: str | None, environ: Mapping[str, str] = os.environ, uid: int | None = None) -> str:
+def resolve_state_dir(given: str | None, environ: Mapping[str, str] = os.environ, uid: int | None = None,
+                      gpu: str | None = None) -> str:
     """The state directory: ``given`` (``--state-dir``), else systemd's ``$STATE_DIRECTORY`` (the
     first of its colon-separated paths), else ``/var/lib/meshd-mps`` for root, else the XDG state
     directory (``$XDG_STATE_HOME/meshd-mps``, ``~/.local/state/meshd-mps`` by default; a relative
-    ``$XDG_STATE_HOME`` is ignored, as the XDG spec says).  Nothing is created here."""
+    ``$XDG_STATE_HOME`` is ignored, as the XDG spec says).  For ``gpu="sim"`` the default's name is
+    ``meshd-mps-sim`` (defaults.named): what is tried on the simulation is never restored on the
+    GPU, nor the other way round.  Nothing is created here."""
     if given:
         return os.path.abspath(given)
     first = environ.get("STATE_DIRECTORY", "").split(":")[0]
     if first:
         return os.path.abspath(first)
     uid = os.getuid() if uid is None else uid
+    name = defaults.named(gpu)
     if uid == 0:
-        return ROOT_STATE_DIR
+        return os.path.join(ROOT_STATE_PARENT, name)
     xdg = environ.get("XDG_STATE_HOME", "")
     if os.path.isabs(xdg):
-        return os.path.join(xdg, "meshd-mps")
+        return os.path.join(xdg, name)
     home = environ.get("HOME") or pwd.getpwuid(uid).pw_dir
-    return os.path.join(home, ".local", "state", "meshd-mps")
+    return os.path.join(home, ".local", "state", name)
 
 
 def open_state_dir(path: str, *, uid: int | None = None) -> str:

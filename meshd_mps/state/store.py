@@ -101,9 +101,11 @@ class Store:
             raise
 
     @classmethod
-    def open(cls, given: str | None = None, *, environ: Mapping[str, str] = os.environ) -> Store:
-        """The store of ``--state-dir`` (``given``) or its default: resolved, made, checked, loaded."""
-        return cls(open_state_dir(resolve_state_dir(given, environ)))
+    def open(cls, given: str | None = None, *, environ: Mapping[str, str] = os.environ,
+             gpu: str | None = None) -> Store:
+        """The store of ``--state-dir`` (``given``) or the default of a daemon on ``gpu``: resolved,
+        made, checked, loaded."""
+        return cls(open_state_dir(resolve_state_dir(given, environ, gpu=gpu)))
 
     def close(self) -> None:
         """Releases the directory's lock (the records stay on disk)."""

@@ -177,7 +177,7 @@ class Supervisor:
         log.debug("worker spawned", pid=w.pid, socket=path)
         return w
 
-    async def adopt(self, path: str) -> WorkerProc:
+    async def adopt(self, path: str, *, to_end: bool = False) -> WorkerProc:
         """The worker that listens on ``path`` (started by an earlier meshd-mps with ``listen``),
         taken over: connected, its HELLO checked (``PeerMismatch``: left as it runs; ``ProtocolMismatch``: kept for
         ``dismiss``, or left as
@@ -185,7 +185,8 @@ class Supervisor:
         reported, resolved by its DONE; ``w.gen``, ``w.device``).  Its exit is watched through a
         pidfd; it is not our child, so its exit status stays unknown.  ``WorkerGone`` if no
         process listens there any more; a socket file left by a dead worker is removed.  The
-        worker is in state STARTING, as a spawned one: the caller asks READY."""
+        worker is in state STARTING, as a spawned one: the caller asks READY.  ``to_end``: taken over
+        only to be halted and ended (a start without live restore), and logged so, not as adopted."""
         self._group()
         named = os.path.basename(path).removesuffix(".sock")
         pid_of_name = int(named) if named.isdigit() else 0
@@ -218,7 +219,8 @@ class Supervisor:
         w.log_file = os.path.join(os.path.dirname(path), f"{hello.pid}.log")  # if it has one: removed with it
         w.adopted(hello)
         self._own(w)
-        log.info(f"mps: worker {w.pid} adopted", pid=w.pid, device=hello.device,
+        what = "found, left running by an earlier meshd-mps: to be halted and ended" if to_end else "adopted"
+        log.info(f"mps: worker {w.pid} {what}", pid=w.pid, device=hello.device,
                  modules=[m.name for m in hello.modules], launches=len(hello.launches))
         return w
 
