@@ -57,6 +57,8 @@ class Deadlines:
     http_head: float = 30.0  # to send the request line and headers
     http_body: float = 120.0  # to send the body
     http_grace: float = 10.0  # requests in flight at shutdown
+    signal_echo: float = 0.5  # the same signal again this soon is the same request (make forwards the SIGTERM that
+    #                           `kill -TERM %1` sent its whole job): only a later one forces the exit
 
     def reply(self, op: enum.Enum) -> float:
         """The deadline of the reply to request ``op`` (a ``frames.Op``; ``WorkerProc.ask``; no dict

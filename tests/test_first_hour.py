@@ -34,3 +34,4 @@ def test_a_file_that_is_not_ptx_is_said_to_be_so():
         ptx_to_cubin(b"# README\nnot a line of PTX\n", "sm_90", 0)
     assert str(e.value).startswith("jit: not PTX text (the file given as PTX is something else; nvJitLink: "), e.value
     assert "NVJITLINK_INPUT_PTXprogram.ptx" not in str(e.value)
+

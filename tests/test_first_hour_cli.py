@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -277,11 +276,3 @@ def test_a_sim_daemon_keeps_apart_from_the_real_one_and_the_client_finds_it(tmp)
                 proc.kill()
                 proc.wait()
     assert not os.path.exists(sim_sock)
-
-
-def test_readme_cpu_section_reaches_the_sim_daemon():
-    """README's CPU section names the client's --gpu sim, as the daemon's socket is the sim's own."""
-    readme = (REPO / "README.md").read_text()
-    cpu = readme[readme.index("To try everything anyway, on the CPU"):]
-    cpu = cpu[: cpu.index("```", cpu.index("```") + 3)]
-    assert "meshd-mps load --gpu sim examples/heartbeat" in cpu, textwrap.shorten(cpu, 400)

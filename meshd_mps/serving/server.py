@@ -171,7 +171,7 @@ class Daemon:
         self.metrics: Metrics | None = None
         self.store: Store | None = None
         self.restored: Restored | None = None
-        self.signals: list[int] = []
+        self.signals: list[tuple[int, float]] = []  # each signal and when it came
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._starting: anyio.CancelScope | None = None  # the start-up's scope, cancelled by the first signal
@@ -356,19 +356,26 @@ class Daemon:
 
     # ---- signals ----------------------------------------------------------------------------
     def _on_signal(self, sig: int) -> None:
-        """Called by the loop: only records the signal."""
-        self.signals.append(sig)
+        """Called by the loop: only records the signal, and when it came."""
+        self.signals.append((sig, time.monotonic()))
         self._wake.set()
 
     async def _watch_signals(self) -> None:
+        """The first signal stops; a later one forces the exit, unless it is the first one's echo:
+        the same signal within ``Deadlines.signal_echo`` (``make serve`` passes on to its child the
+        SIGTERM that a shell's ``kill -TERM %1`` sent to the whole job, the child included)."""
         handled = 0
         while True:
             await self._wake.wait()
             self._wake.clear()
             while handled < len(self.signals):
-                sig = self.signals[handled]
+                sig, at = self.signals[handled]
                 handled += 1
-                if handled == 1:
+                first, since = self.signals[0]
+                if handled > 1 and sig == first and at - since < self.deadlines.signal_echo:
+                    log.info(f"{signal.Signals(sig).name} again {(at - since) * 1e3:.0f} ms after the first: the same"
+                             " request, passed on by a parent (make) or sent to the whole job; a later one forces the exit")
+                elif handled == 1:
                     log.info(f"{signal.Signals(sig).name}: shutting down (a second signal forces the exit)")
                     sdnotify.notify("STOPPING=1", f"STATUS=shutting down on {signal.Signals(sig).name}")
                     self._stop.set()
