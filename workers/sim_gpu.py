@@ -8,10 +8,12 @@ finish, fail, hang, die or break the protocol where a test wants it.
 
 The image ("cubin") is either a script, ``MESHSIM1`` then a JSON object, or a
 real cubin (an ELF from nvJitLink).  The simulation does not run GPU code, and
-says so: a real cubin whose name starts with an example's (heartbeat, echo,
-spin, fault) runs as that example, with a warning at load; any other is
-refused at load, as is one without the entry ``mesh_main`` (in the real
-driver's words).  Refusals are the image's fault: GpuError(refused=True).
+says so: a real cubin whose image is a shipped example's (heartbeat, echo, spin,
+fault; recognised by LOAD's ``tag``, the image hash, never by the program's name:
+meshd_mps/gpu/examples.py) runs as that example, with a warning at load; any
+other is refused at load (``NOT_AN_EXAMPLE``, pointing to ``meshd-mps check``), as
+is one without the entry ``mesh_main`` (in the real driver's words).  Refusals
+are the image's fault: GpuError(refused=True), ImageRefused in the daemon.
 
 Script keys (all optional):
   kernel: sleep | fail | hang | exit | heartbeat | echo | spin | fault
@@ -92,8 +94,6 @@ RPC_FAILURE = (
     "CUDA_ERROR_MPS_RPC_FAILURE (the remote procedural call between the MPS server and the MPS client failed;"
     " simulated)"
 )
-#: The examples a real cubin can run as, by its name's prefix.
-EXAMPLES = ("heartbeat", "echo", "spin", "fault")
 #: cuModuleGetFunction's text on the H200 for an image without the entry.
 NO_ENTRY = f"cuModuleGetFunction({abi.ENTRY}): CUDA_ERROR_NOT_FOUND (named symbol not found)"
 
@@ -118,9 +118,10 @@ class _Kernel:
     started: bool = False
 
 
-def _script_of(req: Load) -> tuple[Script, str | None]:
-    """The image's script, and the example a real cubin runs as (None for a script); GpuError,
-    refused, for an image the simulation (or the driver) would not run."""
+def _script_of(req: Load, arch: str) -> tuple[Script, str | None]:
+    """The image's script, and the example a real cubin runs as (None for a script): the example
+    whose image (compiled for ``arch``, ``compute_XY``) is the load's tag; GpuError, refused, for
+    an image the simulation (or the driver) would not run."""
     if req.cubin.startswith(MAGIC):
         try:
             s = json.loads(req.cubin[len(MAGIC) :])
@@ -139,14 +140,21 @@ def _script_of(req: Load) -> tuple[Script, str | None]:
         raise GpuError("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (device kernel image is invalid)", refused=True)
     if b"\0" + abi.ENTRY.encode() + b"\0" not in req.cubin:  # a whole entry of the symbol string table
         raise GpuError(NO_ENTRY, refused=True)
-    for kind in EXAMPLES:
-        if req.name.startswith(kind):
-            return {"kernel": kind}, kind
-    raise GpuError(
-        f"simulated GPU: {req.name} is a real cubin, and the simulation does not run GPU code: it runs a real cubin"
-        f" only as the example its name starts with ({', '.join(EXAMPLES)}); refusing it rather than pretending",
-        refused=True,
-    )
+    from meshd_mps.gpu.examples import example_images  # NVRTC, once per process: only for a real cubin
+
+    known = example_images(arch)
+    kind = known.get(req.tag)
+    if kind is None:
+        raise GpuError(not_an_example(req.name, req.tag, known), refused=True)
+    return {"kernel": kind}, kind
+
+
+def not_an_example(name: str, tag: int, known: dict[int, str]) -> str:
+    """Why a real cubin is refused: the simulation runs only the shipped examples, by image."""
+    images = ", ".join(f"{n} {h:016x}" for h, n in sorted(known.items(), key=lambda kv: kv[1])) or "none found here"
+    return (f"simulated GPU: {name} (image {tag:016x}) is not one of the shipped examples, and the simulation does not"
+            f" run GPU code: it runs only the examples, recognised by their image whatever their name ({images});"
+            " check your own program without a GPU with `meshd-mps check DIR`, and run it on a GPU")
 
 
 #: statfs's f_type of tmpfs, and of shmem (a memfd, /dev/shm).
@@ -311,7 +319,9 @@ class SimGpu:
         self._check("cuModuleLoadData", rpc=True)
         if req.module in self._modules:
             raise GpuError(f"module {req.module} is already loaded")
-        script, example = _script_of(req)
+        from meshd_mps.gpu.device import simulated_device
+
+        script, example = _script_of(req, simulated_device(self.device).compute)
         if example is not None:
             log.warning(
                 f"simulated GPU: {req.name} runs as the example {example!r}: the simulation does not run GPU code",
