@@ -82,3 +82,11 @@ def test_the_known_images_are_the_examples_as_load_compiles_them():
     # An image compiled by another path to the same PTX (no include folder given) is the same image.
     src = (EXAMPLES / "echo" / "echo.cu").read_bytes()
     assert known[image_hash(cuda_to_ptx(src, "anything", "compute_90"), 0)] == "echo"
+
+
+def test_check_compiles_for_the_daemons_gpu(daemon):
+    """With a daemon on the socket, ``check`` targets its GPU (the arch ``load`` compiles for)."""
+    r = cli("check", str(EXAMPLES / "echo"), "--socket", daemon.sock)
+    assert r.returncode == 0, r.stdout + r.stderr
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("target: sm_90, simulated NVIDIA H200") and "the daemon's GPU" in first, first

@@ -74,8 +74,8 @@ def target(arch: str | None, socket: str | None) -> Target:
         except ClientError as e:
             arch, why = DEFAULT_ARCH, f"the default: the daemon at {c.socket} did not say ({e}); --arch to choose"
         else:
-            caps = [d.get("caps") for d in st.get("devices") or [] if isinstance(d, dict)] or [st.get("caps")]
-            caps = [x for x in caps if isinstance(x, dict) and isinstance(x.get("cc_major"), int)]
+            given = [d.get("caps") for d in st.get("devices") or [] if isinstance(d, dict)] or [st.get("caps")]
+            caps: list[dict[str, Any]] = [x for x in given if isinstance(x, dict) and isinstance(x.get("cc_major"), int)]
             if caps:
                 cap = min(caps, key=lambda x: (x["cc_major"], x.get("cc_minor", 0)))
                 info = replace(h200, name=str(cap.get("name", h200.name)), cc_major=cap["cc_major"],
