@@ -266,6 +266,26 @@ def test_images_the_simulation_cannot_run_are_refused(worker, cubins):
     w.load(image(7))
 
 
+def test_the_examples_known_are_the_daemons(worker, mailbox, cubins):
+    """A sim worker knows the images the daemon names on its command line (``--examples``, written
+    by worker_argv once per daemon), not others of its own: the heartbeat cubin under another image
+    hash runs as heartbeat, under its own it is refused."""
+    from meshd_mps.gpu.examples import example_images
+    from meshd_mps.supervision.argv import worker_argv
+    from workers.sim_images import parse
+
+    argv = worker_argv("/proc/self/fd/3", 0, "sim")
+    assert parse(argv[argv.index("--examples") + 1]) == example_images("compute_90")
+    assert "--examples" not in worker_argv("/proc/self/fd/3", 0, "cuda")
+    cubin, tag = cubins["heartbeat"]
+    w = worker("--examples", f"heartbeat={tag ^ 1:016x}")
+    text = w.load_error(image(1, cubin, "heartbeat", tag), frames.REFUSED)
+    assert f"(heartbeat {tag ^ 1:016x})" in text, text
+    w.load(image(2, cubin, "anything", tag ^ 1))
+    w.launch(2, 1, slot=0)
+    poll(lambda: mailbox.heartbeat(0) > 5, 10, "the example beating")
+
+
 def test_cuda_refusals_are_by_error_code():
     cu = pytest.importorskip("cuda.bindings.driver")
     from workers.cuda_gpu import IMAGE_ERRORS, NO_ENTRY, check

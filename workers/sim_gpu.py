@@ -11,7 +11,7 @@ real cubin (an ELF from nvJitLink).  The simulation does not run GPU code, and
 says so: a real cubin whose image is a shipped example's (heartbeat, echo, spin,
 fault; recognised by LOAD's ``tag``, the image hash, never by the program's name:
 meshd_mps/gpu/examples.py) runs as that example, with a warning at load; any
-other is refused at load (``NOT_AN_EXAMPLE``, pointing to ``meshd-mps check``), as
+other is refused at load (sim_images.py, pointing to ``meshd-mps check``), as
 is one without the entry ``mesh_main`` (in the real driver's words).  Refusals
 are the image's fault: GpuError(refused=True), ImageRefused in the daemon.
 
@@ -79,6 +79,7 @@ from meshd_mps.protocol.mailbox import Mailbox
 
 from . import pipes, wlog
 from .gpu import DoneCallback, GpuError, Streams
+from .sim_images import Examples
 from .sim_kernels import Script, resident
 from .warm import driver_queues
 
@@ -118,10 +119,10 @@ class _Kernel:
     started: bool = False
 
 
-def _script_of(req: Load, arch: str) -> tuple[Script, str | None]:
+def _script_of(req: Load, examples: Examples) -> tuple[Script, str | None]:
     """The image's script, and the example a real cubin runs as (None for a script): the example
-    whose image (compiled for ``arch``, ``compute_XY``) is the load's tag; GpuError, refused, for
-    an image the simulation (or the driver) would not run."""
+    whose image is the load's tag; GpuError, refused, for an image the simulation (or the driver)
+    would not run."""
     if req.cubin.startswith(MAGIC):
         try:
             s = json.loads(req.cubin[len(MAGIC) :])
@@ -140,21 +141,8 @@ def _script_of(req: Load, arch: str) -> tuple[Script, str | None]:
         raise GpuError("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (device kernel image is invalid)", refused=True)
     if b"\0" + abi.ENTRY.encode() + b"\0" not in req.cubin:  # a whole entry of the symbol string table
         raise GpuError(NO_ENTRY, refused=True)
-    from meshd_mps.gpu.examples import example_images  # NVRTC, once per process: only for a real cubin
-
-    known = example_images(arch)
-    kind = known.get(req.tag)
-    if kind is None:
-        raise GpuError(not_an_example(req.name, req.tag, known), refused=True)
+    kind = examples.example_of(req.name, req.tag)
     return {"kernel": kind}, kind
-
-
-def not_an_example(name: str, tag: int, known: dict[int, str]) -> str:
-    """Why a real cubin is refused: the simulation runs only the shipped examples, by image."""
-    images = ", ".join(f"{n} {h:016x}" for h, n in sorted(known.items(), key=lambda kv: kv[1])) or "none found here"
-    return (f"simulated GPU: {name} (image {tag:016x}) is not one of the shipped examples, and the simulation does not"
-            f" run GPU code: it runs only the examples, recognised by their image whatever their name ({images});"
-            " check your own program without a GPU with `meshd-mps check DIR`, and run it on a GPU")
 
 
 #: statfs's f_type of tmpfs, and of shmem (a memfd, /dev/shm).
@@ -198,8 +186,10 @@ def _linger_at_exit(seconds: float) -> None:
 
 
 class SimGpu:
-    def __init__(self, mailbox: Mailbox, sms: int, device: int = 0):
-        from meshd_mps.gpu.device import simulated_count
+    def __init__(self, mailbox: Mailbox, sms: int, device: int = 0, examples: str | None = None):
+        """``examples``: the known images as the daemon computed them (``--examples``); None: computed
+        here, at the first real cubin."""
+        from meshd_mps.gpu.device import simulated_count, simulated_device
 
         self.mailbox = mailbox
         self.startup = os.environ.get(STARTUP_ENV, "")
@@ -216,6 +206,7 @@ class SimGpu:
             )
         self.sms = -(-sms // 8) * 8 if sms else SIM_SMS  # green contexts come in multiples of 8 SMs
         _check_registrable(mailbox)
+        self._examples = Examples(examples, simulated_device(device).compute)
         self._client: socket.socket | None = None
         self._modules: dict[int, _Module] = {}
         self._pending: list[threading.Thread] = []
@@ -319,9 +310,7 @@ class SimGpu:
         self._check("cuModuleLoadData", rpc=True)
         if req.module in self._modules:
             raise GpuError(f"module {req.module} is already loaded")
-        from meshd_mps.gpu.device import simulated_device
-
-        script, example = _script_of(req, simulated_device(self.device).compute)
+        script, example = _script_of(req, self._examples)
         if example is not None:
             log.warning(
                 f"simulated GPU: {req.name} runs as the example {example!r}: the simulation does not run GPU code",

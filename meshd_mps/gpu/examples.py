@@ -7,7 +7,9 @@ sent to the worker as LOAD's ``tag``), never by the program's name: a user's ``e
 not echo.  The hashes are not written down here: PTX changes with every NVRTC release, so they
 are derived at run time from the example sources this package ships, compiled as ``meshd-mps
 load examples/NAME`` compiles them (``cuda_to_ptx``, the example's folder on the include path, the
-arch asked for), once per process and arch.
+arch asked for), once per process and arch: ~0.4 s of NVRTC, which the daemon spends once and
+hands to each simulated worker on its command line (``--examples``, ``as_arg``), so that a worker
+started for one load does not spend it again.
 """
 
 from __future__ import annotations
@@ -38,3 +40,9 @@ def example_images(arch: str = "compute_90") -> dict[int, str]:
             continue
         out[image_hash(ptx, m.param)] = name
     return out
+
+
+def as_arg(arch: str = "compute_90") -> str:
+    """The known images as a sim worker's ``--examples``: ``name=hash`` (16 hex digits), comma-separated
+    (workers/sim_gpu.py ``parse_examples`` reads it)."""
+    return ",".join(f"{n}={h:016x}" for h, n in sorted(example_images(arch).items(), key=lambda kv: kv[1]))
