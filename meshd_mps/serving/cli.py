@@ -25,6 +25,7 @@ EPILOG = """\
 examples:
   meshd-mps serve --isolation mps          # the daemon (--gpu sim: the CPU simulation, no GPU needed)
   meshd-mps load examples/heartbeat        # a program directory: manifest.json + one .cu or .ptx
+  meshd-mps check my_prog                  # a program checked without a GPU (the simulation runs only the examples)
   meshd-mps ps                             # the loaded programs
   meshd-mps call echo hello                # a request through a program's ring
   meshd-mps upgrade echo examples/echo     # a new image on the same slot
