@@ -20,7 +20,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from meshd_mps.gpu.compiler import cuda_to_ptx, ptx_to_cubin
+from meshd_mps.gpu.compiler import cuda_to_ptx, image_hash, ptx_to_cubin
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import LaunchReq, Load, Op
 from meshd_mps.protocol.mailbox import Mailbox
@@ -40,9 +40,9 @@ DRIVER_NO_ENTRY = "cuModuleGetFunction(mesh_main): CUDA_ERROR_NOT_FOUND (named s
 HEARTBEAT = sim(kernel="heartbeat")
 
 
-def image(module: int, cubin: bytes = HEARTBEAT, name: str = "prog") -> Load:
-    """A LOAD of one warp, no shared memory, no scratch."""
-    return Load(module, 32, 0, 0, name, cubin)
+def image(module: int, cubin: bytes = HEARTBEAT, name: str = "prog", tag: int = 0) -> Load:
+    """A LOAD of one warp, no shared memory, no scratch; ``tag``: the image hash, as the daemon sends it."""
+    return Load(module, 32, 0, 0, name, cubin, tag)
 
 
 @pytest.fixture
@@ -229,17 +229,20 @@ def test_exit_writes_running_before_it_exits(worker, mailbox):
 # ---- images: what the simulation runs, and refusals --------------------------------------------
 
 @pytest.fixture(scope="module")
-def cubins() -> dict[str, bytes]:
-    """The heartbeat example as a real cubin, and the same without its entry (renamed in the PTX)."""
+def cubins() -> dict[str, tuple[bytes, int]]:
+    """The heartbeat example as a real cubin, and the same without its entry (renamed in the PTX),
+    each with its image hash (LOAD's tag, by which the simulation knows an example)."""
     d = ROOT / "examples" / "heartbeat"
     ptx = cuda_to_ptx((d / "heartbeat.cu").read_bytes(), "heartbeat", include=[str(ROOT / "examples" / "include")])
-    return {"heartbeat": ptx_to_cubin(ptx, "sm_90", 248),
-            "no-entry": ptx_to_cubin(ptx.replace(b"mesh_main", b"mesh_other"), "sm_90", 248)}
+    other = ptx.replace(b"mesh_main", b"mesh_other")
+    return {"heartbeat": (ptx_to_cubin(ptx, "sm_90", 248), image_hash(ptx, 0)),
+            "no-entry": (ptx_to_cubin(other, "sm_90", 248), image_hash(other, 0))}
 
 
 def test_an_example_cubin_runs_as_the_example_and_says_so(worker, mailbox, cubins):
     w = worker()
-    w.load(image(1, cubins["heartbeat"], "heartbeat-7"))
+    cubin, tag = cubins["heartbeat"]
+    w.load(image(1, cubin, "heartbeat-7", tag))
     w.logged(level="warning",
              msg="simulated GPU: heartbeat-7 runs as the example 'heartbeat': the simulation does not run GPU code")
     w.launch(1, 1, slot=0)
@@ -248,9 +251,10 @@ def test_an_example_cubin_runs_as_the_example_and_says_so(worker, mailbox, cubin
 
 def test_images_the_simulation_cannot_run_are_refused(worker, cubins):
     w = worker()
-    text = w.load_error(image(1, cubins["heartbeat"], "mything"), frames.REFUSED)
-    assert text.startswith("simulated GPU: mything is a real cubin, and the simulation does not run GPU code"), text
-    assert w.load_error(image(2, cubins["no-entry"], "heartbeat"), frames.REFUSED) == DRIVER_NO_ENTRY
+    text = w.load_error(image(1, cubins["heartbeat"][0], "mything"), frames.REFUSED)  # tag 0: not the example's image
+    assert text.startswith("simulated GPU: mything (image 0000000000000000) is not one of the shipped examples"), text
+    cubin, tag = cubins["no-entry"]
+    assert w.load_error(image(2, cubin, "heartbeat", tag), frames.REFUSED) == DRIVER_NO_ENTRY
     assert w.load_error(image(3, sim(kernel="heartbeat", entry=False)), frames.REFUSED) == DRIVER_NO_ENTRY
     text = w.load_error(image(4, b"\x00not an image"), frames.REFUSED)
     assert text.startswith("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE"), text
@@ -260,6 +264,26 @@ def test_images_the_simulation_cannot_run_are_refused(worker, cubins):
     oom = image(6, sim(load="error:CUDA_ERROR_OUT_OF_MEMORY: out of memory"))
     assert w.load_error(oom, frames.FAILED) == "CUDA_ERROR_OUT_OF_MEMORY: out of memory"
     w.load(image(7))
+
+
+def test_the_examples_known_are_the_daemons(worker, mailbox, cubins):
+    """A sim worker knows the images the daemon names on its command line (``--examples``, written
+    by worker_argv once per daemon), not others of its own: the heartbeat cubin under another image
+    hash runs as heartbeat, under its own it is refused."""
+    from meshd_mps.gpu.examples import example_images
+    from meshd_mps.supervision.argv import worker_argv
+    from workers.sim_images import parse
+
+    argv = worker_argv("/proc/self/fd/3", 0, "sim")
+    assert parse(argv[argv.index("--examples") + 1]) == example_images("compute_90")
+    assert "--examples" not in worker_argv("/proc/self/fd/3", 0, "cuda")
+    cubin, tag = cubins["heartbeat"]
+    w = worker("--examples", f"heartbeat={tag ^ 1:016x}")
+    text = w.load_error(image(1, cubin, "heartbeat", tag), frames.REFUSED)
+    assert f"(heartbeat {tag ^ 1:016x})" in text, text
+    w.load(image(2, cubin, "anything", tag ^ 1))
+    w.launch(2, 1, slot=0)
+    poll(lambda: mailbox.heartbeat(0) > 5, 10, "the example beating")
 
 
 def test_cuda_refusals_are_by_error_code():

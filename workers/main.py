@@ -303,6 +303,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(HOLD, action="store_true",
                     help="start without a context: import, then create it at the first READY (a worker started ahead"
                          " while the MPS server does not take clients yet)")
+    ap.add_argument("--examples", metavar="LIST",
+                    help="--gpu sim: the shipped examples' images, name=hash,... (the daemon's; default: compiled here)")
     ap.add_argument("--listen", metavar="DIR",
                     help="serve the frames on the Unix socket DIR/<pid>.sock (one daemon at a time, each greeted"
                          " with HELLO) instead of stdin/stdout, and outlive the daemon (live restore)")
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.gpu == "sim":
                 from .sim_gpu import SimGpu
 
-                gpu: Gpu = SimGpu(mailbox, args.sms, args.device)
+                gpu: Gpu = SimGpu(mailbox, args.sms, args.device, args.examples)
             else:
                 from . import warm
                 from .cuda_gpu import CudaGpu

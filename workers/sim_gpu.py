@@ -8,10 +8,12 @@ finish, fail, hang, die or break the protocol where a test wants it.
 
 The image ("cubin") is either a script, ``MESHSIM1`` then a JSON object, or a
 real cubin (an ELF from nvJitLink).  The simulation does not run GPU code, and
-says so: a real cubin whose name starts with an example's (heartbeat, echo,
-spin, fault) runs as that example, with a warning at load; any other is
-refused at load, as is one without the entry ``mesh_main`` (in the real
-driver's words).  Refusals are the image's fault: GpuError(refused=True).
+says so: a real cubin whose image is a shipped example's (heartbeat, echo, spin,
+fault; recognised by LOAD's ``tag``, the image hash, never by the program's name:
+meshd_mps/gpu/examples.py) runs as that example, with a warning at load; any
+other is refused at load (sim_images.py, pointing to ``meshd-mps check``), as
+is one without the entry ``mesh_main`` (in the real driver's words).  Refusals
+are the image's fault: GpuError(refused=True), ImageRefused in the daemon.
 
 Script keys (all optional):
   kernel: sleep | fail | hang | exit | heartbeat | echo | spin | fault
@@ -77,6 +79,7 @@ from meshd_mps.protocol.mailbox import Mailbox
 
 from . import pipes, wlog
 from .gpu import DoneCallback, GpuError, Streams
+from .sim_images import Examples
 from .sim_kernels import Script, resident
 from .warm import driver_queues
 
@@ -92,8 +95,6 @@ RPC_FAILURE = (
     "CUDA_ERROR_MPS_RPC_FAILURE (the remote procedural call between the MPS server and the MPS client failed;"
     " simulated)"
 )
-#: The examples a real cubin can run as, by its name's prefix.
-EXAMPLES = ("heartbeat", "echo", "spin", "fault")
 #: cuModuleGetFunction's text on the H200 for an image without the entry.
 NO_ENTRY = f"cuModuleGetFunction({abi.ENTRY}): CUDA_ERROR_NOT_FOUND (named symbol not found)"
 
@@ -118,9 +119,10 @@ class _Kernel:
     started: bool = False
 
 
-def _script_of(req: Load) -> tuple[Script, str | None]:
-    """The image's script, and the example a real cubin runs as (None for a script); GpuError,
-    refused, for an image the simulation (or the driver) would not run."""
+def _script_of(req: Load, examples: Examples) -> tuple[Script, str | None]:
+    """The image's script, and the example a real cubin runs as (None for a script): the example
+    whose image is the load's tag; GpuError, refused, for an image the simulation (or the driver)
+    would not run."""
     if req.cubin.startswith(MAGIC):
         try:
             s = json.loads(req.cubin[len(MAGIC) :])
@@ -139,14 +141,8 @@ def _script_of(req: Load) -> tuple[Script, str | None]:
         raise GpuError("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (device kernel image is invalid)", refused=True)
     if b"\0" + abi.ENTRY.encode() + b"\0" not in req.cubin:  # a whole entry of the symbol string table
         raise GpuError(NO_ENTRY, refused=True)
-    for kind in EXAMPLES:
-        if req.name.startswith(kind):
-            return {"kernel": kind}, kind
-    raise GpuError(
-        f"simulated GPU: {req.name} is a real cubin, and the simulation does not run GPU code: it runs a real cubin"
-        f" only as the example its name starts with ({', '.join(EXAMPLES)}); refusing it rather than pretending",
-        refused=True,
-    )
+    kind = examples.example_of(req.name, req.tag)
+    return {"kernel": kind}, kind
 
 
 #: statfs's f_type of tmpfs, and of shmem (a memfd, /dev/shm).
@@ -190,8 +186,10 @@ def _linger_at_exit(seconds: float) -> None:
 
 
 class SimGpu:
-    def __init__(self, mailbox: Mailbox, sms: int, device: int = 0):
-        from meshd_mps.gpu.device import simulated_count
+    def __init__(self, mailbox: Mailbox, sms: int, device: int = 0, examples: str | None = None):
+        """``examples``: the known images as the daemon computed them (``--examples``); None: computed
+        here, at the first real cubin."""
+        from meshd_mps.gpu.device import simulated_count, simulated_device
 
         self.mailbox = mailbox
         self.startup = os.environ.get(STARTUP_ENV, "")
@@ -208,6 +206,7 @@ class SimGpu:
             )
         self.sms = -(-sms // 8) * 8 if sms else SIM_SMS  # green contexts come in multiples of 8 SMs
         _check_registrable(mailbox)
+        self._examples = Examples(examples, simulated_device(device).compute)
         self._client: socket.socket | None = None
         self._modules: dict[int, _Module] = {}
         self._pending: list[threading.Thread] = []
@@ -311,7 +310,7 @@ class SimGpu:
         self._check("cuModuleLoadData", rpc=True)
         if req.module in self._modules:
             raise GpuError(f"module {req.module} is already loaded")
-        script, example = _script_of(req)
+        script, example = _script_of(req, self._examples)
         if example is not None:
             log.warning(
                 f"simulated GPU: {req.name} runs as the example {example!r}: the simulation does not run GPU code",

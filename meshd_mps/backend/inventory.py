@@ -23,6 +23,7 @@ from meshd_mps.gpu.device import (
     simulated_count,
     simulated_device,
 )
+from meshd_mps.gpu.examples import example_images
 
 log = structlog.get_logger("meshd_mps")
 
@@ -43,6 +44,8 @@ async def inventory(gpu: str, asked: Sequence[int] | None, sms: int, cache_dir: 
     several = len(inv.devices) > 1
     for d in inv.devices:
         info = simulated_device(d) if gpu == "sim" else await anyio.to_thread.run_sync(query_device, d)
+        if gpu == "sim":  # the examples the simulated GPU knows, compiled off the loop once (worker_argv reads them)
+            await anyio.to_thread.run_sync(example_images, info.compute)
         check_sms(info, sms, f"GPU {d}" if several else "the device")
         inv.infos[d] = info
         inv.caps[d] = caps_of(info, sms)

@@ -126,8 +126,9 @@ class Load:
     scratch: int
     name: str
     cubin: bytes
-    #: The program's hash (Prepared.hash), opaque to the worker: it says it back in HELLO, so that
-    #: an adopting daemon knows which version of the program a module is.
+    #: The program's hash (Prepared.hash): the worker says it back in HELLO, so that an adopting
+    #: daemon knows which version of the program a module is; opaque to the GPU's worker, the
+    #: simulated GPU knows the shipped examples by it (meshd_mps/gpu/examples.py).
     tag: int = 0
 
     def encode(self) -> bytes:

@@ -25,6 +25,7 @@ EPILOG = """\
 examples:
   meshd-mps serve --isolation mps          # the daemon (--gpu sim: the CPU simulation, no GPU needed)
   meshd-mps load examples/heartbeat        # a program directory: manifest.json + one .cu or .ptx
+  meshd-mps check my_prog                  # a program checked without a GPU (the simulation runs only the examples)
   meshd-mps ps                             # the loaded programs
   meshd-mps call echo hello                # a request through a program's ring
   meshd-mps upgrade echo examples/echo     # a new image on the same slot
@@ -49,6 +50,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "load": ("load a program: compile (CUDA C here, PTX in the daemon), start it on a free mailbox slot",
              "meshd-mps load examples/heartbeat\n  meshd-mps load examples/echo --device 1"
              "\n  meshd-mps load --manifest m.json --ptx prog.ptx --hash 0123456789abcdef"),
+    "check": ("check a program without a GPU: compile it for the daemon's GPU (else --arch), mesh_main, its ABI,"
+              " registers, resident blocks", "meshd-mps check examples/echo\n  meshd-mps check my_prog --arch sm_90 --nodes 64"),
     "upgrade": ("replace a loaded program's image; it keeps its slot",
                 "meshd-mps upgrade echo examples/echo\n  meshd-mps upgrade echo --manifest m.json --cuda echo.cu"),
     "unload": ("halt a program and unload it", "meshd-mps unload echo"),
@@ -175,6 +178,17 @@ def parser() -> argparse.ArgumentParser:
     _image_opts(p, nodes=True)
     _client_opts(p)
 
+    p = _sub(sub, "check")
+    p.add_argument("dir", nargs="?", metavar="DIR", help="a program directory: manifest.json and one .ptx or .cu file")
+    p.add_argument("--manifest", metavar="FILE", help="the manifest (instead of DIR/manifest.json)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--ptx", metavar="FILE", help="the program's PTX")
+    src.add_argument("--cuda", metavar="FILE", help="the program's CUDA C source (compiled here with NVRTC)")
+    p.add_argument("--nodes", type=int, metavar="N", help="blocks it is to be launched with (default 1)")
+    p.add_argument("--arch", metavar="sm_XY", help="the GPU architecture to check for (default: the daemon's oldest GPU"
+                   " where one answers, else sm_90)")
+    _client_opts(p)
+
     p = _sub(sub, "upgrade")
     p.add_argument("name", metavar="NAME", help="the loaded program")
     _image_opts(p, nodes=False)
@@ -232,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"meshd-mps: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.cmd == "check":
+        from meshd_mps.serving import check
+
+        return check.main(args)
     return _client(args)
 
 

@@ -22,4 +22,9 @@ def worker_argv(mailbox: str, sms: int, gpu: str, device: int = 0, queues: int =
         argv += ["--sms", str(sms)]
     if hold:
         argv.append("--hold")
+    if gpu == "sim":  # the simulated GPU's known images, compiled once here (gpu/examples.py), not in each worker
+        from meshd_mps.gpu.device import simulated_device
+        from meshd_mps.gpu.examples import as_arg
+
+        argv += ["--examples", as_arg(simulated_device(device).compute)]
     return argv

@@ -1,0 +1,92 @@
+"""The simulated GPU knows the shipped examples by their image, never by a program's name (issue
+32, item 1): a user's own program called ``echo_counter`` is refused with a 400 that says what the
+simulation runs and points to ``meshd-mps check``, rather than answering as echo; an example
+loaded under a name of its own is still run as itself.  One ``--gpu sim`` daemon (blink mode),
+driven as a user does: ``meshd-mps load DIR`` and ``call``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from meshd_mps.gpu.compiler import cuda_to_ptx, image_hash
+from meshd_mps.gpu.examples import example_images
+from meshd_mps.serving.client import ClientError, program_body
+
+from .rigs.programs import program_dir
+from .rigs.serve import EXAMPLES, Serve, cli
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = tempfile.mkdtemp(prefix="msi-")
+    s = Serve(d, "blink", os.path.join(d, "s.sock"))
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.kill()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def tmp():
+    d = tempfile.mkdtemp(prefix="msi-p-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_users_program_named_like_an_example_is_refused(daemon, tmp):
+    """As the issue found it: a counter named ``echo_counter`` loaded and answered as echo.  Now
+    the load is refused, as ImageRefused (400), naming the image and what the simulation runs,
+    and nothing is left loaded."""
+    d = program_dir(tmp, "echo_counter")
+    with pytest.raises(ClientError) as e:
+        daemon.client.load(program_body(str(d)))
+    assert e.value.status == 400, e.value
+    text = str(e.value)
+    assert "echo_counter" in text and "is not one of the shipped examples" in text, text
+    assert "meshd-mps check" in text, text
+    h = image_hash(program_body(str(d))["ptx"].encode(), 0)
+    assert f"{h:016x}" in text, text  # the image it was known by
+    assert all(p["name"] != "echo_counter" for p in daemon.client.programs())
+    # The CLI says it in one line, with no traceback.
+    r = cli("load", str(d), "--socket", daemon.sock)
+    assert r.returncode != 0 and "meshd-mps check" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_an_example_under_another_name_runs_as_itself(daemon, tmp):
+    """examples/echo's source, in a folder of its own and named ``relay``: the same image, so the
+    simulation runs it as echo (an echo answers with what it was sent)."""
+    d = program_dir(tmp, "relay", (EXAMPLES / "echo" / "echo.cu").read_text(), file="relay.cu")
+    try:
+        p = daemon.client.load(program_body(str(d)))["program"]
+        assert p["hash"] == f"{image_hash(program_body(str(d))['ptx'].encode(), 0):016x}", p
+        assert daemon.client.call("relay", "hello")["data"] == "hello"
+    finally:
+        daemon.client.unload("relay")
+
+
+def test_the_known_images_are_the_examples_as_load_compiles_them():
+    """Derived at run time from the shipped sources (no hash written down): each example's image,
+    compiled as ``meshd-mps load examples/NAME`` compiles it, is known, under its name."""
+    known = example_images("compute_90")
+    for name in ("heartbeat", "echo", "spin", "fault"):
+        ptx = program_body(str(EXAMPLES / name), arch="compute_90")["ptx"].encode()
+        assert known.get(image_hash(ptx, 0)) == name
+    # An image compiled by another path to the same PTX (no include folder given) is the same image.
+    src = (EXAMPLES / "echo" / "echo.cu").read_bytes()
+    assert known[image_hash(cuda_to_ptx(src, "anything", "compute_90"), 0)] == "echo"
+
+
+def test_check_compiles_for_the_daemons_gpu(daemon):
+    """With a daemon on the socket, ``check`` targets its GPU (the arch ``load`` compiles for)."""
+    r = cli("check", str(EXAMPLES / "echo"), "--socket", daemon.sock)
+    assert r.returncode == 0, r.stdout + r.stderr
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("target: sm_90, simulated NVIDIA H200") and "the daemon's GPU" in first, first
