@@ -11,7 +11,8 @@ real cubin (an ELF from nvJitLink).  The simulation does not run GPU code, and
 says so: a real cubin whose name starts with an example's (heartbeat, echo,
 spin, fault) runs as that example, with a warning at load; any other is
 refused at load, as is one without the entry ``mesh_main`` (in the real
-driver's words).  Refusals are the image's fault: GpuError(refused=True).
+driver's words, with LOADED's ok word NO_ENTRY as CudaGpu sends it).  Refusals are the image's fault:
+GpuError(refused=True), or word=frames.NO_ENTRY.
 
 Script keys (all optional):
   kernel: sleep | fail | hang | exit | heartbeat | echo | spin | fault
@@ -71,7 +72,7 @@ from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
 
-from meshd_mps.protocol import abi
+from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Done, Load, Loaded
 from meshd_mps.protocol.mailbox import Mailbox
 
@@ -133,12 +134,12 @@ def _script_of(req: Load) -> tuple[Script, str | None]:
                 "cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (simulated: script is not an object)", refused=True
             )
         if s.get("entry", True) is False:
-            raise GpuError(NO_ENTRY, refused=True)
+            raise GpuError(NO_ENTRY, word=frames.NO_ENTRY)
         return s, None
     if not req.cubin.startswith(b"\x7fELF"):
         raise GpuError("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (device kernel image is invalid)", refused=True)
     if b"\0" + abi.ENTRY.encode() + b"\0" not in req.cubin:  # a whole entry of the symbol string table
-        raise GpuError(NO_ENTRY, refused=True)
+        raise GpuError(NO_ENTRY, word=frames.NO_ENTRY)
     for kind in EXAMPLES:
         if req.name.startswith(kind):
             return {"kernel": kind}, kind

@@ -188,7 +188,7 @@ class MpsIsolation(Isolation):
                     self.sup.retire(p)
                 else:
                     self.pool.add(p)
-                raise e.prefixed("load") from e
+                raise e.prefixed(f"load {name}") from e
             except (WorkerError, FrameError) as e:
                 self.sup.retire(p)
                 if fresh or not isinstance(e, WorkerGone):
