@@ -423,7 +423,7 @@ def test_typed_errors_by_type():
     assert status_of(cap) == 409
     assert status_of(CapacityError("any words", limit="hardware queues", have=32, asked=33)) == 409
     assert status_of(NotStarted("x never started", program="x", within=5.0, likely="?")) == 409
-    assert status_of(ImageRefused("worker 1: no mesh_main", error="e")) == 400
+    assert status_of(ImageRefused("worker 1: no mesh_main", driver="e")) == 400
     assert status_of(WorkerError("worker 1 died")) == 500  # unchanged: a worker's failure
     assert status_of(LimitError("x: 2048 threads per block")) == 400
     assert status_of(ClientLimit("mps: 48 clients already", have=48, asked=49, device=0)) == 409
@@ -434,7 +434,7 @@ def test_typed_errors_by_type():
                    have=32, asked=33), 409, {"limit": "hardware queues", "have": 32, "asked": 33}),
     (NotStarted("p: did not write STATE = RUNNING within 5s; rolled back", program="p", within=5.0,
                 likely="its queue is taken"), 409, {"program": "p", "within": 5.0, "likely": "its queue is taken"}),
-    (ImageRefused("load: worker 7: cuModuleGetFunction(mesh_main): CUDA_ERROR_NOT_FOUND", error="e"), 400, {"error": "e"}),
+    (ImageRefused("load: worker 7: cuModuleGetFunction(mesh_main): CUDA_ERROR_NOT_FOUND", driver="e"), 400, {"driver": "e"}),
 ])
 async def test_typed_errors_through_the_middleware(error, status, fields):
     """What a route raises is answered by the API's middleware: a MeshError with status_of(e) and

@@ -250,8 +250,8 @@ def test_images_the_simulation_cannot_run_are_refused(worker, cubins):
     w = worker()
     text = w.load_error(image(1, cubins["heartbeat"], "mything"), frames.REFUSED)
     assert text.startswith("simulated GPU: mything is a real cubin, and the simulation does not run GPU code"), text
-    assert w.load_error(image(2, cubins["no-entry"], "heartbeat"), frames.REFUSED) == DRIVER_NO_ENTRY
-    assert w.load_error(image(3, sim(kernel="heartbeat", entry=False)), frames.REFUSED) == DRIVER_NO_ENTRY
+    assert w.load_error(image(2, cubins["no-entry"], "heartbeat"), frames.NO_ENTRY) == DRIVER_NO_ENTRY
+    assert w.load_error(image(3, sim(kernel="heartbeat", entry=False)), frames.NO_ENTRY) == DRIVER_NO_ENTRY
     text = w.load_error(image(4, b"\x00not an image"), frames.REFUSED)
     assert text.startswith("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE"), text
     text = w.load_error(image(5, b"MESHSIM1{not json"), frames.REFUSED)
@@ -276,8 +276,8 @@ def test_cuda_refusals_are_by_error_code():
         check((R.CUDA_ERROR_OUT_OF_MEMORY, None), "cuModuleLoadData", IMAGE_ERRORS)
     assert not e.value.refused
     with pytest.raises(GpuError, match=r"^cuModuleGetFunction\(mesh_main\): CUDA_ERROR_NOT_FOUND") as e:
-        check((R.CUDA_ERROR_NOT_FOUND, None), "cuModuleGetFunction(mesh_main)", NO_ENTRY)
-    assert e.value.refused
+        check((R.CUDA_ERROR_NOT_FOUND, None), "cuModuleGetFunction(mesh_main)", NO_ENTRY, frames.NO_ENTRY)
+    assert e.value.refused and e.value.word == frames.NO_ENTRY
     with pytest.raises(GpuError) as e:
         check(R.CUDA_ERROR_NOT_FOUND, "cuModuleGetGlobal(x)")
     assert not e.value.refused
