@@ -102,7 +102,7 @@ class StateDirRefused(ConfigError):
     is loaded back as desired state, so it must be the daemon's alone.  ``owner`` is its uid,
     ``why`` the reason in words."""
 
-    FIELDS = ("path", "owner", "why")
+    FIELDS: ClassVar[tuple[str, ...]] = ("path", "owner", "why")
 
     def __init__(self, message: str, *, path: str, owner: int, why: str):
         super().__init__(message)
@@ -178,28 +178,14 @@ class LimitError(BadRequest):
 
 class ImageRefused(BadRequest):
     """The GPU's driver refused the image itself at load (not a valid cubin for this GPU, no
-    ``mesh_main``): the program's fault, not the worker's, which stays fit.  ``driver`` is the
-    driver call and its error, as the worker reported it (not ``error``: an answer's ``error`` is
-    the message)."""
+    ``mesh_main``): the program's fault, not the worker's, which stays fit.  ``driver``: the driver
+    call and its error, as the worker reported it (an answer's ``error`` is the message)."""
 
-    FIELDS: ClassVar[tuple[str, ...]] = ("driver",)
+    FIELDS = ("driver",)
 
     def __init__(self, message: str, *, driver: str):
         super().__init__(message)
         self.driver = driver
-
-
-#: What a program's entry must be (docs/program-abi.md): said where an image lacks it.
-ENTRY_DECL = 'extern "C" __global__ void mesh_main(unsigned long long mailbox, unsigned int slot)'
-
-
-class NoEntry(ImageRefused):
-    """An image without the entry ``mesh_main`` (the worker's LOADED said so by its ok word,
-    ``frames.NO_ENTRY``): most often declared without ``extern "C"``, so that its name is mangled."""
-
-    def __init__(self, *, driver: str):
-        super().__init__(f"no `{ENTRY_DECL}` in the program: declare the entry so, with extern \"C\" (without it"
-                         f" the name is mangled; docs/program-abi.md); the driver said {driver}", driver=driver)
 
 
 class AbiMismatch(BadRequest):

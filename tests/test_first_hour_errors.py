@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from meshd_mps.errors import ENTRY_DECL
 from meshd_mps.gpu.compiler import cuda_to_ptx
 from meshd_mps.protocol import frames
+from meshd_mps.protocol.frames import ENTRY_DECL
 from meshd_mps.state.program_files import program_body
 
 from .rigs.serve import EXAMPLES, Serve, cli, manifest

@@ -13,7 +13,11 @@ import os
 import struct
 from dataclasses import dataclass
 
-from meshd_mps.errors import FrameError as FrameError  # re-exported: the frame code's callers catch it here
+from meshd_mps.errors import (
+    FrameError as FrameError,  # re-exported: the frame code's callers catch it here
+    ImageRefused,
+)
+from meshd_mps.protocol.abi import ENTRY
 
 HEADER = struct.Struct("<I")
 #: The frame protocol's version, sent in HELLO.  Bumped at any change of a frame's layout or meaning
@@ -352,6 +356,19 @@ def ok_reply(payload: bytes = b"") -> bytes:
 OK, FAILED, REFUSED, NO_ENTRY = 1, 0, 2, 3
 #: The ok words only a LOADED reply may carry.
 LOADED_ONLY = (REFUSED, NO_ENTRY)
+
+
+#: What a program's entry must be (docs/program-abi.md): said where an image lacks it.
+ENTRY_DECL = f'extern "C" __global__ void {ENTRY}(unsigned long long mailbox, unsigned int slot)'
+
+
+class NoEntry(ImageRefused):
+    """LOADED's ok word NO_ENTRY as the daemon says it: an image without ``mesh_main``, most often
+    declared without ``extern "C"``, so that its name is mangled.  ``driver``: the driver's words."""
+
+    def __init__(self, *, driver: str):
+        super().__init__(f"no `{ENTRY_DECL}` in the program: declare the entry so, with extern \"C\" (without it the"
+                         f" name is mangled; docs/program-abi.md); the driver said {driver}", driver=driver)
 
 
 def error_reply(message: str, refused: bool = False, *, word: int | None = None) -> bytes:

@@ -78,6 +78,8 @@ SERVER = {"Server": "meshd-mps"}
 INTERNAL = "internal error (the daemon's log has the traceback)"
 #: The request's key for the program a load names (its manifest's), once its body was read.
 PROGRAM = web.RequestKey("program", str)
+#: The request's key for its verb where it is a load or an upgrade ("load", "upgrade"; None otherwise).
+LOADING = web.RequestKey("loading", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -196,6 +198,10 @@ class Api:
         """Every refusal answered by its type; in-flight requests counted for the drain."""
         if isinstance(request.protocol, Protocol):
             request.protocol.heard = True
+        if (verb := self._loading(request)) is not None:  # for the log of a refusal
+            request[LOADING] = verb
+            if "name" in request.match_info:  # an upgrade's; a load's once its body is read
+                request[PROGRAM] = request.match_info["name"]
         task = asyncio.current_task()
         assert task is not None
         self.busy.add(task)
@@ -238,22 +244,21 @@ class Api:
             raise MethodNotAllowed(f"{request.method} {_path(request)}: method not allowed (allowed: {', '.join(allowed)})",
                                    allowed=allowed) from e
 
-    def _loading(self, request: web.BaseRequest) -> str | None:
+    def _loading(self, request: web.Request) -> str | None:
         """"load" or "upgrade" where the request is one (by its route's handler), else None."""
-        handler = getattr(getattr(request, "match_info", None), "handler", None)
         loads: dict[Any, str] = {self.post_program: "load", self.put_program: "upgrade"}
-        return loads.get(handler)
+        return loads.get(request.match_info.handler)
 
     def _log_refusal(self, request: web.BaseRequest, e: MeshError, status: int) -> None:
         """Every refusal logged once, here, at its level (``status.log_level``): a refused load or
         upgrade names its program (the manifest's, once the body was read; the path's for an
         upgrade) and says why."""
-        verb = self._loading(request)
+        verb = request.get(LOADING)
         level = log_level(e, verb is not None)
         if level is None:
             return
         if verb is not None:
-            name = request.get(PROGRAM) or getattr(request, "match_info", {}).get("name")
+            name = request.get(PROGRAM)
             getattr(log, level)(f"{verb} {name or '(no program name: the body was refused)'} refused ({status}): {e}",
                                 program=name, code=status, type=type(e).__name__)
         else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import importlib.metadata
 import os
 import platform
@@ -232,7 +233,7 @@ class Daemon:
         self.versions = await anyio.to_thread.run_sync(versions)
         # First: its lock makes the state dir ours alone, and with it (live restore) the mailbox file, the MPS
         # directory and the workers' sockets under it.  Refused: another user's dir, another daemon on it.
-        self.store = await anyio.to_thread.run_sync(Store.open, c.state_dir)
+        self.store = await anyio.to_thread.run_sync(functools.partial(Store.open, c.state_dir, socket=self.socket_path))
         d = self.deadlines if c.orphan_timeout is None else dataclasses.replace(self.deadlines, orphan=c.orphan_timeout)
         b = await Backend.open(isolation=c.isolation, sms=c.sms, mps_dir=c.mps_dir, pool=pool,  # type: ignore[arg-type]
                                gpu=c.gpu, cache_dir=c.cache_dir, devices=c.devices, deadlines=d,

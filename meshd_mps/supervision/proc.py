@@ -32,7 +32,6 @@ from meshd_mps.errors import (
     FrameError,
     ImageRefused,
     NoContext,
-    NoEntry,
     NoReply,
     StateError,
     WorkerError,
@@ -341,7 +340,7 @@ class WorkerProc:
         if ok == frames.OK:
             return payload
         if ok == frames.NO_ENTRY:
-            raise NoEntry(driver=frames.reply_text(payload))
+            raise frames.NoEntry(driver=frames.reply_text(payload))
         if ok == frames.REFUSED:
             text = frames.reply_text(payload)
             raise ImageRefused(f"worker {self.pid}: {text}", driver=text)
