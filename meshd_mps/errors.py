@@ -64,7 +64,10 @@ class ConfigError(BadRequest):
 
 
 class NoDriver(MeshError):
-    """No NVIDIA driver on this machine (the CUDA driver library is not found)."""
+    """No NVIDIA driver here (its library is not found: ``why``): said with how to try without one."""
+
+    def __init__(self, why: str):
+        super().__init__(f'no NVIDIA driver: {why}; to try meshd-mps without a GPU, use the simulated one: gpu="sim"')
 
 
 class DeviceError(MeshError):

@@ -154,7 +154,7 @@ async def test_placement_named_and_least_loaded(two_gpus):
         assert on[hb.kernel.pid] == "GPU-standin-0" and on[echo.kernel.pid] == "GPU-standin-1"
         rows = {r["name"]: r for r in progs.list()}
         assert {n: r["device"] for n, r in rows.items()} == {"heartbeat": 0, "echo": 1, "spin": 1, "heartbeat-2": 0}
-        with pytest.raises(NotServedHere, match=r"GPU 5 is not served here \(--devices 0,1\)"):
+        with pytest.raises(NotServedHere, match=r"GPU 5 is not served here \(devices 0,1\)"):
             await progs.load(*renamed("spin", "spin-5"), device=5)
         assert "spin-5" not in progs.by_name
         await beats(b, hb.slot, 10)

@@ -76,3 +76,84 @@ def test_already_loaded_is_said_before_compiling(serve, tmp):
     assert r.returncode == 1 and r.stderr.strip() == "meshd-mps: program 'echo' is already loaded (upgrade it instead)", r
     st, _h, data = s.client.raw("POST", "/v1/programs", json.dumps({"manifest": manifest("echo"), "ptx": "not PTX"}).encode())
     assert st == 409 and json.loads(data)["program"] == "echo", data
+
+
+# ---- f. a state dir that is not ours to take ------------------------------------------------------
+
+
+def test_a_held_state_dir_names_the_daemon_that_holds_it(tmp):
+    from meshd_mps.serving.status import status_of
+    from meshd_mps.state.statedir import StateDirHeld
+    from meshd_mps.state.store import Store
+
+    state = os.path.join(tmp, "state")
+    os.mkdir(state, 0o700)
+    with Store(state, socket="/run/x/meshd-mps.sock"), pytest.raises(StateDirHeld) as e:
+        Store(state)
+    assert (e.value.pid, e.value.socket) == (os.getpid(), "/run/x/meshd-mps.sock") and status_of(e.value) == 400
+    said = str(e.value)
+    assert f"another meshd-mps (pid {os.getpid()}, serving on /run/x/meshd-mps.sock) holds it" in said, said
+    assert "stop that daemon" in said and "0700" not in said and "--" not in said, said
+
+
+def test_a_state_dir_others_may_write_is_told_the_chmod(tmp):
+    state = os.path.join(tmp, "state")
+    os.mkdir(state, 0o700)
+    os.chmod(state, 0o770)
+    r = cli("serve", "--gpu", "sim", "--socket", os.path.join(tmp, "s.sock"), "--state-dir", state)
+    assert r.returncode == 1 and r.stderr.strip().endswith(f"chmod 0700 {os.path.realpath(state)}"), r.stderr
+
+
+# ---- g. MPS isolation on the simulated GPU without the stand-in on PATH ---------------------------
+
+
+def test_sim_mps_without_the_standin_says_where_it_is(tmp):
+    import subprocess
+    import sys
+
+    from meshd_mps.mps.standin import BIN_DIR
+
+    from .rigs.serve import REPO, env
+
+    e = env()
+    e["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), "/usr/bin", "/bin"])
+    r = subprocess.run([sys.executable, "-m", "meshd_mps", "serve", "--gpu", "sim", "--isolation", "mps", "--socket",
+                        os.path.join(tmp, "s.sock"), "--state-dir", os.path.join(tmp, "state")],
+                       capture_output=True, text=True, env=e, cwd=REPO, timeout=60)
+    assert r.returncode == 1, r
+    assert f"stand-in daemon, in {BIN_DIR}: put that directory first on PATH" in r.stderr, r.stderr
+    assert "install the NVIDIA" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ---- h. the library's errors: the hint in the error, no CLI flags in its words ------------------
+
+
+async def test_no_driver_says_how_to_try_without_one_from_the_library(standin_on_path):
+    from meshd_mps.backend import Backend
+    from meshd_mps.errors import NoDriver
+    from meshd_mps.gpu.device import query_device
+
+    try:
+        query_device()
+    except NoDriver:
+        pass
+    else:
+        pytest.skip("this machine has an NVIDIA driver")
+    with pytest.raises(NoDriver) as e:
+        await Backend.open()
+    assert str(e.value).startswith("no NVIDIA driver: ") and str(e.value).endswith('use the simulated one: gpu="sim"')
+
+
+async def test_library_errors_name_no_cli_flags(standin_on_path):
+    from meshd_mps.backend import Backend
+    from meshd_mps.errors import ConfigError, MeshError
+
+    for kw in ({"isolation": "x"}, {"gpu": "x"}, {"pool": -1}):
+        with pytest.raises(ConfigError) as e:
+            await Backend.open(**kw)
+        assert "--" not in str(e.value), e.value
+    async with Backend.open(isolation="blink", gpu="sim") as b:
+        for call in (lambda: b.device_or_first(5), lambda: b.native_env()):
+            with pytest.raises(MeshError) as e:
+                call()
+            assert "--" not in str(e.value) and ("devices 0" in str(e.value) or "isolation is blink" in str(e.value))

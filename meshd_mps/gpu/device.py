@@ -172,7 +172,7 @@ def _driver_errors(what: str) -> Iterator[None]:
         raise
     except Exception as e:
         if is_no_driver(e):
-            raise NoDriver(f"no NVIDIA driver: {e}") from e
+            raise NoDriver(str(e)) from e
         raise DeviceError(f"{what}: {type(e).__name__}: {e}") from e
 
 

@@ -191,7 +191,7 @@ class BlinkIsolation(Isolation):
             raise CapacityError(
                 f"{name}: the blink context of GPU {self.device} runs {len(self.modules)} programs, one per hardware work"
                 f" queue, and has {self.queues}: a kernel on a shared queue would wait behind a resident one forever"
-                " (use --isolation mps for more programs)", limit="hardware queues", have=self.queues,
+                " (MPS isolation takes more programs: isolation \"mps\")", limit="hardware queues", have=self.queues,
                 asked=len(self.modules) + 1)
 
     async def prepare(self, prepared: Prepared) -> Image:

@@ -66,7 +66,8 @@ from meshd_mps.version import version
 
 log = structlog.get_logger("meshd_mps")
 
-NO_DRIVER_HINT = "no NVIDIA driver on this machine; to try meshd-mps without a GPU: meshd-mps serve --gpu sim"
+#: What the CLI adds to NoDriver's own words (which name the setting, gpu="sim"): its flag.
+NO_DRIVER_HINT = "on the command line: meshd-mps serve --gpu sim"
 
 NEIGHBOURS_S = 2.0  # NVML is asked this often for the processes on our GPUs
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

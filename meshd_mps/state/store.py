@@ -356,7 +356,7 @@ def _decode(path: str, data: bytes) -> tuple[int, dict[str, Any]]:
         raise _Skip(f"no schema version (schema {schema!r})")
     if schema > SCHEMA:
         raise StateFileNewer(f"state file {path}: schema {schema}, written by a newer meshd-mps; this one reads schema"
-                             f" {SCHEMA}: refusing to start over it (run the newer meshd-mps, or name another --state-dir)",
+                             f" {SCHEMA}: refusing to start over it (run the newer meshd-mps, or use another state directory)",
                              file=path, schema=schema, supported=SCHEMA)
     if schema != SCHEMA:
         raise _Skip(f"schema {schema}, this meshd-mps reads schema {SCHEMA}")
