@@ -165,9 +165,9 @@ class CudaGpu:
             )
         )
         if sms < 0:
-            raise GpuError(f"--sms {sms}: must be 0 (the whole device) or a count of SMs")
+            raise GpuError(f"sms {sms}: must be 0 (the whole device) or a count of SMs")
         if sms > total:
-            raise GpuError(f"--sms {sms}: the device has {total}")
+            raise GpuError(f"sms {sms}: the device has {total}")
         blocking = int(cu.CUctx_flags.CU_CTX_SCHED_BLOCKING_SYNC)
         if sms:
             self._open_green(dev, sms, total)
@@ -226,14 +226,14 @@ class CudaGpu:
         r = cu.cuDevSmResourceSplitByCount(1, res, 0, sms)
         if _code(r):
             raise GpuError(
-                f"--sms {sms}: cuDevSmResourceSplitByCount: {_fmt(_code(r))}; the driver makes groups of "
+                f"sms {sms}: cuDevSmResourceSplitByCount: {_fmt(_code(r))}; the driver makes groups of "
                 f"{want} SMs for this request (multiples of {align}, at least {part}) from the device's {total}"
             )
         _, groups, n, _rest = r
         got = int(groups[0].sm.smCount) if n and groups else 0
         if got < sms:
             raise GpuError(
-                f"--sms {sms}: the driver's split gives {'no group' if not got else f'{got} SMs'}, fewer than asked "
+                f"sms {sms}: the driver's split gives {'no group' if not got else f'{got} SMs'}, fewer than asked "
                 f"(groups come in multiples of {align} SMs, at least {part}; the device has {total})"
             )
         desc = check(cu.cuDevResourceGenerateDesc([groups[0]], 1), "cuDevResourceGenerateDesc")
