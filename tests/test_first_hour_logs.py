@@ -97,3 +97,17 @@ def test_a_refused_load_leaves_no_unload_behind(serve):
     poll(lambda: [e for e in events(s) if e.get("component") == "worker" and e.get("program") == "echo"], 10,
          "the worker's line for echo's load")
     assert not [e for e in events(s) if e.get("msg") == "unload failed"], s.log()
+
+
+def test_the_level_of_each_refusal_is_decided_by_its_type():
+    from meshd_mps import errors as E
+    from meshd_mps.serving.status import HeadTooLarge, log_level
+
+    assert log_level(E.CallTimeout("echo", 0.5), False) == "info"  # the caller's deadline
+    assert log_level(E.Unavailable("meshd-mps is shutting down"), True) == "info"
+    assert log_level(E.NoContext("worker 7: no context", pid=7), False) == "error"  # a worker's failure
+    assert log_level(E.WorkerError("worker 7 exited", pid=7), True) == "error"
+    assert log_level(E.AlreadyLoaded("echo"), True) == "warning"
+    assert log_level(E.CapacityError("x", limit="hardware queues", have=8, asked=9), True) == "warning"
+    assert log_level(HeadTooLarge("request head of 70000 bytes"), False) == "warning"
+    assert log_level(E.NotLoaded("echo"), False) is None  # a client's bad input elsewhere: the debug line only
