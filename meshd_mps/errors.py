@@ -64,7 +64,10 @@ class ConfigError(BadRequest):
 
 
 class NoDriver(MeshError):
-    """No NVIDIA driver on this machine (the CUDA driver library is not found)."""
+    """No NVIDIA driver here (its library is not found: ``why``): said with how to try without one."""
+
+    def __init__(self, why: str):
+        super().__init__(f'no NVIDIA driver: {why}; to try meshd-mps without a GPU, use the simulated one: gpu="sim"')
 
 
 class DeviceError(MeshError):
@@ -102,7 +105,7 @@ class StateDirRefused(ConfigError):
     is loaded back as desired state, so it must be the daemon's alone.  ``owner`` is its uid,
     ``why`` the reason in words."""
 
-    FIELDS = ("path", "owner", "why")
+    FIELDS: ClassVar[tuple[str, ...]] = ("path", "owner", "why")
 
     def __init__(self, message: str, *, path: str, owner: int, why: str):
         super().__init__(message)
@@ -178,14 +181,14 @@ class LimitError(BadRequest):
 
 class ImageRefused(BadRequest):
     """The GPU's driver refused the image itself at load (not a valid cubin for this GPU, no
-    ``mesh_main``): the program's fault, not the worker's, which stays fit.  ``error`` is the
-    driver call and its error, as the worker reported it."""
+    ``mesh_main``): the program's fault, not the worker's, which stays fit.  ``driver``: the driver
+    call and its error, as the worker reported it (an answer's ``error`` is the message)."""
 
-    FIELDS = ("error",)
+    FIELDS = ("driver",)
 
-    def __init__(self, message: str, *, error: str):
+    def __init__(self, message: str, *, driver: str):
         super().__init__(message)
-        self.error = error
+        self.driver = driver
 
 
 class AbiMismatch(BadRequest):

@@ -29,14 +29,14 @@ class LoopError(ConfigError):
 def factory(choice: str = "auto") -> tuple[str, Callable[[], asyncio.AbstractEventLoop] | None]:
     """(the loop's name, its factory); None for asyncio's default loop."""
     if choice not in CHOICES:
-        raise LoopError(f"--loop {choice}: expected one of {', '.join(CHOICES)}")
+        raise LoopError(f"loop {choice}: expected one of {', '.join(CHOICES)}")
     if choice == "asyncio":
         return "asyncio", None
     try:
         import uvloop
     except ImportError as e:
         if choice == "uvloop":
-            raise LoopError("--loop uvloop: uvloop is not installed (pip install 'meshd-mps[uvloop]')") from e
+            raise LoopError("loop uvloop: uvloop is not installed (pip install 'meshd-mps[uvloop]')") from e
         return "asyncio", None
     return f"uvloop {uvloop.__version__}", uvloop.new_event_loop
 

@@ -423,7 +423,7 @@ def test_typed_errors_by_type():
     assert status_of(cap) == 409
     assert status_of(CapacityError("any words", limit="hardware queues", have=32, asked=33)) == 409
     assert status_of(NotStarted("x never started", program="x", within=5.0, likely="?")) == 409
-    assert status_of(ImageRefused("worker 1: no mesh_main", error="e")) == 400
+    assert status_of(ImageRefused("worker 1: no mesh_main", driver="e")) == 400
     assert status_of(WorkerError("worker 1 died")) == 500  # unchanged: a worker's failure
     assert status_of(LimitError("x: 2048 threads per block")) == 400
     assert status_of(ClientLimit("mps: 48 clients already", have=48, asked=49, device=0)) == 409
@@ -434,7 +434,7 @@ def test_typed_errors_by_type():
                    have=32, asked=33), 409, {"limit": "hardware queues", "have": 32, "asked": 33}),
     (NotStarted("p: did not write STATE = RUNNING within 5s; rolled back", program="p", within=5.0,
                 likely="its queue is taken"), 409, {"program": "p", "within": 5.0, "likely": "its queue is taken"}),
-    (ImageRefused("load: worker 7: cuModuleGetFunction(mesh_main): CUDA_ERROR_NOT_FOUND", error="e"), 400, {"error": "e"}),
+    (ImageRefused("load: worker 7: cuModuleGetFunction(mesh_main): CUDA_ERROR_NOT_FOUND", driver="e"), 400, {"driver": "e"}),
 ])
 async def test_typed_errors_through_the_middleware(error, status, fields):
     """What a route raises is answered by the API's middleware: a MeshError with status_of(e) and
@@ -662,9 +662,11 @@ def test_the_cli_compiles_cuda_c_and_sends_ptx(daemon, recorder):
     try:
         assert r.returncode == 0, r.stderr
         assert r.stdout.startswith("heartbeat loaded on slot "), r.stdout
-        # It asked the daemon's status (the oldest GPU's compute capability), then sent PTX for it.
-        assert [(m, t) for m, t, _b in recorder.requests] == [("GET", "/v1/status"), ("POST", "/v1/programs")]
-        body = json.loads(recorder.requests[1][2])
+        # It asked whether the name is loaded (before compiling: issue 32), the daemon's status (the
+        # oldest GPU's compute capability), then sent PTX for it.
+        assert [(m, t) for m, t, _b in recorder.requests] == [("GET", "/v1/programs/heartbeat"), ("GET", "/v1/status"),
+                                                              ("POST", "/v1/programs")]
+        body = json.loads(recorder.requests[2][2])
         assert set(body) == {"manifest", "ptx"} and body["manifest"]["name"] == "heartbeat"
         assert ".target sm_90" in body["ptx"] and ".entry mesh_main" in body["ptx"]
         assert body["ptx"] == ptx_of("heartbeat")
@@ -686,11 +688,11 @@ def test_the_cli_compiles_as_its_user_and_prints_errors_plainly(daemon, recorder
     r = cli("load", str(d), "--socket", recorder.path)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("meshd-mps: nvrtc: peek: ") and "/etc/passwd" in r.stderr, r.stderr
-    assert [(m, t) for m, t, _b in recorder.requests] == [("GET", "/v1/status")]  # no load was sent
+    assert [(m, t) for m, t, _b in recorder.requests] == [("GET", "/v1/programs/peek"), ("GET", "/v1/status")]  # no load
     (d / "peek.cu").write_text("this is not C\n")
     r = cli("load", str(d), "--socket", recorder.path)
     assert r.returncode == 1 and r.stderr.startswith("meshd-mps: nvrtc: peek: ") and "Traceback" not in r.stderr
-    assert [m for m, _t, _b in recorder.requests] == ["GET", "GET"]
+    assert [m for m, _t, _b in recorder.requests] == ["GET"] * 4
     assert snapshot(daemon.client) == before
 
 

@@ -110,7 +110,7 @@ async def test_rt_abi_mismatch_is_refused(backend):
 
 async def test_sms_over_the_device_is_refused(standin_on_path):
     for iso in ("blink", "mps"):
-        with pytest.raises(ConfigError, match=r"^--sms 200: the device has 132$"):
+        with pytest.raises(ConfigError, match=r"^sms 200: the device has 132$"):
             await Backend.open(isolation=iso, gpu="sim", sms=200)
 
 
@@ -209,7 +209,7 @@ async def test_open_as_a_context_runs_the_supervisor_in_our_task(standin_on_path
 @pytest.mark.usefixtures("no_leaks")
 async def test_a_failed_open_as_a_context_leaves_nothing(standin_on_path):
     for iso in ("blink", "mps"):
-        with pytest.raises(ConfigError, match=r"^--sms 200: the device has 132$"):
+        with pytest.raises(ConfigError, match=r"^sms 200: the device has 132$"):
             async with Backend.open(isolation=iso, gpu="sim", sms=200):
                 pytest.fail("opened")
 

@@ -281,6 +281,6 @@ def test_simulated_device_and_caps() -> None:
     assert (c.sms, c.green, c.sms_total) == (16, True, 132)
     with pytest.raises(ConfigError) as e:
         check_sms(INFO, 133)
-    assert str(e.value) == "--sms 133: the device has 132"
+    assert str(e.value) == "sms 133: the device has 132"
     with pytest.raises(ConfigError):
         caps_of(INFO, -1)

@@ -60,13 +60,13 @@ def test_devices_option_parses_and_refuses():
     assert parse_devices("0,1") == (0, 1) and parse_devices(" 1, 0 ") == (1, 0)
     for text, msg in [("", "GPU ordinals separated by commas"), ("0,,1", "GPU ordinals separated by commas"),
                       ("x", "'x' is not a GPU ordinal"), ("0,-1", "'-1' is not a GPU ordinal"),
-                      ("0,1,0", "^--devices 0,1,0: GPU 0 is named twice$")]:
+                      ("0,1,0", "^devices 0,1,0: GPU 0 is named twice$")]:
         with pytest.raises(ConfigError, match=msg):
             parse_devices(text)
     assert choose_devices(None, 2) == (0, 1) and choose_devices([1, 0], 2) == (0, 1)
-    with pytest.raises(ConfigError, match=r"^--devices 3: only 2 GPUs visible \(0-1\)$"):
+    with pytest.raises(ConfigError, match=r"^devices 3: only 2 GPUs visible \(0-1\)$"):
         choose_devices([0, 3], 2)
-    with pytest.raises(ConfigError, match=r"^--devices 1: only 1 GPU visible \(0\)$"):
+    with pytest.raises(ConfigError, match=r"^devices 1: only 1 GPU visible \(0\)$"):
         choose_devices([1], 1)
     with pytest.raises(ConfigError, match="no GPU named"):
         choose_devices([], 2)
@@ -101,13 +101,13 @@ def test_worker_argv_and_warm_read_the_same_options():
 @pytest.mark.usefixtures("no_leaks")
 async def test_backend_refuses_bad_devices_and_leaves_nothing(two_gpus):
     for iso in ("blink", "mps"):
-        with pytest.raises(ConfigError, match=r"^--devices 2: only 2 GPUs visible \(0-1\)$"):
+        with pytest.raises(ConfigError, match=r"^devices 2: only 2 GPUs visible \(0-1\)$"):
             await Backend.open(isolation=iso, gpu="sim", devices=[0, 2])
-        with pytest.raises(ConfigError, match=r"^--devices 1,1: GPU 1 is named twice$"):
+        with pytest.raises(ConfigError, match=r"^devices 1,1: GPU 1 is named twice$"):
             await Backend.open(isolation=iso, gpu="sim", devices=[1, 1])
         with pytest.raises(ConfigError, match="no GPU named"):
             await Backend.open(isolation=iso, gpu="sim", devices=[])
-        with pytest.raises(ConfigError, match=r"^--sms 200: GPU 0 has 132$"):  # checked against each GPU
+        with pytest.raises(ConfigError, match=r"^sms 200: GPU 0 has 132$"):  # checked against each GPU
             await Backend.open(isolation=iso, gpu="sim", sms=200)
 
 
@@ -154,7 +154,7 @@ async def test_placement_named_and_least_loaded(two_gpus):
         assert on[hb.kernel.pid] == "GPU-standin-0" and on[echo.kernel.pid] == "GPU-standin-1"
         rows = {r["name"]: r for r in progs.list()}
         assert {n: r["device"] for n, r in rows.items()} == {"heartbeat": 0, "echo": 1, "spin": 1, "heartbeat-2": 0}
-        with pytest.raises(NotServedHere, match=r"GPU 5 is not served here \(--devices 0,1\)"):
+        with pytest.raises(NotServedHere, match=r"GPU 5 is not served here \(devices 0,1\)"):
             await progs.load(*renamed("spin", "spin-5"), device=5)
         assert "spin-5" not in progs.by_name
         await beats(b, hb.slot, 10)
@@ -317,7 +317,7 @@ def test_serve_refuses_bad_devices(tmp, monkeypatch):
     monkeypatch.setenv(SIM_GPUS_ENV, "2")
     sock = os.path.join(tmp, "x.sock")
     r = cli("serve", "--gpu", "sim", "--devices", "0,2", "--socket", sock)
-    assert r.returncode == 1 and r.stderr.strip().endswith("meshd-mps: --devices 2: only 2 GPUs visible (0-1)"), r.stderr
+    assert r.returncode == 1 and r.stderr.strip().endswith("meshd-mps: devices 2: only 2 GPUs visible (0-1)"), r.stderr
     r = cli("serve", "--gpu", "sim", "--devices", "0,x", "--socket", sock)
-    assert r.returncode == 2 and r.stderr.strip() == "meshd-mps: --devices 0,x: 'x' is not a GPU ordinal (0, 1, ...)"
+    assert r.returncode == 2 and r.stderr.strip() == "meshd-mps: devices 0,x: 'x' is not a GPU ordinal (0, 1, ...)"
     assert "Traceback" not in r.stderr and not os.path.exists(sock)

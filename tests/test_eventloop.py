@@ -30,7 +30,7 @@ sys.stdout.write(sys.stdin.readline()); sys.stdout.flush()
 
 
 def test_bad_choice_is_a_config_error():
-    with pytest.raises(ConfigError, match="--loop fast: expected one of auto, uvloop, asyncio"):
+    with pytest.raises(ConfigError, match="loop fast: expected one of auto, uvloop, asyncio"):
         eventloop.factory("fast")
 
 

@@ -64,7 +64,7 @@ def test_native_clients_need_mps_mode(tmp):
     s = Serve(tmp, "blink", os.path.join(tmp, "s.sock"))
     try:
         s.wait_ready()
-        with pytest.raises(ClientError, match="native clients join our MPS server; this backend runs --isolation blink"):
+        with pytest.raises(ClientError, match=r"native clients join our MPS server; this backend's isolation is blink"):
             s.client.native()
     finally:
         s.kill()

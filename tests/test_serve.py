@@ -401,7 +401,9 @@ def test_no_driver_is_plain(tmp):
     sock = os.path.join(tmp, "s.sock")
     r = cli("serve", "--gpu", "cuda", "--socket", sock)
     assert r.returncode == 1
-    assert "meshd-mps: no NVIDIA driver on this machine; to try meshd-mps without a GPU: meshd-mps serve --gpu sim" in r.stderr
+    assert "meshd-mps: no NVIDIA driver: " in r.stderr
+    assert 'to try meshd-mps without a GPU, use the simulated one: gpu="sim"' in r.stderr
+    assert "meshd-mps: on the command line: meshd-mps serve --gpu sim" in r.stderr
     assert "Traceback" not in r.stderr and not os.path.exists(sock)
 
 

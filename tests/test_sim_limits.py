@@ -254,8 +254,8 @@ def test_images_the_simulation_cannot_run_are_refused(worker, cubins):
     text = w.load_error(image(1, cubins["heartbeat"][0], "mything"), frames.REFUSED)  # tag 0: not the example's image
     assert text.startswith("simulated GPU: mything (image 0000000000000000) is not one of the shipped examples"), text
     cubin, tag = cubins["no-entry"]
-    assert w.load_error(image(2, cubin, "heartbeat", tag), frames.REFUSED) == DRIVER_NO_ENTRY
-    assert w.load_error(image(3, sim(kernel="heartbeat", entry=False)), frames.REFUSED) == DRIVER_NO_ENTRY
+    assert w.load_error(image(2, cubin, "heartbeat", tag), frames.NO_ENTRY) == DRIVER_NO_ENTRY
+    assert w.load_error(image(3, sim(kernel="heartbeat", entry=False)), frames.NO_ENTRY) == DRIVER_NO_ENTRY
     text = w.load_error(image(4, b"\x00not an image"), frames.REFUSED)
     assert text.startswith("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE"), text
     text = w.load_error(image(5, b"MESHSIM1{not json"), frames.REFUSED)
@@ -300,8 +300,8 @@ def test_cuda_refusals_are_by_error_code():
         check((R.CUDA_ERROR_OUT_OF_MEMORY, None), "cuModuleLoadData", IMAGE_ERRORS)
     assert not e.value.refused
     with pytest.raises(GpuError, match=r"^cuModuleGetFunction\(mesh_main\): CUDA_ERROR_NOT_FOUND") as e:
-        check((R.CUDA_ERROR_NOT_FOUND, None), "cuModuleGetFunction(mesh_main)", NO_ENTRY)
-    assert e.value.refused
+        check((R.CUDA_ERROR_NOT_FOUND, None), "cuModuleGetFunction(mesh_main)", NO_ENTRY, frames.NO_ENTRY)
+    assert e.value.refused and e.value.word == frames.NO_ENTRY
     with pytest.raises(GpuError) as e:
         check(R.CUDA_ERROR_NOT_FOUND, "cuModuleGetGlobal(x)")
     assert not e.value.refused

@@ -35,7 +35,7 @@ from functools import partial
 from typing import Any
 
 from meshd_mps.gpu.device import error_name, is_no_driver
-from meshd_mps.protocol import abi
+from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Done, Load, Loaded
 from meshd_mps.protocol.mailbox import Mailbox
 
@@ -78,9 +78,9 @@ def _done_text(err: Any) -> str:
     return f"{name}: {text}" if text else name
 
 
-def check(result: Any, call: str, refuse: frozenset[int] = frozenset()) -> Any:
-    """A driver call's ``(err, *values)`` (or a bare ``err``): the value(s), or GpuError (refused
-    when the error is one of ``refuse``).
+def check(result: Any, call: str, refuse: frozenset[int] = frozenset(), word: int = frames.REFUSED) -> Any:
+    """A driver call's ``(err, *values)`` (or a bare ``err``): the value(s), or GpuError (with the
+    ok word ``word``, the image's fault, when the error is one of ``refuse``).
 
     Like cuda.core's handle_return: no value gives None, one value that value,
     several a tuple.
@@ -90,7 +90,7 @@ def check(result: Any, call: str, refuse: frozenset[int] = frozenset()) -> Any:
     else:
         err, vals = result, []
     if int(err) != 0:
-        raise GpuError(f"{call}: {_fmt(err)}", refused=int(err) in refuse)
+        raise GpuError(f"{call}: {_fmt(err)}", word=word if int(err) in refuse else frames.FAILED)
     if not vals:
         return None
     return vals[0] if len(vals) == 1 else tuple(vals)
@@ -165,9 +165,9 @@ class CudaGpu:
             )
         )
         if sms < 0:
-            raise GpuError(f"--sms {sms}: must be 0 (the whole device) or a count of SMs")
+            raise GpuError(f"sms {sms}: must be 0 (the whole device) or a count of SMs")
         if sms > total:
-            raise GpuError(f"--sms {sms}: the device has {total}")
+            raise GpuError(f"sms {sms}: the device has {total}")
         blocking = int(cu.CUctx_flags.CU_CTX_SCHED_BLOCKING_SYNC)
         if sms:
             self._open_green(dev, sms, total)
@@ -226,14 +226,14 @@ class CudaGpu:
         r = cu.cuDevSmResourceSplitByCount(1, res, 0, sms)
         if _code(r):
             raise GpuError(
-                f"--sms {sms}: cuDevSmResourceSplitByCount: {_fmt(_code(r))}; the driver makes groups of "
+                f"sms {sms}: cuDevSmResourceSplitByCount: {_fmt(_code(r))}; the driver makes groups of "
                 f"{want} SMs for this request (multiples of {align}, at least {part}) from the device's {total}"
             )
         _, groups, n, _rest = r
         got = int(groups[0].sm.smCount) if n and groups else 0
         if got < sms:
             raise GpuError(
-                f"--sms {sms}: the driver's split gives {'no group' if not got else f'{got} SMs'}, fewer than asked "
+                f"sms {sms}: the driver's split gives {'no group' if not got else f'{got} SMs'}, fewer than asked "
                 f"(groups come in multiples of {align} SMs, at least {part}; the device has {total})"
             )
         desc = check(cu.cuDevResourceGenerateDesc([groups[0]], 1), "cuDevResourceGenerateDesc")
@@ -270,7 +270,8 @@ class CudaGpu:
         mod = check(cu.cuModuleLoadData(req.cubin), "cuModuleLoadData", IMAGE_ERRORS)
         m = _Module(req.module, req.name, mod, threads=req.threads, smem=req.smem)
         try:
-            m.fn = check(cu.cuModuleGetFunction(mod, abi.ENTRY.encode()), f"cuModuleGetFunction({abi.ENTRY})", NO_ENTRY)
+            m.fn = check(cu.cuModuleGetFunction(mod, abi.ENTRY.encode()), f"cuModuleGetFunction({abi.ENTRY})", NO_ENTRY,
+                         frames.NO_ENTRY)
             A = cu.CUfunction_attribute
             if req.smem > SMEM_DEFAULT_LIMIT:
                 check(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
+from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Done, Load, Loaded
 
 from .warm import MAX_QUEUES, QUEUES_ENV
@@ -14,13 +15,18 @@ S = TypeVar("S")
 
 
 class GpuError(Exception):
-    """A GPU call failed; the text is sent to the supervisor as the reply's error.  ``refused``: the
-    driver refused the request's image itself (the program's fault, not the worker's), which a
-    LOADED reply says with its ok word 2."""
+    """A GPU call failed; the text is sent to the supervisor as the reply's error, ``word`` as its
+    ok word (``frames.FAILED``; for LOADED, the image's own fault: ``frames.REFUSED``, or
+    ``frames.NO_ENTRY`` for an image without ``mesh_main``).  ``refused=True``: REFUSED."""
 
-    def __init__(self, message: str, *, refused: bool = False):
+    def __init__(self, message: str, *, refused: bool = False, word: int | None = None):
         super().__init__(message)
-        self.refused = refused
+        self.word = word if word is not None else frames.REFUSED if refused else frames.FAILED
+
+    @property
+    def refused(self) -> bool:
+        """The image's fault, not the worker's."""
+        return self.word in frames.LOADED_ONLY
 
 
 class Streams(Generic[S]):

@@ -228,7 +228,7 @@ def _serve(ch: Channel, opened: Opened, inject: dict[str, str], link: live.Link 
                         link.loaded(load.module, load.name, load.tag, info)
                     reply = info.encode()
                 except GpuError as e:
-                    reply = frames.error_reply(str(e), refused=e.refused)
+                    reply = frames.error_reply(str(e), word=e.word)
                 if not misbehave("load", Op.LOADED, reply):
                     ch.write(Op.LOADED, reply)
             elif op == Op.LAUNCH:

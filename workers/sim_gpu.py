@@ -13,7 +13,8 @@ fault; recognised by LOAD's ``tag``, the image hash, never by the program's name
 meshd_mps/gpu/examples.py) runs as that example, with a warning at load; any
 other is refused at load (sim_images.py, pointing to ``meshd-mps check``), as
 is one without the entry ``mesh_main`` (in the real driver's words).  Refusals
-are the image's fault: GpuError(refused=True), ImageRefused in the daemon.
+are the image's fault: GpuError(refused=True), or word=frames.NO_ENTRY
+(LOADED's ok word, as CudaGpu sends it); ImageRefused in the daemon.
 
 Script keys (all optional):
   kernel: sleep | fail | hang | exit | heartbeat | echo | spin | fault
@@ -73,7 +74,7 @@ from collections import deque
 from dataclasses import dataclass
 from fractions import Fraction
 
-from meshd_mps.protocol import abi
+from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Done, Load, Loaded
 from meshd_mps.protocol.mailbox import Mailbox
 
@@ -135,12 +136,12 @@ def _script_of(req: Load, examples: Examples) -> tuple[Script, str | None]:
                 "cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (simulated: script is not an object)", refused=True
             )
         if s.get("entry", True) is False:
-            raise GpuError(NO_ENTRY, refused=True)
+            raise GpuError(NO_ENTRY, word=frames.NO_ENTRY)
         return s, None
     if not req.cubin.startswith(b"\x7fELF"):
         raise GpuError("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (device kernel image is invalid)", refused=True)
     if b"\0" + abi.ENTRY.encode() + b"\0" not in req.cubin:  # a whole entry of the symbol string table
-        raise GpuError(NO_ENTRY, refused=True)
+        raise GpuError(NO_ENTRY, word=frames.NO_ENTRY)
     kind = examples.example_of(req.name, req.tag)
     return {"kernel": kind}, kind
 

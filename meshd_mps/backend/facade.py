@@ -106,11 +106,11 @@ class Backend(NativeClients):
                  cache_dir: str | None, deadlines: Deadlines, max_clients: int, devices: Sequence[int] | None = None,
                  live: str | None = None, clear: str | None = None):
         if isolation not in ("blink", "mps"):
-            raise ConfigError(f"--isolation {isolation}: expected blink or mps")
+            raise ConfigError(f"isolation {isolation!r}: expected blink or mps")
         if gpu not in ("cuda", "sim"):
-            raise ConfigError(f"--gpu {gpu}: expected cuda or sim")
+            raise ConfigError(f"gpu {gpu!r}: expected cuda or sim")
         if sms < 0 or pool < 0:
-            raise ConfigError("--sms and --pool must not be negative")
+            raise ConfigError("sms and pool must not be negative")
         self._asked = None if devices is None else check_unique(devices)  # that they exist: at open
         self.isolation: IsolationName = isolation
         self.sms = sms
@@ -237,7 +237,7 @@ class Backend(NativeClients):
                 raise Unavailable("backend not open")
             return self.devices[0]
         if isinstance(device, bool) or not isinstance(device, int) or device not in self.devices:
-            raise NotServedHere(f"GPU {device!r} is not served here (--devices {ordinals_text(self.devices)})",
+            raise NotServedHere(f"GPU {device!r} is not served here (devices {ordinals_text(self.devices)})",
                                 device=device, devices=self.devices)
         return device
 

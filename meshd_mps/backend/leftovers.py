@@ -180,7 +180,7 @@ async def clear_left(sup: Supervisor, dir: str) -> None:
             for w in ws:
                 await w.process.wait()
         if ws or dismissed:
-            log.warning(f"without --live-restore: {len(ws) + len(dismissed)} workers an earlier meshd-mps left"
+            log.warning(f"without live restore: {len(ws) + len(dismissed)} workers an earlier meshd-mps left"
                         f" running in {paths.workers} halted and ended", pids=[w.pid for w in ws] + dismissed)
     finally:
         if mb is not None:
@@ -193,5 +193,5 @@ async def clear_left(sup: Supervisor, dir: str) -> None:
             await left.adopt()
         except MpsError:
             return  # none runs there (or not ours to quit: its meshd-mps is alive)
-        log.warning(f"without --live-restore: the MPS control daemon {left.pid} left in {paths.mps} quit")
+        log.warning(f"without live restore: the MPS control daemon {left.pid} left in {paths.mps} quit")
         await left.quit()

@@ -21,7 +21,7 @@ class NativeClients:
     def _mps_mode(self, what: str) -> Clients:
         mps = self.mps
         if mps is None:
-            raise WrongMode(f"{what}: native clients join our MPS server; this backend runs --isolation {self.isolation}",
+            raise WrongMode(f"{what}: native clients join our MPS server; this backend's isolation is {self.isolation}",
                             isolation=self.isolation)
         return mps
 

@@ -172,7 +172,7 @@ def _driver_errors(what: str) -> Iterator[None]:
         raise
     except Exception as e:
         if is_no_driver(e):
-            raise NoDriver(f"no NVIDIA driver: {e}") from e
+            raise NoDriver(str(e)) from e
         raise DeviceError(f"{what}: {type(e).__name__}: {e}") from e
 
 
@@ -226,9 +226,9 @@ def check_sms(info: DeviceInfo, sms: int, what: str = "the device") -> None:
     """Refuse an ``--sms`` the device cannot give (0 means the whole device); ``what`` names
     the device in the error (``GPU 1`` where there are several)."""
     if sms < 0:
-        raise ConfigError(f"--sms {sms}: must be 0 (the whole device) or a count of SMs")
+        raise ConfigError(f"sms {sms}: must be 0 (the whole device) or a count of SMs")
     if sms > info.sms_total:
-        raise ConfigError(f"--sms {sms}: {what} has {info.sms_total}")
+        raise ConfigError(f"sms {sms}: {what} has {info.sms_total}")
 
 
 def ordinals_text(devices: Iterable[int]) -> str:
@@ -244,10 +244,10 @@ def parse_devices(text: str) -> tuple[int, ...] | None:
         return None
     items = [i.strip() for i in t.split(",")]
     if not t or any(not i for i in items):
-        raise ConfigError(f"--devices {text!r}: GPU ordinals separated by commas (0,1) or all")
+        raise ConfigError(f"devices {text!r}: GPU ordinals separated by commas (0,1) or all")
     bad = [i for i in items if not i.isdigit()]
     if bad:
-        raise ConfigError(f"--devices {text}: {bad[0]!r} is not a GPU ordinal (0, 1, ...)")
+        raise ConfigError(f"devices {text}: {bad[0]!r} is not a GPU ordinal (0, 1, ...)")
     return check_unique([int(i) for i in items])
 
 
@@ -256,14 +256,14 @@ def check_unique(devices: Iterable[int]) -> tuple[int, ...]:
     out: list[int] = []
     for d in devices:
         if isinstance(d, bool) or not isinstance(d, int):
-            raise ConfigError(f"--devices: {d!r} is not a GPU ordinal (0, 1, ...)")
+            raise ConfigError(f"devices: {d!r} is not a GPU ordinal (0, 1, ...)")
         if d < 0:
-            raise ConfigError(f"--devices {d}: a GPU ordinal is 0 or more")
+            raise ConfigError(f"devices {d}: a GPU ordinal is 0 or more")
         if d in out:
-            raise ConfigError(f"--devices {ordinals_text([*out, d])}: GPU {d} is named twice")
+            raise ConfigError(f"devices {ordinals_text([*out, d])}: GPU {d} is named twice")
         out.append(d)
     if not out:
-        raise ConfigError("--devices: no GPU named (give ordinals such as 0,1, or leave it out for all)")
+        raise ConfigError("devices: no GPU named (give ordinals such as 0,1, or leave it out for all)")
     return tuple(out)
 
 
@@ -277,7 +277,7 @@ def choose_devices(asked: Iterable[int] | None, visible: int) -> tuple[int, ...]
     for d in devices:
         if d >= visible:
             seen = "0" if visible == 1 else f"0-{visible - 1}"
-            raise ConfigError(f"--devices {d}: only {visible} GPU{'s' if visible > 1 else ''} visible ({seen})")
+            raise ConfigError(f"devices {d}: only {visible} GPU{'s' if visible > 1 else ''} visible ({seen})")
     return tuple(sorted(devices))
 
 

@@ -29,6 +29,7 @@ from meshd_mps.errors import (
     DeviceError,
     FrameError,
     HaltTimeout,
+    ImageRefused,
     MeshError,
     StillRunning,
     Unavailable,
@@ -190,7 +191,7 @@ class BlinkIsolation(Isolation):
             raise CapacityError(
                 f"{name}: the blink context of GPU {self.device} runs {len(self.modules)} programs, one per hardware work"
                 f" queue, and has {self.queues}: a kernel on a shared queue would wait behind a resident one forever"
-                " (use --isolation mps for more programs)", limit="hardware queues", have=self.queues,
+                " (MPS isolation takes more programs: isolation \"mps\")", limit="hardware queues", have=self.queues,
                 asked=len(self.modules) + 1)
 
     async def prepare(self, prepared: Prepared) -> Image:
@@ -212,6 +213,8 @@ class BlinkIsolation(Isolation):
                 info = Loaded.decode_ok(payload)
             except (FrameError, WorkerError) as e:
                 raise e.prefixed("load") from e
+            except ImageRefused as e:  # answered: the worker loaded nothing, so there is nothing to unload
+                raise e.prefixed(f"load {m.name}") from e
             except BaseException:  # cancelled: the LOAD was written (ask's first wait is after it), so it loads
                 # and leaves its hardware queue; bounded: behind a large LOAD still draining to a
                 # worker that reads nothing, the UNLOAD would wait for ever.

@@ -188,7 +188,7 @@ class MpsIsolation(Isolation):
                     self.sup.retire(p)
                 else:
                     self.pool.add(p)
-                raise e.prefixed("load") from e
+                raise e.prefixed(f"load {name}") from e
             except (WorkerError, FrameError) as e:
                 self.sup.retire(p)
                 if fresh or not isinstance(e, WorkerGone):
@@ -454,7 +454,7 @@ class Mps(Clients, Mode):
               max_clients: int = MAX_CLIENTS, listen: str | None = None) -> Mps:
         """With a daemon of its own under ``mps_dir`` (None: a temporary directory, removed at close)."""
         d = mps_dir or tempfile.mkdtemp(prefix=f"meshd-mps.{os.getpid()}.")
-        return cls(ControlDaemon(d, temporary=mps_dir is None), sup, mailbox, sms, gpu, pool_cap, max_clients, listen)
+        return cls(ControlDaemon(d, temporary=mps_dir is None, gpu=gpu), sup, mailbox, sms, gpu, pool_cap, max_clients, listen)
 
     def gpu_count(self) -> int:
         return len(self.gpus)

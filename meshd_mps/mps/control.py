@@ -111,8 +111,11 @@ PID_FILE = "nvidia-cuda-mps-control.pid"
 class ControlDaemon:
     """One private control daemon under ``dir`` (``dir/pipe``, ``dir/log``)."""
 
-    def __init__(self, dir: str, temporary: bool, deadlines: Deadlines = DEFAULT):
+    def __init__(self, dir: str, temporary: bool, deadlines: Deadlines = DEFAULT, gpu: str = "cuda"):
+        """``gpu``: "sim" where the workers are the simulated GPU's, whose daemon is the stand-in
+        (only for the advice where the control binary is missing: PATH decides which one runs)."""
         self.deadlines = deadlines
+        self.gpu = gpu
         self.dir = os.path.abspath(dir)
         self.temporary = temporary
         self.pipe_dir = os.path.join(self.dir, "pipe")
@@ -169,11 +172,22 @@ class ControlDaemon:
             raise MpsError(f"mps: {command}: {out.strip() or f'exit status {rc}'}")
         return out
 
+    def _which(self) -> str:
+        """The control binary on PATH; MpsError advising what fits this GPU where there is none."""
+        binary = shutil.which(CONTROL)
+        if binary is not None:
+            return binary
+        if self.gpu == "sim":
+            from meshd_mps.mps.standin import BIN_DIR
+
+            fix = (f"the simulated GPU's MPS isolation runs meshd-mps's stand-in daemon, in {BIN_DIR}: put that"
+                   f" directory first on PATH (PATH={BIN_DIR}:$PATH; README.md, the CPU section)")
+        else:
+            fix = "install the NVIDIA driver's MPS binaries (they come with the driver's utilities)"
+        raise MpsError(f"mps: {CONTROL} not found on PATH: {fix}; refusing MPS isolation")
+
     async def start(self) -> None:
-        self.binary = shutil.which(CONTROL)
-        if self.binary is None:
-            raise MpsError(f"mps: {CONTROL} not found on PATH (install the NVIDIA driver's MPS binaries);"
-                           " refusing --isolation mps")
+        self.binary = self._which()
         _make_private_dir(self.dir)
         _make_private_dir(self.pipe_dir)
         _make_private_dir(self.log_dir)
@@ -269,9 +283,7 @@ class ControlDaemon:
         def refuse(why: str) -> NotAdoptable:
             return NotAdoptable(f"mps: no control daemon to adopt in {self.dir}: {why}", dir=self.dir, why=why)
 
-        self.binary = shutil.which(CONTROL)
-        if self.binary is None:
-            raise MpsError(f"mps: {CONTROL} not found on PATH (install the NVIDIA driver's MPS binaries)")
+        self.binary = self._which()
         owner = Owner.read(self.dir)
         if owner is None or not owner.this_boot():
             raise refuse(f"no {MARKER} of this boot")

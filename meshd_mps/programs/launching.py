@@ -72,8 +72,7 @@ class Launching:
             del self.reg.start_ms[:-1000]
             return
         why = self.reg.b.not_started_why(k.device)
-        log.error(f"program {k.name}: its kernel did not start within {timeout:g}s; rolling the load back", program=k.name,
-                  pid=k.pid, slot=slot, device=k.device)
+        # Not logged here: the caller says it once (the API's refusal, a relaunch's or a restore's failure).
         raise NotStarted(f"{k.name}: the kernel was launched but did not start within {timeout:g}s (STATE is not RUNNING):"
                          f" likely {why}; the load was rolled back", program=k.name, within=timeout, likely=why)
 

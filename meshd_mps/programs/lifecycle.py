@@ -48,6 +48,8 @@ class Lifecycle:
         pol = reg.restart if restart is None else Policy.parse(restart)
         if isinstance(nodes, bool) or not isinstance(nodes, int):
             raise ManifestError(f"{m.name}: nodes {nodes!r}: a count of blocks expected")
+        if m.name in reg.by_name:  # at once, not behind a load that holds the lock (checked again under it)
+            raise AlreadyLoaded(m.name)
         async with reg.lock:
             if reg.closing:
                 raise Unavailable(f"{m.name}: meshd-mps is shutting down: no program is loaded now")

@@ -13,18 +13,23 @@ import os
 import struct
 from dataclasses import dataclass
 
-from meshd_mps.errors import FrameError as FrameError  # re-exported: the frame code's callers catch it here
+from meshd_mps.errors import (
+    FrameError as FrameError,  # re-exported: the frame code's callers catch it here
+    ImageRefused,
+)
+from meshd_mps.protocol.abi import ENTRY
 
 HEADER = struct.Struct("<I")
 #: The frame protocol's version, sent in HELLO.  Bumped at any change of a frame's layout or meaning
 #: (1: the ops below, HELLO included; 2: LOAD carries the program's tag, HELLO each module's tag and
-#: LOADED report, so that a daemon that did not load a module can adopt it).
-PROTOCOL_VERSION = 2
+#: LOADED report, so that a daemon that did not load a module can adopt it; 3: LOADED's ok word 3,
+#: an image without ``mesh_main``).
+PROTOCOL_VERSION = 3
 #: The versions whose workers this daemon adopts (docs/protocol.md, "Versions").  A worker of
 #: another version is told to QUIT (it halts its kernels first) and its programs are reloaded:
 #: what stays readable across every version is the frame header, the op numbers of HELLO and
 #: QUIT, and HELLO's first two words (version, pid).
-ADOPTS = frozenset({2})
+ADOPTS = frozenset({2, 3})  # a worker of 2 is answered as before: it never sends ok word 3
 #: Largest ``length`` accepted (op + body): a cubin travels in one LOAD frame.
 MAX_FRAME = 64 << 20
 
@@ -347,22 +352,39 @@ def ok_reply(payload: bytes = b"") -> bytes:
 
 
 #: A reply's ok word: 1 done; 0 failed (the GPU or the worker); 2 refused: the driver refused
-#: the request's image itself (LOADED only: not a cubin for this GPU, no ``mesh_main``).
-OK, FAILED, REFUSED = 1, 0, 2
+#: the request's image itself (LOADED only: not a cubin for this GPU); 3 no entry: the image has no
+#: ``mesh_main`` (LOADED only, since protocol 3; a refusal too, said as what the program lacks).
+OK, FAILED, REFUSED, NO_ENTRY = 1, 0, 2, 3
+#: The ok words only a LOADED reply may carry.
+LOADED_ONLY = (REFUSED, NO_ENTRY)
 
 
-def error_reply(message: str, refused: bool = False) -> bytes:
-    return U32.pack(REFUSED if refused else FAILED) + message.encode()
+#: What a program's entry must be (docs/program-abi.md): said where an image lacks it.
+ENTRY_DECL = f'extern "C" __global__ void {ENTRY}(unsigned long long mailbox, unsigned int slot)'
+
+
+class NoEntry(ImageRefused):
+    """LOADED's ok word NO_ENTRY as the daemon says it: an image without ``mesh_main``, most often
+    declared without ``extern "C"``, so that its name is mangled.  ``driver``: the driver's words."""
+
+    def __init__(self, *, driver: str):
+        super().__init__(f"no `{ENTRY_DECL}` in the program: declare the entry so, with extern \"C\" (without it the"
+                         f" name is mangled; docs/program-abi.md); the driver said {driver}", driver=driver)
+
+
+def error_reply(message: str, refused: bool = False, *, word: int | None = None) -> bytes:
+    """A failed reply: ok word ``word`` (default FAILED, or REFUSED if ``refused``), then the text."""
+    return U32.pack(word if word is not None else REFUSED if refused else FAILED) + message.encode()
 
 
 def split_reply(op: Op, body: bytes) -> tuple[int, bytes]:
-    """A reply's ok word (``OK``, ``FAILED`` or, for LOADED, ``REFUSED``) and the rest: the payload,
-    or the error text."""
+    """A reply's ok word (``OK``, ``FAILED`` or, for LOADED, ``REFUSED`` or ``NO_ENTRY``) and the
+    rest: the payload, or the error text."""
     if len(body) < U32.size:
         raise FrameError(f"{op.name} reply of {len(body)} bytes, no ok word")
     (ok,) = U32.unpack_from(body)
-    if ok not in (OK, FAILED) and not (ok == REFUSED and op == Op.LOADED):
-        raise FrameError(f"{op.name} reply ok word {ok}, expected 0 or 1" + (" or 2" if op == Op.LOADED else ""))
+    if ok not in (OK, FAILED) and not (ok in LOADED_ONLY and op == Op.LOADED):
+        raise FrameError(f"{op.name} reply ok word {ok}, expected 0 or 1" + (", 2 or 3" if op == Op.LOADED else ""))
     return ok, body[U32.size :]
 
 

@@ -52,6 +52,7 @@ from meshd_mps.serving.status import (
     NoRoute,
     RequestTimeout,
     VersionNotSupported,
+    log_level,
     status_of,
 )
 from meshd_mps.supervision import cpus
@@ -75,6 +76,10 @@ SLASH = "{slash:/?}"
 #: On every answer of ours: which server, without aiohttp's and Python's versions.
 SERVER = {"Server": "meshd-mps"}
 INTERNAL = "internal error (the daemon's log has the traceback)"
+#: The request's key for the program a load names (its manifest's), once its body was read.
+PROGRAM = web.RequestKey("program", str)
+#: The request's key for its verb where it is a load or an upgrade ("load", "upgrade"; None otherwise).
+LOADING = web.RequestKey("loading", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -92,7 +97,7 @@ def _refused(e: MeshError | None) -> tuple[int, dict[str, Any]]:
     """An error's status and answer (None: an internal error, said in generic words)."""
     if e is None:
         return 500, {"ok": False, "error": INTERNAL}
-    return status_of(e), {"ok": False, "error": str(e), **e.fields()}
+    return status_of(e), {"ok": False, **e.fields(), "error": str(e)}  # the message wins over a field
 
 
 def _path(request: web.BaseRequest) -> str:
@@ -193,6 +198,10 @@ class Api:
         """Every refusal answered by its type; in-flight requests counted for the drain."""
         if isinstance(request.protocol, Protocol):
             request.protocol.heard = True
+        if (verb := self._loading(request)) is not None:  # for the log of a refusal
+            request[LOADING] = verb
+            if "name" in request.match_info:  # an upgrade's; a load's once its body is read
+                request[PROGRAM] = request.match_info["name"]
         task = asyncio.current_task()
         assert task is not None
         self.busy.add(task)
@@ -216,9 +225,7 @@ class Api:
 
     async def _checked(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         size = head_size(request)
-        if size > MAX_HEAD:
-            log.warning(f"{request.method} {_path(request)[:200]}: request head of {size} bytes refused (over"
-                        f" {MAX_HEAD})", size=size, limit=MAX_HEAD)
+        if size > MAX_HEAD:  # logged by refusal (status.log_level)
             raise HeadTooLarge(f"request head of {size} bytes: over the limit of {MAX_HEAD} bytes (64 KiB) for the"
                                " request line and the headers together")
         if request.version.major != 1:
@@ -237,10 +244,30 @@ class Api:
             raise MethodNotAllowed(f"{request.method} {_path(request)}: method not allowed (allowed: {', '.join(allowed)})",
                                    allowed=allowed) from e
 
+    def _loading(self, request: web.Request) -> str | None:
+        """"load" or "upgrade" where the request is one (by its route's handler), else None."""
+        loads: dict[Any, str] = {self.post_program: "load", self.put_program: "upgrade"}
+        return loads.get(request.match_info.handler)
+
+    def _log_refusal(self, request: web.BaseRequest, e: MeshError, status: int) -> None:
+        """Every refusal logged once, here, at its level (``status.log_level``): a refused load or
+        upgrade names its program (the manifest's, once the body was read; the path's for an
+        upgrade) and says why."""
+        verb = request.get(LOADING)
+        level = log_level(e, verb is not None)
+        if level is None:
+            return
+        if verb is not None:
+            name = request.get(PROGRAM)
+            getattr(log, level)(f"{verb} {name or '(no program name: the body was refused)'} refused ({status}): {e}",
+                                program=name, code=status, type=type(e).__name__)
+        else:
+            getattr(log, level)(f"{request.method} {_path(request)[:200]}: {e}", code=status, type=type(e).__name__)
+
     def refusal(self, request: web.BaseRequest, e: MeshError | None) -> web.Response:
         status, obj = _refused(e)
-        if e is not None and status >= 500:
-            log.error(f"{request.method} {_path(request)}: {e}")
+        if e is not None:
+            self._log_refusal(request, e, status)
         resp = answer(status, obj)
         if isinstance(e, MethodNotAllowed):
             resp.headers["Allow"] = ", ".join(e.allowed)
@@ -334,6 +361,7 @@ class Api:
 
     async def post_program(self, request: web.Request) -> web.Response:
         body = schemas.load_body(await self._json(request))
+        request[PROGRAM] = body.manifest.name  # for the log of a refusal
         try:
             p = await self.ps.load(body.manifest, body.text.encode(), body.hash, body.nodes or 1, body.device, body.restart)
         except NotServedHere as e:  # Backend's check, said in the body's terms

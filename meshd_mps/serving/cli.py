@@ -366,7 +366,7 @@ def _client(args: argparse.Namespace) -> int:
         if args.cmd in ("load", "upgrade"):
             # CUDA C is compiled here (as this user), for the daemon's oldest GPU; the daemon gets PTX.
             body = c.program_body(args.dir, args.manifest, args.ptx, args.cuda, args.hash, getattr(args, "nodes", None),
-                                  getattr(args, "device", None), restart=args.restart)
+                                  getattr(args, "device", None), restart=args.restart, loading=args.cmd == "load")
             ans = c.load(body) if args.cmd == "load" else c.upgrade(args.name, body)
             if args.json:
                 return _json(ans)

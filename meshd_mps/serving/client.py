@@ -28,6 +28,7 @@ import urllib.parse
 from typing import Any
 
 from meshd_mps import defaults
+from meshd_mps.errors import AlreadyLoaded
 
 # Re-exported (``X as X``): the program files' reader (state/program_files.py), as the CLI used it here.
 from meshd_mps.state.program_files import (
@@ -237,13 +238,28 @@ class Client:
         """The architecture to compile CUDA C for: ``compute_XY`` of the daemon's oldest GPU."""
         return oldest_arch(self.status())
 
-    def program_body(self, *args: Any, **kw: Any) -> dict[str, Any]:
-        """:func:`program_body`, CUDA C compiled for this daemon's oldest GPU (asked only if needed)."""
+    def program_body(self, *args: Any, loading: bool = False, **kw: Any) -> dict[str, Any]:
+        """:func:`program_body`, CUDA C compiled for this daemon's oldest GPU (asked only if needed);
+        ``loading``: for a load, whose name is refused before the compile if it is loaded already."""
         kw.setdefault("arch", self.arch)
+        if loading:
+            kw.setdefault("check", self.check_not_loaded)
         try:
             return program_body(*args, **kw)
         except ProgramFilesError as e:  # the CLI's errors are ClientErrors, said as they were
             raise ClientError(str(e)) from e
+
+    def check_not_loaded(self, name: str) -> None:
+        """ClientError (the daemon's AlreadyLoaded, 409) if program ``name`` is loaded: asked before
+        a load compiles CUDA C, which takes longer than the answer (the daemon checks again)."""
+        try:
+            self.program(name)
+        except ClientError as e:
+            if e.status == 404:
+                return
+            raise
+        e2 = AlreadyLoaded(name)
+        raise ClientError(str(e2), 409, {"ok": False, **e2.fields(), "error": str(e2)})
 
     def programs(self) -> list[dict[str, Any]]:
         return self.request("GET", "/v1/programs")["programs"]

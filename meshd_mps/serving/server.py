@@ -66,7 +66,8 @@ from meshd_mps.version import version
 
 log = structlog.get_logger("meshd_mps")
 
-NO_DRIVER_HINT = "no NVIDIA driver on this machine; to try meshd-mps without a GPU: meshd-mps serve --gpu sim"
+#: What the CLI adds to NoDriver's own words (which name the setting, gpu="sim"): its flag.
+NO_DRIVER_HINT = "on the command line: meshd-mps serve --gpu sim"
 
 NEIGHBOURS_S = 2.0  # NVML is asked this often for the processes on our GPUs
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -233,7 +234,8 @@ class Daemon:
         self.versions = await anyio.to_thread.run_sync(versions)
         # First: its lock makes the state dir ours alone, and with it (live restore) the mailbox file, the MPS
         # directory and the workers' sockets under it.  Refused: another user's dir, another daemon on it.
-        self.store = await anyio.to_thread.run_sync(functools.partial(Store.open, c.state_dir, gpu=c.gpu))
+        self.store = await anyio.to_thread.run_sync(functools.partial(Store.open, c.state_dir, gpu=c.gpu,
+                                                                      socket=self.socket_path))
         d = self.deadlines if c.orphan_timeout is None else dataclasses.replace(self.deadlines, orphan=c.orphan_timeout)
         b = await Backend.open(isolation=c.isolation, sms=c.sms, mps_dir=c.mps_dir, pool=pool,  # type: ignore[arg-type]
                                gpu=c.gpu, cache_dir=c.cache_dir, devices=c.devices, deadlines=d,

@@ -123,3 +123,20 @@ def status_of(e: BaseException) -> int:
         if status is not None:
             return status
     return 500
+
+
+def log_level(e: BaseException, loading: bool) -> str | None:
+    """How the daemon logs a refusal it answers, by type as the statuses are (None: not at all,
+    beyond the debug line of every request).  A failure of ours (5xx): error.  A caller's deadline
+    run out (``Timeout``: a call's): info, since nothing of the daemon's failed, and a program that
+    stopped answering is the heartbeat's to report (a stall: a warning, once).  A refused load or
+    upgrade (``loading``), and a head over the limit: warning, with the reason, once.  Any other
+    4xx is a client's bad input: not logged.  A 503 of a daemon starting or stopping is no failure
+    either (info); a worker's (``NoContext``) is."""
+    if isinstance(e, E.Timeout) or (isinstance(e, E.Unavailable) and not isinstance(e, E.WorkerError)):
+        return "info"
+    if status_of(e) >= 500:
+        return "error"
+    if loading or isinstance(e, HeadTooLarge):
+        return "warning"
+    return None

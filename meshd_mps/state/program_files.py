@@ -77,13 +77,16 @@ def read_file(path: Path) -> bytes:
 
 def program_body(dir: str | None = None, manifest: str | None = None, ptx: str | None = None, cuda: str | None = None,
                  hash: str | None = None, nodes: int | None = None, device: int | None = None,
-                 arch: str | Callable[[], str] | None = None, restart: str | None = None) -> dict[str, Any]:
+                 arch: str | Callable[[], str] | None = None, restart: str | None = None,
+                 check: Callable[[str], None] | None = None) -> dict[str, Any]:
     """A load/upgrade body from files: a program directory (manifest.json and one ``*.ptx``
     or ``*.cu``) or ``manifest`` with ``ptx`` or ``cuda``; ``device``: the GPU (a CUDA ordinal);
     ``restart``: its restart policy (on-failure, always, never; the daemon checks it).
     The body always carries PTX: CUDA C is compiled here (:func:`compile_cuda`, the source's own
     directory on the include path) for ``arch`` (``compute_XY``, or a function that returns it,
-    called only then, e.g. :meth:`Client.arch`; default ``DEFAULT_ARCH``).
+    called only then, e.g. :meth:`Client.arch`; default ``DEFAULT_ARCH``).  ``check``: called with
+    the program's name before CUDA C is compiled, to refuse it first (the client asks the daemon
+    whether that name is loaded already: a refusal that is sure should not wait for a compile).
     ProgramFilesError says what is wrong."""
     if dir is not None:
         d = Path(dir)
@@ -125,6 +128,8 @@ def program_body(dir: str | None = None, manifest: str | None = None, ptx: str |
     else:
         given = mobj.get("name") if isinstance(mobj, dict) else None
         name = given if isinstance(given, str) else src.stem
+        if check is not None:
+            check(name)
         target = arch() if callable(arch) else (arch or DEFAULT_ARCH)
         text = compile_cuda(raw, name, target, [str(src.resolve().parent)])
     body: dict[str, Any] = {"manifest": mobj, "ptx": text}

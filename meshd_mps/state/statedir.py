@@ -9,6 +9,7 @@ import pwd
 import stat
 import tempfile
 from collections.abc import Mapping
+from typing import ClassVar
 
 import structlog
 
@@ -22,6 +23,18 @@ TMP_SUFFIX = ".tmp"
 #: Root's default state directory's parent: ``/var/lib/meshd-mps`` (``-sim`` for the simulated GPU).
 ROOT_STATE_PARENT = "/var/lib"
 ROOT_STATE_DIR = os.path.join(ROOT_STATE_PARENT, defaults.NAME)
+
+
+class StateDirHeld(StateDirRefused):
+    """A state directory that another meshd-mps holds (its lock): ``pid`` and ``socket`` are that
+    daemon's, as it wrote them into the lock file (None where not known)."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("path", "owner", "why", "pid", "socket")
+
+    def __init__(self, message: str, *, path: str, owner: int, why: str, pid: int | None, socket: str | None):
+        super().__init__(message, path=path, owner=owner, why=why)
+        self.pid = pid
+        self.socket = socket
 
 
 # ---- where the state lives ----------------------------------------------------------------------
@@ -73,7 +86,8 @@ def open_state_dir(path: str, *, uid: int | None = None) -> str:
         try:
             st = os.stat(path)
         except FileNotFoundError as e:
-            raise refused(path, lst.st_uid, "it is a dangling symlink") from e
+            raise refused(path, lst.st_uid, "it is a dangling symlink",
+                          "remove the symlink (the daemon makes the directory), or point it at a directory") from e
     except OSError as e:
         raise StateIOError(f"state directory {path}: {e.strerror}", file=path, why=e.strerror or str(e)) from e
     check_state_dir(path, lst, st, me)
@@ -88,25 +102,42 @@ def open_state_dir(path: str, *, uid: int | None = None) -> str:
 
 def check_state_dir(path: str, lst: os.stat_result, st: os.stat_result, me: int) -> None:
     """The refusals of :func:`open_state_dir`, on the directory's ``lstat`` and ``stat``: a pure
-    function of them, so every branch is tested with the stat results it refuses."""
+    function of them, so every branch is tested with the stat results it refuses.  Each one's
+    advice is for its own cause."""
     link = stat.S_ISLNK(lst.st_mode)
     via = f" (through the symlink {path} -> {os.path.realpath(path)})" if link else ""
+    real = os.path.realpath(path)
     if link and lst.st_uid not in (me, 0):
-        raise refused(path, lst.st_uid, f"it is a symlink owned by uid {lst.st_uid}, not by this daemon's uid {me} or root")
+        raise refused(path, lst.st_uid, f"it is a symlink owned by uid {lst.st_uid}, not by this daemon's uid {me} or root",
+                      "remove the symlink, or use another state directory")
     if not stat.S_ISDIR(st.st_mode):
-        raise refused(path, st.st_uid, f"it is not a directory{via}")
+        raise refused(path, st.st_uid, f"it is not a directory{via}",
+                      "move it away (the daemon makes the directory), or use another state directory")
     if st.st_uid != me:
-        raise refused(path, st.st_uid, f"it is owned by uid {st.st_uid}, not by this daemon's uid {me}{via}")
+        raise refused(path, st.st_uid, f"it is owned by uid {st.st_uid}, not by this daemon's uid {me}{via}",
+                      f"run the daemon as uid {st.st_uid}, give it to this one (chown {me} {real}, as root), or use"
+                      " another state directory")
     if st.st_mode & 0o022:
         who = " and ".join(w for w, bit in (("its group", 0o020), ("other users", 0o002)) if st.st_mode & bit)
-        raise refused(path, st.st_uid, f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}){via}")
+        raise refused(path, st.st_uid, f"it is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}){via}",
+                      f"chmod 0700 {real}")
 
 
-def refused(path: str, owner: int, why: str) -> StateDirRefused:
+def refused(path: str, owner: int, why: str, fix: str) -> StateDirRefused:
+    """The refusal of a state directory others could write: ``why``, and ``fix`` for that cause."""
     return StateDirRefused(f"state directory {path}: {why}; refusing it (what it holds is loaded back as the programs"
-                           f" to run): make it yours, mode 0700, or name another with --state-dir", path=path, owner=owner,
-                           why=why)
+                           f" to run): {fix}", path=path, owner=owner, why=why)
 
+
+def held(path: str, owner: int, holder: tuple[int | None, str | None]) -> StateDirHeld:
+    """The refusal of a state directory another meshd-mps holds: that daemon named by its ``pid``
+    and ``socket`` (as it wrote them into the lock file; None where not known)."""
+    pid, sock = holder
+    who = ", ".join(w for w in (f"pid {pid}" if pid else "", f"serving on {sock}" if sock else "") if w)
+    why = f"another meshd-mps{f' ({who})' if who else ''} holds it"
+    return StateDirHeld(f"state directory {path}: {why}, and two daemons would write over each other's state: stop"
+                        " that daemon, or use another state directory for this one", path=path, owner=owner, why=why,
+                        pid=pid, socket=sock)
 
 
 # ---- a file written whole ------------------------------------------------------------------------

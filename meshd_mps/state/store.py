@@ -14,7 +14,8 @@ The state directory (``resolve_state_dir``; made and checked by ``open_state_dir
   already stored writes nothing), written before the record that names it and checked against its
   name when loaded.  A PTX file that neither generation names is removed (``gc``).
 - ``lock``: held (flock) by the one :class:`Store` open on the directory, so two daemons never
-  write over each other's state.
+  write over each other's state; it says who holds it (``{"pid": ..., "socket": ...}``), so that
+  another daemon refused the directory can name that one.
 - ``history.json``: what a live restore carries over besides the records (each program's launch
   time and restarts, the recent fault reports): ``history.py``.
 
@@ -50,8 +51,8 @@ from meshd_mps.state.statedir import (
     TMP_SUFFIX as TMP_SUFFIX,
     atomic_write,
     check_state_dir as check_state_dir,
+    held,
     open_state_dir as open_state_dir,
-    refused,
     resolve_state_dir as resolve_state_dir,
 )
 
@@ -71,6 +72,20 @@ class _Skip(Exception):
     """A state file that is not used (torn, corrupt, of an older schema): why, in words."""
 
 
+def _holder(data: bytes) -> tuple[int | None, str | None]:
+    """The pid and socket a lock file names (None for what it does not say, and for a pid that is
+    not running: the file of a daemon gone, under the lock of one that wrote nothing)."""
+    try:
+        got = json.loads(data)
+    except ValueError:
+        return None, None
+    if not isinstance(got, dict):
+        return None, None
+    pid, sock = got.get("pid"), got.get("socket")
+    pid = pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and os.path.exists(f"/proc/{pid}") else None
+    return pid, sock if isinstance(sock, str) and pid is not None else None
+
+
 class Store:
     """The program records of one state directory (already checked by :func:`open_state_dir`),
     loaded at construction from the newest good generation.
@@ -81,7 +96,8 @@ class Store:
     file however damaged) and written back by every later write, so that a repaired PTX brings the
     program back at the next start; only a ``record`` or ``forget`` of its name replaces it."""
 
-    def __init__(self, dir: str, *, lock: bool = True):
+    def __init__(self, dir: str, *, lock: bool = True, socket: str | None = None):
+        """``socket``: the holder's control socket, written into the lock file with its pid."""
         self.dir = os.path.abspath(dir)
         self.ptx_dir = os.path.join(self.dir, PTX_DIR)
         self.skipped: dict[str, str] = {}
@@ -91,7 +107,7 @@ class Store:
         self._slot: int | None = None  # which of SLOTS holds the newest good generation
         self._records: dict[str, ProgramRecord] = {}
         self._prev_keys: set[str] = set()  # the PTX the other (older) good generation names: kept by gc
-        self._lock_fd = self._lock() if lock else None
+        self._lock_fd = self._lock(socket) if lock else None
         try:
             os.makedirs(self.ptx_dir, mode=0o700, exist_ok=True)
             self._sweep_temps()
@@ -102,10 +118,10 @@ class Store:
 
     @classmethod
     def open(cls, given: str | None = None, *, environ: Mapping[str, str] = os.environ,
-             gpu: str | None = None) -> Store:
+             gpu: str | None = None, socket: str | None = None) -> Store:
         """The store of ``--state-dir`` (``given``) or the default of a daemon on ``gpu``: resolved,
-        made, checked, loaded."""
-        return cls(open_state_dir(resolve_state_dir(given, environ, gpu=gpu)))
+        made, checked, loaded; ``socket``: the daemon's, for another daemon refused the directory to name."""
+        return cls(open_state_dir(resolve_state_dir(given, environ, gpu=gpu)), socket=socket)
 
     def close(self) -> None:
         """Releases the directory's lock (the records stay on disk)."""
@@ -200,7 +216,9 @@ class Store:
         write_history(self.dir, h)
 
     # ---- the files ----------------------------------------------------------------------------
-    def _lock(self) -> int:
+    def _lock(self, socket: str | None) -> int:
+        """The directory's lock taken, and who holds it written into it; StateDirHeld naming the
+        daemon that holds it already."""
         path = os.path.join(self.dir, LOCK)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -209,9 +227,16 @@ class Store:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as e:
-            os.close(fd)
-            why = "another meshd-mps holds its lock (two daemons would write over each other's state)"
-            raise refused(self.dir, os.stat(self.dir).st_uid, why) from e
+            try:
+                holder = _holder(os.read(fd, 4096))
+            finally:
+                os.close(fd)
+            raise held(self.dir, os.stat(self.dir).st_uid, holder) from e
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid(), "socket": socket}).encode() + b"\n", 0)
+        except OSError as e:  # only the words of another daemon's refusal lack it
+            log.warning(f"state: {path}: who holds it not written: {e.strerror}", file=path)
         return fd
 
     def _sweep_temps(self) -> None:
@@ -331,7 +356,7 @@ def _decode(path: str, data: bytes) -> tuple[int, dict[str, Any]]:
         raise _Skip(f"no schema version (schema {schema!r})")
     if schema > SCHEMA:
         raise StateFileNewer(f"state file {path}: schema {schema}, written by a newer meshd-mps; this one reads schema"
-                             f" {SCHEMA}: refusing to start over it (run the newer meshd-mps, or name another --state-dir)",
+                             f" {SCHEMA}: refusing to start over it (run the newer meshd-mps, or use another state directory)",
                              file=path, schema=schema, supported=SCHEMA)
     if schema != SCHEMA:
         raise _Skip(f"schema {schema}, this meshd-mps reads schema {SCHEMA}")

@@ -339,9 +339,11 @@ class WorkerProc:
             self.to(WorkerState.READY)
         if ok == frames.OK:
             return payload
+        if ok == frames.NO_ENTRY:
+            raise frames.NoEntry(driver=frames.reply_text(payload))
         if ok == frames.REFUSED:
             text = frames.reply_text(payload)
-            raise ImageRefused(f"worker {self.pid}: {text}", error=text)
+            raise ImageRefused(f"worker {self.pid}: {text}", driver=text)
         kind = NoContext if op == Op.READY else WorkerError
         raise kind(f"worker {self.pid}: {frames.reply_text(payload)}", pid=self.pid)
 

@@ -152,7 +152,7 @@ def test_a_cubin_without_mesh_main_is_refused(worker: Worker, info: DeviceInfo) 
     d = ROOT / "examples" / "heartbeat"
     ptx = cuda_to_ptx((d / "heartbeat.cu").read_bytes(), "heartbeat", arch=info.compute)
     cubin = ptx_to_cubin(ptx.replace(b"mesh_main", b"mesh_other"), info.arch, reg_cap(info, 1))
-    msg = worker.load_error(Load(98, 32, 0, 0, "heartbeat", cubin), word=frames.REFUSED)
+    msg = worker.load_error(Load(98, 32, 0, 0, "heartbeat", cubin), word=frames.NO_ENTRY)
     assert msg == "cuModuleGetFunction(mesh_main): CUDA_ERROR_NOT_FOUND (named symbol not found)", msg
 
 
