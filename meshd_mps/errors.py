@@ -276,8 +276,7 @@ class NotRunning(Conflict):
 
     def __init__(self, message: str, *, program: str, state: str):
         super().__init__(message)
-        self.program = program
-        self.state = state
+        self.program, self.state = program, state
 
 
 class StillRunning(Conflict):
@@ -367,8 +366,15 @@ class CallTimeout(Timeout):
 
     def __init__(self, program: str, within: float):
         super().__init__(f"program {program}: no response in {within:g}s")
+        self.program, self.within = program, within
+
+
+class NotServing(Conflict):  # a call to a program whose kernel never polled its ring (SERVES 0): calls.py
+    FIELDS = ("program",)
+
+    def __init__(self, message: str, *, program: str):
+        super().__init__(message)
         self.program = program
-        self.within = within
 
 
 # ---- the mailbox and the frame protocol ------------------------------------------------------
@@ -378,13 +384,12 @@ class MailboxError(MeshError):
     """The mailbox cannot be opened, or a slot or entry out of its layout."""
 
 
-class RingFull(Conflict, MailboxError):
-    FIELDS = ("slot", "ring")
+class RingFull(Conflict, MailboxError):  # ring.py says when it empties; ``given_up``: entries held for callers gone
+    FIELDS = ("program", "slot", "ring", "given_up")
 
-    def __init__(self, slot: int, ring: int):
-        super().__init__(f"slot {slot}: request ring full ({ring} outstanding)")
-        self.slot = slot
-        self.ring = ring
+    def __init__(self, message: str, *, program: str | None, slot: int, ring: int, given_up: int):
+        super().__init__(message)
+        self.program, self.slot, self.ring, self.given_up = program, slot, ring, given_up
 
 
 class FrameError(MeshError):

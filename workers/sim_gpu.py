@@ -94,6 +94,8 @@ RPC_FAILURE = (
 )
 #: The examples a real cubin can run as, by its name's prefix.
 EXAMPLES = ("heartbeat", "echo", "spin", "fault")
+#: The kernels that write STATE = RUNNING themselves, after their set-up, as their sources do.
+RESIDENT = ("heartbeat", "echo")
 #: cuModuleGetFunction's text on the H200 for an image without the entry.
 NO_ENTRY = f"cuModuleGetFunction({abi.ENTRY}): CUDA_ERROR_NOT_FOUND (named symbol not found)"
 
@@ -372,8 +374,8 @@ class SimGpu:
             ok, msg = True, ""
             try:
                 if self._admit(k):
-                    if m.script.get("start", True) is not False:
-                        self.mailbox.set_u32(slot, abi.STATE, abi.RUNNING)
+                    if m.script.get("start", True) is not False and m.script.get("kernel") not in RESIDENT:
+                        self.mailbox.set_u32(slot, abi.STATE, abi.RUNNING)  # the resident examples write their own
                     ok, msg = self._kernel(m, slot)
                 if self._poison:
                     ok, msg = False, self._poison
@@ -451,7 +453,8 @@ class SimGpu:
                 time.sleep(0.001)
             return True, ""
         if kind in ("heartbeat", "echo"):
-            resident(mb, slot, echo=kind == "echo", pause=m.script, poisoned=lambda: bool(self._poison))
+            resident(mb, slot, echo=kind == "echo", pause=m.script, poisoned=lambda: bool(self._poison),
+                     start=m.script.get("start", True) is not False)
             return True, ""
         return False, f"simulated kernel {kind!r} is unknown"
 
