@@ -22,9 +22,8 @@ from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.protocol.ring import Ring
 from workers.sim_kernels import MeshBeat, MeshRing, echo_turn
 
-from .rigs.backend import ScriptCompiler, example, man, open_sim
+from .rigs.backend import example, open_sim
 from .rigs.deadlines import TEST_DEADLINES
-from .rigs.sim import sim
 
 pytestmark = pytest.mark.timeout(90)
 SLOT = 3
@@ -290,34 +289,34 @@ async def test_a_call_posted_between_two_batches_of_call_many_keeps_its_own_resp
     assert ring is not None and ring.room() == abi.RING  # every response read
 
 
-def stalled_echo(progs: Programs) -> tuple[dict, bytes]:
-    """A program that polls its ring (echo's code: its slot says it serves) and then answers
-    nothing: stalled after its first beat, until HALT.  (heartbeat, which these tests took before
-    issue 32, never polls its ring, and a call to it is refused before anything is posted.)"""
-    progs.b.compiler = ScriptCompiler(progs.b.infos[progs.b.devices[0]])
-    return man("stalled"), sim(kernel="echo", pause_after=1, pause_ms=0)
+async def polled_once(progs: Programs) -> None:
+    """heartbeat, its slot marked served as a one-thread server's first ``mesh_take`` marks it: a
+    program that polled its ring once and answers nothing.  (Unmarked, as heartbeat's own code
+    leaves it, a call is refused before anything is posted: NotServing, tests/test_ring_serving.py.)"""
+    p = await progs.load(*example("heartbeat"))
+    progs.b.mailbox.set_u32(p.slot, abi.SERVES, abi.SERVING)
 
 
 async def test_a_call_that_times_out_gives_its_entry_back(progs):
-    await progs.load(*stalled_echo(progs))  # serves its ring, never answers
+    await polled_once(progs)  # beats, never answers the ring
     with anyio.fail_after(30):
         with pytest.raises(CallTimeout) as e:
-            await progs.call("stalled", b"anyone?", within=0.05)
-        assert e.value.program == "stalled"
+            await progs.call("heartbeat", b"anyone?", within=0.05)
+        assert e.value.program == "heartbeat"
         with pytest.raises(CallTimeout):
-            await progs.call_many("stalled", [b"a", b"b"], within=0.05)
-    ring = progs.get("stalled").ring
+            await progs.call_many("heartbeat", [b"a", b"b"], within=0.05)
+    ring = progs.get("heartbeat").ring
     assert ring is not None and ring.room() == abi.RING - 3  # unanswered, but none waited for
 
 
 async def test_a_call_in_flight_when_its_program_is_unloaded(progs):
-    await progs.load(*stalled_echo(progs))
+    await polled_once(progs)
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             async def call() -> None:
                 with pytest.raises(NotRunning, match="ended before answering"):
-                    await progs.call("stalled", b"anyone?", within=20)
+                    await progs.call("heartbeat", b"anyone?", within=20)
 
             tg.start_soon(call)
             await anyio.sleep(0.01)  # let the call post and start waiting; the unload ends it either way
-            await progs.unload("stalled")
+            await progs.unload("heartbeat")

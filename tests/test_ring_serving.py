@@ -73,43 +73,49 @@ async def test_a_call_to_a_program_that_serves_no_requests_is_refused_at_once(pr
         assert await progs.call_many("echo", [b"one", b"two"]) == [b"one", b"two"]
 
 
+async def stuck(progs: Programs, name: str) -> int:
+    """A program that polled its ring once and answers nothing: heartbeat's kernel (a script image
+    named after echo), its slot marked served as a one-thread server's first ``mesh_take`` marks
+    it; its slot."""
+    p = await progs.load(man(name), sim(kernel="heartbeat"))
+    progs.b.mailbox.set_u32(p.slot, abi.SERVES, abi.SERVING)
+    return p.slot
+
+
+async def fill(progs: Programs, name: str) -> RingFull:
+    """Every entry held by a request given up on (a CallTimeout), then the RingFull of the next."""
+    for _ in range(abi.RING):
+        with pytest.raises(CallTimeout):
+            await progs.call(name, b"anyone?", timeout=0.05)
+    with pytest.raises(RingFull):
+        await progs.call_many(name, [b"also"])
+    with pytest.raises(RingFull) as e:
+        await progs.call(name, b"one too many")
+    return e.value
+
+
 async def test_a_full_ring_names_the_program_and_how_it_empties(progs):
-    """A program that served and then stopped answering (echo stalled: its ring helpers ran, then
-    it beats no more and serves nothing): each request given up on holds its entry, since the host
-    cannot take back one the kernel may be reading; the 9th call is RingFull naming the program
-    and the way back, and the way back works."""
-    name = "echo_stuck"  # a script image named after echo: the sim runs echo's code, stalled
-    await progs.load(man(name), sim(kernel="echo", pause_after=1, pause_ms=0))
-    with anyio.fail_after(60):
-        for _ in range(abi.RING):
-            with pytest.raises(CallTimeout):
-                await progs.call(name, b"anyone?", timeout=0.05)
-        with pytest.raises(RingFull) as e:
-            await progs.call(name, b"one too many")
-        with pytest.raises(RingFull):
-            await progs.call_many(name, [b"also"])
-    err = e.value
-    assert (err.program, err.ring, err.given_up) == (name, abi.RING, abi.RING) and status_of(err) == 409
-    msg = str(err)
-    assert msg.startswith(f"program {name} (slot {err.slot}): request ring full"), msg
-    assert "upgrade it, or unload and load it" in msg and "8 of them given up" in msg, msg
-    # The way back the message names: an upgrade, a new launch on the slot, empties the ring.
+    """Each request given up on holds its entry, since the host cannot take back one the kernel
+    may be reading; the 9th call is RingFull naming the program and the way back, which works: an
+    upgrade, or an unload and load (a new launch zeroes the slot)."""
+    name = "echo_stuck"
     m, ptx = example("echo")
-    m["name"] = name
+    m["name"] = name  # echo's image under this name: the sim runs echo's code
+    with anyio.fail_after(60):
+        slot = await stuck(progs, name)
+        err = await fill(progs, name)
+    assert (err.program, err.slot, err.ring, err.given_up) == (name, slot, abi.RING, abi.RING) and status_of(err) == 409
+    msg = str(err)
+    assert msg.startswith(f"program {name} (slot {slot}): request ring full (8 outstanding, 8 of them given up"), msg
+    assert "upgrade it, or unload and load it" in msg, msg
     with anyio.fail_after(60):
         await progs.upgrade(name, m, ptx)
         assert await progs.call(name, b"back") == b"back"
-        # And an unload and load: stalled again, filled again, emptied again.
         await progs.unload(name)
-        p = await progs.load(man(name), sim(kernel="echo", pause_after=1, pause_ms=0))
-        for _ in range(abi.RING):
-            with pytest.raises(CallTimeout):
-                await progs.call(name, b"anyone?", timeout=0.05)
-        with pytest.raises(RingFull):
-            await progs.call(name, b"full")
+        await stuck(progs, name)
+        await fill(progs, name)
         await progs.unload(name)
-        p = await progs.load(m, ptx)
-        assert progs.b.mailbox.u32(p.slot, abi.REQ_HEAD) == 0
+        await progs.load(m, ptx)
         assert await progs.call(name, b"empty again") == b"empty again"
 
 
