@@ -25,7 +25,8 @@ Script keys (all optional):
   quit: ignore  (ignore QUIT and stdin EOF)
   load_ms: delay before LOADED; rt_abi, regs, local, per_sm, sms: reported values
 Every kernel writes STATE = RUNNING in its slot when it starts (the ABI asks it
-of every program), unless ``start`` is false.
+of every program), unless ``start`` is false; heartbeat and echo where their sources do, echo
+after its ring helpers marked the slot served (SERVES), which no other kernel writes.
 Startup faults come from MESHD_MPS_SIM_STARTUP (same values as ``ready``, plus
 ``no-mps``: do not connect to the daemon, like a worker with another pipe dir; ``mps-lost``:
 the connection fails with CUDA_ERROR_MPS_CONNECTION_FAILED and fd 0 is closed, as the H200's
