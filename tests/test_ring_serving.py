@@ -150,7 +150,7 @@ def test_the_cli_says_so_at_once(serve):
     assert e.value.status == 409 and e.value.body["program"] == "heartbeat", e.value.body
     r = cli("call", "heartbeat", "hello", "--socket", s.sock, "--timeout", str(LONG_CALL), timeout=30)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.startswith("meshd-mps: program heartbeat does not serve requests: its kernel has not polled"), r.stderr
+    assert r.stderr.startswith("meshd-mps: program heartbeat does not serve requests: its kernel does not poll"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = cli("call", "echo", "hello", "--socket", s.sock)
     assert r.returncode == 0 and r.stdout == "hello\n", r.stderr

@@ -63,10 +63,10 @@ class Calls:
             now = time.monotonic()
             if now - p.started >= grace:
                 raise NotServing(
-                    f"program {p.name} does not serve requests: its kernel has not polled its request ring"
-                    f" ({grace:g}s after it started). The ring helpers of mesh_program.h mark a slot served at their"
-                    " first poll (docs/program-abi.md, section 6); a program built with an older header does not:"
-                    " upgrade it from its source", program=p.name)
+                    f"program {p.name} does not serve requests: its kernel does not poll its request ring (its slot's"
+                    " SERVES is 0). A program serves calls through the ring helpers of mesh_program.h, which mark its"
+                    " slot at their first poll (docs/program-abi.md, section 6); one built with an older header does"
+                    " not: upgrade it from its source", program=p.name)
             if now >= deadline:
                 raise CallTimeout(p.name, timeout)
             await asyncio.sleep(self.BACKOFF)
