@@ -15,6 +15,7 @@ import pytest
 from meshd_mps.errors import CallTimeout, NotServing, RingFull
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
+from meshd_mps.protocol.ring import Ring
 from meshd_mps.serving.client import ClientError, program_body
 from meshd_mps.serving.status import status_of
 
@@ -22,6 +23,7 @@ from .rigs.backend import ScriptCompiler, example, man, open_sim
 from .rigs.deadlines import TEST_DEADLINES
 from .rigs.serve import EXAMPLES, assert_clean_exit, cli
 from .rigs.sim import sim
+from .rigs.waits import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -124,19 +126,26 @@ async def test_a_program_whose_first_poll_comes_after_running_is_waited_for(prog
     RUNNING: a call in between waits for the mark (``Deadlines.first_poll``), it is not refused."""
     hb = await progs.load(*example("heartbeat"))
     mb = progs.b.mailbox
+    looks: list[bool] = []  # each look of the waiting call at SERVES
+    read = Ring.serves
 
-    async def mark_soon() -> None:
-        await anyio.sleep(0.05)
+    def serves(ring: Ring) -> bool:
+        looks.append(got := read(ring))
+        return got
+
+    async def mark_once_waited_for() -> None:
+        await until(lambda: len(looks) >= 2, 20, "the call waiting for the first poll")
         mb.set_u32(hb.slot, abi.SERVES, abi.SERVING)  # as mesh_take would; heartbeat still answers none
 
+    monkeypatch.setattr(Ring, "serves", serves)
     # However loaded the machine, the call comes within the wait for the first poll.
     monkeypatch.setattr(progs.reg, "d", dataclasses.replace(progs.reg.d, first_poll=60.0))
-    with anyio.fail_after(20):
+    with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(mark_soon)
+            tg.start_soon(mark_once_waited_for)
             with pytest.raises(CallTimeout):  # posted once marked: then only the call's deadline is left
-                await progs.call("heartbeat", b"hello", timeout=0.5)
-    assert mb.u32(hb.slot, abi.REQ_HEAD) == 1
+                await progs.call("heartbeat", b"hello", timeout=2)
+    assert looks[0] is False and looks[-1] is True and mb.u32(hb.slot, abi.REQ_HEAD) == 1
 
 
 def test_the_cli_says_so_at_once(serve):
