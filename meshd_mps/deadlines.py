@@ -38,6 +38,7 @@ class Deadlines:
     close_halt: float = 1.0  # the same at shutdown, every program at once
     call: float = 5.0  # a ring request -> its response (the API's default; the request may ask longer)
     call_max: float = 300.0  # the longest a request may ask for
+    first_poll: float = 1.0  # a launch seen RUNNING -> its slot's SERVES (its first poll of the ring); else NotServing
     stall: float = 5.0  # a running program's heartbeat still -> "stalled" (serve --stall-after)
     fault_window: float = 2.0  # failures this close together are one fault; the server log is watched this long
     recover: float = 30.0  # a fault -> the server takes new clients again

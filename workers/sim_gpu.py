@@ -28,7 +28,8 @@ Script keys (all optional):
   quit: ignore  (ignore QUIT and stdin EOF)
   load_ms: delay before LOADED; rt_abi, regs, local, per_sm, sms: reported values
 Every kernel writes STATE = RUNNING in its slot when it starts (the ABI asks it
-of every program), unless ``start`` is false.
+of every program), unless ``start`` is false; heartbeat and echo where their sources do, echo
+after its ring helpers marked the slot served (SERVES), which no other kernel writes.
 Startup faults come from MESHD_MPS_SIM_STARTUP (same values as ``ready``, plus
 ``no-mps``: do not connect to the daemon, like a worker with another pipe dir; ``mps-lost``:
 the connection fails with CUDA_ERROR_MPS_CONNECTION_FAILED and fd 0 is closed, as the H200's
@@ -96,6 +97,8 @@ RPC_FAILURE = (
     "CUDA_ERROR_MPS_RPC_FAILURE (the remote procedural call between the MPS server and the MPS client failed;"
     " simulated)"
 )
+#: The kernels that write STATE = RUNNING themselves, after their set-up, as their sources do.
+RESIDENT = ("heartbeat", "echo")
 #: cuModuleGetFunction's text on the H200 for an image without the entry.
 NO_ENTRY = f"cuModuleGetFunction({abi.ENTRY}): CUDA_ERROR_NOT_FOUND (named symbol not found)"
 
@@ -372,8 +375,8 @@ class SimGpu:
             ok, msg = True, ""
             try:
                 if self._admit(k):
-                    if m.script.get("start", True) is not False:
-                        self.mailbox.set_u32(slot, abi.STATE, abi.RUNNING)
+                    if m.script.get("start", True) is not False and m.script.get("kernel") not in RESIDENT:
+                        self.mailbox.set_u32(slot, abi.STATE, abi.RUNNING)  # the resident examples write their own
                     ok, msg = self._kernel(m, slot)
                 if self._poison:
                     ok, msg = False, self._poison
@@ -451,7 +454,8 @@ class SimGpu:
                 time.sleep(0.001)
             return True, ""
         if kind in ("heartbeat", "echo"):
-            resident(mb, slot, echo=kind == "echo", pause=m.script, poisoned=lambda: bool(self._poison))
+            resident(mb, slot, echo=kind == "echo", pause=m.script, poisoned=lambda: bool(self._poison),
+                     start=m.script.get("start", True) is not False)
             return True, ""
         return False, f"simulated kernel {kind!r} is unknown"
 

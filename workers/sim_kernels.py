@@ -68,6 +68,7 @@ class MeshRing:
         self.mb, self.slot, self.b, self.every = mb, slot, beat, every
         self.base = slot * abi.SLOT_BYTES
         self.next = mb.u32(slot, abi.RESP_HEAD)
+        mb.set_u32(slot, abi.SERVES, abi.SERVING)  # mesh_ring_init marks the slot served, before its beat
         beat.beat(time.monotonic_ns(), mb.u32(slot, abi.GAP_RESET))  # mesh_ring_init beats once
         self.due = time.monotonic_ns() + every
 
@@ -118,15 +119,18 @@ def echo_turn(r: MeshRing, poisoned: Callable[[], bool]) -> int:
     return n
 
 
-def resident(mb: Mailbox, slot: int, echo: bool, pause: Script, poisoned: Callable[[], bool]) -> None:
+def resident(mb: Mailbox, slot: int, echo: bool, pause: Script, poisoned: Callable[[], bool], start: bool = True) -> None:
     """A resident program: beat (and serve the ring) until the host writes HALT.  A stall, on
     script: after ``pause_after`` beats no beat for ``pause_ms`` (0: until HALT), HALT still seen.
-    heartbeat beats every poll (``mesh_beat``); echo serves the ring as the header's warp-wide
-    helpers do (``MeshRing``) and beats on their timer.  ``poisoned``: the context's
-    sticky error is set (the kernel ends with the rest, unheard)."""
+    heartbeat beats every poll (``mesh_beat``) and never polls its ring (its slot's SERVES stays 0);
+    echo serves the ring as the header's warp-wide helpers do (``MeshRing``: SERVES before RUNNING)
+    and beats on their timer.  STATE = RUNNING where the example's source writes it (``start``:
+    at all).  ``poisoned``: the context's sticky error is set (the kernel ends with the rest, unheard)."""
     b = MeshBeat(mb, slot, pause, poisoned)
-    if echo:
-        ring = MeshRing(mb, slot, b, abi.BEAT_EVERY)
+    ring = MeshRing(mb, slot, b, abi.BEAT_EVERY) if echo else None
+    if start:
+        mb.set_u32(slot, abi.STATE, abi.RUNNING)
+    if ring is not None:
         while echo_turn(ring, poisoned):
             pass
     else:

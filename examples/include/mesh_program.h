@@ -47,6 +47,7 @@
 #define MESH_GAP_RESET 32u  /* u32, host writes 1; the program zeroes MAX_GAP and this word */
 #define MESH_REQ_HEAD 64u   /* u32, host increments after writing a request */
 #define MESH_RESP_HEAD 68u  /* u32, program increments after writing the response to request RESP_HEAD */
+#define MESH_SERVES 72u     /* u32, program writes MESH_SERVING when it polls the ring (mesh_take, mesh_ring_init) */
 #define MESH_RING 8u        /* entries in each ring */
 #define MESH_ENTRY_BYTES 192u /* u32 length + up to 188 payload bytes */
 #define MESH_ENTRY_PAYLOAD (MESH_ENTRY_BYTES - 4u)
@@ -59,6 +60,7 @@
 #define MESH_IDLE 0u
 #define MESH_RUNNING 1u
 #define MESH_EXITED 2u
+#define MESH_SERVING 1u /* SERVES: the ring is polled; meshd-mps refuses calls to a program whose slot lacks it */
 
 typedef volatile unsigned char *mesh_slot_t;
 
@@ -134,10 +136,16 @@ static __device__ __forceinline__ void mesh_beat(mesh_slot_t s, mesh_beat_t *b) 
  * seq % RING of the request ring, its response goes to entry seq % RING of the
  * response ring.  An entry is a u32 length and the payload.  The host publishes
  * a request by incrementing REQ_HEAD after writing it; the program publishes a
- * response by incrementing RESP_HEAD after writing it.  Serve them in order. */
+ * response by incrementing RESP_HEAD after writing it.  Serve them in order.
+ * The ring's helpers write SERVES = MESH_SERVING when they poll (mesh_take at each
+ * call, mesh_ring_init once): meshd-mps refuses a call at once to a program whose
+ * slot does not say so (zeroed at each launch), rather than post a request no one
+ * reads.  Poll once before mesh_set_state(s, MESH_RUNNING) to be called from the start. */
 
-/* The next pending request's sequence number in *seq; false if none is pending. */
+/* The next pending request's sequence number in *seq; false if none is pending.
+ * Marks the slot served (a posted store, not a round trip). */
 static __device__ __forceinline__ bool mesh_take(mesh_slot_t s, unsigned int *seq) {
+    *mesh_u32(s, MESH_SERVES) = MESH_SERVING;
     unsigned int head = *mesh_u32(s, MESH_REQ_HEAD);
     unsigned int next = *mesh_u32(s, MESH_RESP_HEAD);
     if (head == next)
@@ -223,14 +231,16 @@ typedef struct {
     unsigned int lo, hi;
 } mesh_entry_t;
 
-/* Warp-wide.  Continues the slot's ring (RESP_HEAD) and heartbeat, and beats once:
- * a relaunched program serves what is pending.  `every`: the beat interval in ns
- * (MESH_BEAT_EVERY). */
+/* Warp-wide.  Continues the slot's ring (RESP_HEAD) and heartbeat, marks the slot
+ * served (SERVES, made visible by the beat's fence: call it before saying RUNNING)
+ * and beats once: a relaunched program serves what is pending.  `every`: the beat
+ * interval in ns (MESH_BEAT_EVERY). */
 static __device__ __forceinline__ void mesh_ring_init(mesh_slot_t s, mesh_ring_t *r, unsigned long long every) {
     r->s = s;
     r->next = *mesh_u32(s, MESH_RESP_HEAD);
     r->every = every;
     if ((threadIdx.x & 31u) == 0) {
+        *mesh_u32(s, MESH_SERVES) = MESH_SERVING;
         mesh_beat_init(s, &r->beat);
         mesh_beat(s, &r->beat);
     }

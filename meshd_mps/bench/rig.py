@@ -105,7 +105,7 @@ async def echo_loaded(bench: Bench, b: Backend) -> AsyncIterator[tuple[Programs,
         p = await progs.load(*await bench.src(b, "echo"))
         slot = p.slot
         await until(lambda: b.mailbox.heartbeat(slot) > 0, 10, "echo's first beat")
-        ring = p.ring = p.ring or Ring(b.mailbox, slot)
+        ring = p.ring = p.ring or Ring(b.mailbox, slot, p.name)
         yield progs, ring
     finally:
         await progs.close()

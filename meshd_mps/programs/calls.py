@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from meshd_mps.errors import CallTimeout, NotRunning, RingFull
+from meshd_mps.errors import CallTimeout, NotRunning, NotServing
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.ring import MASK, SPIN, Ring, check_payload
 
@@ -37,7 +37,7 @@ class Calls:
         if p.launch.finished():
             raise NotRunning(f"program {name} is not running ({p.state()[0]})", program=name, state=p.state()[0])
         if p.ring is None:
-            p.ring = Ring(self.reg.b.mailbox, p.slot)
+            p.ring = Ring(self.reg.b.mailbox, p.slot, name)
         return p, p.generation, p.ring
 
     def _current_ring(self, p: Program, generation: int) -> None:
@@ -47,6 +47,29 @@ class Calls:
         if not self.reg.current(p, generation):
             raise NotRunning(f"program {p.name} was replaced or unloaded before its response was read",
                              program=p.name, state=p.state()[0])
+
+    async def _serving(self, p: Program, gen: int, ring: Ring, timeout: float,  # noqa: ASYNC109
+                       deadline: float) -> None:
+        """The kernel polls its ring (its slot's SERVES), or NotServing before anything is posted: a
+        request it never reads would hold an entry until its next launch.  The header's ring helpers
+        write SERVES at their first poll, which echo's makes before it says RUNNING; a program whose
+        first poll comes later is waited for until ``Deadlines.first_poll`` after its start, and one
+        started longer ago is refused at once."""
+        grace = self.reg.d.first_poll
+        while not ring.serves():
+            if p.generation != gen or p.launch.finished():
+                raise NotRunning(f"program {p.name} ended before answering ({p.state()[1] or p.state()[0]})",
+                                 program=p.name, state=p.state()[0])
+            now = time.monotonic()
+            if now - p.started >= grace:
+                raise NotServing(
+                    f"program {p.name} does not serve requests: its kernel does not poll its request ring (its slot's"
+                    " SERVES is 0). A program serves calls through the ring helpers of mesh_program.h, which mark its"
+                    " slot at their first poll (docs/program-abi.md, section 6); one built with an older header does"
+                    " not: upgrade it from its source", program=p.name)
+            if now >= deadline:
+                raise CallTimeout(p.name, timeout)
+            await asyncio.sleep(self.BACKOFF)
 
     async def _answer(self, p: Program, gen: int, ring: Ring, seq: int, timeout: float,  # noqa: ASYNC109
                       deadline: float) -> bytes:
@@ -77,6 +100,8 @@ class Calls:
         at p99 (docs/benchmarks.md, Issue 18)."""
         timeout = self.reg.d.call if timeout is None else timeout
         p, gen, ring = self._ring(name)
+        if not ring.serving:
+            await self._serving(p, gen, ring, timeout, time.monotonic() + timeout)
         seq = ring.post(payload)
         try:
             await asyncio.sleep(0)
@@ -102,6 +127,8 @@ class Calls:
         for x in payloads:
             check_payload(x)
         p, gen, ring = self._ring(name)
+        if not ring.serving:
+            await self._serving(p, gen, ring, timeout, time.monotonic() + timeout)
         total = len(payloads)
         out: list[bytes] = []
         sent = done = 0
@@ -121,7 +148,7 @@ class Calls:
                         batches.append((first, sent, k))
                         sent += k
                 if sent == done:  # other callers hold the whole ring
-                    raise RingFull(p.slot, abi.RING)
+                    raise ring.full()
                 # At most half the window's responses are read before the next post: the program
                 # serves one half while the host reads the other and refills it (on the 2-core CPU
                 # machine 0.9 us a request at 8 outstanding, against 1.3 us reading all of them).

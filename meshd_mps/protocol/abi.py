@@ -25,6 +25,7 @@ MAX_GAP = 24  # u64, program writes the largest gap between beats (ns) since the
 GAP_RESET = 32  # u32, host writes 1; the program zeroes MAX_GAP and this word
 REQ_HEAD = 64  # u32, host increments after writing a request
 RESP_HEAD = 68  # u32, program increments after writing the response to request RESP_HEAD
+SERVES = 72  # u32, program writes SERVING when it polls the ring (the header's ring helpers); zeroed at launch
 RING = 8  # entries
 ENTRY_BYTES = 192  # u32 length + up to 188 payload bytes
 ENTRY_PAYLOAD = ENTRY_BYTES - 4
@@ -35,4 +36,5 @@ ENTRY_WORDS = ENTRY_BYTES // 4  # 48: a warp copies an entry a word per lane (me
 BEAT_EVERY = 100_000  # ns: mesh_ring_wait's beat interval (echo's; a program may pick another)
 
 RUN, HALT = 0, 1
+SERVING = 1  # SERVES: the kernel has polled its request ring
 IDLE, RUNNING, EXITED = 0, 1, 2

@@ -12,6 +12,14 @@ outstanding *counting the responses not read yet*: a caller that reads its respo
 task ran first) does not find it overwritten.  A caller that gives up (a deadline, a cancel)
 ``forget``\\ s its request; its response is then never read, and its entries are free once the
 program has answered it (until then the program may still be reading the request).
+
+So a posted request is never taken back while the kernel runs: the program says nothing between
+reading REQ_HEAD and writing RESP_HEAD, so the host cannot tell whether it is reading an entry,
+and an entry rewritten under it would be read as the old request (or a mix of both) and answered
+under a number the host had given to the new caller.  A ring full of requests given up on empties
+as the program answers them, or at the slot's next launch (``reset_slot``: an upgrade, an unload
+and load), with no kernel reading it.  A program that never polls its ring (SERVES, written by the
+header's ring helpers) is refused before anything is posted (``Calls``, ``NotServing``).
 """
 
 from __future__ import annotations
@@ -45,17 +53,40 @@ def check_payload(payload: bytes) -> None:
 
 
 class Ring:
-    def __init__(self, mailbox: Mailbox, slot: int):
+    def __init__(self, mailbox: Mailbox, slot: int, program: str | None = None):
         base = mailbox.offset(slot, 0)
         self._w = mailbox.words
         self._mm = mailbox.mm
         self.slot = slot
+        self.program = program  # whose ring, for RingFull's message (None: a bare slot's)
+        self._serves = (base + abi.SERVES) >> 2
+        self.serving = False  # SERVES seen set: kept, since only the slot's next launch (a new Ring) zeroes it
         self._req_head = (base + abi.REQ_HEAD) >> 2
         self._resp_head = (base + abi.RESP_HEAD) >> 2
         self._req = tuple(base + abi.REQ_BASE + i * abi.ENTRY_BYTES for i in range(abi.RING))
         self._resp = tuple(base + abi.RESP_BASE + i * abi.ENTRY_BYTES for i in range(abi.RING))
         self._unread: deque[int] = deque()  # posted, their responses not read (nor forgotten), in order
         self._read: set[int] = set()  # of those, read out of order
+
+    def serves(self) -> bool:
+        """The kernel has polled this ring (its slot's SERVES): it serves requests."""
+        if not self.serving:
+            self.serving = self._w[self._serves] == abi.SERVING
+        return self.serving
+
+    def full(self) -> RingFull:
+        """RingFull, naming the program and saying how the ring empties (the module's doc)."""
+        w, unread = self._w, self._unread
+        head, resp = w[self._req_head], w[self._resp_head]
+        waited = {s for s in unread if s not in self._read}  # requests whose callers still wait
+        given_up = sum(1 for i in range((head - resp) & MASK) if (resp + i) & MASK not in waited)
+        who = f"program {self.program} (slot {self.slot})" if self.program else f"slot {self.slot}"
+        why = f", {given_up} of them given up by their callers and not answered yet" if given_up else ""
+        return RingFull(
+            f"{who}: request ring full ({RING} outstanding{why}). An entry is free again once the program answers"
+            " its request (the host never takes back a request the kernel may be reading); a program that answers"
+            " none (its heartbeat in ps) keeps its ring full until its next launch empties it: upgrade it, or"
+            " unload and load it", program=self.program, slot=self.slot, ring=RING, given_up=given_up)
 
     def room(self) -> int:
         """How many more requests may be posted now."""
@@ -81,7 +112,7 @@ class Ring:
         w, unread = self._w, self._unread
         head = w[self._req_head]
         if self._used(head) >= RING:
-            raise RingFull(self.slot, RING)
+            raise self.full()
         at = self._req[head % RING]
         w[at >> 2] = n
         self._mm[at + 4 : at + 4 + n] = payload
@@ -97,7 +128,7 @@ class Ring:
             for p in payloads:
                 check_payload(p)
         if len(payloads) > self.room():
-            raise RingFull(self.slot, abi.RING)
+            raise self.full()
         return self._publish(payloads)
 
     def post_some(self, payloads: Sequence[bytes], start: int, most: int) -> tuple[int, int]:

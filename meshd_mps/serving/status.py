@@ -111,7 +111,7 @@ STATUS: dict[type[BaseException], int] = {
     E.BadRequest: 400,
     E.MailboxError: 400,  # a slot or an entry out of the layout
     E.NotFound: 404,  # NotLoaded, NoRoute
-    E.Conflict: 409,  # AlreadyLoaded, CapacityError, ClientLimit, NotStarted, NotRunning, HaltTimeout, RingFull, ...
+    E.Conflict: 409,  # AlreadyLoaded, CapacityError, ClientLimit, NotStarted, NotRunning, NotServing, HaltTimeout, RingFull, ...
     E.Unavailable: 503,  # starting, shutting down, closed
     E.Timeout: 504,  # CallTimeout
 }
