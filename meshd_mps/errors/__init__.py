@@ -3,7 +3,7 @@
 Every error meshd-mps raises on purpose is a :class:`MeshError`.  The branch it sits on says what
 kind of failure it is for a caller (a bad request, something not found, a conflict with what runs,
 a timeout, a failure of ours); its fields say who and what.  The API maps branches to HTTP statuses
-in one table (``serving/errors.py``), as supervisord maps its ``Faults``; nothing parses a message.
+in one table (``serving/status.py``), as supervisord maps its ``Faults``; nothing parses a message.
 This package imports nothing else of meshd-mps: the workers and the frame code use it too.  Its
 modules are the tree's sections (base: the root and the branches; config, programs, processes);
 every type is imported from here, ``meshd_mps.errors``.
