@@ -276,3 +276,11 @@ def test_a_sim_daemon_keeps_apart_from_the_real_one_and_the_client_finds_it(tmp)
                 proc.kill()
                 proc.wait()
     assert not os.path.exists(sim_sock)
+
+
+def test_with_no_daemon_the_advice_names_the_kind_of_daemon_asked_for(tmp):
+    """``ps --gpu sim`` with nothing serving: start a ``serve --gpu sim``, not the GPU's."""
+    r = run_cli("ps", "--gpu", "sim", XDG_RUNTIME_DIR=tmp)
+    assert r.returncode != 0 and "start one with: meshd-mps serve --gpu sim" in r.stderr, r.stderr
+    r = run_cli("ps", XDG_RUNTIME_DIR=tmp)
+    assert r.returncode != 0 and "start one with: meshd-mps serve)" in r.stderr, r.stderr

@@ -279,8 +279,8 @@ def serve_config(args: argparse.Namespace) -> Config:
             raise ConfigError(f"--{k.replace('_', '-')}: an empty path")
     daemon_cpus = None
     if o["daemon_cpus"] is not None:
-        daemon_cpus = cpus.parse(o["daemon_cpus"])
-        cpus.split(daemon_cpus)  # refused here, before anything starts, as the other options are
+        daemon_cpus = cpus.parse(o["daemon_cpus"], "--daemon-cpus")
+        cpus.split(daemon_cpus, "--daemon-cpus")  # refused here, before anything starts, as the other options are
     return server.Config(isolation=o["isolation"], sms=o["sms"], mps_dir=o["mps_dir"], pool=o["pool"], gpu=o["gpu"],
                          socket=o["socket"], cache_dir=o["cache_dir"], log_level=o["log_level"],
                          log_format=o["log_format"], loop=o["loop"], devices=parse_devices(o["devices"]),
@@ -358,7 +358,7 @@ def _client(args: argparse.Namespace) -> int:
     from meshd_mps.serving.client import Client, ClientError, NoDaemon
 
     try:
-        c = Client(_socket_of(args))
+        c = Client(_socket_of(args), gpu=args.gpu)
     except ClientError as e:
         print(f"meshd-mps: {e}", file=sys.stderr)
         return 2

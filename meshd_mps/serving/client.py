@@ -183,8 +183,10 @@ def oldest_arch(status: dict[str, Any]) -> str:
 
 
 class Client:
-    def __init__(self, socket_path: str | None = None, timeout: float = 120.0):
-        self.socket = socket_path or default_socket()
+    def __init__(self, socket_path: str | None = None, timeout: float = 120.0, gpu: str | None = None):
+        """``gpu``: the kind of daemon meant (``"sim"``), for the advice when none answers."""
+        self.socket = socket_path or default_socket(gpu)
+        self.serve = "meshd-mps serve --gpu sim" if gpu == "sim" else "meshd-mps serve"
         self.timeout = timeout
 
     # ---- transport ----------------------------------------------------------------------
@@ -196,7 +198,7 @@ class Client:
             try:
                 conn.connect()
             except (FileNotFoundError, ConnectionRefusedError) as e:
-                raise NoDaemon(f"no daemon on {self.socket} (start one with: meshd-mps serve)") from e
+                raise NoDaemon(f"no daemon on {self.socket} (start one with: {self.serve})") from e
             except OSError as e:
                 raise ClientError(f"{self.socket}: {e.strerror or e}") from e
             h = {"Host": "meshd-mps", "Connection": "close", **(headers or {})}

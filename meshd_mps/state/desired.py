@@ -169,7 +169,8 @@ async def restore(programs: Programs, store: Store, declared: Sequence[DeclaredP
                             f" record: {unused}", program=d.name)
         except MeshError as e:
             out.skipped[d.name] = str(e) if unused is None else f"{unused}; from its declaration: {e}"
-            log.error(f"restore: declared program {d.name} (config line {d.line}) not loaded: {e}", program=d.name)
+            # A refusal of the user's program (as a refused load is), not a failure of the daemon's.
+            log.warning(f"restore: declared program {d.name} (config line {d.line}) not loaded: {e}", program=d.name)
     log.info(f"restore: {len(out.adopted)} adopted, {len(out.restored)} recorded and {len(out.declared)} declared"
              f" programs loaded, {len(out.halted)} halted, {len(out.skipped)} skipped", adopted=out.adopted,
              restored=out.restored, declared=out.declared, halted=out.halted, skipped=out.skipped)

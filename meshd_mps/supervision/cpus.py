@@ -35,7 +35,7 @@ _allowed: frozenset[int] | None = None
 _threads: dict[int, frozenset[int]] = {}
 
 
-def parse(spec: str | Iterable[int], what: str = "--daemon-cpus") -> frozenset[int]:
+def parse(spec: str | Iterable[int], what: str = "daemon_cpus") -> frozenset[int]:
     """A CPU list as taskset and systemd's CPUAffinity= write it ("3", "2,3", "0-3,8"), or the
     numbers; ConfigError naming the fault.  Whether this process may use them is ``place``'s check."""
     if isinstance(spec, str):
@@ -73,7 +73,7 @@ def text(cpus: Iterable[int]) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def split(daemon: frozenset[int], what: str = "--daemon-cpus") -> tuple[frozenset[int], frozenset[int]]:
+def split(daemon: frozenset[int], what: str = "daemon_cpus") -> tuple[frozenset[int], frozenset[int]]:
     """(the CPUs this process may use, those left for its children); ConfigError if it may not use
     one of ``daemon`` or none would be left for the children."""
     allowed = frozenset(os.sched_getaffinity(0)) if _allowed is None else _allowed
