@@ -92,7 +92,7 @@ def shown_and_ended(tmp: str, state: str, started: list[Serve]) -> None:
             assert any(m.startswith(f"mps: worker {pid} found, left running by an earlier meshd-mps: to be halted and"
                                     " ended") for m in said), said
         assert all(m.startswith("restore: 0 adopted") for m in said if "adopted" in m), said  # its summary only
-        assert any(m.startswith("without --live-restore: 1 workers an earlier meshd-mps left running") for m in said), said
+        assert any(m.startswith("without live restore: 1 workers an earlier meshd-mps left running") for m in said), said
         rows = table_rows(run_cli("status", "--socket", c.sock).stdout)
         assert rows["live restore"] == "off" and rows["at start"] == "restored heartbeat", rows
         assert "workers left" not in rows, rows  # adoption is live restore's
