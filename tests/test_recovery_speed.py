@@ -17,6 +17,7 @@ import time
 import anyio
 import pytest
 
+from meshd_mps import faults
 from meshd_mps.programs import RECOVERY_STEPS, Programs, ProgramState
 from meshd_mps.restart import CRASH_LOOP_BURST
 
@@ -52,7 +53,7 @@ async def test_the_teardown_waits_for_none_of_the_workers_it_starts(standin_on_p
             assert b.mps is not None
             spawn = b.mps.spawn
 
-            async def gated_mps(program, device, hold=False):  # type: ignore[no-untyped-def]
+            async def gated_mps(program, device, hold=False):
                 if hold:
                     await gate.wait()
                 w = await spawn(program, device, hold=hold)
@@ -62,9 +63,9 @@ async def test_the_teardown_waits_for_none_of_the_workers_it_starts(standin_on_p
 
             monkeypatch.setattr(b.mps, "spawn", gated_mps)
         else:
-            spawn_ctx = g._spawn  # type: ignore[attr-defined]
+            spawn_ctx = g._spawn
 
-            async def gated_blink(hold=False):  # type: ignore[no-untyped-def]
+            async def gated_blink(hold=False):
                 if hold:
                     await gate.wait()
                 w = await spawn_ctx(hold=hold)
@@ -75,7 +76,7 @@ async def test_the_teardown_waits_for_none_of_the_workers_it_starts(standin_on_p
             monkeypatch.setattr(g, "_spawn", gated_blink)
         teardown = g.teardown
 
-        async def tear(ahead=0):  # type: ignore[no-untyped-def]
+        async def tear(ahead=0):
             torn = await teardown(ahead)
             gate.set()  # only now may the workers started ahead come up
             return torn
@@ -111,7 +112,7 @@ async def test_a_killed_program_comes_back_with_the_innocents(standin_on_path, t
         spawned: list[tuple[int, bool, bool]] = []  # pid, held, asked for after the recovery
         spawn = b.mps.spawn
 
-        async def counted(program, device, hold=False):  # type: ignore[no-untyped-def]
+        async def counted(program, device, hold=False):
             after = recovered(progs)
             w = await spawn(program, device, hold=hold)
             spawned.append((w.pid, hold, after))
@@ -161,3 +162,23 @@ async def test_a_killed_program_keeps_its_restart_policy(standin_on_path, case):
             assert echo.observe() is ProgramState.CRASH_LOOP and echo.restarts == 0
         await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot))
         await progs.close()
+
+
+def test_only_a_worker_death_with_no_error_of_its_own_is_innocent():
+    """``faults.died_innocent``: the culprit named by its worker's death alone comes back with the
+    innocents; one whose kernel reported a CUDA error, or that ran to its end and failed, or a
+    culprit named by weaker evidence, does not."""
+    hb = faults.Suspect("heartbeat", 11, 1.0)
+
+    def verdict(killed: faults.Suspect) -> faults.Verdict:
+        return faults.name_culprit([hb, killed], hb, [11], [], 1.0, 2.0)
+
+    killed = faults.Suspect("echo", 12, 1.0, died=True)
+    v = verdict(killed)
+    assert v.by == "died" and v.culprit == "echo" and faults.died_innocent(v)
+    assert not faults.died_innocent(verdict(faults.Suspect("echo", 12, 1.0, died=True,
+                                                           kernel_error="CUDA_ERROR_ILLEGAL_ADDRESS")))
+    v = verdict(faults.Suspect("echo", 12, 1.0, ended=True, died=True))
+    assert v.by == "ended" and not faults.died_innocent(v)
+    v = faults.name_culprit([hb], hb, [11], [], 1.0, 2.0)
+    assert v.by == "server log" and not faults.died_innocent(v)
