@@ -10,6 +10,7 @@ the recovery's own report, and the MPS clients made after it from the spawns the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -22,6 +23,7 @@ from meshd_mps.programs import RECOVERY_STEPS, Programs, ProgramState
 from meshd_mps.restart import CRASH_LOOP_BURST
 
 from .rigs.backend import beats, example, open_sim
+from .rigs.deadlines import TEST_DEADLINES
 from .rigs.waits import until
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
@@ -162,6 +164,33 @@ async def test_a_killed_program_keeps_its_restart_policy(standin_on_path, case):
             assert echo.observe() is ProgramState.CRASH_LOOP and echo.restarts == 0
         await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot))
         await progs.close()
+
+
+async def test_a_live_stop_leaves_no_held_worker_behind(standin_on_path, tmp):
+    """A worker started for a recovery and not taken by it (the culprit's, whose backoff is still
+    running) has no context yet: left for the next meshd-mps, its READY there would make a new MPS
+    client, which stalls every running program.  A live-restore stop retires it; the programs'
+    workers are left running, and the next start adopts them."""
+    d = dataclasses.replace(TEST_DEADLINES, pool_pace=60.0, restart_backoff=60.0)  # nothing takes it meanwhile
+    b = await open_sim("mps", pool=1, live=tmp, deadlines=d)
+    try:
+        progs = Programs(b)
+        hb = await progs.load(*example("heartbeat"))
+        await beats(b, hb.slot, 10)
+        await progs.load(*example("fault"))  # on-failure: a worker is started for it too, held
+        await until(lambda: recovered(progs), 45, "the recovery")
+        held = [w.pid for w in b.isolations[0]._held]
+        assert held and hb.kernel.pid not in held and progs.by_name["fault"].seen() is ProgramState.RESTARTING
+        kept = hb.kernel.pid
+        await progs.detach()
+        left = await b.detach()
+    finally:
+        await b.close()
+    running = [p for p in held if os.path.exists(f"/proc/{p}")]
+    async with await open_sim("mps", pool=1, live=tmp, deadlines=d) as again:  # adopts what was left, then ends it
+        adopted = {f.module.proc.pid for f in again.found}
+    assert kept in left and kept in adopted and not set(held) & set(left), (held, left)
+    assert not running, "a held worker was left running"
 
 
 def test_only_a_worker_death_with_no_error_of_its_own_is_innocent():

@@ -429,9 +429,12 @@ class MpsIsolation(Isolation):
             self._replacing = False
 
     def detach(self) -> None:
-        """The pool is not refilled any more; its workers, like every other, are left running."""
+        """The pool is not refilled any more; its workers, like every other, are left running, but
+        the held ones (a recovery's, no context yet), whose READY at the next start would be a new client."""
         self._closing = True
         self.pool.drain()
+        for w in self._held:
+            self.sup.retire(w)
         self._reserve, self._held = [], []
 
     async def close(self) -> None:
