@@ -105,6 +105,13 @@ def name_culprit(hit: Sequence[Suspect], first: Suspect, fatal_pids: Sequence[in
                    "stray", w)
 
 
+def died_innocent(v: Verdict) -> bool:
+    """The culprit is a program whose worker died (killed from outside, say) with no error of its
+    own kernel's: its death faulted the GPU, but nothing its code did, so it comes back with the
+    innocents, in the same relaunch (its restart policy and crash-loop count still apply)."""
+    return v.by == "died" and v.program is not None and not v.program.kernel_error and not v.program.ended
+
+
 def fault_text(culprit: Suspect, first: Suspect) -> str:
     """The fault in words: a dead worker's own account, else the CUDA error a stream reported
     (the culprit's, else the first failure's), else whatever was said.  A worker that died with

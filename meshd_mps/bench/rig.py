@@ -43,13 +43,19 @@ class Bench:
     def n(self, full: int, quick: int) -> int:
         return quick if self.quick else full
 
-    async def backend(self, isolation: str, pool: int = 0) -> Backend:
-        d = None
+    async def backend(self, isolation: str, pool: int = 0, live: bool = False) -> Backend:
+        """A backend on GPU 0; ``live``: with live restore (its workers on sockets), in a state
+        directory of its own (removed at cleanup)."""
+        d = state = None
         if isolation == "mps":
             d = os.path.join(self.base, str(len(self.dirs)))
             self.dirs.append(d)
+        if live:
+            state = os.path.join(self.base, f"live{len(self.dirs)}")
+            self.dirs.append(state)
         # GPU 0 only: on a several-GPU host every figure stays one GPU's
-        b = await Backend.open(isolation=isolation, pool=pool, gpu=self.gpu, mps_dir=d, devices=[0])  # type: ignore[arg-type]
+        b = await Backend.open(isolation=isolation, pool=pool, gpu=self.gpu, mps_dir=d, devices=[0],  # type: ignore[arg-type]
+                               live=state)
         if not self.device and b.caps is not None:
             c = b.caps
             self.device = f"{c.name} (sm_{c.cc_major}{c.cc_minor}, {c.sms_total} SMs, {c.blocks_per_sm} blocks/SM)"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
@@ -313,7 +314,7 @@ class BlinkIsolation(Isolation):
     async def teardown(self, ahead: int = 0) -> list[WorkerProc]:
         """The context's worker retired, and every module with it: an error in one context is sticky,
         every program's of the GPU.  The next context's worker starts meanwhile, held (imported, no
-        context until ``refill``)."""
+        context until ``refill``, which waits for it: ``hold_ahead``)."""
         p, self.proc = self.proc, None
         self._torn = p
         self.first_context_at = 0.0
@@ -322,13 +323,17 @@ class BlinkIsolation(Isolation):
             return []
         log.info(f"blink: GPU {self.device}: retiring its context after a fault", device=self.device, pid=p.pid)
         self.sup.retire(p, before_exit=False, at_once=True)
-        try:
-            self._held = self._held or await self._spawn(hold=True)
-        except MeshError as e:  # refill spawns it itself then
-            log.warning(f"blink: GPU {self.device}: no context worker started ahead of the refill: {e}")
+        self.hold_ahead(0 if self._held else 1, functools.partial(self._spawn, hold=True), self._keep_held)
         with anyio.move_on_after(self.sup.deadlines.recover):
             await p.process.wait()
         return [p]
+
+    def _keep_held(self, p: WorkerProc) -> None:
+        """The next context's worker, started ahead of the refill; retired if one came meanwhile."""
+        if self._held is None:
+            self._held = p
+        else:
+            self.sup.retire(p)
 
     async def refill(self, extra: int = 0) -> bool:
         """A new context (``extra`` is moot: one context takes every program); False if none came
@@ -338,6 +343,7 @@ class BlinkIsolation(Isolation):
         within = self.sup.deadlines.recover
         try:
             with anyio.fail_after(within):
+                await self.held_started()
                 await self.open()
             return True
         except TimeoutError:

@@ -310,7 +310,8 @@ class MpsIsolation(Isolation):
         hung and the server's teardown never ended), within ``recover``: the server takes no new
         client until they have exited, and a dead context has nothing to close.  Meanwhile
         ``ahead`` new workers start, held (imported, no context: the server takes no client until
-        the torn-down ones have exited), for ``refill``."""
+        the torn-down ones have exited), for ``refill``, which waits for them: the teardown waits
+        only for the old workers' exit (``hold_ahead`` says why)."""
         d = self.device
         self.first_context_at = 0.0
         torn = self.pool.drain() + self._reserve
@@ -319,15 +320,19 @@ class MpsIsolation(Isolation):
         log.info(f"mps: GPU {d}: retiring its {len(torn)} workers after a fault", device=d)
         for w in torn:
             self.sup.retire(w, before_exit=False, at_once=True)
-        try:
-            while len(self._held) < ahead:
-                self._held.append(await self.mps.spawn(None, d, hold=True))
-        except MeshError as e:  # refill spawns them itself then
-            log.warning(f"mps: GPU {d}: workers not started ahead of the refill: {e}", device=d)
+        self.hold_ahead(ahead - len(self._held), functools.partial(self.mps.spawn, None, d, hold=True),
+                        self._keep_held)
         with anyio.move_on_after(self.sup.deadlines.recover):
             for w in torn:
                 await w.process.wait()
         return torn
+
+    def _keep_held(self, w: WorkerProc) -> None:
+        """A worker started ahead of the refill, held for it; retired if the GPU is closing meanwhile."""
+        if self._closing:
+            self.sup.retire(w)
+        else:
+            self._held.append(w)
 
     async def refill(self, extra: int = 0) -> bool:
         """``extra`` workers (the lost programs' next ones, the held ones first) in one batch, once
@@ -338,6 +343,7 @@ class MpsIsolation(Isolation):
         want = max(0, min(extra, self.mps.max_clients - self.pool.cap))
         try:
             with anyio.fail_after(within):
+                await self.held_started()
                 while True:
                     try:
                         await self.prewarm(want, into=self._reserve, again=True)
@@ -423,9 +429,12 @@ class MpsIsolation(Isolation):
             self._replacing = False
 
     def detach(self) -> None:
-        """The pool is not refilled any more; its workers, like every other, are left running."""
+        """The pool is not refilled any more; its workers, like every other, are left running, but
+        the held ones (a recovery's, no context yet), whose READY at the next start would be a new client."""
         self._closing = True
         self.pool.drain()
+        for w in self._held:
+            self.sup.retire(w)
         self._reserve, self._held = [], []
 
     async def close(self) -> None:

@@ -106,8 +106,9 @@ class Recovery:
         """Every program of ``first``'s GPU was torn down (MPS: every client; blink: the context):
         retire its workers while their successors start, held; name the culprit
         (faults.name_culprit); once the server takes clients again bring the lost programs back
-        (not the culprit, whose restart policy decides), then refill the pool.  Other GPUs are not
-        touched."""
+        (not the culprit, whose restart policy decides: after its backoff, unless its worker was
+        killed, faults.died_innocent: then with the others, in the same relaunch), then refill the
+        pool.  Other GPUs are not touched."""
         reg, b = self.reg, self.reg.b
         gpu = first.device
         steps: dict[str, float] = {}
@@ -156,6 +157,14 @@ class Recovery:
         for q in lost:
             if q not in back:
                 r.not_relaunched[q.name] = "restart policy never"
+        # A program whose worker was killed goes with them, on a worker held for it, if its policy says so.
+        killed = culprit if culprit is not None and faults.died_innocent(v) else None
+        if killed is not None:
+            dec = self.after_end(killed, restart.End.FAILED, with_recovery=True)
+            if dec.relaunch:
+                back.append(killed)
+            else:
+                r.not_relaunched[killed.name] = dec.why
         ready = await b.refill(gpu, len(back))
         ctx = b.first_context_at(gpu)
         if ctx:
@@ -179,7 +188,7 @@ class Recovery:
                 self.after_end(q, restart.End.FAILED)
             else:
                 r.relaunched.append(q.name)
-        if culprit is not None:
+        if culprit is not None and culprit is not killed:
             self.after_end(culprit, restart.End.FAULTED)
         r.ms = (time.perf_counter() - t0) * 1e3
         reg.report(r)
@@ -188,25 +197,28 @@ class Recovery:
         await reg.keep_history()
 
     # ---- restart policies ---------------------------------------------------------------------
-    def after_end(self, p: Program, end: restart.End) -> None:
+    def after_end(self, p: Program, end: restart.End, with_recovery: bool = False) -> restart.Decision:
         """Its restart policy's decision (restart.decide) carried out: a relaunch scheduled after
-        its backoff, or a crash loop declared, or nothing."""
+        its backoff, or a crash loop declared, or nothing.  ``with_recovery``: a relaunch is the
+        caller's, at once (a fault's recovery relaunching it with the innocents: the recovery is
+        its backoff); its failure is counted all the same."""
         reg = self.reg
         dec = restart.decide(p.restart, end, p.failures, time.monotonic(), reg.d)
         if dec.crash_loop:
             p.to(ProgramState.CRASH_LOOP, f"{dec.why}; the last: {p.error or end.value}", failures=dec.failures)
             log.error(f"program {p.name}: {p.error}", program=p.name, failures=len(dec.failures))
-            return
-        if not dec.relaunch or reg.closed():
+            return dec
+        if not dec.relaunch or reg.closed() or with_recovery:
             p.to(None, failures=dec.failures)
             if not dec.relaunch and end is not restart.End.LOST:
                 log.info(f"program {p.name}: not relaunched ({dec.why})", program=p.name)
-            return
+            return dec
         p.to(ProgramState.RESTARTING, failures=dec.failures, restart_at=time.monotonic() + dec.delay)
         log.warning(f"program {p.name}: relaunched in {dec.delay:g}s (restart policy {p.restart.value}, failure"
                     f" {len(dec.failures)} of {restart.CRASH_LOOP_BURST} within {reg.d.crash_loop_interval:g}s)",
                     program=p.name)
         reg.b.start_soon(self._restart_later, p, p.generation, name=f"restart {p.name}")
+        return dec
 
     async def _restart_later(self, p: Program, generation: int) -> None:
         await anyio.sleep(max(0.0, p.restart_at - time.monotonic()))
