@@ -316,7 +316,7 @@ def test_sms_over_the_device(info: DeviceInfo, mailbox: Mailbox) -> None:
     try:
         ok, payload = w.ask(Op.READY, b"", Op.READY)
         assert not ok
-        assert f"--sms {info.sms_total + 1}: the device has {info.sms_total}" in frames.reply_text(payload)
+        assert f"sms {info.sms_total + 1}: the device has {info.sms_total}" in frames.reply_text(payload)
         assert w.quit() == 0
     finally:
         w.kill()
