@@ -31,7 +31,7 @@ from meshd_mps.backend import Backend
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import MeshError, MpsError, WorkerError
 from meshd_mps.mps import clients as mpsmod
-from meshd_mps.programs import Programs
+from meshd_mps.programs import Programs, ProgramState
 from meshd_mps.protocol import abi
 
 from ..rigs.backend import beats, example, into, kill_in_launch
@@ -291,6 +291,9 @@ async def test_a_kill_with_its_kernel_running_is_a_gpu_fault(monkeypatch, when):
             # A program killed from outside comes back with the innocents, in the same relaunch
             # (restart policy on-failure; issue 33), on a worker held during the teardown.
             assert r.relaunched == ["heartbeat", "echo"] and r.not_relaunched == {}, r
+            with anyio.fail_after(30):
+                while progs.by_name["echo"].observe() is not ProgramState.RUNNING:
+                    await anyio.sleep(0.01)
         else:  # a load's launch: no program of that name yet
             assert r.relaunched == ["heartbeat"], r.not_relaunched
             await progs.load(*example("echo"))
