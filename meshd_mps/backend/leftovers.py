@@ -139,11 +139,11 @@ async def halt_slots(mb: Mailbox, slots: list[int], halt: float, ending: bool = 
         while any(mb.u32(s, abi.STATE) == abi.RUNNING for s in slots):
             await anyio.sleep(0.005)  # the kernels answer in host memory: nothing to await but the words
     left = [s for s in slots if mb.u32(s, abi.STATE) == abi.RUNNING]
-    why = ("without --live-restore: halted the kernels an earlier meshd-mps left on slots {}" if ending
+    why = ("without live restore: halted the kernels an earlier meshd-mps left on slots {}" if ending
            else "live restore: halted the kernels on slots {} that no adopted worker runs")
     log.info(why.format(slots), still_running=left)
     if left:
-        who = "without --live-restore" if ending else "live restore"
+        who = "without live restore" if ending else "live restore"
         log.error(f"{who}: slots {left} still RUNNING {halt:g}s after HALT (no kernel answers there, or"
                   " one that ignores HALT); they are zeroed and reused", slots=left)
 
