@@ -193,7 +193,7 @@ class BlinkIsolation(Isolation):
                 " (use --isolation mps for more programs)", limit="hardware queues", have=self.queues,
                 asked=len(self.modules) + 1)
 
-    async def prepare(self, prepared: Prepared) -> Image:
+    async def prepare(self, prepared: Prepared, new: bool = False) -> Image:
         return Image(prepared, self.device)
 
     async def load(self, img: Image, admit: Admit | None = None) -> Kernel:
