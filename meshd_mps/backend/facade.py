@@ -370,6 +370,10 @@ class Backend(NativeClients):
         except ExceptionGroup as e:
             raise e.exceptions[0] from e
 
+    def keep_reserve(self, device: int) -> None:
+        """After a launch on GPU ``device``: its pool's reserve refilled, paced, if it is short."""
+        self._on(device).keep_reserve()
+
     def settled(self) -> None:
         """The start's restore is done: what ``ahead`` or an adoption kept for it and no load took
         goes to each GPU's pool."""

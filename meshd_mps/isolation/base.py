@@ -292,6 +292,10 @@ class Isolation(ABC):
         upgrade or a relaunch; none where there is no pool (blink)."""
         return 0, 0
 
+    def keep_reserve(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
+        """After a launch: a pool short of its reserve (an upgrade's old worker not given back, a
+        relaunch that took it) refilled to it, paced (MPS)."""
+
     async def ahead(self, loads: int) -> int:
         """Before a start launches any program: what ``loads`` new programs need made now (MPS:
         their workers, in one batch), none of it once programs run; how many workers were made."""

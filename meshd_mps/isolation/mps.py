@@ -70,7 +70,6 @@ class MpsIsolation(Isolation):
         self.pool = Pool(mps.pool_cap, mps.sup.retire)
         self.paced = Refill(mps.sup, self.pool, device, functools.partial(self.prewarm, 1, hold=True))
         self._closing = False
-        self._resume = False  # adopted short of the reserve: refilled, paced, once the restore is done
         self._held: list[WorkerProc] = []  # started during a fault's teardown, no context yet (--hold)
         # Made ahead for programs about to be launched (a fault's lost ones, a start's restored ones, an
         # adopting start's idle ones past the pool): taken before the pool.  Not the pool's reserve.
@@ -119,7 +118,6 @@ class MpsIsolation(Isolation):
                 self.pool.add(p) if len(self.pool) < self.pool.cap else self._reserve.append(p)
         log.info(f"mps: GPU {self.device}: adopted {len(ours)} workers: {len(self.found)} modules, {len(self.pool)}"
                  f" pooled, {len(self._reserve)} more idle", found=[f.name for f in self.found], pool=self.pool.pids())
-        self._resume = len(self.pool) < self.pool.reserve
 
     # ---- workers ----------------------------------------------------------------------------
     async def prewarm(self, n: int, into: list[WorkerProc] | None = None, again: bool = False,
@@ -178,9 +176,8 @@ class MpsIsolation(Isolation):
     async def preload(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int, tag: int = 0,
                       new: bool = False) -> MpsModule:
         """The image's module loaded in a pooled worker if one is fit, else in a fresh one: an MPS
-        client created now, said in the log and ``MpsModule.new_client``.  ``new`` (a new program's
-        load): never the pool's reserve, kept for upgrades; an upgrade or relaunch that takes it has
-        the pool refilled to it, paced (the old version's worker given back is usually that)."""
+        client made now, said in the log and ``new_client``.  ``new`` (a new program's load): never
+        the pool's reserve, which an upgrade takes (``keep_reserve`` refills it if need be)."""
         d = self.device
         self.mps.daemon.check_alive()  # a pooled worker would fail its LOAD, a fresh one its check
         t0 = time.monotonic()
@@ -191,8 +188,6 @@ class MpsIsolation(Isolation):
             if p is None:
                 new_client = NewClient(n := self.mps.count_clients(d) + 1, stall_estimate_us(n))
                 p = await self.mps.spawn(name, d)
-            elif len(self.pool) < self.pool.reserve:
-                self.paced.ask(self.pool.reserve)
             p.program = name
             try:
                 payload = await p.ask(Op.LOAD, req.encode())
@@ -280,14 +275,12 @@ class MpsIsolation(Isolation):
 
     def settled(self) -> None:
         """The start's restore is done: the workers made or adopted for it and not taken go to the
-        pool (past its cap: retired, which creates no client); an adopted pool short of its reserve
-        is refilled now, paced."""
+        pool (past its cap: retired, which creates no client); a pool short of its reserve (adopted
+        so) is refilled now, paced."""
         while self._reserve:
             w = self._reserve.pop()
             self.pool.add(w) if len(self.pool) < self.pool.cap else self.sup.retire(w)
-        if self._resume and len(self.pool) < self.pool.reserve:
-            self.paced.ask(self.pool.reserve)
-        self._resume = False
+        self.keep_reserve()
 
     async def load(self, img: Image, admit: Admit | None = None) -> Kernel:
         """The preloaded worker handed over."""
@@ -339,6 +332,10 @@ class MpsIsolation(Isolation):
 
     def reserve(self) -> tuple[int, int]:
         return self.pool.reserve_idle(), self.pool.reserve
+
+    def keep_reserve(self) -> None:
+        if len(self.pool) < self.pool.reserve and not self._closing:
+            self.paced.ask(self.pool.reserve)
 
     def load_count(self) -> int:
         """Its workers that are not idle in the pool, kept for a fault's lost programs, or starting
