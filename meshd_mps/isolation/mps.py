@@ -263,9 +263,12 @@ class MpsIsolation(Isolation):
                      await self.preload(m.name, prepared.cubin, m.threads, m.smem, m.scratch, prepared.hash, new))
 
     async def ahead(self, loads: int) -> int:
-        """Before a start launches any program: the workers its ``loads`` new programs need beyond
-        the pool's (its reserve left) made now, in one batch, so that no client is created once
-        programs run; taken by those loads first.  How many were made."""
+        """Before a start launches any program: workers for its ``loads``, taken by them first.  With
+        programs running (adopted) the pool's are taken, its reserve too (refilled paced, ``settled``),
+        so that none is made unless it must; else those beyond the pool's (its reserve left) are made
+        now, in one batch, before anyone runs.  How many were made."""
+        while self.load_count() and len(self._reserve) < loads and (w := self.pool.take()) is not None:
+            self._reserve.append(w)
         make = max(0, loads - len(self._reserve) - self.pool.for_loads())
         if make:
             await self.prewarm(make, into=self._reserve)
