@@ -20,6 +20,8 @@ import pytest
 from meshd_mps.backend import live_paths
 from meshd_mps.mps.clients import stall_estimate_us
 from meshd_mps.programs import Programs
+from meshd_mps.protocol import abi
+from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.serving.client import program_body
 from meshd_mps.supervision import procfs
 
@@ -191,6 +193,41 @@ def test_an_adopting_start_while_the_pool_refills_makes_no_client(tmp):
     try:
         assert b.client.status()["state"]["restore"]["adopted"] == ["heartbeat"]
         assert made.made() == [], "a client was made across the restart"
+        _clean_up(b)
+    finally:
+        b.kill()
+        reap_orphans()
+
+
+def test_an_adopting_start_reloads_a_lost_program_on_an_idle_worker(tmp):
+    """A program whose worker ended while no daemon ran is reloaded by the next one, beside the
+    adopted programs: on the worker the old daemon left idle (the pool's reserve), not on a new
+    client; the reserve is refilled after, paced."""
+    state = os.path.join(tmp, "state")
+    made = MadeClients(live_paths(state).mps)
+    a = _serve_live(tmp, "a")
+    try:
+        a.client.load(program_body(str(EXAMPLES / "heartbeat")))
+        echo = a.client.load(program_body(str(EXAMPLES / "echo")))["program"]  # beyond the pool: its own client
+        assert a.stop() == 0
+    finally:
+        a.kill()
+    mb = Mailbox.open(live_paths(state).mailbox)
+    try:  # echo's kernel halted through its slot, then its worker ended: nothing faults
+        mb.halt(echo["slot"])
+        poll(lambda: mb.u32(echo["slot"], abi.STATE) != abi.RUNNING, 20.0, "echo's kernel halted")
+    finally:
+        mb.close()
+    os.kill(echo["pid"], signal.SIGKILL)
+    poll(lambda: (reap_orphans(), procfs.starttime(echo["pid"]) is None)[1], 20.0, "echo's worker gone")
+    made.mark()
+    b = _serve_live(tmp, "b")
+    try:
+        restore = b.client.status()["state"]["restore"]
+        assert restore["adopted"] == ["heartbeat"] and restore["restored"] == ["echo"], restore
+        assert made.made() == [], "the adopting start made an MPS client"
+        assert b.client.call("echo", "back")["data"] == "back"
+        poll(lambda: b.client.status()["pool"]["reserve"] == 1, 30.0, "the reserve refilled, paced")
         _clean_up(b)
     finally:
         b.kill()
