@@ -12,6 +12,7 @@ of its GPU once on the GPU (0.5 ms at 8 clients, 1.6 ms at 44 on an H100).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -22,7 +23,7 @@ from meshd_mps.mps.clients import stall_estimate_us
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.mailbox import Mailbox
-from meshd_mps.serving.client import program_body
+from meshd_mps.serving.client import ClientError, program_body
 from meshd_mps.supervision import procfs
 
 from .cases.live_restore import reap_orphans
@@ -141,6 +142,16 @@ def _clean_up(b: Serve) -> None:
     assert b.stop() == 0  # nothing runs: a full stop
 
 
+def _full_stop(s: Serve) -> None:
+    """After a failure: a live-restore daemon that still runs stopped with nothing loaded, so that it
+    leaves nothing behind (a SIGTERM alone would leave its workers, daemon and mailbox running)."""
+    if s.proc.poll() is None:
+        with contextlib.suppress(ClientError):
+            for p in s.client.programs():
+                s.client.unload(p["name"])
+    s.kill()
+
+
 async def test_an_adopting_start_makes_no_client_of_a_worker_left_without_one(standin_on_path, tmp):
     """After a fault's recovery a worker started ahead for the killed program (held: imported, no
     context) was left over, waiting; the next daemon adopted it and asked it READY, which made its
@@ -188,14 +199,14 @@ def test_an_adopting_start_while_the_pool_refills_makes_no_client(tmp):
         a.proc.kill()
         a.proc.wait(10)
     finally:
-        a.kill()
+        _full_stop(a)
     b = _serve_live(tmp, "b")
     try:
         assert b.client.status()["state"]["restore"]["adopted"] == ["heartbeat"]
         assert made.made() == [], "a client was made across the restart"
         _clean_up(b)
     finally:
-        b.kill()
+        _full_stop(b)
         reap_orphans()
 
 
@@ -211,7 +222,7 @@ def test_an_adopting_start_reloads_a_lost_program_on_an_idle_worker(tmp):
         echo = a.client.load(program_body(str(EXAMPLES / "echo")))["program"]  # beyond the pool: its own client
         assert a.stop() == 0
     finally:
-        a.kill()
+        _full_stop(a)
     mb = Mailbox.open(live_paths(state).mailbox)
     try:  # echo's kernel halted through its slot, then its worker ended: nothing faults
         mb.halt(echo["slot"])
@@ -230,5 +241,5 @@ def test_an_adopting_start_reloads_a_lost_program_on_an_idle_worker(tmp):
         poll(lambda: b.client.status()["pool"]["reserve"] == 1, 30.0, "the reserve refilled, paced")
         _clean_up(b)
     finally:
-        b.kill()
+        _full_stop(b)
         reap_orphans()
