@@ -274,10 +274,11 @@ async def test_a_blink_on_one_gpu_does_not_blink_the_other(two_gpus):
 def test_serve_devices_end_to_end(serve, tmp, monkeypatch):
     monkeypatch.setenv(SIM_GPUS_ENV, "2")
     sock = os.path.join(tmp, "s.sock")
-    s = serve("mps", "--devices", "0,1", "--pool", "1", sock=sock)
+    # pool 2: a load takes one, never the last (each GPU's pool's reserve, kept for upgrades: issue 33)
+    s = serve("mps", "--devices", "0,1", "--pool", "2", sock=sock)
     st = s.wait_ready()
-    assert [d["device"] for d in st["devices"]] == [0, 1] and all(len(d["pool"]) == 1 for d in st["devices"])
-    assert st["pool"]["capacity"] == 2 and sorted(st["clients"]) == sorted(st["pool"]["idle"])
+    assert [d["device"] for d in st["devices"]] == [0, 1] and all(len(d["pool"]) == 2 for d in st["devices"])
+    assert st["pool"]["capacity"] == 4 and sorted(st["clients"]) == sorted(st["pool"]["idle"])
     assert "devices 0: simulated NVIDIA H200" in s.log()
 
     r = cli("load", str(EXAMPLES / "heartbeat"), "--device", "1", "--socket", sock)
@@ -294,8 +295,9 @@ def test_serve_devices_end_to_end(serve, tmp, monkeypatch):
     assert listed["heartbeat"]["device"] == 1 and listed["echo"]["device"] == 0
 
     table = dict(re.split(r"\s{2,}", ln, maxsplit=1) for ln in cli("status", "--socket", sock).stdout.splitlines())
-    for d in (0, 1):  # each GPU's pool gave its worker to the load
-        assert table[f"gpu {d}"] == "simulated NVIDIA H200 (meshd-mps --gpu sim) (sm_90, 132 SMs), 1 program, pool 0 idle of 1 []"
+    for d in (0, 1):  # each GPU's pool gave a worker to the load and kept its reserve
+        assert re.fullmatch(r"simulated NVIDIA H200 \(meshd-mps --gpu sim\) \(sm_90, 132 SMs\), 1 program, pool 1 idle of 2"
+                            r" \[\d+\], reserve 1 of 1", table[f"gpu {d}"]), table[f"gpu {d}"]
     assert "device" not in table  # the GPUs' rows instead
     st = s.client.status()
     assert [d["programs"] for d in st["devices"]] == [1, 1]
@@ -308,7 +310,7 @@ def test_serve_devices_end_to_end(serve, tmp, monkeypatch):
     assert s.client.call("echo", "through GPU 0")["data"] == "through GPU 0"
     m = parse_metrics(s.client.metrics())
     assert m['meshd_mps_device_programs{device="0"}'] == 1 and m['meshd_mps_device_programs{device="1"}'] == 1
-    assert m["meshd_mps_pool_capacity"] == 2
+    assert m["meshd_mps_pool_capacity"] == 4 and m["meshd_mps_pool_reserve"] == 2
     assert m['meshd_mps_device_info{device="1",name="simulated NVIDIA H200 (meshd-mps --gpu sim)"}'] == 1
     assert s.stop() == 0, s.log()
 

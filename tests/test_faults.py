@@ -63,7 +63,8 @@ async def test_a_retired_worker_stays_local(standin_on_path):
     program fails, with the server's termination as its error; the others never stop and are
     not restarted; the dead worker is reaped and forgotten at once; the pool refills and serves the
     next load; the failed program unloads."""
-    async with await open_sim("mps", pool=1, deadlines=TEST_DEADLINES) as b:
+    # pool 2: a load takes one, never the last (the pool's reserve, kept for upgrades: issue 33)
+    async with await open_sim("mps", pool=2, deadlines=TEST_DEADLINES) as b:
         progs = Programs(b)
         hb = await progs.load(*example("heartbeat"))
         # resident: it runs until halted, or until its worker dies; never: it stays failed
@@ -96,9 +97,9 @@ async def test_a_worker_killed_in_a_loads_launch_is_a_gpu_fault(standin_on_path,
     program's yet: the load fails with the worker's death, and as on the H200 the GPU's other
     clients are torn down.  The recovery names the load's image (its worker, not any program),
     so every program there is innocent: relaunched, none left faulted."""
-    async with await open_sim("mps", pool=1, deadlines=TEST_DEADLINES) as b:
+    async with await open_sim("mps", pool=2, deadlines=TEST_DEADLINES) as b:
         progs = Programs(b)
-        hb = await progs.load(*example("heartbeat"))  # takes the pooled worker: echo's is fresh
+        hb = await progs.load(*example("heartbeat"))  # takes a pooled worker, not the reserve: echo's is fresh
         await beats(b, hb.slot, 10)
         monkeypatch.setenv("MESHD_MPS_WORKER_INJECT", "launch:hang")
         async with anyio.create_task_group() as tg:
@@ -114,7 +115,7 @@ async def test_a_worker_killed_in_a_loads_launch_is_a_gpu_fault(standin_on_path,
         rows = {row["name"]: row for row in progs.list()}
         assert list(rows) == ["heartbeat"] and rows["heartbeat"]["state"] == "running"
         await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot))
-        await until(lambda: len(b.isolations[0].pool) == 1)  # refilled, paced, after the relaunch
+        await until(lambda: len(b.isolations[0].pool) == 2)  # refilled, paced, after the relaunch
         echo = await progs.load(*example("echo"))  # the load works again
         assert await progs.call("echo", b"again") == b"again" and not echo.kernel.module.fresh
         await progs.close()

@@ -272,15 +272,16 @@ class Backend(NativeClients):
         return c
 
     async def prepare(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, hash: int | None = None,
-                      device: int | None = None) -> Image:
+                      device: int | None = None, new: bool = False) -> Image:
         """Checks, PTX -> cubin (cached), and in MPS mode the preload into a worker; on GPU
         ``device``, else on the least loaded one (``least_loaded``).  ``hash``: the image hash the
-        caller requires (HashMismatch otherwise)."""
+        caller requires (HashMismatch otherwise).  ``new``: a new program's (MPS: not into the
+        pool's reserve, which upgrades and relaunches take)."""
         if self._closed or not self.devices:
             raise Unavailable("backend closed")
         d = self.least_loaded() if device is None else self.device_or_first(device)
         p = await self._compiler(d).prepare(manifest, ptx, hash)
-        return await self.isolations[d].prepare(p)
+        return await self.isolations[d].prepare(p, new)
 
     def admit(self, device: int, name: str, nodes: int, used: float, new: bool = True) -> None:
         """Before anything changes: CapacityError if GPU ``device`` cannot take a program of
@@ -357,6 +358,27 @@ class Backend(NativeClients):
     def took(self, device: int, stray: Stray) -> None:
         """``stray`` was named a fault's culprit: a later fault does not name it again."""
         self._on(device).took(stray)
+
+    async def ahead(self, loads: Mapping[int, int]) -> None:
+        """Before a start launches any program: what ``loads`` (new programs by GPU) need, made on
+        every GPU at once (MPS: their workers), so that none is made once programs run."""
+        try:
+            async with anyio.create_task_group() as tg:
+                for d, n in loads.items():
+                    if n and d in self.isolations:
+                        tg.start_soon(self.isolations[d].ahead, n)
+        except ExceptionGroup as e:
+            raise e.exceptions[0] from e
+
+    def keep_reserve(self, device: int) -> None:
+        """After a launch on GPU ``device``: its pool's reserve refilled, paced, if it is short."""
+        self._on(device).keep_reserve()
+
+    def settled(self) -> None:
+        """The start's restore is done: what ``ahead`` or an adoption kept for it and no load took
+        goes to each GPU's pool."""
+        for g in self.isolations.values():
+            g.settled()
 
     def recovered(self, device: int) -> None:
         """GPU ``device``'s lost programs are back (MPS: its pool refills now, paced)."""

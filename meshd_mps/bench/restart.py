@@ -8,7 +8,12 @@
     (SIGTERM), an upgrade (a copy of this source tree with a later version started) and a SIGKILL
     followed by a start: the kernel's own largest beat gap (MAX_GAP, read from the mailbox file)
     against its idle MAX_GAP over a window as long as the longest of them (target: within 2x),
-    and the stop to the API answering again against (j)'s.
+    and the stop to the API answering again against (j)'s.  And (issue 33) with ``--pool 2`` and a
+    second program, a restart (SIGTERM) while the pool refills (a pooled worker killed, the stop
+    sent as the refill's worker starts) and just after a fault's recovery (a program's worker
+    killed, the stop sent as the heartbeat beats again): the same gaps (target: within 2x) and the
+    MPS clients made from the stop to the API answering (the control daemon's log; target: none);
+    not with ``--quick`` (tests/test_no_surprise_clients.py counts those clients on the CPU).
 """
 
 from __future__ import annotations
@@ -197,6 +202,95 @@ def restart_live(bench: Bench) -> tuple[float, dict[str, tuple[float, float]], s
         shutil.rmtree(s.d, ignore_errors=True)
 
 
+_NEW_CLIENT = re.compile(r"New client (\d+) connected|NEW CLIENT (\d+) from user")
+
+
+def _clients_made(mps_dir: str, since: int) -> tuple[set[int], int]:
+    """The MPS clients the control daemon's log says were made after its first ``since`` bytes
+    (NVIDIA's "NEW CLIENT pid from user", the stand-in's "New client pid connected"), and its size."""
+    try:
+        with open(os.path.join(mps_dir, "log", "control.log"), "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return set(), since
+    return {int(a or b) for a, b in _NEW_CLIENT.findall(text)}, since + len(text.encode())
+
+
+def _new_worker(ppid: int, known: set[int], within: float) -> int:
+    """The first worker process of ``ppid`` not in ``known`` (the pool's refill), polled every ~1 ms."""
+    from meshd_mps.supervision import procfs
+
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        for p in procfs.processes():
+            if p.ppid == ppid and p.pid not in known and "workers" in p.argv:
+                return p.pid
+        time.sleep(0.001)
+    raise RuntimeError(f"no new worker of {ppid} within {within:g} s")
+
+
+def restart_live_busy(bench: Bench) -> tuple[float, dict[str, tuple[float, int]]]:
+    """``serve --live-restore --pool 2`` with ``heartbeat`` and ``echo``: restarted (SIGTERM) as the
+    pool refills and just after a fault's recovery; (the kernel's idle MAX_GAP, and for each its
+    MAX_GAP across the restart and the MPS clients made from the stop to the API answering)."""
+    from meshd_mps.serving.client import Client, program_body
+
+    s = _Serve(tempfile.mkdtemp(prefix="mbq-", dir=bench.base), bench, "--live-restore", "--pool", "2")
+    mps_dir = live_paths(s.state).mps
+    mb: Mailbox | None = None
+    before = our_children()
+    try:
+        s.start()
+        c = Client(s.sock, timeout=60)
+        c.load(program_body(str(EXAMPLES / "heartbeat"), arch=c.arch))
+        c.load(program_body(str(EXAMPLES / "echo"), arch=c.arch))
+        mb = Mailbox.open(live_paths(s.state).mailbox)
+        out: dict[str, tuple[float, int]] = {}
+        longest = 0.0
+        for how in ("refill", "recovery"):
+            c = Client(s.sock, timeout=60)
+            st = c.status()
+            if how == "refill":
+                assert s.p is not None
+                os.kill(st["pool"]["idle"][0], signal.SIGKILL)  # idle: no fault; the pool refills, paced
+                _new_worker(s.p.pid, set(st["workers"]), 30)
+            else:
+                faults = len(st["faults"])
+                os.kill(c.program("echo")["pid"], signal.SIGKILL)  # with its kernel running: a fault of the GPU
+                end = time.monotonic() + 60
+                while not (len((st := c.status())["faults"]) > faults and st["faults"][-1].get("ms")):
+                    if time.monotonic() > end:
+                        raise RuntimeError("no fault recovery within 60 s of the kill")
+                    time.sleep(0.002)
+            slot = c.program("heartbeat")["slot"]
+            _gap_since_reset(mb, slot, reset=True)
+            _, mark = _clients_made(mps_dir, 0)
+            t0 = time.monotonic()
+            s.stop(signal.SIGTERM)
+            s.start()
+            longest = max(longest, time.monotonic() - t0)
+            made, _ = _clients_made(mps_dir, mark)
+            st = Client(s.sock, timeout=60).status()
+            if "heartbeat" not in st["state"]["restore"]["adopted"]:
+                raise RuntimeError(f"{how}: heartbeat not adopted: {st['state']['restore']}")
+            time.sleep(0.2)
+            out[how] = (_gap_since_reset(mb, slot, reset=False) / 1e9, len(made))
+        _gap_since_reset(mb, slot, reset=True)
+        time.sleep(longest + 0.2)
+        idle = _gap_since_reset(mb, slot, reset=False) / 1e9
+        c = Client(s.sock, timeout=60)
+        for p in c.programs():
+            c.unload(p["name"])
+        return idle, out
+    finally:
+        if mb is not None:
+            mb.close()
+        s.stop()
+        reap_new_children(before, 10.0)
+        shutil.rmtree(s.d, ignore_errors=True)
+
+
 async def sec_restart(bench: Bench) -> list[Row]:
     """meshd-mps itself restarted: (j) restore by reload, the program halted and loaded again; (k)
     live restore, the program adopted as it runs (a restart, an upgrade to a later release, a SIGKILL
@@ -223,4 +317,15 @@ async def sec_restart(bench: Bench) -> list[Row]:
         rows.append(Row("k", f"live restore across {what[how]}: the stop to the API answering again", "ms", a * 1e3,
                         api * 1e3, "restore by reload's (j)", "-", None,
                         "the new daemon answers once it has adopted the daemon, the workers and the program"))
+    if bench.quick:  # three more daemons' starts: past the CPU smoke run's time (the CPU tests count the clients)
+        return rows
+    busy_idle, busy = await anyio.to_thread.run_sync(restart_live_busy, bench)
+    when = {"refill": "while the pool refills (a pooled worker killed; the stop as its replacement starts)",
+            "recovery": "just after a fault's recovery (echo's worker killed; the stop as heartbeat beats again)"}
+    for how, (g, made) in busy.items():
+        rows.append(Row("k", f"live restore, a restart {when[how]}: heartbeat's largest beat gap", "us", g * 1e6,
+                        busy_idle * 1e6, "its idle gap (MAX_GAP, as long a window)", "<= 2x",
+                        g <= 2 * busy_idle and made == 0,
+                        f"--pool 2, heartbeat and echo; {made} MPS clients made from the stop to the API answering"
+                        " (the control daemon's log; target none)"))
     return rows

@@ -25,6 +25,7 @@ from meshd_mps.errors import AbiMismatch, MeshError, WorkerError
 from meshd_mps.faults import Stray
 from meshd_mps.gpu.compiler import Manifest, Prepared
 from meshd_mps.isolation.launch import Launch
+from meshd_mps.mps.clients import NewClient
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Done, HelloModule, Loaded, Op
 from meshd_mps.supervision.proc import WorkerProc
@@ -44,6 +45,8 @@ class Module:
     proc: WorkerProc
     module: int  # its number in that worker's context
     info: Loaded
+    #: MPS: the client made for it at its load, and its estimated cost (None: a pooled worker's, or blink).
+    new_client: NewClient | None = field(default=None, kw_only=True)
 
     async def start(self, slot: int, nodes: int) -> asyncio.Future[Done]:
         """LAUNCH of a new generation on ``nodes`` blocks (the one launch path of both modes);
@@ -215,8 +218,9 @@ class Isolation(ABC):
         return out
 
     @abstractmethod
-    async def prepare(self, prepared: Prepared) -> Image:
-        """The image for this GPU; MPS: preloaded into a pooled worker, else a fresh one."""
+    async def prepare(self, prepared: Prepared, new: bool = False) -> Image:
+        """The image for this GPU; MPS: preloaded into a pooled worker, else a fresh one (``new``, a
+        new program's: never the pool's reserve, which is kept for upgrades and relaunches)."""
 
     @abstractmethod
     def check_room(self, name: str) -> None:
@@ -287,6 +291,23 @@ class Isolation(ABC):
     def pooled(self) -> tuple[int, int]:
         """(idle pooled workers, the pool's cap): none where there is no pool (blink)."""
         return 0, 0
+
+    def reserve(self) -> tuple[int, int]:
+        """(the pool's reserve idle now, the reserve): the idle workers no load takes, kept for an
+        upgrade or a relaunch; none where there is no pool (blink)."""
+        return 0, 0
+
+    def keep_reserve(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
+        """After a launch: a pool short of its reserve (an upgrade's old worker not given back, a
+        relaunch that took it) refilled to it, paced (MPS)."""
+
+    async def ahead(self, loads: int) -> int:
+        """Before a start launches any program: what ``loads`` new programs need made now (MPS:
+        their workers, in one batch), none of it once programs run; how many workers were made."""
+        return 0
+
+    def settled(self) -> None:  # noqa: B027 - an optional hook, by default nothing to do
+        """The start's restore is done (MPS: what ``ahead`` made and no load took goes to the pool)."""
 
     @abstractmethod
     def load_count(self) -> int:

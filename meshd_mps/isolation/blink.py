@@ -195,7 +195,7 @@ class BlinkIsolation(Isolation):
                 " (MPS isolation takes more programs: isolation \"mps\")", limit="hardware queues", have=self.queues,
                 asked=len(self.modules) + 1)
 
-    async def prepare(self, prepared: Prepared) -> Image:
+    async def prepare(self, prepared: Prepared, new: bool = False) -> Image:
         return Image(prepared, self.device)
 
     async def load(self, img: Image, admit: Admit | None = None) -> Kernel:

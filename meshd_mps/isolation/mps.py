@@ -5,7 +5,9 @@ daemon.  :class:`Mps` is the mode's host-wide part (the daemon and its clients,
 Creating an MPS client stalls every running client once and takes ~120 ms, a load into an
 existing one stalls nobody: so each GPU keeps a pool of idle workers, started before any
 program runs (``prewarm``), and ``prepare`` loads an image into one of them (``preload``)
-while the programs already there go on running.
+while the programs already there go on running.  No client is created by surprise
+(docs/operations.md, "The pool"): a load leaves the pool's reserve to upgrades (``preload``),
+a start makes its workers before it launches any (``ahead``), an adopting start makes none.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ from meshd_mps.errors import (
 from meshd_mps.faults import Stray
 from meshd_mps.gpu.compiler import Prepared
 from meshd_mps.isolation.base import Admit, Evidence, Image, Isolation, Kernel, Mode, Module
-from meshd_mps.mps.clients import MAX_CLIENTS, Clients, pids_debug
+from meshd_mps.isolation.mps_evidence import ServerEvidence
+from meshd_mps.isolation.refill import Refill
+from meshd_mps.mps.clients import MAX_CLIENTS, Clients, NewClient, pids_debug, stall_estimate_us
 from meshd_mps.mps.control import ControlDaemon
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Load, Loaded, Op
-from meshd_mps.supervision.pool import Pool
+from meshd_mps.supervision.pool import Pool, ready
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
 
@@ -65,40 +69,45 @@ class MpsIsolation(Isolation):
         super().__init__(mps.sup, device)
         self.mps = mps
         self.pool = Pool(mps.pool_cap, mps.sup.retire)
-        self._replacing = False  # a task refills the pool after pooled workers died
-        self._last_client = 0.0  # monotonic time the last replacement client was started
+        self.proof = ServerEvidence(mps, self.sup, device)  # a fault's evidence (the server's log)
+        self.paced = Refill(mps.sup, self.pool, device, functools.partial(self.prewarm, 1, hold=True))
         self._closing = False
         self._held: list[WorkerProc] = []  # started during a fault's teardown, no context yet (--hold)
-        self._reserve: list[WorkerProc] = []  # ready for a fault's lost programs: taken before the pool
+        # Made ahead for programs about to be launched (a fault's lost ones, a start's restored ones, an
+        # adopting start's idle ones past the pool): taken before the pool.  Not the pool's reserve.
+        self._reserve: list[WorkerProc] = []
         self._warming: list[list[WorkerProc]] = []  # each prewarm's workers, started and not yet pooled or kept
         mps.sup.exit_hooks.append(self._exited)
 
     async def open(self, adopted: Sequence[WorkerProc] = ()) -> None:
         """The pool prewarmed; with ``adopted`` workers (live restore) it is what they left idle, and
-        refills as it always does: each new MPS client stalls the running ones once (~0.44 ms on the
-        H200), which the adopted programs' restart is not to cost them (bench (k))."""
+        no client is made: each stalls the running ones once, which the adopted programs' restart
+        is not to cost them (bench (k)); one short of its reserve is refilled paced (``settled``)."""
         if adopted:
             await self._adopt(adopted)
         else:
             await self.prewarm(self.pool.cap)
 
     async def _adopt(self, procs: Sequence[WorkerProc]) -> None:
-        """Live restore: each adopted worker asked READY and checked to be a client of our server
-        (else retired); one that holds no module goes to the pool (past its cap: retired), the
-        others' modules are ``found``, for the programs to take or halt."""
-        ready: list[WorkerProc] = []
+        """Live restore, creating no MPS client: each adopted worker that is a client of our server
+        already is asked READY (else retired: one without a context, held or still starting when
+        the last daemon stopped, would create its client at its READY); one that holds no module
+        goes to the pool (past its cap: kept for the restore's loads, ``settled``), the others'
+        modules are ``found``, for the programs to take or halt."""
+        server, clients = await self.mps.client_list()
+        ours: list[WorkerProc] = []
         for p in procs:
+            if p.pid not in clients:
+                log.warning(f"mps: adopted worker {p.pid} is no client of our server {server} (no context yet: held, or"
+                            " starting when the last daemon stopped); retiring it unasked, which creates no client",
+                            pid=p.pid)
+                self.sup.retire(p, before_exit=False)
+                continue
             try:
-                await _ready(p)
-                ready.append(p)
+                await ready(p)
+                ours.append(p)
             except MeshError as e:
                 log.error(f"mps: adopted worker {p.pid}: {e}; retiring it", pid=p.pid)
-                self.sup.retire(p, before_exit=False)
-        server, clients = await self.mps.client_list()
-        ours = [p for p in ready if p.pid in clients]
-        for p in ready:
-            if p not in ours:
-                log.error(f"mps: adopted worker {p.pid} is not a client of our server {server}; retiring it", pid=p.pid)
                 self.sup.retire(p, before_exit=False)
         if server is not None:
             self.mps.note_clients(server, clients)
@@ -107,20 +116,18 @@ class MpsIsolation(Isolation):
             self.mps.took(p)
             if p.hello.modules:
                 self.found += self.found_in(p, functools.partial(_worker_of, p))
-            elif len(self.pool) < self.pool.cap:
-                self.pool.add(p)
             else:
-                self.sup.retire(p)
-        log.info(f"mps: GPU {self.device}: adopted {len(ours)} workers: {len(self.found)} modules,"
-                 f" {len(self.pool)} pooled", device=self.device, found=[f.name for f in self.found],
-                 pool=self.pool.pids())
+                self.pool.add(p) if len(self.pool) < self.pool.cap else self._reserve.append(p)
+        log.info(f"mps: GPU {self.device}: adopted {len(ours)} workers: {len(self.found)} modules, {len(self.pool)}"
+                 f" pooled, {len(self._reserve)} more idle", found=[f.name for f in self.found], pool=self.pool.pids())
 
     # ---- workers ----------------------------------------------------------------------------
-    async def prewarm(self, n: int, into: list[WorkerProc] | None = None, again: bool = False) -> None:
+    async def prewarm(self, n: int, into: list[WorkerProc] | None = None, again: bool = False,
+                      hold: bool = False) -> None:
         """n workers (the held ones first, then fresh ones), READY all, verified as our clients,
         then pooled (or put ``into`` a list of the caller's); all or none.  ``again``: a READY
         refused (NoContext: the server takes no clients yet) is asked again until the caller's
-        deadline."""
+        deadline.  ``hold``: fresh ones started held too, their clients created at their READY."""
         if n == 0:
             return
         d = self.device
@@ -131,15 +138,17 @@ class MpsIsolation(Isolation):
         try:
             while self._held and len(procs) < n:
                 procs.append(self._held.pop())
+            held = len(procs)
             while len(procs) < n:
-                procs.append(await self.mps.spawn(None, d))
+                procs.append(await self.mps.spawn(None, d, hold=hold))
+            held = held if not hold else n
             first = 0.0
 
-            async def ready(p: WorkerProc) -> None:
+            async def made(p: WorkerProc) -> None:
                 nonlocal first
                 while True:
                     try:
-                        await _ready(p)
+                        await ready(p)
                         break
                     except NoContext:
                         if not again:
@@ -149,8 +158,9 @@ class MpsIsolation(Isolation):
 
             async with anyio.create_task_group() as tg:
                 for p in procs:
-                    tg.start_soon(ready, p)
+                    tg.start_soon(made, p)
             self.first_context_at = first
+            self.mps.created += held  # their READY made their contexts
             await self.mps.check_clients([p.pid for p in procs])
         except BaseException as e:
             for p in procs:
@@ -165,16 +175,20 @@ class MpsIsolation(Isolation):
         log.info(f"mps: {'pool of ' if into is None else ''}{n} idle workers {pids_debug([p.pid for p in procs])} on GPU {d}"
                  f" ready in {(time.monotonic() - t0) * 1e3:.0f} ms")
 
-    async def preload(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int, tag: int = 0) -> MpsModule:
-        """The image's module loaded in a pooled worker if one is fit, else in a fresh one."""
+    async def preload(self, name: str, cubin: bytes, threads: int, smem: int, scratch: int, tag: int = 0,
+                      new: bool = False) -> MpsModule:
+        """The image's module loaded in a pooled worker if one is fit, else in a fresh one: an MPS
+        client made now, said in the log and ``new_client``.  ``new`` (a new program's load): never
+        the pool's reserve, which an upgrade takes (``keep_reserve`` refills it if need be)."""
         d = self.device
         self.mps.daemon.check_alive()  # a pooled worker would fail its LOAD, a fresh one its check
         t0 = time.monotonic()
         req = Load(0, threads, smem, scratch, name, cubin, tag)
         while True:
-            p = self._reserve.pop(0) if self._reserve else self.pool.take()
-            fresh = p is None
+            p = self._reserve.pop(0) if self._reserve else self.pool.take(load=new)
+            fresh, new_client = p is None, None
             if p is None:
+                new_client = NewClient(n := self.mps.count_clients(d) + 1, stall_estimate_us(n))
                 p = await self.mps.spawn(name, d)
             p.program = name
             try:
@@ -203,7 +217,7 @@ class MpsIsolation(Isolation):
                 # hold a client of the server for ever.
                 self.sup.retire(p)
                 raise
-        w = MpsModule(name, p, 0, info, fresh)
+        w = MpsModule(name, p, 0, info, fresh, new_client=new_client)
         try:
             if self.mps.sms and self.mps.sms != info.sms:
                 raise DeviceError(f"load: the worker's green context has {info.sms} SMs, not {self.mps.sms}")
@@ -214,6 +228,11 @@ class MpsIsolation(Isolation):
             # that no later load takes it unchecked.
             self.sup.retire(p)
             raise
+        if new_client is not None:
+            log.warning(f"mps: program {name}: a new MPS client (worker {p.pid}) made at its load, the pool of GPU {d}"
+                        f" being down to {len(self.pool)} idle (its reserve {self.pool.reserve}): it stalls each running"
+                        f" program there once, ~{new_client.stall_us:.0f} us at {new_client.clients} clients (an"
+                        " estimate)", pid=p.pid, program=name, device=d, new_client=new_client.as_dict())
         log.info(
             f"mps: worker {p.pid} ({'new' if fresh else 'pooled'}) on GPU {d} for {name}: module loaded, mailbox at device"
             f" 0x{info.dev:x}, {info.sms} SMs, in {(time.monotonic() - t0) * 1e3:.1f} ms",
@@ -240,10 +259,33 @@ class MpsIsolation(Isolation):
                 f" {len(m.native)} native clients and a pool of {self.pool.cap} leave no room for another",
                 limit="MPS clients", have=have, asked=busy + 1)
 
-    async def prepare(self, prepared: Prepared) -> Image:
+    async def prepare(self, prepared: Prepared, new: bool = False) -> Image:
         m = prepared.manifest
         return Image(prepared, self.device,
-                     await self.preload(m.name, prepared.cubin, m.threads, m.smem, m.scratch, prepared.hash))
+                     await self.preload(m.name, prepared.cubin, m.threads, m.smem, m.scratch, prepared.hash, new))
+
+    async def ahead(self, loads: int) -> int:
+        """Before a start launches any program: workers for its ``loads``, taken by them first.  With
+        programs running (adopted) the pool's are taken, its reserve too (refilled paced, ``settled``),
+        so that none is made unless it must; else those beyond the pool's (its reserve left) are made
+        now, in one batch, before anyone runs.  How many were made."""
+        while self.load_count() and len(self._reserve) < loads and (w := self.pool.take()) is not None:
+            self._reserve.append(w)
+        make = max(0, loads - len(self._reserve) - self.pool.for_loads())
+        if make:
+            await self.prewarm(make, into=self._reserve)
+            log.info(f"mps: GPU {self.device}: {make} workers made before any program is launched, for {loads}"
+                     " loads", device=self.device)
+        return make
+
+    def settled(self) -> None:
+        """The start's restore is done: the workers made or adopted for it and not taken go to the
+        pool (past its cap: retired, which creates no client); a pool short of its reserve (adopted
+        so) is refilled now, paced."""
+        while self._reserve:
+            w = self._reserve.pop()
+            self.pool.add(w) if len(self.pool) < self.pool.cap else self.sup.retire(w)
+        self.keep_reserve()
 
     async def load(self, img: Image, admit: Admit | None = None) -> Kernel:
         """The preloaded worker handed over."""
@@ -293,6 +335,13 @@ class MpsIsolation(Isolation):
     def pooled(self) -> tuple[int, int]:
         return len(self.pool), self.pool.cap
 
+    def reserve(self) -> tuple[int, int]:
+        return self.pool.reserve_idle(), self.pool.reserve
+
+    def keep_reserve(self) -> None:
+        if len(self.pool) < self.pool.reserve and not self._closing:
+            self.paced.ask(self.pool.reserve)
+
     def load_count(self) -> int:
         """Its workers that are not idle in the pool, kept for a fault's lost programs, or starting
         for either (a pooled worker's replacement is no image)."""
@@ -301,7 +350,8 @@ class MpsIsolation(Isolation):
         return sum(1 for p in self.mps.workers_on(self.device) if p not in idle)
 
     def status(self) -> dict[str, Any]:
-        return {"workers": self.mps.workers_on(self.device), "pool": self.pool.pids(), "pool_cap": self.pool.cap}
+        return {"workers": self.mps.workers_on(self.device), "pool": self.pool.pids(), "pool_cap": self.pool.cap,
+                "pool_reserve": self.pool.reserve_idle(), "pool_reserve_cap": self.pool.reserve}
 
     # ---- a fault of the GPU -----------------------------------------------------------------
     async def teardown(self, ahead: int = 0) -> list[WorkerProc]:
@@ -354,33 +404,14 @@ class MpsIsolation(Isolation):
         except TimeoutError:
             log.error(f"mps: the server took no new clients on GPU {d} within {within:g}s of the fault")
             return False
-        self._last_client = time.monotonic()
+        self.paced.last_client = time.monotonic()
         return True
 
     async def evidence(self, ours: Collection[int] = (), wait: float = 0.0) -> Evidence:
-        """The server log's culprits, watched for up to ``wait`` seconds until one shows (the server
-        writes its line within milliseconds of the fault); whether it was a fault of the GPU is for
-        the evidence to say."""
-        pids = self.fatal_pids()
-        if not pids and wait > 0:
-            with anyio.move_on_after(wait):
-                while not (pids := self.fatal_pids()):
-                    await anyio.sleep(0.02)
-        return Evidence(pids, self.strays(set(ours)), gpu_wide=False)
-
-    def fatal_pids(self) -> list[int]:
-        """The pids of this GPU that the MPS server logged as having hit a fatal error, taken (a
-        later look does not see them again)."""
-        return self.mps.fatal.take(self.device, self.mps.device_of)
-
-    def strays(self, ours: set[int]) -> list[Stray]:
-        """Workers of this GPU, none of ``ours`` (the programs'), that ended on their own with a
-        kernel launched: the culprit where no program is (faults.name_culprit)."""
-        return [Stray(w.pid, w.program, w.exited_running_at) for w in self.sup.exited_running
-                if w.device == self.device and w.pid not in ours]
+        return await self.proof.evidence(ours, wait)
 
     def took(self, stray: Stray) -> None:
-        self.sup.exited_running = [w for w in self.sup.exited_running if w.pid != stray.pid]
+        self.proof.took(stray)
 
     def died_on_its_own(self, k: Kernel) -> bool:
         return not k.unloaded and k.proc.died_on_its_own()
@@ -394,7 +425,7 @@ class MpsIsolation(Isolation):
         while self._reserve:
             w = self._reserve.pop()
             self.pool.add(w) if len(self.pool) < self.pool.cap else self.sup.retire(w)
-        self._start_replacing()
+        self.paced.ask(self.pool.cap)
 
     # ---- a pooled worker's death --------------------------------------------------------------
     def _exited(self, w: WorkerProc) -> None:
@@ -404,34 +435,12 @@ class MpsIsolation(Isolation):
             return
         log.warning(f"mps: pooled worker {w.pid} on GPU {self.device} died while idle; replacing it", pid=w.pid,
                     device=self.device)
-        self._start_replacing()
-
-    def _start_replacing(self) -> None:
-        if not self._replacing:
-            self._replacing = True
-            self.sup.start_soon(self._replace, name=f"pool refill GPU {self.device}")
-
-    async def _replace(self) -> None:
-        """New workers until the pool is full again, one at a time, at most one per
-        ``Deadlines.pool_pace``: each new MPS client stalls the running ones once."""
-        try:
-            while not self._closing and len(self.pool) < self.pool.cap:
-                wait = self._last_client + self.sup.deadlines.pool_pace - time.monotonic()
-                if wait > 0:
-                    await anyio.sleep(wait)
-                self._last_client = time.monotonic()
-                try:
-                    await self.prewarm(1)
-                except MeshError as e:
-                    log.error(f"mps: GPU {self.device}: a pooled worker was not replaced: {e}", device=self.device)
-                    return
-        finally:
-            self._replacing = False
+        self.paced.ask(self.pool.cap)
 
     def detach(self) -> None:
         """The pool is not refilled any more; its workers, like every other, are left running, but
         the held ones (a recovery's, no context yet), whose READY at the next start would be a new client."""
-        self._closing = True
+        self._closing = self.paced.closing = True
         self.pool.drain()
         for w in self._held:
             self.sup.retire(w)
@@ -439,7 +448,7 @@ class MpsIsolation(Isolation):
 
     async def close(self) -> None:
         """The idle workers see EOF first (then the supervisor kills every worker)."""
-        self._closing = True
+        self._closing = self.paced.closing = True
         for w in self.pool.drain() + self._reserve + self._held:
             w.close_stdin()
         self._reserve, self._held = [], []
@@ -475,23 +484,9 @@ class Mps(Clients, Mode):
         """Every GPU's pool together, the server and the daemon."""
         pools = [g.pool for g in self.gpus.values()]
         return {"pool": sorted(p for pool in pools for p in pool.pids()), "pool_cap": sum(pool.cap for pool in pools),
-                **self.daemon_status()}
+                "pool_reserve": sum(pool.reserve_idle() for pool in pools),
+                "pool_reserve_cap": sum(pool.reserve for pool in pools), **self.daemon_status()}
 
 
 def _worker_of(p: WorkerProc, hm: frames.HelloModule) -> MpsModule:
     return MpsModule(hm.name, p, hm.id, hm.info)
-
-
-async def _ready(p: WorkerProc) -> None:
-    try:
-        payload = await p.ask(Op.READY)
-    except WorkerError as e:
-        raise e.prefixed("mps: pool") from e
-    try:
-        pid = frames.ready_pid(payload)
-    except FrameError as e:
-        p.mark_unfit(f"worker {p.pid}: bad READY: {e}")
-        raise WorkerError(f"mps: pool: worker {p.pid}: bad READY: {e}", pid=p.pid) from e
-    if pid != p.pid:
-        p.mark_unfit(f"worker {p.pid}: READY says pid {pid}")
-        raise WorkerError(f"mps: pool: worker {p.pid}: READY says pid {pid}", pid=p.pid)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -33,6 +34,31 @@ log = structlog.get_logger("meshd_mps")
 
 #: Clients one MPS server accepts (CUDA 13.0 on the H200: the 49th is refused).
 MAX_CLIENTS = 48
+
+#: What one new MPS client cost every running client, measured: a resident probe program's worst
+#: beat gap when a client was created beside it, by the clients there then (an H100, 2026-12-06,
+#: issue 33; the H200 gave 0.44 ms at 8).  ``stall_estimate_us`` draws a line through them.
+CLIENT_STALL_US: tuple[tuple[int, float], tuple[int, float]] = ((8, 505.0), (44, 1614.0))
+
+
+@dataclass(frozen=True)
+class NewClient:
+    """A worker created for one program at its load (the pool had only its reserve, or none): the
+    MPS clients of its GPU with it, and the estimated stall it cost each running program there."""
+
+    clients: int
+    stall_us: float  # stall_estimate_us(clients): an estimate, not a measurement
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"clients": self.clients, "stall_us_estimate": self.stall_us}
+
+
+def stall_estimate_us(clients: int) -> float:
+    """An estimate (not a measurement) of the stall one new MPS client costs each running program
+    when the server then has ``clients`` clients: the line through ``CLIENT_STALL_US``
+    (docs/benchmarks.md, row h)."""
+    (n0, s0), (n1, s1) = CLIENT_STALL_US
+    return round(max(0.0, s0 + (s1 - s0) * (clients - n0) / (n1 - n0)), 1)
 
 
 def pids_debug(pids: Sequence[int]) -> str:
@@ -58,6 +84,9 @@ class Clients:
         self.server: str | None = None  # the server's pid once a worker was seen in its client list
         self._native: dict[int, int | None] = {}  # native client pid -> its start time (procfs)
         self.max_clients = max_clients
+        #: MPS clients our workers created (a context each), for the metrics: each stalled the running
+        #: programs of its GPU once (``stall_estimate_us``).
+        self.created = 0
         sup.before_exit = self.terminate
         #: The environment a worker gets on top of ours (tests point it elsewhere).
         self.worker_env: dict[str, str] = dict(daemon.env)
@@ -212,6 +241,8 @@ class Clients:
         except WorkerError as e:
             raise e.prefixed("load") from e
         w.device = device
+        if not hold:  # a held worker creates its client at its READY (``created_by_ready``)
+            self.created += 1
         self.took(w)
         return w
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from meshd_mps.errors import ConfigError
+from meshd_mps.errors import ConfigError, MeshError
 from meshd_mps.programs.adoption import Adoption
 from meshd_mps.programs.calls import Calls
 from meshd_mps.programs.heartbeats import Heartbeats
@@ -132,6 +132,27 @@ class Programs:
 
     def on_device(self, device: int) -> list[Program]:
         return self.reg.on_device(device)
+
+    async def ahead(self, devices: Iterable[int | None]) -> None:
+        """Before a start loads programs, one a GPU of ``devices`` (None: ``place``'s choice, as the
+        loads will make it): what they need made at once, before any of them is launched
+        (Backend.ahead), and not once programs run."""
+        count = {d: len(self.reg.on_device(d)) for d in self.reg.b.devices}
+        loads: dict[int, int] = {}
+        for want in devices:
+            try:
+                d = self.reg.place(want)
+            except MeshError:  # a GPU not served here: its load is refused by itself
+                continue
+            if want is None:
+                d = self.reg.b.least_loaded(count)
+            count[d] = count.get(d, 0) + 1
+            loads[d] = loads.get(d, 0) + 1
+        await self.reg.b.ahead(loads)
+
+    def settled(self) -> None:
+        """The start's loads are done: what ``ahead`` made and they did not take goes to the pools."""
+        self.reg.b.settled()
 
     def _free_slot(self, want: int | None = None) -> int:
         return self.reg.free_slot(want)

@@ -55,6 +55,7 @@ class Launching:
             with anyio.CancelScope(shield=True):
                 await b.abandon(k, slot)
             raise
+        b.keep_reserve(k.device)  # an upgrade's old worker is back by now; a relaunch may have taken it
         return run
 
     async def until_started(self, k: Kernel, run: Launch, slot: int) -> None:

@@ -60,7 +60,7 @@ class Lifecycle:
             used = reg.used(gpu)
             b.admit(gpu, m.name, nodes, used)  # every limit, before anything changes
             t0 = time.perf_counter()
-            img = await b.prepare(m, ptx, hash, device=gpu)
+            img = await b.prepare(m, ptx, hash, device=gpu, new=True)
             try:
                 k, run = await self.launching.start(img, slot, nodes, used)
             except BaseException:

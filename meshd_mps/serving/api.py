@@ -313,7 +313,8 @@ class Api:
             "device": b.caps.name if b.caps else None,
             "sms": b.sms,
             "caps": s["caps"],
-            "pool": {"idle": s.get("pool", []), "capacity": s.get("pool_cap", 0)},
+            "pool": {"idle": s.get("pool", []), "capacity": s.get("pool_cap", 0), "reserve": s.get("pool_reserve", 0),
+                     "reserve_capacity": s.get("pool_reserve_cap", 0)},
             "workers": s["workers"],
             "retired": s["retired"],
             "server_pid": None,
@@ -357,7 +358,11 @@ class Api:
     def _loaded(self, p: Program, status: int, verb: str) -> web.Response:
         self.metrics.loaded()
         # "program": the program's row, in every verb's answer; "loaded"/"upgraded": its name, deprecated.
-        return answer(status, {"ok": True, "program": self._describe(p), verb: p.name})
+        out = {"ok": True, "program": self._describe(p), verb: p.name}
+        made = p.kernel.module.new_client
+        if made is not None:  # an MPS client made for it now (the pool was down to its reserve): said, with its cost
+            out["new_client"] = made.as_dict()
+        return answer(status, out)
 
     async def post_program(self, request: web.Request) -> web.Response:
         body = schemas.load_body(await self._json(request))

@@ -378,6 +378,10 @@ def _client(args: argparse.Namespace) -> int:
             else:
                 print(f"{p['name']} upgraded on slot {p['slot']} (upgrade {p['upgrades']}, pid {p['pid']},"
                       f" hash {p['hash']}, {how})")
+            if made := ans.get("new_client"):  # no pooled worker free for it: a client made now, said
+                print(f"  a new MPS client was made for it (no pooled worker was free for it): each running program"
+                      f" of GPU {p.get('device', 0)} stalled once, ~{made['stall_us_estimate']:.0f} us at"
+                      f" {made['clients']} clients (an estimate)")
         elif args.cmd == "unload":
             ans = c.unload(args.name)
             if args.json:

@@ -76,14 +76,16 @@ def status_table(s: dict[str, Any]) -> str:
             what = [f"{d.get('name')} ({c.get('arch', '?')}, {c.get('sms_total', '?')} SMs)",
                     f"{d.get('programs', 0)} program{'' if d.get('programs', 0) == 1 else 's'}"]
             if "pool" in d:
-                what.append(f"pool {len(d['pool'])} idle of {d.get('pool_cap', 0)} {_pids(d['pool'])}")
+                what.append(f"pool {len(d['pool'])} idle of {d.get('pool_cap', 0)} {_pids(d['pool'])}, reserve"
+                            f" {d.get('pool_reserve', 0)} of {d.get('pool_reserve_cap', 0)}")
             if "blinks" in d:
                 what.append(f"context {d.get('context_pid')}, {d.get('blinks', 0)} blinks")
             rows.append([f"gpu {d.get('device')}", ", ".join(what)])
     if s.get("isolation") == "mps":
         clients = s.get("clients")
         rows += [
-            ["pool", f"{len(pool.get('idle', []))} idle of {pool.get('capacity', 0)} {_pids(pool.get('idle', []))}"],
+            ["pool", f"{len(pool.get('idle', []))} idle of {pool.get('capacity', 0)} {_pids(pool.get('idle', []))}"
+                     f", reserve {pool.get('reserve', 0)} of {pool.get('reserve_capacity', 0)} (kept for upgrades)"],
             ["mps daemon", f"{s.get('daemon_died') or s.get('daemon_pid')} ({s.get('mps_dir')})"],
             ["mps server", f"{s.get('server_pid') or '-'}, clients " + (_pids(clients) if clients is not None
                                                                          else s.get("clients_error", "?"))],

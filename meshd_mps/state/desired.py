@@ -142,6 +142,27 @@ async def restore(programs: Programs, store: Store, declared: Sequence[DeclaredP
             entry["error"] = str(e)
             log.error(f"restore: {f.name} on worker {f.module.proc.pid} not discarded: {e}", program=f.name)
         out.halted.append(entry)
+    # Every worker the loads below need made first, at once: no MPS client is made once they run.
+    wanted: list[int | None] = [r.device for r in records.values() if r.name not in programs.by_name]
+    wanted += [d.device for d in declared if d.name not in programs.by_name and d.name not in records]
+    try:
+        await programs.ahead(wanted)
+    except MeshError as e:  # each load then makes its own, or is refused, as it would be
+        log.error(f"restore: the workers for {len(wanted)} loads not made ahead: {e}")
+    try:
+        await _load_all(programs, store, declared, body, records, out)
+    finally:
+        programs.settled()
+    log.info(f"restore: {len(out.adopted)} adopted, {len(out.restored)} recorded and {len(out.declared)} declared"
+             f" programs loaded, {len(out.halted)} halted, {len(out.skipped)} skipped", adopted=out.adopted,
+             restored=out.restored, declared=out.declared, halted=out.halted, skipped=out.skipped)
+    return out
+
+
+async def _load_all(programs: Programs, store: Store, declared: Sequence[DeclaredProgram], body: Body,
+                    records: dict[str, ProgramRecord], out: Restored) -> None:
+    """Every recorded program not adopted loaded again on its slot, then the declared ones the
+    state lacks."""
     for rec in sorted(records.values(), key=lambda r: r.slot):
         if rec.name in programs.by_name:
             continue
@@ -171,10 +192,6 @@ async def restore(programs: Programs, store: Store, declared: Sequence[DeclaredP
             out.skipped[d.name] = str(e) if unused is None else f"{unused}; from its declaration: {e}"
             # A refusal of the user's program (as a refused load is), not a failure of the daemon's.
             log.warning(f"restore: declared program {d.name} (config line {d.line}) not loaded: {e}", program=d.name)
-    log.info(f"restore: {len(out.adopted)} adopted, {len(out.restored)} recorded and {len(out.declared)} declared"
-             f" programs loaded, {len(out.halted)} halted, {len(out.skipped)} skipped", adopted=out.adopted,
-             restored=out.restored, declared=out.declared, halted=out.halted, skipped=out.skipped)
-    return out
 
 
 def _reports(h: History) -> list[FaultReport]:

@@ -1,8 +1,13 @@
-"""Idle workers, kept with their context (module unloaded) for the next load.
+"""Idle workers, kept with their context (module unloaded) for the next load, and the pool's
+reserve: its last worker, which no load takes, kept for an upgrade.
 
 Creating an MPS client stalls every running client once (~0.44 ms on the
-H200) and takes ~120 ms; a load into an existing client stalls nobody.  So
-workers are started before any program runs and reused.
+H200; 0.5 ms at 8 clients, 1.6 ms at 44 on an H100) and takes ~120 ms; a load
+into an existing one stalls nobody.  So workers are started before any
+program runs and reused.  A load that finds only the reserve left creates its
+own client, at the load and said in its answer; an upgrade (or a relaunch)
+takes the reserve, and gets it back from the old version's worker, so that an
+upgrade in steady state creates none (docs/operations.md, "The pool").
 """
 
 from __future__ import annotations
@@ -11,17 +16,22 @@ from collections.abc import Callable
 
 import structlog
 
-from meshd_mps.errors import WorkerError
+from meshd_mps.errors import FrameError, WorkerError
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Op
 from meshd_mps.supervision.proc import WorkerProc
 
 log = structlog.get_logger("meshd_mps")
 
+#: Workers of a pool that no load takes (its last one), kept for an upgrade or a relaunch.
+RESERVE = 1
+
 
 class Pool:
     def __init__(self, cap: int, retire: Callable[[WorkerProc], None]):
         self.cap = cap
+        #: The pool's last workers, which a load leaves for an upgrade (none where the pool is empty).
+        self.reserve = min(cap, RESERVE)
         self._idle: list[WorkerProc] = []
         self._retire = retire
 
@@ -30,6 +40,14 @@ class Pool:
 
     def pids(self) -> list[int]:
         return [w.pid for w in self._idle]
+
+    def reserve_idle(self) -> int:
+        """The reserve's workers idle now (fewer than ``reserve``: one was used and not yet back)."""
+        return min(len(self._idle), self.reserve)
+
+    def for_loads(self) -> int:
+        """Idle workers a load may take: those above the reserve."""
+        return max(0, len(self._idle) - self.reserve)
 
     def add(self, w: WorkerProc) -> None:
         """An idle worker in; over the cap only for a moment (a batch about to be taken)."""
@@ -42,9 +60,10 @@ class Pool:
             return True
         return False
 
-    def take(self) -> WorkerProc | None:
-        """A fit idle worker, or None; unfit ones met on the way are retired."""
-        while self._idle:
+    def take(self, load: bool = False) -> WorkerProc | None:
+        """A fit idle worker, or None; unfit ones met on the way are retired.  ``load`` (a new
+        program): never the reserve."""
+        while len(self._idle) > (self.reserve if load else 0):
             w = self._idle.pop()
             if w.idle():
                 return w
@@ -71,3 +90,19 @@ class Pool:
     def drain(self) -> list[WorkerProc]:
         idle, self._idle = self._idle, []
         return idle
+
+
+async def ready(p: WorkerProc) -> None:
+    """READY asked of an idle worker (its context made, if it was held) and its answer checked: its own pid."""
+    try:
+        payload = await p.ask(Op.READY)
+    except WorkerError as e:
+        raise e.prefixed("mps: pool") from e
+    try:
+        pid = frames.ready_pid(payload)
+    except FrameError as e:
+        p.mark_unfit(f"worker {p.pid}: bad READY: {e}")
+        raise WorkerError(f"mps: pool: worker {p.pid}: bad READY: {e}", pid=p.pid) from e
+    if pid != p.pid:
+        p.mark_unfit(f"worker {p.pid}: READY says pid {pid}")
+        raise WorkerError(f"mps: pool: worker {p.pid}: READY says pid {pid}", pid=p.pid)

@@ -33,8 +33,9 @@ def gpu_and_mps_here():
 async def test_pool_cycles_no_stall_and_clean_exit():
     d = tempfile.mkdtemp(prefix="meshd-gpu-")
     os.rmdir(d)
-    async with await Backend.open(isolation="mps", gpu="cuda", pool=2, mps_dir=d) as b:
-        assert b.mps.server is not None and len(b.isolations[0].pool) == 2
+    # pool 3: the two loads take one each, never the last (the pool's reserve, kept for upgrades)
+    async with await Backend.open(isolation="mps", gpu="cuda", pool=3, mps_dir=d) as b:
+        assert b.mps.server is not None and len(b.isolations[0].pool) == 3
         assert (os.stat(d).st_mode & 0o777) == 0o700
         progs = Programs(b)
         hb = await progs.load(*example("heartbeat"))
