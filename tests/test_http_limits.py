@@ -22,8 +22,8 @@ import anyio.to_thread
 from structlog.testing import capture_logs
 
 from meshd_mps.serving import cli, server
-from meshd_mps.serving.api import MAX_HEAD
 from meshd_mps.serving.client import Client, program_body
+from meshd_mps.serving.heads import MAX_HEAD
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -162,8 +162,9 @@ async def test_an_adopting_start_makes_no_client_of_a_worker_left_without_one(st
     made = MadeClients(a.daemon.dir)
     try:
         g = a.isolations[a.devices[0]]
+        # As a fault's teardown leaves one (MpsIsolation.teardown) when its daemon is killed: a live
+        # stop retires the held ones it knows of, so this one is not handed to the isolation.
         held = await g.mps.spawn(None, g.device, hold=True)
-        g._held.append(held)  # as a fault's teardown leaves it (MpsIsolation.teardown)
         pooled = g.pool.pids()
         made.mark()
     finally:

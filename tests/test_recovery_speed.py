@@ -137,7 +137,7 @@ async def test_a_killed_program_comes_back_with_the_innocents(standin_on_path, t
         await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot))
         await until(lambda: len(g.pool) == g.pool.cap, 30, lambda: f"the pool refilled: {g.pool.pids()}")
         after = [(p, hold) for p, hold, late in spawned if late]
-        assert not any(hold for _, hold in after) and {p for p, _ in after} <= set(g.pool.pids()), (after, g.pool.pids())
+        assert {p for p, _ in after} <= set(g.pool.pids()), (after, g.pool.pids())  # the paced refill's (held, then READY)
         assert echo.restarts == 1 and len(progs.faults) == 1
         await progs.close()
 

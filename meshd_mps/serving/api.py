@@ -24,7 +24,6 @@ import json
 import os
 import time
 import traceback
-import urllib.parse
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from http import HTTPStatus
@@ -43,6 +42,7 @@ from meshd_mps.names import check_name
 from meshd_mps.programs import Program, Programs
 from meshd_mps.serving import schemas
 from meshd_mps.serving.client import MAX_BODY
+from meshd_mps.serving.heads import MAX_HEAD, MAX_HEADERS, check_path, head_size, path_of
 from meshd_mps.serving.metrics import CONTENT_TYPE as METRICS_TYPE, Metrics
 from meshd_mps.serving.status import (
     ExpectRefused,
@@ -59,11 +59,6 @@ from meshd_mps.supervision import cpus
 
 log = structlog.get_logger("meshd_mps")
 
-#: The request head (its request line and header lines together) at most, 431 beyond: checked as
-#: a whole once parsed (:func:`head_size`), and per line by the parser as it reads, so that a line
-#: over it is refused before the rest arrives.  Header lines at most (400 beyond).
-MAX_HEAD = 64 << 10
-MAX_HEADERS = 100
 #: The status counted (meshd_mps_http_requests_total{code="499"}) for a client that hung up before
 #: its answer (in the middle of its body, say): nginx's "client closed request", as aiohttp's
 #: access log writes it too.  Never sent: there is nobody to send it to.
@@ -98,31 +93,6 @@ def _refused(e: MeshError | None) -> tuple[int, dict[str, Any]]:
     if e is None:
         return 500, {"ok": False, "error": INTERNAL}
     return status_of(e), {"ok": False, **e.fields(), "error": str(e)}  # the message wins over a field
-
-
-def _path(request: web.BaseRequest) -> str:
-    return request.rel_url.raw_path
-
-
-def check_path(request: web.BaseRequest) -> None:
-    """Before the route: no '.' or '..' segment (a client or proxy may resolve it to another
-    program's path: ``DELETE /v1/programs/echo/../other``), every segment UTF-8 once decoded."""
-    path = _path(request)
-    for raw in path[1:].split("/"):
-        try:
-            seg = urllib.parse.unquote(raw, errors="strict")
-        except UnicodeDecodeError as e:
-            raise HeadRefused(f"path {path[:80]!r}: not UTF-8") from e
-        if seg in (".", ".."):
-            raise HeadRefused(f"path {path[:80]!r}: '.' and '..' segments are refused")
-
-
-def head_size(request: web.BaseRequest) -> int:
-    """The request head's size in bytes as parsed: the request line and every header line with
-    their line ends, and the blank line (blanks around a header's value not counted)."""
-    v = request.version
-    size = len(request.method) + len(request.raw_path) + len(f"  HTTP/{v.major}.{v.minor}\r\n") + 2
-    return size + sum(len(k) + len(val) + 4 for k, val in request.raw_headers)
 
 
 def _name(request: web.Request) -> str:
@@ -214,13 +184,13 @@ class Api:
         except MeshError as e:
             resp = self.refusal(request, e)
         except Exception:
-            log.error(f"{request.method} {_path(request)}: internal error", traceback=traceback.format_exc())
+            log.error(f"{request.method} {path_of(request)}: internal error", traceback=traceback.format_exc())
             resp = self.refusal(request, None)
         finally:
             self.busy.discard(task)
             if not self.busy:
                 self._idle.set()
-        log.debug(f"http {request.method} {_path(request)} {resp.status}", ms=round((time.perf_counter() - t0) * 1e3, 2))
+        log.debug(f"http {request.method} {path_of(request)} {resp.status}", ms=round((time.perf_counter() - t0) * 1e3, 2))
         return resp
 
     async def _checked(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -238,10 +208,10 @@ class Api:
         try:
             return await handler(request)
         except web.HTTPNotFound as e:
-            raise NoRoute(f"no route {request.method} {_path(request)[:200]}") from e
+            raise NoRoute(f"no route {request.method} {path_of(request)[:200]}") from e
         except web.HTTPMethodNotAllowed as e:
             allowed = tuple(sorted(e.allowed_methods))
-            raise MethodNotAllowed(f"{request.method} {_path(request)}: method not allowed (allowed: {', '.join(allowed)})",
+            raise MethodNotAllowed(f"{request.method} {path_of(request)}: method not allowed (allowed: {', '.join(allowed)})",
                                    allowed=allowed) from e
 
     def _loading(self, request: web.Request) -> str | None:
@@ -262,7 +232,7 @@ class Api:
             getattr(log, level)(f"{verb} {name or '(no program name: the body was refused)'} refused ({status}): {e}",
                                 program=name, code=status, type=type(e).__name__)
         else:
-            getattr(log, level)(f"{request.method} {_path(request)[:200]}: {e}", code=status, type=type(e).__name__)
+            getattr(log, level)(f"{request.method} {path_of(request)[:200]}: {e}", code=status, type=type(e).__name__)
 
     def refusal(self, request: web.BaseRequest, e: MeshError | None) -> web.Response:
         status, obj = _refused(e)
@@ -484,14 +454,14 @@ class Protocol(web.RequestHandler):
         elif isinstance(exc, ConnectionError) and (self.transport is None or self.transport.is_closing()):
             # The client hung up (in the middle of its body, say): nobody to answer, and no fault of
             # ours.  Said once, and counted as such (log_access), never as a 500.
-            log.info(f"{request.method} {_path(request)[:200]}: the client went away before its answer",
+            log.info(f"{request.method} {path_of(request)[:200]}: the client went away before its answer",
                      code=CLIENT_GONE, error=f"{type(exc).__name__}: {exc}")
             resp = web.Response(status=CLIENT_GONE, reason="Client Closed Request", headers=SERVER)
             resp.force_close()
             return resp
         else:
             tb = "".join(traceback.format_exception(exc)) if exc is not None else f"status {status}: {message}"
-            log.error(f"{request.method} {_path(request)}: internal error", traceback=tb)
+            log.error(f"{request.method} {path_of(request)}: internal error", traceback=tb)
         resp = self.api.refusal(request, e)
         resp.force_close()
         log.debug(f"http - {resp.status}")
