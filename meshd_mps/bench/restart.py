@@ -276,10 +276,17 @@ def restart_live_busy(bench: Bench) -> tuple[float, dict[str, tuple[float, int]]
                 raise RuntimeError(f"{how}: heartbeat not adopted: {st['state']['restore']}")
             time.sleep(0.2)
             out[how] = (_gap_since_reset(mb, slot, reset=False) / 1e9, len(made))
+        # The baseline once nothing happens: the pool refilled (its paced refill after the recovery
+        # makes MPS clients, each a stall: a window with one in it is no idle gap).
+        c = Client(s.sock, timeout=60)
+        end = time.monotonic() + 60
+        while len((st := c.status())["pool"]["idle"]) < st["pool"]["capacity"]:
+            if time.monotonic() > end:
+                raise RuntimeError(f"the pool not refilled within 60 s: {st['pool']}")
+            time.sleep(0.01)
         _gap_since_reset(mb, slot, reset=True)
         time.sleep(longest + 0.2)
         idle = _gap_since_reset(mb, slot, reset=False) / 1e9
-        c = Client(s.sock, timeout=60)
         for p in c.programs():
             c.unload(p["name"])
         return idle, out
