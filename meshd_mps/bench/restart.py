@@ -276,14 +276,21 @@ def restart_live_busy(bench: Bench) -> tuple[float, dict[str, tuple[float, int]]
                 raise RuntimeError(f"{how}: heartbeat not adopted: {st['state']['restore']}")
             time.sleep(0.2)
             out[how] = (_gap_since_reset(mb, slot, reset=False) / 1e9, len(made))
-        # The baseline once nothing happens: the pool refilled (its paced refill after the recovery
-        # makes MPS clients, each a stall: a window with one in it is no idle gap).
+        # The baseline once nothing happens: the pool's paced refill after the recovery makes MPS
+        # clients, each a stall, so a window with one in it is no idle gap.  Quiet: the pool holds its
+        # reserve and the daemon's workers have not changed for a second.
         c = Client(s.sock, timeout=60)
-        end = time.monotonic() + 60
-        while len((st := c.status())["pool"]["idle"]) < st["pool"]["capacity"]:
-            if time.monotonic() > end:
-                raise RuntimeError(f"the pool not refilled within 60 s: {st['pool']}")
-            time.sleep(0.01)
+        end, seen, since = time.monotonic() + 60, None, time.monotonic()
+        while True:
+            st = c.status()
+            now, workers = time.monotonic(), sorted(st["workers"])
+            if workers != seen:
+                seen, since = workers, now
+            elif len(st["pool"]["idle"]) >= st["pool"]["reserve_capacity"] and now - since >= 1.0:
+                break
+            if now > end:
+                raise RuntimeError(f"the daemon's workers still changing 60 s after the restarts: {st['pool']}")
+            time.sleep(0.05)
         _gap_since_reset(mb, slot, reset=True)
         time.sleep(longest + 0.2)
         idle = _gap_since_reset(mb, slot, reset=False) / 1e9
