@@ -136,6 +136,13 @@ def _gap_since_reset(mb: Mailbox, slot: int, reset: bool) -> int:
     return mb.u64(slot, abi.MAX_GAP)
 
 
+def _idle_gap(mb: Mailbox, slot: int, window: float) -> float:
+    """The kernel's MAX_GAP (s) over ``window`` seconds with nothing happening: the baseline."""
+    _gap_since_reset(mb, slot, reset=True)
+    time.sleep(window)
+    return _gap_since_reset(mb, slot, reset=False) / 1e9
+
+
 def _next_release(d: str) -> tuple[dict[str, str], str]:
     """A copy of this meshd-mps's source tree with a later version, as an upgrade installs one: the
     environment that runs it, and its version."""
@@ -187,9 +194,7 @@ def restart_live(bench: Bench) -> tuple[float, dict[str, tuple[float, float]], s
             if how == "upgrade" and st["versions"]["meshd-mps"] != old:
                 new = st["versions"]["meshd-mps"]
         # The baseline: as long a window with nothing happening as the longest of the three.
-        _gap_since_reset(mb, slot, reset=True)
-        time.sleep(max(a for _, a in out.values()) + 0.2)
-        idle = _gap_since_reset(mb, slot, reset=False) / 1e9
+        idle = _idle_gap(mb, slot, max(a for _, a in out.values()) + 0.2)
         Client(s.sock, timeout=60).unload("heartbeat")
         return idle, out, f"{old} -> {new}"
     finally:
@@ -291,9 +296,7 @@ def restart_live_busy(bench: Bench) -> tuple[float, dict[str, tuple[float, int]]
             if now > end:
                 raise RuntimeError(f"the daemon's workers still changing 60 s after the restarts: {st['pool']}")
             time.sleep(0.05)
-        _gap_since_reset(mb, slot, reset=True)
-        time.sleep(longest + 0.2)
-        idle = _gap_since_reset(mb, slot, reset=False) / 1e9
+        idle = _idle_gap(mb, slot, longest + 0.2)
         for p in c.programs():
             c.unload(p["name"])
         return idle, out
