@@ -51,6 +51,7 @@ class FleetController:
         self.ticked = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()
+        self.started = time.monotonic()
         self.event("controller", f"controller started; {len(self.programs)} programs declared in {self.checkpoint.path}")
 
     # ---- the API (fleet/client.py) ---------------------------------------------------------------
@@ -152,6 +153,7 @@ class FleetController:
         for name, p in self.programs.items():
             if name not in self.pgs:
                 self.pgs[name] = await asyncio.to_thread(self._placement, p)
+                await self._save()  # its pins
         tables = await asyncio.to_thread(placement_group_table)
         by_name = {t["name"]: t for t in tables.values() if t.get("name") and t.get("state") != "REMOVED"}
         placed: dict[str, list[str | None]] = {}
@@ -172,6 +174,8 @@ class FleetController:
         available = await asyncio.to_thread(ray.available_resources)
         for name, p in self.programs.items():
             self._observe(p, placed[name], by_name.get(p.pg_name) or {}, available)
+            if any(pin is not None for pin in p.pins):
+                await self._unpin(p, placed[name])
 
     def _observe(self, p: Declared, placed: list[str | None], table: dict[str, Any], available: dict[str, float]) -> None:
         before = self.views.get(p.name)
@@ -185,12 +189,16 @@ class FleetController:
                 self.event("upgrade-failed", f"{p.name}: replica {r.index} refused image {err[0]}: {err[1]};"
                            f" rolling back to {p.image.hash}", p.name, r.index, r.node)
                 break
-        was = (list(p.assigned), p.draining, p.old)
+        for r in view.replicas:
+            here = node_name((self.nodes.get(r.node or "") or {}).get("Resources") or {})
+            if r.state == "running" and here is not None:
+                p.where[r.index] = here
+        was = (list(p.assigned), p.draining, p.old, list(p.where))
         p.step(running, runs, drain=self.d.fleet_tick * 3)
         if p.draining is not None and was[1] != p.draining:
             self.event("draining", f"{p.name}: replica {p.draining} drained for the upgrade to {p.image.hash}",
                        p.name, p.draining)
-        if (list(p.assigned), p.old) != (was[0], was[2]):
+        if (list(p.assigned), p.old, p.where) != (was[0], was[2], was[3]):
             asyncio.get_running_loop().create_task(self._save())
         view = self._view(p, placed, table, available)
         self.views[p.name] = view
@@ -274,7 +282,7 @@ class FleetController:
         agent = "starting" if nid not in self.answering else ("up" if why is None else "not answering")
         return NodeView(node=nid, name=_name(n) if n else nid[:8], alive=n is not None, agent=agent,
                         slots=int(res.get(SLOT, 0)), replicas=count, gpus=gpu_models(res), socket=seen.get("socket"),
-                        daemon_pid=seen.get("daemon_pid"), reason=why or seen.get("error"))
+                        daemon_pid=seen.get("daemon_pid"), agent_pid=seen.get("pid"), reason=why or seen.get("error"))
 
     # ---- Ray: agents, placement groups ---------------------------------------------------------------
 
@@ -284,8 +292,32 @@ class FleetController:
             num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(deadlines=self.d)
 
     def _placement(self, p: Declared) -> Any:
-        return _find_pg(p.pg_name) or placement_group(p.bundles(), strategy=p.strategy, name=p.pg_name,
-                                                       lifetime="detached")
+        """The program's placement group: found (it outlives the controller), else made, each bundle
+        pinned to the node its replica still runs on, if any (the head restarted: see
+        ``Declared.pin_where_running``)."""
+        pg = _find_pg(p.pg_name)
+        if pg is None:
+            p.pin_where_running()
+            pg = placement_group(p.bundles(), strategy=p.strategy, name=p.pg_name, lifetime="detached")
+        return pg
+
+    async def _unpin(self, p: Declared, placed: list[str | None]) -> None:
+        """Bundles pinned to a node that did not rejoin within ``fleet_rejoin`` of this controller's
+        start: the placement group made again, those bundles free for Ray to place anywhere, the
+        others pinned where their replicas run."""
+        names = {node_name(n.get("Resources") or {}) for n in self.nodes.values()}
+        lost = [i for i, pin in enumerate(p.pins) if pin is not None and placed[i] is None and pin not in names]
+        if not lost or time.monotonic() - self.started < self.d.fleet_rejoin:
+            return
+        for i in lost:
+            self.event("unpinned", f"{p.name}: replica {i}'s node {p.pins[i]} did not rejoin; Ray places it anew",
+                       p.name, i)
+            p.where[i] = None
+        pg = self.pgs.pop(p.name, None)
+        if pg is not None:
+            await asyncio.to_thread(remove_placement_group, pg)
+        self.pgs[p.name] = await asyncio.to_thread(self._placement, p)
+        await self._save()
 
     async def _ask(self, nid: str, orders: list[dict[str, Any]]) -> dict[str, Any] | str:
         try:

@@ -10,6 +10,7 @@ running anyway (pending, failed) take the new image at once: they cost the budge
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,18 +48,32 @@ class Declared:
     draining: int | None = None  # the replica being drained for the upgrade (not kept: a restart drains anew)
     drain_since: float = 0.0
     rolling: int | None = None  # the replica given the new image, until it runs it
+    where: list[str | None] = field(default_factory=list)  # the node (by name) each replica last ran on
+    pins: list[str | None] = field(default_factory=list)  # the node each bundle of the placement group asks for
+    token: str = field(default_factory=lambda: secrets.token_hex(4))
 
     def __post_init__(self) -> None:
         if not self.assigned:
             self.assigned = [self.image.hash] * self.replicas
+        self.where = (self.where + [None] * self.replicas)[:self.replicas]
+        self.pins = (self.pins + [None] * self.replicas)[:self.replicas]
+
 
     @property
     def pg_name(self) -> str:
-        """Its placement group's name (detached: it outlives the controller)."""
-        return f"meshd-mps.{self.name}"
+        """Its placement group's name (detached: it outlives the controller), new for each
+        declaration (a removed one's may still be on its way out when the name is declared again)."""
+        return f"meshd-mps.{self.name}.{self.token}"
 
     def bundles(self) -> list[dict[str, float]]:
-        return [bundle(self.gpu, self.node) for _ in range(self.replicas)]
+        """One per replica; a bundle pinned (``pins``) asks for its node by name."""
+        return [bundle(self.gpu, self.node or self.pins[i]) for i in range(self.replicas)]
+
+    def pin_where_running(self) -> None:
+        """Pin each bundle of the next placement group to the node its replica ran on: after the
+        head's restart the placement groups are gone, and the new ones must land where the programs
+        still run (the nodes Ray chose before), not where a fresh placement would put them."""
+        self.pins = list(self.where) if self.node is None else [None] * self.replicas
 
     def image_of(self, hash: str) -> Image | None:
         return next((im for im in (self.image, self.old) if im is not None and im.hash == hash), None)
@@ -74,14 +89,16 @@ class Declared:
         return {"name": self.name, "replicas": self.replicas, "restart": self.restart, "strategy": self.strategy,
                 "gpu": self.gpu, "node": self.node, "image": self.image.to_json(), "generation": self.generation,
                 "assigned": self.assigned, "old": None if self.old is None else self.old.to_json(),
-                "upgrade_error": self.upgrade_error}
+                "upgrade_error": self.upgrade_error, "where": self.where,
+                "pins": self.pins, "token": self.token}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Declared:
         return cls(name=d["name"], replicas=d["replicas"], restart=d["restart"], strategy=d["strategy"], gpu=d["gpu"],
                    node=d["node"], image=Image.from_json(d["image"]), generation=d["generation"],
                    assigned=list(d["assigned"]), old=None if d.get("old") is None else Image.from_json(d["old"]),
-                   upgrade_error=d.get("upgrade_error"))
+                   upgrade_error=d.get("upgrade_error"), where=list(d.get("where") or []),
+                   pins=list(d.get("pins") or []), token=d["token"])
 
     # ---- the rolling upgrade ---------------------------------------------------------------------
 

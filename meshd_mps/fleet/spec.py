@@ -196,6 +196,7 @@ class NodeView:
     gpus: tuple[str, ...] = ()
     socket: str | None = None
     daemon_pid: int | None = None
+    agent_pid: int | None = None
     reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
