@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -138,9 +139,10 @@ class NodeAgent:
             self.busy[name] = what
             try:
                 if p is None:
-                    await self._blocking(lambda c, b={**body, "restart": o["restart"]}: c.load(b), self.d.fleet_node)
+                    await self._blocking(functools.partial(Client.load, body={**body, "restart": o["restart"]}),
+                                         self.d.fleet_node)
                 else:
-                    await self._blocking(lambda c, n=name, b=body: c.upgrade(n, b), self.d.fleet_node)
+                    await self._blocking(functools.partial(Client.upgrade, name=name, body=body), self.d.fleet_node)
                 self.errors.pop(name, None)
             except ClientError as e:
                 if e.status == 0:
@@ -153,7 +155,7 @@ class NodeAgent:
         for name in programs.keys() - want.keys():
             self.busy[name] = "unloading"
             try:
-                await self._blocking(lambda c, n=name: c.unload(n), self.d.fleet_node)
+                await self._blocking(functools.partial(Client.unload, name=name), self.d.fleet_node)
             except ClientError as e:
                 if e.status == 0:
                     raise

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from typing import Any
@@ -51,12 +52,13 @@ class Fleet:
         if owns:
             addr = address or os.environ.get("RAY_ADDRESS") or "auto"
             try:
-                await asyncio.to_thread(ray.init, address=addr, namespace=namespace, logging_level="warning",
+                await asyncio.to_thread(ray.init, address=addr, namespace=namespace, logging_level=logging.WARNING,
                                         log_to_driver=False)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise FleetUnavailable(f"no Ray cluster at {addr}: {e}", hint=HINT) from e
+        actor: Any = ray.remote(FleetController)
         ctl = await asyncio.to_thread(
-            lambda: ray.remote(FleetController).options(
+            lambda: actor.options(
                 name=CONTROLLER, namespace=namespace, lifetime="detached", get_if_exists=True, max_restarts=-1,
                 num_cpus=0, resources={"node:__internal_head__": 0.001}).remote(namespace, state_dir, deadlines))
         f = cls(ctl, namespace, owns, deadlines)

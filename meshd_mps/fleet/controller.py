@@ -102,6 +102,7 @@ class FleetController:
 
     async def status(self, name: str | None = None) -> FleetStatus:
         self._start()
+        progs: tuple[FleetProgram, ...]
         if name is not None:
             progs = (await self.program(name),)
         else:
@@ -189,11 +190,11 @@ class FleetController:
                 self.event("upgrade-failed", f"{p.name}: replica {r.index} refused image {err[0]}: {err[1]};"
                            f" rolling back to {p.image.hash}", p.name, r.index, r.node)
                 break
+        was = (list(p.assigned), p.draining, p.old, list(p.where))
         for r in view.replicas:
             here = node_name((self.nodes.get(r.node or "") or {}).get("Resources") or {})
             if r.state == "running" and here is not None:
                 p.where[r.index] = here
-        was = (list(p.assigned), p.draining, p.old, list(p.where))
         p.step(running, runs, drain=self.d.fleet_tick * 3)
         if p.draining is not None and was[1] != p.draining:
             self.event("draining", f"{p.name}: replica {p.draining} drained for the upgrade to {p.image.hash}",
@@ -234,7 +235,7 @@ class FleetController:
     def _replica(self, p: Declared, i: int, nid: str) -> ReplicaView:
         name = replica_name(p.name, i)
         nname = _name(self.nodes[nid])
-        base = {"node": nid, "node_name": nname}
+        base: dict[str, Any] = {"node": nid, "node_name": nname}
         seen = self.seen.get(nid)
         want = p.assigned[i]
         if seen is None:

@@ -58,11 +58,27 @@ class FleetRig:
         self.nodes: dict[str, Node] = {}
         self.gone: list[Node] = []
         self.slots = slots
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "env_vars": {FLEET_STATE_ENV: self.fleet_state}, "include_dashboard": False})
+        self.cluster = self.head()
         started = [self.start_daemon(f"n{i}") for i in range(nodes)]  # all at once: each starts its worker
         for i, (daemon, state) in enumerate(started):
             self.add(f"n{i}", daemon, state)
+        ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
+
+    def head(self) -> Cluster:
+        """A new cluster: its head (no slots; the controller's checkpoint in ``fleet_state``)."""
+        return Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "env_vars": {FLEET_STATE_ENV: self.fleet_state}, "include_dashboard": False})
+
+    def restart_head(self) -> None:
+        """The head restarts (without GCS fault tolerance the cluster's state goes with it, so every
+        raylet starts again too, as systemd or KubeRay would start them): every Ray process of the
+        cluster ends and a new cluster starts, each node joining with its daemon, which runs on."""
+        ray.shutdown()
+        self.cluster.shutdown()
+        reap_orphans()
+        self.cluster = self.head()
+        for name, n in self.nodes.items():
+            self.add(name, n.daemon, n.state)
         ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
 
     def start_daemon(self, name: str) -> tuple[Serve, str]:
@@ -84,15 +100,19 @@ class FleetRig:
         return n
 
     def kill(self, name: str) -> Node:
-        """The node dies: its raylet, its daemon (SIGKILL) and the programs' workers."""
+        """The node dies: its raylet and every Ray process of it (its agent), its daemon (SIGKILL)
+        and the programs' workers: each has the node's directory in its command line or
+        environment (``$MESHD_MPS_SOCKET``)."""
         n = self.nodes.pop(name)
         self.cluster.remove_node(n.ray_node, allow_graceful=False)
         n.daemon.proc.send_signal(signal.SIGKILL)
         n.daemon.proc.wait(30)
-        for line in leftovers([n.state]):
+        mark = os.path.join(self.dir, name) + os.sep
+        for line in leftovers([mark]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(line.split(":")[0]), signal.SIGKILL)
-        poll(lambda: (reap_orphans(), not leftovers([n.state]))[1], 20.0, f"node {name}'s processes gone")
+        poll(lambda: (reap_orphans(), not leftovers([mark]))[1], 20.0, lambda: f"node {name}'s processes gone:"
+             f" {leftovers([mark])}")
         self.gone.append(n)
         return n
 
