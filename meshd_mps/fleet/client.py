@@ -52,8 +52,8 @@ class Fleet:
         if owns:
             addr = address or os.environ.get("RAY_ADDRESS") or "auto"
             try:
-                await asyncio.to_thread(ray.init, address=addr, namespace=namespace, logging_level=logging.WARNING,
-                                        log_to_driver=False)
+                # On this thread: ray.init sets its signal handlers on the main thread only.
+                ray.init(address=addr, namespace=namespace, logging_level=logging.WARNING, log_to_driver=False)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise FleetUnavailable(f"no Ray cluster at {addr}: {e}", hint=HINT) from e
         actor: Any = ray.remote(FleetController)
