@@ -159,6 +159,7 @@ class FleetController:
         by_name = {t["name"]: t for t in tables.values() if t.get("name") and t.get("state") != "REMOVED"}
         placed: dict[str, list[str | None]] = {}
         shares: dict[str, list[dict[str, Any]]] = {nid: [] for nid in alive}
+        keep: list[str] = []  # replicas with no node now: left running wherever they run until Ray places them
         for name, p in self.programs.items():
             t = by_name.get(p.pg_name) or {}
             where = t.get("bundles_to_node_id") or {}
@@ -166,7 +167,9 @@ class FleetController:
             for i, nid in enumerate(placed[name]):
                 if nid in shares:
                     shares[nid].append(self._order(p, i, nid))
-        answers = await asyncio.gather(*(self._ask(nid, orders) for nid, orders in shares.items()))
+                else:
+                    keep.append(replica_name(name, i))
+        answers = await asyncio.gather(*(self._ask(nid, orders, keep) for nid, orders in shares.items()))
         for nid, ans in zip(shares, answers, strict=True):
             if isinstance(ans, dict):
                 self.seen[nid], self.answering[nid] = ans, None
@@ -320,9 +323,9 @@ class FleetController:
         self.pgs[p.name] = await asyncio.to_thread(self._placement, p)
         await self._save()
 
-    async def _ask(self, nid: str, orders: list[dict[str, Any]]) -> dict[str, Any] | str:
+    async def _ask(self, nid: str, orders: list[dict[str, Any]], keep: list[str]) -> dict[str, Any] | str:
         try:
-            return await asyncio.wait_for(self.agents[nid].reconcile.remote(orders), self.d.fleet_agent)
+            return await asyncio.wait_for(self.agents[nid].reconcile.remote(orders, keep), self.d.fleet_agent)
         except TimeoutError:
             return f"its agent did not answer in {self.d.fleet_agent:g}s"
         except ray.exceptions.RayError as e:
