@@ -77,6 +77,9 @@ class NodeAgent:
             if o.get("image") is not None:
                 self.images[o["hash"]] = o["image"]
         self.want = {o["name"]: o for o in orders}
+        used = {o["hash"] for o in orders}  # what no order names is forgotten: an upgrade's old image, a removed program's
+        self.images = {h: im for h, im in self.images.items() if h in used}
+        self.errors = {n: e for n, e in self.errors.items() if n in self.want}
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self._run())
         self.wake.set()

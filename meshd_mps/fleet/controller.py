@@ -160,13 +160,14 @@ class FleetController:
         placed: dict[str, list[str | None]] = {}
         shares: dict[str, list[dict[str, Any]]] = {nid: [] for nid in alive}
         keep: list[str] = []  # replicas with no node now: left running wherever they run until Ray places them
+        sent: dict[str, set[str]] = {}  # the images in each node's share: each once
         for name, p in self.programs.items():
             t = by_name.get(p.pg_name) or {}
             where = t.get("bundles_to_node_id") or {}
             placed[name] = [where.get(i) or None for i in range(p.replicas)]
             for i, nid in enumerate(placed[name]):
                 if nid in shares:
-                    shares[nid].append(self._order(p, i, nid))
+                    shares[nid].append(self._order(p, i, nid, sent.setdefault(nid, set())))
                 else:
                     keep.append(replica_name(name, i))
         answers = await asyncio.gather(*(self._ask(nid, orders, keep) for nid, orders in shares.items()))
@@ -331,12 +332,15 @@ class FleetController:
         except ray.exceptions.RayError as e:
             return f"its agent is not reachable ({type(e).__name__})"
 
-    def _order(self, p: Declared, i: int, nid: str) -> dict[str, Any]:
+    def _order(self, p: Declared, i: int, nid: str, sent: set[str]) -> dict[str, Any]:
+        """Replica ``i``'s order for node ``nid``: its image with it, unless the node's agent said it
+        holds it or this share carries it already (``sent``)."""
         h = p.assigned[i]
         have = (self.seen.get(nid) or {}).get("have") or ()
         im = p.image_of(h)
-        return {"name": replica_name(p.name, i), "hash": h, "restart": p.restart,
-                "image": None if h in have or im is None else {"manifest": im.manifest, "ptx": im.ptx}}
+        image = None if h in have or h in sent or im is None else {"manifest": im.manifest, "ptx": im.ptx}
+        sent.add(h)
+        return {"name": replica_name(p.name, i), "hash": h, "restart": p.restart, "image": image}
 
     # ---- small things ----------------------------------------------------------------------------
 
