@@ -262,8 +262,9 @@ async def test_bad_specs_are_refused_with_the_node_apis_errors(rig, fleet, echo)
     with pytest.raises(AlreadyDeclared):
         await fleet.deploy(ProgramSpec("echo", echo, replicas=2))
     for bad_call in (fleet.call("nope", b"x"), fleet.remove("nope"), fleet.upgrade("nope", echo), fleet.status("nope")):
-        with pytest.raises(NoSuchProgram):
+        with pytest.raises(NoSuchProgram) as e:
             await bad_call
+        assert str(e.value) == "no program 'nope' is declared in the fleet" and e.value.program == "nope"
 
 
 def test_capacity_is_the_nodes_limits_as_ray_resources(rig):
