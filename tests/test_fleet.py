@@ -298,3 +298,11 @@ async def test_the_controller_killed_comes_back_from_its_checkpoint_and_halts_no
         await asyncio.sleep(0.1)  # the polling interval
     assert {(r.node, r.pid) for r in st.programs[0].replicas} == pids, "the same workers, on the same nodes"
     assert (await fleet.call("echo", b"still here")).data == b"still here"
+
+
+async def test_gpu_and_node_constraints_place_the_replicas_only_there(rig, fleet, heartbeat):
+    await fleet.deploy(ProgramSpec("heartbeat", heartbeat, replicas=2, gpu="simulated NVIDIA H200", node="n2"))
+    p = await fleet.wait("heartbeat", running=2, timeout=UP_S)
+    assert {r.node_name for r in p.replicas} == {"n2"} and {r.gpu for r in p.replicas} == {0}
+    assert set(rig.nodes["n2"].ps()) == {"heartbeat.fleet-0", "heartbeat.fleet-1"}
+    assert p.gpu == "simulated NVIDIA H200" and p.node == "n2"

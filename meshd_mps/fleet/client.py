@@ -184,10 +184,13 @@ class Fleet:
         elif agent is None:
             raise _NotDelivered(f"node {r.node} has no agent")
         else:
+            within = (self.d.call if timeout is None else timeout) + 2 * self.d.fleet_agent
             try:
-                out = await agent.call.remote(r.name, data, timeout)
+                out = await asyncio.wait_for(agent.call.remote(r.name, data, timeout), within)
             except RayActorError as e:
                 raise _Lost(f"{type(e).__name__}") from e
+            except TimeoutError as e:  # the agent's node cut off: the call may have reached the program
+                raise _Lost(f"its agent did not answer in {within:g}s") from e
         if not out["ok"]:
             if out.get("lost"):
                 raise _Lost(out["error"])

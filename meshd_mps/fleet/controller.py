@@ -26,7 +26,15 @@ from meshd_mps.fleet.agent import NodeAgent, agent_name
 from meshd_mps.fleet.capacity import SLOT, gpu_models, node_name, why_pending
 from meshd_mps.fleet.checkpoint import Checkpoint, fleet_state_dir
 from meshd_mps.fleet.desired import Declared, Image
-from meshd_mps.fleet.spec import FleetEvent, FleetProgram, FleetStatus, NodeView, ReplicaView, replica_name
+from meshd_mps.fleet.spec import (
+    FleetEvent,
+    FleetProgram,
+    FleetStatus,
+    NodeView,
+    ReplicaView,
+    replica_name,
+    resource_key,
+)
 
 CONTROLLER = "meshd-mps-fleet"
 EVENTS = 500
@@ -340,7 +348,8 @@ class FleetController:
         im = p.image_of(h)
         image = None if h in have or h in sent or im is None else {"manifest": im.manifest, "ptx": im.ptx}
         sent.add(h)
-        return {"name": replica_name(p.name, i), "hash": h, "restart": p.restart, "image": image}
+        return {"name": replica_name(p.name, i), "hash": h, "restart": p.restart, "image": image,
+                "gpu": None if p.gpu is None else resource_key(p.gpu)}
 
     # ---- small things ----------------------------------------------------------------------------
 
