@@ -306,3 +306,20 @@ async def test_gpu_and_node_constraints_place_the_replicas_only_there(rig, fleet
     assert {r.node_name for r in p.replicas} == {"n2"} and {r.gpu for r in p.replicas} == {0}
     assert set(rig.nodes["n2"].ps()) == {"heartbeat.fleet-0", "heartbeat.fleet-1"}
     assert p.gpu == "simulated NVIDIA H200" and p.node == "n2"
+
+
+async def test_an_upgrade_a_replica_refuses_stops_and_rolls_back(rig, fleet, echo):
+    from meshd_mps.errors import UpgradeFailed
+
+    await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
+    before = await fleet.wait("echo", running=3, timeout=UP_S)
+    # Over the GPU's shared memory per block (another PTX: the image hash is the PTX's and param's).
+    too_big = ProgramSource({**echo.manifest, "smem": 300_000}, echo.ptx + "\n// v3\n")
+    with pytest.raises(UpgradeFailed) as e:
+        await fleet.upgrade("echo", too_big)
+    assert e.value.program == "echo" and "shared memory" in e.value.why, e.value
+    p = await fleet.wait("echo", running=3, timeout=UP_S)
+    assert p.hash == echo.hash and not p.upgrading and p.upgrade_error == e.value.why
+    assert {(r.node, r.pid, r.hash) for r in p.replicas} == {(r.node, r.pid, r.hash) for r in before.replicas}
+    kinds = [ev.kind for ev in (await fleet.status("echo")).events]
+    assert kinds.count("draining") == 1 and "upgrade-failed" in kinds, kinds

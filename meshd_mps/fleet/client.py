@@ -78,8 +78,8 @@ class Fleet:
 
     async def upgrade(self, name: str, source: ProgramSource, *, hash: str | None = None) -> FleetProgram:
         """A rolling upgrade to ``source``: one replica at a time, each passing its node's start check
-        before the next; the program once every replica runs it, UpgradeFailed if one refused it
-        (every replica is rolled back to the image before)."""
+        before the next; the program once every replica placed runs it, UpgradeFailed if one
+        refused it (every replica is rolled back to the image before)."""
         from meshd_mps.errors import BadSpec, UpgradeFailed
 
         got = source.hash
@@ -94,8 +94,9 @@ class Fleet:
                 bad = next((r for r in p.replicas if r.reason == p.upgrade_error), None)
                 raise UpgradeFailed(f"{name}: upgrade to {got} stopped: {p.upgrade_error}", program=name,
                                     replica=str(bad.index) if bad else "", why=p.upgrade_error)
-            if not p.upgrading and p.hash == got and p.running == p.wanted:
-                return p
+            if not p.upgrading and p.hash == got and \
+                    all(r.state == "pending" or (r.state == "running" and r.hash == got) for r in p.replicas):
+                return p  # every replica placed runs it; one with no node takes it when it gets one
             if time.monotonic() > deadline:
                 raise FleetTimeout(f"{name}: upgrade to {got}: {p.running} of {p.wanted} replicas run it after"
                                    f" {self.d.fleet_upgrade:g}s", program=name, running=p.running, wanted=p.wanted)

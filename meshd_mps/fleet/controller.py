@@ -59,6 +59,7 @@ class FleetController:
         self.ticked = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()
+        self.saving = asyncio.Lock()
         self.started = time.monotonic()
         self.event("controller", f"controller started; {len(self.programs)} programs declared in {self.checkpoint.path}")
 
@@ -364,8 +365,11 @@ class FleetController:
         return (e[0], e[1]) if e else None
 
     async def _save(self) -> None:
-        snapshot = {n: p.to_json() for n, p in self.programs.items()}
-        await asyncio.to_thread(self.checkpoint.save, snapshot)
+        """The checkpoint written again: one write at a time, each with the state as it is when its
+        turn comes, so that a slower older write never lands after a newer one."""
+        async with self.saving:
+            snapshot = {n: p.to_json() for n, p in self.programs.items()}
+            await asyncio.to_thread(self.checkpoint.save, snapshot)
 
     def event(self, kind: str, message: str, program: str | None = None, replica: int | None = None,
               node: str | None = None) -> None:

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from typing import Any
 
 import ray
@@ -36,6 +37,33 @@ def reap_orphans() -> None:
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG)[0] > 0:
             pass
+
+
+def stop_ray_stragglers(mark: str, within: float = 15.0) -> None:
+    """Ray's processes of the cluster (``ray::*``, raylet, gcs_server: ``mark`` in their
+    environment or command line) still there ``within`` s after ``Cluster.shutdown``: killed.  On a
+    machine loaded far past its cores, a Ray agent that was still starting when the shutdown's
+    SIGTERM came was seen to stay (its handlers not set yet); it is Ray's, and it must not outlive
+    the test.  The daemons and their workers are not touched here: ``close`` stops them itself."""
+    deadline = time.monotonic() + within
+    while True:
+        reap_orphans()
+        ray_left = [int(line.split(":")[0]) for line in leftovers([mark]) if _is_ray(int(line.split(":")[0]))]
+        if not ray_left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)  # the polling interval
+    for pid in ray_left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _is_ray(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+    except OSError:
+        return False
+    return comm.startswith("ray::") or comm in ("raylet", "gcs_server")
 
 
 class Node:
@@ -139,6 +167,7 @@ class FleetRig:
                     for p in s.client.programs():
                         s.client.unload(p["name"])
                 s.kill()
+            stop_ray_stragglers(self.dir)
             poll(lambda: (reap_orphans(), not leftovers([self.dir]))[1], 30.0,
                  lambda: f"no process of the fleet's nodes left: {leftovers([self.dir])}")
             shutil.rmtree(self.dir, ignore_errors=True)
