@@ -137,6 +137,17 @@ class FleetRig:
         self.cluster.wait_for_nodes()
         return n
 
+    def stop_raylet(self, name: str) -> None:
+        """Node ``name``'s raylet stops, and with it the node's Ray workers (its agent among them);
+        its daemon runs on.  ``add(name, ...)`` with the same daemon is its restart: to Ray,
+        another node.  (On the main thread: cluster_utils sets signal handlers.)"""
+        n = self.nodes[name]
+        assert self.cluster is not None
+        self.cluster.remove_node(n.ray_node)
+        mark = os.path.join(self.dir, name) + os.sep
+        poll(lambda: (reap_orphans(), not [p for p in leftovers([mark]) if _is_ray(int(p.split(":")[0]))])[1], 30.0,
+             f"node {name}'s Ray processes gone")
+
     def kill(self, name: str) -> Node:
         """The node dies: its raylet and every Ray process of it (its agent), its daemon (SIGKILL)
         and the programs' workers: each has the node's directory in its command line or
