@@ -32,6 +32,10 @@ HINT = "start Ray (ray start --head), or name its address (--address, $RAY_ADDRE
 
 
 class Fleet:
+    """A handle on the fleet of one Ray cluster (``await Fleet.connect()``): declare, see, upgrade,
+    remove and call programs by name.  Every method asks the controller actor, except a call's
+    routes, kept for one tick, and the call itself (this node's daemon, or the replica's agent)."""
+
     def __init__(self, controller: Any, namespace: str, owns_ray: bool, deadlines: Deadlines):
         self.controller = controller
         self.ns = namespace

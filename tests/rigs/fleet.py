@@ -84,7 +84,6 @@ class FleetRig:
         self.dir = tempfile.mkdtemp(prefix="mf-")
         self.fleet_state = os.path.join(self.dir, "fleet")
         self.nodes: dict[str, Node] = {}
-        self.gone: list[Node] = []
         self.slots = slots
         self.cluster: Cluster | None = None
         self.starting: list[Serve] = []
@@ -163,7 +162,6 @@ class FleetRig:
                 os.kill(int(line.split(":")[0]), signal.SIGKILL)
         poll(lambda: (reap_orphans(), not leftovers([mark]))[1], 20.0, lambda: f"node {name}'s processes gone:"
              f" {leftovers([mark])}")
-        self.gone.append(n)
         return n
 
     def close(self) -> None:
