@@ -5,7 +5,7 @@ kind of failure it is for a caller (a bad request, something not found, a confli
 a timeout, a failure of ours); its fields say who and what.  The API maps branches to HTTP statuses
 in one table (``serving/status.py``), as supervisord maps its ``Faults``; nothing parses a message.
 This package imports nothing else of meshd-mps: the workers and the frame code use it too.  Its
-modules are the tree's sections (base: the root and the branches; config, programs, processes);
+modules are the tree's sections (base: the root and the branches; config, programs, processes, fleet);
 every type is imported from here, ``meshd_mps.errors``.
 """
 
@@ -28,6 +28,18 @@ from meshd_mps.errors.config import (
     StateDirRefused as StateDirRefused,
     StateFileNewer as StateFileNewer,
     StateIOError as StateIOError,
+)
+from meshd_mps.errors.fleet import (
+    AlreadyDeclared as AlreadyDeclared,
+    BadSpec as BadSpec,
+    CallRefused as CallRefused,
+    FleetError as FleetError,
+    FleetTimeout as FleetTimeout,
+    FleetUnavailable as FleetUnavailable,
+    NoReplica as NoReplica,
+    NoSuchProgram as NoSuchProgram,
+    ReplicaLost as ReplicaLost,
+    UpgradeFailed as UpgradeFailed,
 )
 from meshd_mps.errors.processes import (
     FrameError as FrameError,

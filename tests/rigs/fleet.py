@@ -1,0 +1,182 @@
+"""A real Ray cluster on this machine (``ray.cluster_utils.Cluster``: a head and N nodes, each its
+own raylet) with a ``meshd-mps serve --gpu sim --live-restore`` daemon per node (its own socket and
+state dir, started here, outside Ray's process tree, as systemd would start it): the fleet's tests.
+
+Each node advertises the resources ``capacity.node_resources`` computes from its daemon's status,
+with a small ``slots`` so that capacity runs out early, and its daemon's socket in the node's
+environment (``$MESHD_MPS_SOCKET``, which its agent reads).  ``close`` removes every program, stops
+the daemons with nothing running (a live-restore stop then leaves nothing) and the cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+from typing import Any
+
+import ray
+from ray.cluster_utils import Cluster
+
+from meshd_mps.fleet.capacity import node_resources
+from meshd_mps.fleet.checkpoint import ENV as FLEET_STATE_ENV
+from meshd_mps.fleet.spec import parse_replica_name
+from meshd_mps.serving.client import ClientError
+
+from .serve import Serve, leftovers
+from .waits import poll
+
+NAMESPACE = "meshd-mps-tests"
+
+
+def reap_orphans() -> None:
+    """What a killed daemon or raylet left and has exited since (re-parented to this subreaper)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def stop_ray_stragglers(mark: str, within: float = 15.0) -> None:
+    """Ray's processes of the cluster (``ray::*``, raylet, gcs_server: ``mark`` in their
+    environment or command line) still there ``within`` s after ``Cluster.shutdown``: killed.  On a
+    machine loaded far past its cores, a Ray agent that was still starting when the shutdown's
+    SIGTERM came was seen to stay (its handlers not set yet); it is Ray's, and it must not outlive
+    the test.  The daemons and their workers are not touched here: ``close`` stops them itself."""
+    deadline = time.monotonic() + within
+    while True:
+        reap_orphans()
+        ray_left = [int(line.split(":")[0]) for line in leftovers([mark]) if _is_ray(int(line.split(":")[0]))]
+        if not ray_left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)  # the polling interval
+    for pid in ray_left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _is_ray(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+    except OSError:
+        return False
+    return comm.startswith("ray::") or comm in ("raylet", "gcs_server")
+
+
+class Node:
+    def __init__(self, name: str, daemon: Serve, state: str, ray_node: Any):
+        self.name, self.daemon, self.state, self.ray_node = name, daemon, state, ray_node
+
+    @property
+    def id(self) -> str:
+        return str(self.ray_node.node_id)
+
+    def ps(self) -> dict[str, dict]:
+        """The daemon's fleet programs, by name, as ``meshd-mps ps`` shows them."""
+        return {p["name"]: p for p in self.daemon.client.programs() if parse_replica_name(p["name"])}
+
+
+class FleetRig:
+    def __init__(self, nodes: int = 3, slots: int = 2):
+        self.dir = tempfile.mkdtemp(prefix="mf-")
+        self.fleet_state = os.path.join(self.dir, "fleet")
+        self.nodes: dict[str, Node] = {}
+        self.slots = slots
+        self.cluster: Cluster | None = None
+        self.starting: list[Serve] = []
+        try:
+            self.cluster = self.head()
+            started = [self.start_daemon(f"n{i}") for i in range(nodes)]  # all at once: each starts its worker
+            for i, (daemon, state) in enumerate(started):
+                self.add(f"n{i}", daemon, state)
+            ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
+        except BaseException:
+            self.close()  # what started so far: nothing is left behind by a start that failed
+            raise
+
+    def head(self) -> Cluster:
+        """A new cluster: its head (no slots; the controller's checkpoint in ``fleet_state``)."""
+        return Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "env_vars": {FLEET_STATE_ENV: self.fleet_state}, "include_dashboard": False})
+
+    def restart_head(self) -> None:
+        """The head restarts (without GCS fault tolerance the cluster's state goes with it, so every
+        raylet starts again too, as systemd or KubeRay would start them): every Ray process of the
+        cluster ends and a new cluster starts, each node joining with its daemon, which runs on."""
+        ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+        reap_orphans()
+        self.cluster = self.head()
+        for name, n in self.nodes.items():
+            self.add(name, n.daemon, n.state)
+        ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
+
+    def start_daemon(self, name: str) -> tuple[Serve, str]:
+        state = os.path.join(self.dir, name, "state")
+        os.makedirs(os.path.dirname(state), mode=0o700, exist_ok=True)
+        s = Serve(os.path.join(self.dir, name), "blink", os.path.join(self.dir, name, "s.sock"), "--state-dir", state,
+                  "--live-restore", "--orphan-timeout", "5")
+        self.starting.append(s)
+        return s, state
+
+    def add(self, name: str, daemon: Serve | None = None, state: str | None = None) -> Node:
+        """Node ``name`` joins: its daemon (started here unless given), then its raylet."""
+        if daemon is None or state is None:
+            daemon, state = self.start_daemon(name)
+        daemon.wait_ready()
+        self.nodes[name] = Node(name, daemon, state, None)  # stopped by close() from here on
+        res = node_resources(daemon.client.status(), node=name, slots=self.slots)
+        assert self.cluster is not None
+        n = self.nodes[name]
+        n.ray_node = self.cluster.add_node(num_cpus=0, resources=res, env_vars={"MESHD_MPS_SOCKET": daemon.sock})
+        self.cluster.wait_for_nodes()
+        return n
+
+    def stop_raylet(self, name: str) -> None:
+        """Node ``name``'s raylet stops, and with it the node's Ray workers (its agent among them);
+        its daemon runs on.  ``add(name, ...)`` with the same daemon is its restart: to Ray,
+        another node.  (On the main thread: cluster_utils sets signal handlers.)"""
+        n = self.nodes[name]
+        assert self.cluster is not None
+        self.cluster.remove_node(n.ray_node)
+        mark = os.path.join(self.dir, name) + os.sep
+        poll(lambda: (reap_orphans(), not [p for p in leftovers([mark]) if _is_ray(int(p.split(":")[0]))])[1], 30.0,
+             f"node {name}'s Ray processes gone")
+
+    def kill(self, name: str) -> Node:
+        """The node dies: its raylet and every Ray process of it (its agent), its daemon (SIGKILL)
+        and the programs' workers: each has the node's directory in its command line or
+        environment (``$MESHD_MPS_SOCKET``)."""
+        n = self.nodes.pop(name)
+        assert self.cluster is not None
+        self.cluster.remove_node(n.ray_node, allow_graceful=False)
+        n.daemon.proc.send_signal(signal.SIGKILL)
+        n.daemon.proc.wait(30)
+        mark = os.path.join(self.dir, name) + os.sep
+        for line in leftovers([mark]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        poll(lambda: (reap_orphans(), not leftovers([mark]))[1], 20.0, lambda: f"node {name}'s processes gone:"
+             f" {leftovers([mark])}")
+        return n
+
+    def close(self) -> None:
+        try:
+            if ray.is_initialized():
+                ray.shutdown()
+            if self.cluster is not None:
+                self.cluster.shutdown()
+        finally:
+            for s in {id(s): s for s in [*self.starting, *(n.daemon for n in self.nodes.values())]}.values():
+                with contextlib.suppress(ClientError):
+                    for p in s.client.programs():
+                        s.client.unload(p["name"])
+                s.kill()
+            stop_ray_stragglers(self.dir)
+            poll(lambda: (reap_orphans(), not leftovers([self.dir]))[1], 30.0,
+                 lambda: f"no process of the fleet's nodes left: {leftovers([self.dir])}")
+            shutil.rmtree(self.dir, ignore_errors=True)
