@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import BadRequest, MeshError
 from meshd_mps.fleet import Fleet, ProgramSpec, ProgramSource
-from meshd_mps.fleet.tables import Watch, as_json, status_table
+from meshd_mps.fleet.tables import Watch, as_json, node, replicas, status_table
 
 PROG = "meshd-mps fleet"
 DESCRIPTION = "Many meshd-mps nodes run as one, on Ray: programs declared once, placed by Ray, kept by each node's daemon."
@@ -32,6 +32,7 @@ examples:
   meshd-mps fleet call echo hello           # by name, from anywhere in the cluster: the caller's node first
   meshd-mps fleet upgrade echo examples/echo   # rolling: at most one replica unavailable
   meshd-mps fleet remove echo
+  meshd-mps fleet bench                     # the fleet's costs on a local cluster of simulated GPUs (--help)
 the cluster: --address, else $RAY_ADDRESS, else the Ray cluster this host belongs to (docs/fleet.md)
 """
 
@@ -130,7 +131,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from meshd_mps.fleet.bench import main as bench_main  # its own options; a local cluster of its own
+
+        return bench_main(argv[1:])
+    args = parser().parse_args(argv)
     try:
         if args.cmd == "resources":
             return resources(args.socket, args.node, args.slots)
@@ -211,7 +217,7 @@ def _command(args: argparse.Namespace) -> Command:
                 return _print_json({"hex": reply.data.hex(), "data": reply.data.decode("utf-8", "replace"),
                                     "replica": r})
             print(reply.data.hex() if args.hex else reply.data.decode("utf-8", "replace"))
-            print(f"# {r.program}[{r.index}] on node {r.node}, GPU {r.gpu}, slot {r.slot}", file=sys.stderr)
+            print(f"# {r.program}[{r.index}] on node {node(r)}, GPU {r.gpu}, slot {r.slot}", file=sys.stderr)
             return 0
 
         return call
@@ -223,13 +229,13 @@ def _status(args: argparse.Namespace) -> Command:
         st = await fleet.status(args.name)
         if args.json:
             return _print_json(st)
-        print(status_table(st.replicas), end="", flush=True)
+        print(status_table(replicas(st)), end="", flush=True)
         if not args.watch:
             return 0
-        watch = Watch(st.replicas)
+        watch = Watch(st)
         while True:  # until Ctrl-C, as kubectl get -w
             await asyncio.sleep(WATCH_EVERY)
-            out = watch.changes((await fleet.status(args.name)).replicas)
+            out = watch.changes(await fleet.status(args.name))
             if out:
                 print(out, end="", flush=True)
 
