@@ -72,7 +72,7 @@ def serve_args(c: dict[str, Any]) -> Any:
 
 def test_every_manifest_is_checked():
     """A manifest added to deploy/kubernetes/ is one of those the tests below read."""
-    assert sorted(p.name for p in MANIFESTS.glob("*.yaml")) == ["daemonset.yaml", "raycluster.yaml"]
+    assert sorted(p.name for p in MANIFESTS.glob("*.yaml")) == ["daemonset.yaml", "fleet-state.yaml", "raycluster.yaml"]
 
 
 def test_daemonset_is_a_valid_daemonset():
@@ -108,6 +108,12 @@ def check_raycluster(doc: dict[str, Any]) -> None:
     schema = yaml.safe_load(RAYCLUSTER_SCHEMA.read_text())
     jsonschema.validate(doc, schema, cls=jsonschema.Draft7Validator)
     assert not pruned(doc, schema), f"fields KubeRay's schema does not know (the API server drops them): {pruned(doc, schema)}"
+
+
+def test_fleet_state_claim_is_a_valid_claim():
+    (doc,) = docs("fleet-state.yaml")
+    assert doc["kind"] == "PersistentVolumeClaim"
+    core_valid(doc)
 
 
 def test_raycluster_matches_kuberays_schema():
@@ -173,6 +179,22 @@ def test_fleet_worker_runs_the_node_daemon_with_live_restore_and_its_state_on_th
     assert env["MESHD_MPS_SOCKET"] == cfg.socket
     shared = {m["name"] for m in ray["volumeMounts"]} & {m["name"] for m in c["volumeMounts"]}
     assert any(cfg.socket.startswith(m["mountPath"] + "/") for m in ray["volumeMounts"] if m["name"] in shared)
+
+
+def test_fleet_head_keeps_the_declared_programs_on_a_claim():
+    """The controller's checkpoint (MESHD_MPS_FLEET_STATE_DIR of the head) on fleet-state.yaml's
+    claim: it outlives the head pod."""
+    pytest.importorskip("ray")
+    from meshd_mps.fleet.checkpoint import ENV
+
+    spec = raycluster()["spec"]["headGroupSpec"]["template"]["spec"]
+    head = spec["containers"][0]
+    state = {e["name"]: e["value"] for e in head["env"]}[ENV]
+    (claim,) = docs("fleet-state.yaml")
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (mount,) = [m for m in head["volumeMounts"] if state.startswith(m["mountPath"].rstrip("/") + "/")]
+    assert volumes[mount["name"]]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert state != mount["mountPath"], "a subdirectory, made 0700: a volume's root may be group-writable"
 
 
 def test_fleet_worker_starts_ray_with_the_daemons_resources():
