@@ -29,6 +29,6 @@ def fleet(argv: list[str]) -> int:
     try:
         from meshd_mps.fleet.cli import main as fleet_main
     except FleetUnavailable as e:
-        print(f"meshd-mps fleet: {e}", file=sys.stderr)
+        print(f"meshd-mps: {e} ({e.hint})", file=sys.stderr)
         return 2
     return fleet_main(argv)

@@ -38,7 +38,8 @@ def test_without_ray_one_line_says_how_to_install_it(tmp_path, args):
     assert r.stdout == ""
     lines = r.stderr.splitlines()
     assert len(lines) == 1, r.stderr
-    assert lines[0].startswith("meshd-mps fleet: ") and "pip install 'meshd-mps[fleet]'" in lines[0], lines[0]
+    assert lines[0].startswith("meshd-mps: the fleet needs Ray"), lines[0]
+    assert lines[0].endswith("(pip install 'meshd-mps[fleet]')"), lines[0]
 
 
 def test_without_ray_the_node_commands_still_work(tmp_path):

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
 from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import BadRequest, MeshError
+from meshd_mps.errors import BadRequest, FleetUnavailable, MeshError
 from meshd_mps.fleet import Fleet, ProgramSpec, ProgramSource
 from meshd_mps.fleet.tables import Watch, as_json, node, replicas, status_table
 
@@ -145,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     except BadRequest as e:  # bad input: nothing was changed
         print(f"meshd-mps: {e}", file=sys.stderr)
         return 2
+    except FleetUnavailable as e:  # no cluster answers: what to do about it, on the same line
+        print(f"meshd-mps: {e} ({e.hint})", file=sys.stderr)
+        return 1
     except MeshError as e:
         print(f"meshd-mps: {e}", file=sys.stderr)
         return 1
