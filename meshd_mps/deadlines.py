@@ -57,6 +57,12 @@ class Deadlines:
     http_head: float = 30.0  # to send the request line and headers
     http_body: float = 120.0  # to send the body
     http_grace: float = 10.0  # requests in flight at shutdown
+    # ---- the fleet (meshd_mps/fleet/) ----
+    fleet_tick: float = 0.5  # the controller's and each agent's reconcile loop: one look this often
+    fleet_agent: float = 10.0  # one answer of a node agent to the controller (else: its node not heard)
+    fleet_node: float = 60.0  # one request of an agent to its node daemon (a load compiles and starts)
+    fleet_upgrade: float = 300.0  # a rolling upgrade, every replica (fleet.upgrade's wait)
+    fleet_rejoin: float = 60.0  # after the head's restart, a node that ran replicas has this long to rejoin
 
     def reply(self, op: enum.Enum) -> float:
         """The deadline of the reply to request ``op`` (a ``frames.Op``; ``WorkerProc.ask``; no dict

@@ -493,3 +493,109 @@ class NvmlUnavailable(DeviceError):
     def __init__(self, message: str, *, why: str):
         super().__init__(message)
         self.why = why
+
+
+# ---- the fleet (meshd_mps/fleet/, on Ray) ----------------------------------------------------------
+
+
+class FleetError(MeshError):
+    """What the fleet refuses or cannot do; its subclasses sit on the branches above as well."""
+
+
+class FleetUnavailable(FleetError, Unavailable):
+    """The fleet cannot run here: Ray is not installed (``hint`` says how to get it), or its
+    cluster cannot be reached (``hint`` names the address tried)."""
+
+    FIELDS = ("hint",)
+
+    def __init__(self, message: str, *, hint: str):
+        super().__init__(message)
+        self.hint = hint
+
+
+class BadSpec(FleetError, BadRequest):
+    """A program spec the fleet cannot deploy as given: ``field`` names the field at fault."""
+
+    FIELDS = ("field",)
+
+    def __init__(self, message: str, *, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+class NoSuchProgram(FleetError, NotFound):
+    FIELDS = ("program",)
+
+    def __init__(self, program: str):
+        super().__init__(f"no program {program!r} is declared in the fleet")
+        self.program = program
+
+
+class AlreadyDeclared(FleetError, Conflict):
+    FIELDS = ("program",)
+
+    def __init__(self, program: str):
+        super().__init__(f"program {program!r} is already declared in the fleet (upgrade it instead)")
+        self.program = program
+
+
+class NoReplica(FleetError, Unavailable):
+    """A call found no running replica of ``program`` (``tried``: the replicas asked, in order)."""
+
+    FIELDS = ("program", "tried")
+
+    def __init__(self, message: str, *, program: str, tried: list[str]):
+        super().__init__(message)
+        self.program = program
+        self.tried = tried
+
+
+class ReplicaLost(FleetError, Unavailable):
+    """A call whose replica's node (or its agent) died before it answered; not retried elsewhere,
+    since the call was not marked idempotent and may have reached the program."""
+
+    FIELDS = ("program", "replica", "node")
+
+    def __init__(self, message: str, *, program: str, replica: str, node: str):
+        super().__init__(message)
+        self.program = program
+        self.replica = replica
+        self.node = node
+
+
+class UpgradeFailed(FleetError, Conflict):
+    """A rolling upgrade stopped: ``replica`` refused the new image (its start check, a limit);
+    the replicas not reached keep the old image."""
+
+    FIELDS = ("program", "replica", "why")
+
+    def __init__(self, message: str, *, program: str, replica: str, why: str):
+        super().__init__(message)
+        self.program = program
+        self.replica = replica
+        self.why = why
+
+
+class FleetTimeout(FleetError, Timeout):
+    """``fleet.wait`` or an upgrade ran past its deadline: ``running`` of ``wanted`` replicas ran."""
+
+    FIELDS = ("program", "running", "wanted")
+
+    def __init__(self, message: str, *, program: str, running: int, wanted: int):
+        super().__init__(message)
+        self.program = program
+        self.running = running
+        self.wanted = wanted
+
+
+class CallRefused(FleetError):
+    """A replica's node daemon refused a fleet call: ``status`` is the HTTP status it answered
+    (its own error type's, by the node API's table), ``replica`` the replica that refused."""
+
+    FIELDS = ("program", "replica", "status")
+
+    def __init__(self, message: str, *, program: str, replica: str, status: int):
+        super().__init__(message)
+        self.program = program
+        self.replica = replica
+        self.status = status

@@ -26,6 +26,8 @@ LAYERS: dict[str, int] = {
     "meshd_mps": 8,
     "meshd_mps.serving": 8,
     "meshd_mps.bench": 8,
+    # 9: the fleet, above one node's daemon and its client (issue 34)
+    "meshd_mps.fleet": 9,
     # 7: what outlives a restart (the desired state kept and restored)
     "meshd_mps.state": 7,
     # 6: named programs on slots

@@ -108,6 +108,7 @@ STATUS: dict[type[BaseException], int] = {
     VersionNotSupported: 505,
     # ConfigError (ConfigFileError, StateDirRefused, StateFileNewer), ManifestError, BadName, CompileError,
     # LimitError, ImageRefused, BadBody, ...; StateIOError is a failure of ours: 500, not in the table.
+    E.BadSpec: 422,  # the fleet's: a spec it cannot deploy (meshd_mps/fleet/spec.py)
     E.BadRequest: 400,
     E.MailboxError: 400,  # a slot or an entry out of the layout
     E.NotFound: 404,  # NotLoaded, NoRoute

@@ -1,0 +1,165 @@
+"""The node agent: a Ray actor per node that makes its node's daemon run that node's share of the
+fleet, and nothing more of the fleet's.
+
+The daemon keeps the programs (``meshd-mps serve --live-restore``, started by systemd, a DaemonSet
+or the tests, never by Ray, so that no Ray process is its parent): the agent holds no program and
+no process.  It is level-triggered: each share the controller sends replaces the last, and its own
+loop compares it with the daemon's ``ps`` and closes the difference (load what is missing, upgrade
+what runs another image, unload a ``fleet.*`` program the share no longer holds: a replica Ray
+moved away while this node was gone).  A restarted agent starts with no share and touches nothing
+until the controller sends one: what runs is adopted by being found running.
+
+It talks to the daemon through ``serving/client.Client`` (blocking, stdlib HTTP over the Unix
+socket) in threads of its own, so that calls in flight and a reconcile share no thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import ray
+
+from meshd_mps.deadlines import DEFAULT, Deadlines
+from meshd_mps.fleet.spec import parse_replica_name
+from meshd_mps.serving.client import Client, ClientError, default_socket
+
+T = TypeVar("T")
+
+AGENT_PREFIX = "meshd-mps-agent-"
+#: A failed load or upgrade of one replica is tried again after this (the daemon said why; the
+#: controller shows it meanwhile).
+RETRY_S = 5.0
+#: Threads for requests to the daemon: calls in flight at once through this agent.
+THREADS = 32
+
+
+def agent_name(node_id: str) -> str:
+    return AGENT_PREFIX + node_id
+
+
+class NodeAgent:
+    """One node's agent (an async Ray actor, pinned to its node).  ``socket``: the node daemon's
+    (default: ``$MESHD_MPS_SOCKET`` of the node, as the CLI finds it)."""
+
+    def __init__(self, socket: str | None = None, deadlines: Deadlines = DEFAULT):
+        self.socket = socket or default_socket()
+        self.d = deadlines
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.threads = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="meshd-agent")
+        self.images: dict[str, dict[str, Any]] = {}
+        self.want: dict[str, dict[str, Any]] | None = None  # None: no share yet: touch nothing
+        self.errors: dict[str, tuple[str, str]] = {}  # replica -> (hash, why) of its last failed load/upgrade
+        self.retry_at: dict[str, float] = {}
+        self.busy: dict[str, str] = {}  # replica -> "loading" | "upgrading" | "unloading", while it is done
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+        self.daemon_pid: int | None = None
+
+    # ---- the controller's side ----------------------------------------------------------------
+
+    async def reconcile(self, orders: list[dict[str, Any]]) -> dict[str, Any]:
+        """Take ``orders`` (each: ``name``, ``hash``, ``restart``, and ``image`` where the
+        controller has not seen this agent hold it) as this node's whole share; what the daemon
+        runs of the fleet now."""
+        for o in orders:
+            if o.get("image") is not None:
+                self.images[o["hash"]] = o["image"]
+        self.want = {o["name"]: o for o in orders}
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._run())
+        self.wake.set()
+        return await self.observe()
+
+    async def observe(self) -> dict[str, Any]:
+        """The daemon's ``fleet.*`` programs as its ``ps`` shows them, and this agent's own view."""
+        out: dict[str, Any] = {"node": self.node_id, "socket": self.socket, "pid": os.getpid(),
+                               "have": sorted(self.images), "errors": dict(self.errors), "busy": dict(self.busy),
+                               "programs": None, "error": None, "daemon_pid": self.daemon_pid}
+        try:
+            programs = await self._blocking(lambda c: c.programs())
+            if self.daemon_pid is None:
+                self.daemon_pid = (await self._blocking(lambda c: c.status())).get("pid")
+                out["daemon_pid"] = self.daemon_pid
+        except ClientError as e:
+            out["error"] = str(e)
+            self.daemon_pid = None
+            return out
+        out["programs"] = [p for p in programs if parse_replica_name(str(p.get("name")))]
+        return out
+
+    async def call(self, name: str, data: bytes, timeout: float | None = None) -> dict[str, Any]:  # noqa: ASYNC109
+        """A request to replica ``name`` on this node's daemon: {"ok": True, "hex": ...}, or the
+        daemon's refusal {"ok": False, "status": HTTP status (0: no daemon), "error": ...}."""
+        try:
+            ans = await self._blocking(lambda c: c.call(name, data, timeout))
+        except ClientError as e:
+            return {"ok": False, "status": e.status, "error": str(e)}
+        return {"ok": True, "hex": ans["hex"]}
+
+    async def ping(self) -> str:
+        return self.node_id
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), self.d.fleet_tick * 4)
+            self.wake.clear()
+            with contextlib.suppress(ClientError):  # the daemon is down or restarting: observe() says so
+                await self._apply()
+
+    async def _apply(self) -> None:
+        want = self.want
+        if want is None:
+            return
+        programs = {p["name"]: p for p in await self._blocking(lambda c: c.programs())
+                    if parse_replica_name(str(p.get("name")))}
+        now = time.monotonic()
+        for name, o in want.items():
+            p = programs.get(name)
+            if p is not None and p.get("hash") == o["hash"]:
+                self.errors.pop(name, None)
+                continue
+            failed = self.errors.get(name)
+            if failed is not None and failed[0] == o["hash"] and now < self.retry_at.get(name, 0.0):
+                continue
+            image = self.images.get(o["hash"])
+            if image is None:
+                continue  # the controller sends it with the next share (this agent's "have" lacks it)
+            body = {"manifest": {**image["manifest"], "name": name}, "ptx": image["ptx"], "hash": o["hash"]}
+            what = "loading" if p is None else "upgrading"
+            self.busy[name] = what
+            try:
+                if p is None:
+                    await self._blocking(lambda c, b={**body, "restart": o["restart"]}: c.load(b), self.d.fleet_node)
+                else:
+                    await self._blocking(lambda c, n=name, b=body: c.upgrade(n, b), self.d.fleet_node)
+                self.errors.pop(name, None)
+            except ClientError as e:
+                if e.status == 0:
+                    raise
+                verb = "load" if p is None else "upgrade"
+                self.errors[name] = (o["hash"], f"{verb} refused by the node's daemon (HTTP {e.status}): {e}")
+                self.retry_at[name] = time.monotonic() + RETRY_S
+            finally:
+                self.busy.pop(name, None)
+        for name in programs.keys() - want.keys():
+            self.busy[name] = "unloading"
+            try:
+                await self._blocking(lambda c, n=name: c.unload(n), self.d.fleet_node)
+            except ClientError as e:
+                if e.status == 0:
+                    raise
+            finally:
+                self.busy.pop(name, None)
+
+    async def _blocking(self, fn: Callable[[Client], T], within: float | None = None) -> T:
+        client = Client(self.socket, timeout=within or self.d.fleet_agent)
+        return await asyncio.get_running_loop().run_in_executor(self.threads, fn, client)

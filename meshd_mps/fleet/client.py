@@ -1,0 +1,214 @@
+"""``Fleet``: the fleet's async Python API, a handle on the controller actor, and the routing of
+calls by name.
+
+A call goes to a running replica, the caller's own node first: straight to that node's daemon
+socket (no actor in the way) when the replica runs on the caller's node, else through the
+replica's node agent.  The routes (which replicas run, where) come from the controller and are
+kept for one tick (``Deadlines.fleet_tick``); an upgrade drains a replica for longer than that
+before it changes its image, so that no call is sent to one that is being replaced.  A call that
+never reached a program (no daemon there, the program not there) is sent to the next replica; a
+call whose replica's node or agent died on the way is sent again only if ``idempotent``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from meshd_mps.deadlines import DEFAULT, Deadlines
+from meshd_mps.errors import CallRefused, FleetTimeout, FleetUnavailable, MeshError, NoReplica, ReplicaLost
+from meshd_mps.fleet.controller import CONTROLLER, FleetController
+from meshd_mps.fleet.spec import FleetProgram, FleetReply, FleetStatus, ProgramSource, ProgramSpec, ReplicaView
+from meshd_mps.serving.client import Client, ClientError
+
+HINT = "start Ray (ray start --head), or name its address (--address, $RAY_ADDRESS)"
+
+
+class Fleet:
+    def __init__(self, controller: Any, namespace: str, owns_ray: bool, deadlines: Deadlines):
+        self.controller = controller
+        self.ns = namespace
+        self.d = deadlines
+        self.owns_ray = owns_ray
+        self.node = ray.get_runtime_context().get_node_id()
+        self.cache: dict[str, tuple[float, list[ReplicaView], dict[str, str], dict[str, Any]]] = {}
+        self.turn = itertools.count()
+
+    @classmethod
+    async def connect(cls, address: str | None = None, *, namespace: str = "meshd-mps", state_dir: str | None = None,
+                      deadlines: Deadlines = DEFAULT) -> Fleet:
+        """The fleet of the Ray cluster at ``address`` (default: ``$RAY_ADDRESS``, else the local
+        cluster ``ray start`` began); its controller is started if none runs (on the head node;
+        ``state_dir``: its checkpoint's directory there, default ``$MESHD_MPS_FLEET_STATE_DIR`` of the
+        head, see fleet/checkpoint.py).  FleetUnavailable if no cluster answers."""
+        owns = not ray.is_initialized()
+        if owns:
+            addr = address or os.environ.get("RAY_ADDRESS") or "auto"
+            try:
+                await asyncio.to_thread(ray.init, address=addr, namespace=namespace, logging_level="warning",
+                                        log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise FleetUnavailable(f"no Ray cluster at {addr}: {e}", hint=HINT) from e
+        ctl = await asyncio.to_thread(
+            lambda: ray.remote(FleetController).options(
+                name=CONTROLLER, namespace=namespace, lifetime="detached", get_if_exists=True, max_restarts=-1,
+                num_cpus=0, resources={"node:__internal_head__": 0.001}).remote(namespace, state_dir, deadlines))
+        f = cls(ctl, namespace, owns, deadlines)
+        await f._ask(ctl.ready.remote())
+        return f
+
+    # ---- declare, see ----------------------------------------------------------------------------
+
+    async def deploy(self, spec: ProgramSpec) -> FleetProgram:
+        """Declare ``spec``: Ray places its replicas, their nodes load them (``wait`` for them)."""
+        spec.check()
+        image = {"manifest": spec.source.manifest, "ptx": spec.source.ptx, "hash": spec.source.hash}
+        fields = {"name": spec.name, "replicas": spec.replicas, "restart": spec.restart, "strategy": spec.strategy,
+                  "gpu": spec.gpu, "node": spec.node}
+        return await self._ask(self.controller.deploy.remote(fields, image))
+
+    async def upgrade(self, name: str, source: ProgramSource, *, hash: str | None = None) -> FleetProgram:
+        """A rolling upgrade to ``source``: one replica at a time, each passing its node's start check
+        before the next; the program once every replica runs it, UpgradeFailed if one refused it
+        (every replica is rolled back to the image before)."""
+        from meshd_mps.errors import BadSpec, UpgradeFailed
+
+        got = source.hash
+        if hash is not None and hash.lower() != got:
+            raise BadSpec(f"hash {hash}: the image's hash is {got}", field="hash")
+        p: FleetProgram = await self._ask(self.controller.upgrade.remote(
+            name, {"manifest": source.manifest, "ptx": source.ptx, "hash": got}))
+        deadline = time.monotonic() + self.d.fleet_upgrade
+        while True:
+            p = await self._ask(self.controller.program.remote(name))
+            if p.upgrade_error is not None and p.hash != got:
+                bad = next((r for r in p.replicas if r.reason == p.upgrade_error), None)
+                raise UpgradeFailed(f"{name}: upgrade to {got} stopped: {p.upgrade_error}", program=name,
+                                    replica=str(bad.index) if bad else "", why=p.upgrade_error)
+            if not p.upgrading and p.hash == got and p.running == p.wanted:
+                return p
+            if time.monotonic() > deadline:
+                raise FleetTimeout(f"{name}: upgrade to {got}: {p.running} of {p.wanted} replicas run it after"
+                                   f" {self.d.fleet_upgrade:g}s", program=name, running=p.running, wanted=p.wanted)
+            await asyncio.sleep(self.d.fleet_tick / 2)  # polling the controller's view
+
+    async def remove(self, name: str) -> None:
+        await self._ask(self.controller.remove.remote(name))
+        self.cache.pop(name, None)
+
+    async def status(self, name: str | None = None) -> FleetStatus:
+        return await self._ask(self.controller.status.remote(name))
+
+    async def wait(self, name: str, *, running: int, timeout: float) -> FleetProgram:  # noqa: ASYNC109
+        """The program once ``running`` of its replicas run its declared image; FleetTimeout after
+        ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            p: FleetProgram = await self._ask(self.controller.program.remote(name))
+            if p.running >= running:
+                return p
+            if time.monotonic() > deadline:
+                why = "; ".join(sorted({f"{r.state}: {r.reason}" for r in p.replicas if r.reason})) or "none failed"
+                raise FleetTimeout(f"{name}: {p.running} of {running} replicas running after {timeout:g}s ({why})",
+                                   program=name, running=p.running, wanted=running)
+            await asyncio.sleep(min(self.d.fleet_tick / 2, 0.1))  # polling the controller's view
+
+    async def close(self) -> None:
+        if self.owns_ray and ray.is_initialized():
+            await asyncio.to_thread(ray.shutdown)
+
+    # ---- calls -------------------------------------------------------------------------------------
+
+    async def call(self, name: str, data: bytes, *, timeout: float | None = None,  # noqa: ASYNC109
+                   idempotent: bool = False) -> FleetReply:
+        """``data`` to a running replica of ``name``, the caller's own node first; the reply says
+        which replica answered."""
+        tried: list[str] = []
+        for fresh in (False, True):
+            replicas, sockets, agents = await self._routes(name, fresh)
+            for r in self._order(replicas):
+                if f"{r.index}@{r.node}" in tried:
+                    continue
+                tried.append(f"{r.index}@{r.node}")
+                try:
+                    hexed = await self._call_one(r, sockets.get(r.node or ""), agents.get(r.node or ""), data, timeout)
+                except _NotDelivered:
+                    continue
+                except _Lost as e:
+                    self.cache.pop(name, None)
+                    if idempotent:
+                        continue
+                    raise ReplicaLost(f"{name}: replica {r.index} on node {r.node_name} was lost during the call"
+                                      f" ({e}); not sent again (not idempotent)", program=name, replica=str(r.index),
+                                      node=r.node or "") from e
+                return FleetReply(bytes.fromhex(hexed), r)
+            self.cache.pop(name, None)
+        raise NoReplica(f"{name}: no running replica answered (tried {', '.join(tried) or 'none: none runs'})",
+                        program=name, tried=tried)
+
+    async def _routes(self, name: str, fresh: bool) -> tuple[list[ReplicaView], dict[str, str], dict[str, Any]]:
+        hit = self.cache.get(name)
+        if hit is not None and not fresh and time.monotonic() - hit[0] < self.d.fleet_tick:
+            return hit[1], hit[2], hit[3]
+        replicas, sockets, agents = await self._ask(self.controller.routes.remote(name))
+        self.cache[name] = (time.monotonic(), replicas, sockets, agents)
+        return replicas, sockets, agents
+
+    def _order(self, replicas: list[ReplicaView]) -> list[ReplicaView]:
+        mine = [r for r in replicas if r.node == self.node]
+        others = [r for r in replicas if r.node != self.node]
+        if others:
+            k = next(self.turn) % len(others)
+            others = others[k:] + others[:k]
+        return mine + others
+
+    async def _call_one(self, r: ReplicaView, socket: str | None, agent: Any, data: bytes,
+                        timeout: float | None) -> str:  # noqa: ASYNC109
+        if r.node == self.node and socket:
+            try:
+                ans = await asyncio.to_thread(Client(socket, timeout=self.d.fleet_agent).call, r.name, data, timeout)
+            except ClientError as e:
+                raise _refusal(r, e.status, str(e)) from e
+            return str(ans["hex"])
+        if agent is None:
+            raise _NotDelivered(f"node {r.node} has no agent")
+        try:
+            out: dict[str, Any] = await agent.call.remote(r.name, data, timeout)
+        except RayActorError as e:
+            raise _Lost(f"{type(e).__name__}") from e
+        if not out["ok"]:
+            raise _refusal(r, out["status"], out["error"])
+        return str(out["hex"])
+
+    async def _ask(self, ref: Any) -> Any:
+        """An actor call's answer; the controller's own errors as raised there, typed."""
+        try:
+            return await ref
+        except RayTaskError as e:
+            if isinstance(e.cause, MeshError):
+                raise e.cause from None
+            raise
+        except RayActorError as e:
+            raise FleetUnavailable(f"the fleet's controller is not reachable: {type(e).__name__}",
+                                   hint="it is restarted by Ray; try again") from e
+
+
+class _NotDelivered(Exception):
+    """The call never reached a program: another replica may take it."""
+
+
+class _Lost(Exception):
+    """The replica's agent or node died with the call on its way: it may have reached the program."""
+
+
+def _refusal(r: ReplicaView, status: int, error: str) -> Exception:
+    if status in (0, 404):  # no daemon on the socket, or the program is not there: not delivered
+        return _NotDelivered(error)
+    return CallRefused(f"{r.program}: replica {r.index} on node {r.node_name}: {error}", program=r.program,
+                       replica=str(r.index), status=status)

@@ -1,0 +1,238 @@
+"""What the fleet is asked for and what it shows: a program's spec and source, and the views of its
+replicas, nodes and events.  Plain data (picklable, no Ray), checked once here, so that the client,
+the controller and the CLI share one definition of each word."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from meshd_mps import restart
+from meshd_mps.errors import BadSpec
+from meshd_mps.gpu.compiler import Manifest, image_hash
+from meshd_mps.names import check_name
+from meshd_mps.state.program_files import program_body
+
+Strategy = Literal["SPREAD", "PACK", "STRICT_SPREAD"]
+STRATEGIES: tuple[str, ...] = ("SPREAD", "PACK", "STRICT_SPREAD")
+ReplicaState = Literal["pending", "placing", "starting", "running", "failed", "stopping"]
+
+#: A replica's program on its node's daemon is ``<program>.fleet-<index>``: the suffix marks what
+#: the fleet owns there (an agent unloads only those), the index tells replicas of one node apart;
+#: the program's own name comes first, as the simulated GPU runs an example by its name's start.
+SUFFIX = ".fleet-"
+#: The longest fleet program name: the daemon's names stop at 64 characters, and the suffix and
+#: index (at most 999 replicas) take 10 of them.
+MAX_NAME = 54
+MAX_REPLICAS = 999
+_REPLICA = re.compile(r"(.+)\.fleet-([0-9]{1,3})")
+
+
+def replica_name(program: str, index: int) -> str:
+    """The name a replica's program has on its node's daemon."""
+    return f"{program}{SUFFIX}{index}"
+
+
+def parse_replica_name(name: str) -> tuple[str, int] | None:
+    """(program, index) of a daemon program the fleet owns; None for any other program."""
+    m = _REPLICA.fullmatch(name)
+    return (m[1], int(m[2])) if m else None
+
+
+def gpu_model(name: str) -> str:
+    """A GPU's model as a resource key: lower case, the vendor and any parenthesis dropped, every
+    other run of non-alphanumerics one ``_`` ("NVIDIA H200" -> ``h200``; the simulation's
+    "simulated NVIDIA H200 (meshd-mps --gpu sim)" -> ``simulated_h200``)."""
+    s = re.sub(r"\(.*?\)", " ", name).lower().replace("nvidia", " ")
+    return re.sub(r"[^a-z0-9]+", "_", s).strip("_")
+
+
+@dataclass(frozen=True)
+class ProgramSource:
+    """A program's image: its manifest (a JSON object) and its PTX text, as ``meshd-mps load``
+    sends them.  :meth:`read` reads a program directory or files (CUDA C compiled here)."""
+
+    manifest: dict[str, Any]
+    ptx: str
+
+    @classmethod
+    def read(cls, dir: str | None = None, *, manifest: str | None = None, ptx: str | None = None,
+             cuda: str | None = None, arch: str | None = None) -> ProgramSource:
+        """From files, exactly as ``meshd-mps load`` reads them (ProgramFilesError, a BadRequest,
+        says what is wrong); CUDA C is compiled for ``arch`` (default compute_90)."""
+        body = program_body(dir, manifest, ptx, cuda, arch=arch)
+        return cls(manifest=body["manifest"], ptx=body["ptx"])
+
+    def check(self) -> Manifest:
+        """The manifest parsed (ManifestError, as the node API says it)."""
+        if not isinstance(self.ptx, str):
+            raise BadSpec("source: the PTX must be text", field="source")
+        return Manifest.parse(self.manifest)
+
+    @property
+    def hash(self) -> str:
+        """The image hash (16 hex digits), as every node's daemon computes it."""
+        param = self.check().param
+        return f"{image_hash(self.ptx.encode(), param):016x}"
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """A program declared to the fleet: ``replicas`` copies placed by Ray with ``strategy``, each
+    needing one slot (of a GPU of model ``gpu``, on node ``node``, where given)."""
+
+    name: str
+    source: ProgramSource
+    replicas: int = 1
+    restart: str = restart.DEFAULT.value
+    strategy: Strategy = "SPREAD"
+    gpu: str | None = None
+    node: str | None = None
+    hash: str | None = None
+
+    def check(self) -> None:
+        """BadSpec (or the node API's own BadName, ManifestError, BadRestartPolicy) for a spec
+        that cannot be deployed; nothing else is asked."""
+        if not isinstance(self.name, str):
+            raise BadSpec("name: a program name (text) expected", field="name")
+        check_name(self.name, "name")
+        if len(self.name) > MAX_NAME:
+            raise BadSpec(f"name {self.name!r}: at most {MAX_NAME} characters in a fleet (its replicas are named"
+                          f" {replica_name(self.name, 0)!r} on their nodes)", field="name")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or not 1 <= self.replicas <= MAX_REPLICAS:
+            raise BadSpec(f"replicas {self.replicas!r}: a whole number from 1 to {MAX_REPLICAS}", field="replicas")
+        if self.strategy not in STRATEGIES:
+            raise BadSpec(f"strategy {self.strategy!r}: one of {', '.join(STRATEGIES)}", field="strategy")
+        restart.Policy.parse(self.restart)
+        for f in ("gpu", "node"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, str) or not resource_key(v)):
+                raise BadSpec(f"{f} {v!r}: a name with a letter or digit in it", field=f)
+        if not isinstance(self.source, ProgramSource):
+            raise BadSpec("source: a ProgramSource (ProgramSource.read(DIR))", field="source")
+        got = self.source.hash
+        if self.hash is not None and self.hash.lower() != got:
+            raise BadSpec(f"hash {self.hash}: the image's hash is {got}", field="hash")
+
+
+def resource_key(name: str) -> str:
+    """A node or GPU model name as it appears in a Ray resource key (``gpu_model``'s rule)."""
+    return gpu_model(name)
+
+
+# ---- the views ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """One replica as the controller sees it: where Ray placed its bundle (``node``: the Ray node
+    id, ``node_name``), and what that node's daemon says of it (``gpu``, ``slot``, ``pid``, ``hash``,
+    ``heartbeat_age``); ``reason`` says why it is pending or failed.  ``generation``: the program's
+    generation whose image it runs (or is starting)."""
+
+    program: str
+    index: int
+    state: ReplicaState
+    reason: str | None = None
+    node: str | None = None
+    node_name: str | None = None
+    gpu: int | None = None
+    slot: int | None = None
+    pid: int | None = None
+    hash: str | None = None
+    heartbeat_age: float | None = None
+    heartbeat: int | None = None
+    generation: int = 0
+
+    @property
+    def name(self) -> str:
+        """Its program's name on its node's daemon."""
+        return replica_name(self.program, self.index)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class FleetProgram:
+    """A declared program and its replicas; ``hash`` is the image declared (the one an upgrade
+    rolls out), ``upgrading`` whether replicas still run another."""
+
+    name: str
+    replicas: tuple[ReplicaView, ...]
+    wanted: int
+    hash: str
+    generation: int
+    restart: str
+    strategy: str
+    gpu: str | None = None
+    node: str | None = None
+    upgrading: bool = False
+    upgrade_error: str | None = None
+
+    @property
+    def running(self) -> int:
+        return sum(r.state == "running" and r.hash == self.hash for r in self.replicas)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["running"] = self.running
+        return d
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """A node of the fleet: its Ray node id and name, whether it is alive and its agent answers,
+    its capacity (``slots``) and the replicas placed there, its daemon's socket and pid."""
+
+    node: str
+    name: str
+    alive: bool
+    agent: str  # "up", "not answering", "starting"
+    slots: int
+    replicas: int
+    gpus: tuple[str, ...] = ()
+    socket: str | None = None
+    daemon_pid: int | None = None
+    agent_pid: int | None = None
+    reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class FleetEvent:
+    """Something that happened to a replica, a program or a node (a move, a failure, an upgrade
+    step), with its wall time (``at``, seconds since the epoch)."""
+
+    at: float
+    kind: str
+    message: str
+    program: str | None = None
+    replica: int | None = None
+    node: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class FleetStatus:
+    programs: tuple[FleetProgram, ...]
+    nodes: tuple[NodeView, ...]
+    events: tuple[FleetEvent, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"programs": [p.to_json() for p in self.programs], "nodes": [n.to_json() for n in self.nodes],
+                "events": [e.to_json() for e in self.events]}
+
+
+@dataclass(frozen=True)
+class FleetReply:
+    """A call's response and the replica that gave it."""
+
+    data: bytes
+    replica: ReplicaView

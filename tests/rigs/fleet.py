@@ -1,0 +1,112 @@
+"""A real Ray cluster on this machine (``ray.cluster_utils.Cluster``: a head and N nodes, each its
+own raylet) with a ``meshd-mps serve --gpu sim --live-restore`` daemon per node (its own socket and
+state dir, started here, outside Ray's process tree, as systemd would start it): the fleet's tests.
+
+Each node advertises the resources ``capacity.node_resources`` computes from its daemon's status,
+with a small ``slots`` so that capacity runs out early, and its daemon's socket in the node's
+environment (``$MESHD_MPS_SOCKET``, which its agent reads).  ``close`` removes every program, stops
+the daemons with nothing running (a live-restore stop then leaves nothing) and the cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+from typing import Any
+
+import ray
+from ray.cluster_utils import Cluster
+
+from meshd_mps.fleet.capacity import node_resources
+from meshd_mps.fleet.checkpoint import ENV as FLEET_STATE_ENV
+from meshd_mps.fleet.spec import parse_replica_name
+from meshd_mps.serving.client import ClientError
+
+from .serve import Serve, leftovers
+from .waits import poll
+
+NAMESPACE = "meshd-mps-tests"
+
+
+def reap_orphans() -> None:
+    """What a killed daemon or raylet left and has exited since (re-parented to this subreaper)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+class Node:
+    def __init__(self, name: str, daemon: Serve, state: str, ray_node: Any):
+        self.name, self.daemon, self.state, self.ray_node = name, daemon, state, ray_node
+
+    @property
+    def id(self) -> str:
+        return str(self.ray_node.node_id)
+
+    def ps(self) -> dict[str, dict]:
+        """The daemon's fleet programs, by name, as ``meshd-mps ps`` shows them."""
+        return {p["name"]: p for p in self.daemon.client.programs() if parse_replica_name(p["name"])}
+
+
+class FleetRig:
+    def __init__(self, nodes: int = 3, slots: int = 2):
+        self.dir = tempfile.mkdtemp(prefix="mf-")
+        self.fleet_state = os.path.join(self.dir, "fleet")
+        self.nodes: dict[str, Node] = {}
+        self.gone: list[Node] = []
+        self.slots = slots
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "env_vars": {FLEET_STATE_ENV: self.fleet_state}, "include_dashboard": False})
+        started = [self.start_daemon(f"n{i}") for i in range(nodes)]  # all at once: each starts its worker
+        for i, (daemon, state) in enumerate(started):
+            self.add(f"n{i}", daemon, state)
+        ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
+
+    def start_daemon(self, name: str) -> tuple[Serve, str]:
+        state = os.path.join(self.dir, name, "state")
+        os.makedirs(os.path.dirname(state), mode=0o700, exist_ok=True)
+        s = Serve(os.path.join(self.dir, name), "blink", os.path.join(self.dir, name, "s.sock"), "--state-dir", state,
+                  "--live-restore", "--orphan-timeout", "5")
+        return s, state
+
+    def add(self, name: str, daemon: Serve | None = None, state: str | None = None) -> Node:
+        """Node ``name`` joins: its daemon (started here unless given), then its raylet."""
+        if daemon is None or state is None:
+            daemon, state = self.start_daemon(name)
+        daemon.wait_ready()
+        res = node_resources(daemon.client.status(), node=name, slots=self.slots)
+        rn = self.cluster.add_node(num_cpus=0, resources=res, env_vars={"MESHD_MPS_SOCKET": daemon.sock})
+        self.cluster.wait_for_nodes()
+        n = self.nodes[name] = Node(name, daemon, state, rn)
+        return n
+
+    def kill(self, name: str) -> Node:
+        """The node dies: its raylet, its daemon (SIGKILL) and the programs' workers."""
+        n = self.nodes.pop(name)
+        self.cluster.remove_node(n.ray_node, allow_graceful=False)
+        n.daemon.proc.send_signal(signal.SIGKILL)
+        n.daemon.proc.wait(30)
+        for line in leftovers([n.state]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        poll(lambda: (reap_orphans(), not leftovers([n.state]))[1], 20.0, f"node {name}'s processes gone")
+        self.gone.append(n)
+        return n
+
+    def close(self) -> None:
+        try:
+            if ray.is_initialized():
+                ray.shutdown()
+            self.cluster.shutdown()
+        finally:
+            for n in self.nodes.values():
+                with contextlib.suppress(ClientError):
+                    for p in n.daemon.client.programs():
+                        n.daemon.client.unload(p["name"])
+                n.daemon.kill()
+            poll(lambda: (reap_orphans(), not leftovers([self.dir]))[1], 30.0,
+                 lambda: f"no process of the fleet's nodes left: {leftovers([self.dir])}")
+            shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,274 @@
+"""The fleet on a real Ray cluster (``ray.cluster_utils``: a head and 3 nodes, one raylet each),
+each node with its own ``meshd-mps serve --gpu sim --live-restore`` daemon, socket and state dir
+(tests/rigs/fleet.py), 2 slots a node: deploy over several nodes, capacity exhausted, the agent
+killed, a rolling upgrade with calls in flight, status against each node's ``ps``, calls from a
+node, bad specs.  One cluster for the module; each test removes what it deployed."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+import ray
+
+from meshd_mps.errors import AlreadyDeclared, BadName, BadSpec, ManifestError, NoSuchProgram
+from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
+from meshd_mps.fleet.agent import agent_name
+from meshd_mps.fleet.capacity import node_resources
+from meshd_mps.fleet.spec import replica_name
+from meshd_mps.serving.client import Client, ClientError
+
+from .rigs.deadlines import TEST_DEADLINES
+from .rigs.fleet import NAMESPACE, FleetRig
+from .rigs.serve import EXAMPLES
+from .rigs.waits import until
+
+FLEET_DEADLINES = dataclasses.replace(TEST_DEADLINES, fleet_tick=0.2, fleet_rejoin=5.0)
+UP_S = 60.0
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def rig():
+    r = FleetRig(nodes=3, slots=2)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+@pytest.fixture(scope="module")
+def echo() -> ProgramSource:
+    return ProgramSource.read(str(EXAMPLES / "echo"))
+
+
+@pytest.fixture(scope="module")
+def heartbeat() -> ProgramSource:
+    return ProgramSource.read(str(EXAMPLES / "heartbeat"))
+
+
+@pytest.fixture
+async def fleet(rig):
+    f = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
+    try:
+        yield f
+    finally:
+        for p in (await f.status()).programs:
+            await f.remove(p.name)
+        await until(lambda: not any(n.ps() for n in rig.nodes.values()), UP_S, "every replica unloaded")
+        await f.close()
+
+
+async def pending_reason(fleet: Fleet, name: str) -> str:
+    """The reason every replica of ``name`` is pending, once the controller has looked (the
+    first view, before its placement group is read, says only that it is being created)."""
+    deadline = time.monotonic() + UP_S
+    while True:
+        rs = (await fleet.status(name)).programs[0].replicas
+        reasons = {r.reason for r in rs if r.state == "pending"}
+        if len(reasons) == 1 and len(rs) == sum(r.state == "pending" for r in rs) and \
+                reasons != {"its placement group is being created"}:
+            return reasons.pop() or ""
+        assert time.monotonic() < deadline, f"{name}: not pending with one reason: {rs}"
+        await asyncio.sleep(0.05)  # the polling interval
+
+
+def by_node(rig: FleetRig) -> dict[str, str]:
+    return {n.id: name for name, n in rig.nodes.items()}
+
+
+async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_answered(rig, fleet, echo):
+    p = await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
+    assert [r.state for r in p.replicas] != ["running"] * 3 or p.running == 3
+    p = await fleet.wait("echo", running=3, timeout=UP_S)
+    nodes = by_node(rig)
+    assert sorted(nodes[r.node] for r in p.replicas) == ["n0", "n1", "n2"], "SPREAD: a replica on each node"
+    seen = set()
+    for i in range(9):
+        reply = await fleet.call("echo", b"hello %d" % i)
+        assert reply.data == b"hello %d" % i
+        assert reply.replica.state == "running" and reply.replica.program == "echo"
+        seen.add(reply.replica.index)
+    assert len(seen) >= 2, f"the calls all went to one replica: {seen}"
+
+
+async def test_fleet_status_agrees_with_each_nodes_ps(rig, fleet, echo, heartbeat):
+    await fleet.deploy(ProgramSpec("echo", echo, replicas=2, strategy="PACK"))
+    await fleet.deploy(ProgramSpec("heartbeat", heartbeat, replicas=2, restart="always"))
+    await fleet.wait("echo", running=2, timeout=UP_S)
+    await fleet.wait("heartbeat", running=2, timeout=UP_S)
+    st = await fleet.status()
+    nodes = by_node(rig)
+    on_nodes = {(name, row["name"]): row for name, n in rig.nodes.items() for row in n.ps().values()}
+    in_status = {(nodes[r.node], r.name): r for p in st.programs for r in p.replicas}
+    assert set(on_nodes) == set(in_status), "the same replicas on the same nodes"
+    for key, r in in_status.items():
+        row = on_nodes[key]
+        assert (r.pid, r.slot, r.gpu, r.hash) == (row["pid"], row["slot"], row["device"], row["hash"]), key
+        assert row["state"] == "running" and r.state == "running"
+        assert row["restart"] == ("always" if r.program == "heartbeat" else "on-failure")
+    echo_nodes = {nodes[r.node] for r in st.programs[0].replicas}
+    assert len(echo_nodes) == 1, f"PACK: both echo replicas on one node, not {echo_nodes}"
+    views = {n.name: n for n in st.nodes}
+    for name, n in rig.nodes.items():
+        assert views[name].socket == n.daemon.sock and views[name].daemon_pid == n.daemon.proc.pid
+        assert views[name].agent == "up" and views[name].slots == 2
+
+
+async def test_capacity_exhausted_leaves_replicas_pending_with_the_reason(rig, fleet, echo, heartbeat):
+    await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
+    await fleet.wait("echo", running=3, timeout=UP_S)
+    await fleet.deploy(ProgramSpec("heartbeat", heartbeat, replicas=4))
+    await fleet.deploy(ProgramSpec("spin", ProgramSource.read(str(EXAMPLES / "spin")), replicas=4,
+                                   strategy="STRICT_SPREAD"))
+    await fleet.deploy(ProgramSpec("echo2", echo, replicas=1, gpu="A100"))
+    assert await pending_reason(fleet, "heartbeat") == "no node has a free slot (4 wanted, 3 free of 6)"
+    assert await pending_reason(fleet, "spin") == ("STRICT_SPREAD needs 4 nodes with a free slot; 3 such nodes are in"
+                                                   " the cluster")
+    assert await pending_reason(fleet, "echo2") == "no node has a GPU of kind a100 (the fleet's: simulated_h200)"
+    p = await fleet.wait("echo", running=3, timeout=1)  # the running ones unchanged
+    assert all(r.state == "running" for r in p.replicas)
+    await fleet.remove("echo")  # room again: Ray places the pending heartbeat replicas
+    await fleet.wait("heartbeat", running=4, timeout=UP_S)
+
+
+async def test_the_agent_killed_changes_no_worker_and_resets_no_heartbeat(rig, fleet, heartbeat):
+    await fleet.deploy(ProgramSpec("heartbeat", heartbeat, replicas=3))
+    await fleet.wait("heartbeat", running=3, timeout=UP_S)
+    before = {(name, k): row for name, n in rig.nodes.items() for k, row in n.ps().items()}
+    agents_before = {n.name: n.agent_pid for n in (await fleet.status()).nodes}
+    for n in rig.nodes.values():
+        ray.kill(ray.get_actor(agent_name(n.id), namespace=NAMESPACE), no_restart=False)
+    lowest: dict[tuple[str, str], int] = {k: row["heartbeat"] for k, row in before.items()}
+
+    def sample() -> None:
+        for (name, k) in before:
+            row = rig.nodes[name].ps()[k]
+            assert row["pid"] == before[(name, k)]["pid"], f"{k}'s worker changed"
+            assert row["restarts"] == 0 and row["state"] == "running"
+            assert row["heartbeat"] >= lowest[(name, k)], f"{k}'s heartbeat went back"
+            lowest[(name, k)] = row["heartbeat"]
+
+    async def agents_back() -> bool:
+        sample()
+        st = await fleet.status()
+        return all(n.agent == "up" and n.agent_pid not in (None, agents_before[n.name]) for n in st.nodes)
+
+    deadline = time.monotonic() + UP_S
+    while not await agents_back():
+        assert time.monotonic() < deadline, f"the agents did not come back: {(await fleet.status()).nodes}"
+        await asyncio.sleep(0.05)  # the polling interval
+    p = await fleet.wait("heartbeat", running=3, timeout=UP_S)
+    assert {(r.node, r.pid) for r in p.replicas} == {(rig.nodes[n].id, row["pid"]) for (n, _k), row in before.items()}
+    for (name, k), row in before.items():
+        assert rig.nodes[name].ps()[k]["heartbeat"] > row["heartbeat"], f"{k}'s heartbeat did not advance"
+
+
+async def test_a_rolling_upgrade_with_calls_in_flight_fails_no_call_and_keeps_two_replicas(rig, fleet, echo):
+    await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
+    p = await fleet.wait("echo", running=3, timeout=UP_S)
+    new = ProgramSource(echo.manifest, echo.ptx + "\n// v2\n")
+    assert new.hash != echo.hash
+    calls, failures, answering = 0, [], []
+    done = asyncio.Event()
+    socks = {r.index: (rig.nodes[by_node(rig)[r.node]].daemon.sock, r.name) for r in p.replicas}
+
+    async def caller() -> None:
+        nonlocal calls
+        while not done.is_set():
+            sent = b"in flight %d" % calls
+            calls += 1
+            try:
+                reply = await fleet.call("echo", sent)
+                assert reply.data == sent
+            except Exception as e:  # counted, not raised: every failure is reported at the end
+                failures.append(repr(e))
+
+    def ask(sock: str, name: str) -> bool:
+        try:
+            return Client(sock, timeout=10).call(name, "up?", timeout=2)["data"] == "up?"
+        except ClientError:
+            return False
+
+    async def sampler() -> None:
+        while not done.is_set():
+            ups = await asyncio.gather(*(asyncio.to_thread(ask, s, n) for s, n in socks.values()))
+            answering.append(sum(ups))
+
+    tasks = [asyncio.create_task(caller()), asyncio.create_task(caller()), asyncio.create_task(sampler())]
+    try:
+        up = await fleet.upgrade("echo", new)
+    finally:
+        done.set()
+        await asyncio.gather(*tasks)
+    assert up.hash == new.hash and up.running == 3 and not up.upgrading
+    assert all(r.hash == new.hash and r.generation == up.generation for r in up.replicas)
+    assert calls > 10 and not failures, f"{len(failures)} of {calls} calls failed: {failures[:3]}"
+    assert answering and min(answering) >= 2, f"fewer than 2 replicas answered at times: {answering}"
+    drained = [e.replica for e in (await fleet.status("echo")).events if e.kind == "draining"]
+    assert sorted(drained) == [0, 1, 2], f"one replica at a time, each once: {drained}"
+
+
+async def test_a_call_from_a_node_goes_to_the_replica_on_that_node(rig, fleet, echo):
+    await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
+    await fleet.wait("echo", running=3, timeout=UP_S)
+
+    @ray.remote(num_cpus=0)
+    class Caller:
+        async def calls(self, n: int) -> list[tuple[str, str | None]]:
+            f = await Fleet.connect(namespace=NAMESPACE)
+            out = []
+            for i in range(n):
+                r = await f.call("echo", b"from here %d" % i)
+                out.append((r.data.decode(), r.replica.node))
+            return out
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = rig.nodes["n1"].id
+    c = Caller.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+    try:
+        got = await c.calls.remote(5)
+    finally:
+        ray.kill(c)
+    assert got == [(f"from here {i}", node) for i in range(5)]
+
+
+async def test_bad_specs_are_refused_with_the_node_apis_errors(rig, fleet, echo):
+    bad = [
+        (ProgramSpec("echo", echo, replicas=0), BadSpec, "replicas"),
+        (ProgramSpec("echo", echo, strategy="RANDOM"), BadSpec, "strategy"),  # type: ignore[arg-type]
+        (ProgramSpec("e" * 60, echo), BadSpec, "name"),
+        (ProgramSpec("echo", echo, hash="0" * 16), BadSpec, "hash"),
+        (ProgramSpec("echo", echo, restart="sometimes"), None, None),
+        (ProgramSpec("no/slash", echo), BadName, None),
+        (ProgramSpec("echo", ProgramSource({"name": "echo"}, echo.ptx)), ManifestError, None),
+    ]
+    for spec, err, field in bad:
+        with pytest.raises(Exception) as e:
+            await fleet.deploy(spec)
+        if err is not None:
+            assert isinstance(e.value, err), (spec.name, e.value)
+        if field is not None:
+            assert e.value.field == field  # type: ignore[attr-defined]
+    assert not (await fleet.status()).programs, "nothing declared by a refused spec"
+    await fleet.deploy(ProgramSpec("echo", echo))
+    with pytest.raises(AlreadyDeclared):
+        await fleet.deploy(ProgramSpec("echo", echo, replicas=2))
+    for bad_call in (fleet.call("nope", b"x"), fleet.remove("nope"), fleet.upgrade("nope", echo), fleet.status("nope")):
+        with pytest.raises(NoSuchProgram):
+            await bad_call
+
+
+def test_capacity_is_the_nodes_limits_as_ray_resources(rig):
+    n = rig.nodes["n0"]
+    st = n.daemon.client.status()
+    assert node_resources(st) == {"meshd_slot": 32.0, "meshd_gpu_simulated_h200": 32.0}  # blink: 32 per GPU
+    mps = {**st, "isolation": "mps", "pool": {"capacity": 2}, "devices": st["devices"] * 2}
+    assert node_resources(mps, node="gpu-box-1", slots=90) == {
+        "meshd_slot": 90.0, "meshd_gpu_simulated_h200": 90.0, "meshd_node_gpu_box_1": 90.0}  # MPS: 48 less the pool
+    assert node_resources(mps)["meshd_slot"] == 92.0
+    assert replica_name("echo", 2) == "echo.fleet-2"
