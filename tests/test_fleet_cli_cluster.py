@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("ray")
 
-from meshd_mps.fleet.spec import replica_name  # noqa: E402
+from meshd_mps.fleet.spec import replica_name
 
-from .rigs.fleet import FleetRig  # noqa: E402
-from .rigs.serve import EXAMPLES, cli  # noqa: E402
+from .rigs.fleet import FleetRig
+from .rigs.serve import EXAMPLES, cli
 
 #: Each command connects to the cluster and leaves it: a few seconds of Ray's start each.
 CLI_S = 120

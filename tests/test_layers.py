@@ -20,8 +20,6 @@ LAYERS: dict[str, int] = {
     # 10: the command's entry: `fleet ...` to the fleet's CLI, the rest to the node's (meshd_mps/cli.py)
     "meshd_mps.cli": 10,
     "meshd_mps.__main__": 10,
-    # 9: the fleet: many nodes run as one, on Ray (meshd_mps/fleet/; docs/fleet.md)
-    "meshd_mps.fleet": 9,
     # 8: the surfaces: the daemon, its CLI and API, the bench, the package's front door
     "meshd_mps": 8,
     "meshd_mps.serving": 8,

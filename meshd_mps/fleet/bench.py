@@ -107,10 +107,10 @@ async def rows(local: LocalFleet, replicas: int, calls: int) -> list[Row]:
         await fleet.wait(EXAMPLE, running=replicas, timeout=SETTLE_S)
         took = time.perf_counter() - t0
         placed = per_node(await fleet.status(EXAMPLE), EXAMPLE)
+        where = ", ".join(f"{by_id[k].name}:{v}" for k, v in sorted(placed.items(), key=lambda kv: by_id[kv[0]].name))
         out.append(Row("l1", f"{replicas} replicas placed and running ({len(local.nodes)} nodes)", "s", took, base,
-                       "direct loads", "<= 1.3x", took <= 1.3 * base,
-                       note="placed " + ", ".join(f"{by_id[k].name}:{v}" for k, v in sorted(placed.items(), key=lambda kv: by_id[kv[0]].name))
-                       + "; the baseline " + ", ".join(f"{n.name}:{k}" for n, k in even.items())))
+                       "direct loads", "<= 1.3x", took <= 1.3 * base, note=f"placed {where}; the baseline "
+                       + ", ".join(f"{n.name}:{k}" for n, k in even.items())))
         out += await call_rows(fleet, local, calls)
         out.append(memory_row(local))
         out.append(await node_death_row(fleet, local, source, replicas, placed))

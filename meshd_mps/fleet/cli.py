@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import BadRequest, FleetUnavailable, MeshError
-from meshd_mps.fleet import Fleet, ProgramSpec, ProgramSource
+from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
 from meshd_mps.fleet.tables import Watch, as_json, node, replicas, status_table
 
 PROG = "meshd-mps fleet"
@@ -181,7 +181,8 @@ def _command(args: argparse.Namespace) -> Command:
     """What to ask of the fleet, everything that can be checked here checked first."""
     if args.cmd == "deploy":
         src = source(args)
-        spec = ProgramSpec(name=args.name or src.manifest.get("name"), source=src, replicas=args.replicas,
+        name: str = args.name or src.manifest.get("name") or ""  # none: refused by the spec's check, as a bad name
+        spec = ProgramSpec(name=name, source=src, replicas=args.replicas,
                            strategy=args.strategy, gpu=args.gpu, node=args.node, hash=args.hash,
                            **({} if args.restart is None else {"restart": args.restart}))
         spec.check()
