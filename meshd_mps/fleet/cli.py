@@ -133,6 +133,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Ray's warnings about this driver process are not the user's business (connected from a thread,
+    # it gets no SIGTERM handler of Ray's): what the user reads is the answer, or one line of error.
+    # The module's own logger: ray.init sets the level of "ray" itself.
+    logging.getLogger("ray._private.worker").setLevel(logging.ERROR)
     if argv[:1] == ["bench"]:
         from meshd_mps.fleet.bench import main as bench_main  # its own options; a local cluster of its own
 
@@ -142,10 +146,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "resources":
             return resources(args.socket, args.node, args.slots)
         ask = _command(args)  # the files read and the spec checked before the cluster is asked anything
-        # Ray's warnings about this driver process are not the user's business (connected from a
-        # thread, it gets no SIGTERM handler of Ray's): what the user reads is the answer, or one line
-        # of error.  The module's own logger: ray.init sets the level of "ray" itself.
-        logging.getLogger("ray._private.worker").setLevel(logging.ERROR)
         return asyncio.run(_with_fleet(args.address, ask))
     except BadRequest as e:  # bad input: nothing was changed
         print(f"meshd-mps: {e}", file=sys.stderr)

@@ -39,7 +39,7 @@ STOP_S = 30.0
 POLL_S = 0.05
 
 
-@dataclass
+@dataclass(eq=False)  # one object per node: hashed by identity (the bench counts replicas per node)
 class Node:
     """One node of the local fleet: its daemon (``proc``, ``socket``, ``state``) and its Ray node."""
 
