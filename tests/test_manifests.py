@@ -175,7 +175,7 @@ def test_fleet_worker_runs_the_node_daemon_with_live_restore_and_its_state_on_th
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     # The Ray container reaches the daemon on the socket it serves, through a volume both mount.
     ray = spec["containers"][0]
-    env = {e["name"]: e["value"] for e in ray["env"]}
+    env = {e["name"]: e.get("value") for e in ray["env"]}
     assert env["MESHD_MPS_SOCKET"] == cfg.socket
     shared = {m["name"] for m in ray["volumeMounts"]} & {m["name"] for m in c["volumeMounts"]}
     assert any(cfg.socket.startswith(m["mountPath"] + "/") for m in ray["volumeMounts"] if m["name"] in shared)
@@ -207,7 +207,9 @@ def test_fleet_worker_starts_ray_with_the_daemons_resources():
     script = ray["args"][-1]
     assert "$KUBERAY_GEN_RAY_START_CMD --resources" in script
     words = shlex.split(script.split("until ", 1)[1].split(";", 1)[0])
-    assert words == ["meshd-mps", "fleet", "resources"]
+    assert words == ["meshd-mps", "fleet", "resources", "--node", "$NODE_NAME"]
+    (name,) = [e for e in ray["env"] if e["name"] == "NODE_NAME"]
+    assert name["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName", "the node's name, not the pod's"
     assert "nvidia.com/gpu" not in ray.get("resources", {}).get("limits", {}), "the GPU is the daemon's"
 
 
@@ -216,5 +218,5 @@ def test_fleet_resources_is_a_command_the_fleet_cli_takes():
     pytest.importorskip("ray")
     from meshd_mps.fleet import cli as fleet_cli
 
-    args = fleet_cli.parser().parse_args(["resources"])
-    assert args.cmd == "resources" and args.socket is None
+    args = fleet_cli.parser().parse_args(["resources", "--node", "gpu-node-7"])
+    assert (args.cmd, args.socket, args.node) == ("resources", None, "gpu-node-7")
