@@ -98,8 +98,9 @@ def parser() -> argparse.ArgumentParser:
                    help="how Ray places the replicas: SPREAD (default), PACK or STRICT_SPREAD (one node each)")
     p.add_argument("--gpu", metavar="MODEL", help="only on GPUs of this model (as `meshd-mps fleet resources` names it)")
     p.add_argument("--node", metavar="NODE", help="only on this node (its Ray node id or name)")
-    p.add_argument("--wait", nargs="?", type=float, const=Deadlines().fleet_node, metavar="S",
-                   help="wait until every replica runs (at most S seconds; default %(const)s)")
+    p.add_argument("--wait", action="store_true", help="wait until every replica runs")
+    p.add_argument("--timeout", type=float, metavar="S", default=Deadlines().fleet_node,
+                   help="with --wait: at most S seconds (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
 
     p = _sub(sub, "status")
@@ -189,12 +190,12 @@ def _command(args: argparse.Namespace) -> Command:
 
         async def deploy(fleet: Fleet) -> int:
             prog = await fleet.deploy(spec)
-            if args.wait is not None:
-                prog = await fleet.wait(spec.name, running=spec.replicas, timeout=args.wait)
+            if args.wait:
+                prog = await fleet.wait(spec.name, running=spec.replicas, timeout=args.timeout)
             if args.json:
                 return _print_json(prog)
             print(f"{spec.name} deployed: {spec.replicas} replica{'' if spec.replicas == 1 else 's'}, {spec.strategy}"
-                  + (", every one running" if args.wait is not None else " (meshd-mps fleet status shows where)"))
+                  + (", every one running" if args.wait else " (meshd-mps fleet status shows where)"))
             return 0
 
         return deploy
