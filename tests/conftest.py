@@ -110,6 +110,8 @@ def serve(tmp):
 #: them starts last and is run alone at the end while the other workers idle.  Only the order
 #: changes (a name that is no longer a test's does nothing).
 LONGEST_FIRST = (
+    "tests/test_fleet_failover.py::",  # 100 (a Ray cluster of 3 nodes, killed and restarted)
+    "tests/test_fleet.py::",  # 55 (a Ray cluster of 3 nodes)
     "tests/test_bench.py::test_bench_sim_quick",  # 77
     "tests/test_scripts.py::test_issue18_probes_run",  # 33
     "tests/test_live_restore.py::test_reconcile_",  # 18

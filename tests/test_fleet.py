@@ -13,7 +13,7 @@ import time
 import pytest
 import ray
 
-from meshd_mps.errors import AlreadyDeclared, BadName, BadSpec, ManifestError, NoSuchProgram
+from meshd_mps.errors import AlreadyDeclared, BadName, BadSpec, FleetUnavailable, ManifestError, NoSuchProgram
 from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
 from meshd_mps.fleet.agent import agent_name
 from meshd_mps.fleet.capacity import node_resources
@@ -221,9 +221,12 @@ async def test_a_call_from_a_node_goes_to_the_replica_on_that_node(rig, fleet, e
         async def calls(self, n: int) -> list[tuple[str, str | None]]:
             f = await Fleet.connect(namespace=NAMESPACE)
             out = []
-            for i in range(n):
-                r = await f.call("echo", b"from here %d" % i)
-                out.append((r.data.decode(), r.replica.node))
+            try:
+                for i in range(n):
+                    r = await f.call("echo", b"from here %d" % i)
+                    out.append((r.data.decode(), r.replica.node))
+            finally:
+                await f.close()
             return out
 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -272,3 +275,25 @@ def test_capacity_is_the_nodes_limits_as_ray_resources(rig):
         "meshd_slot": 90.0, "meshd_gpu_simulated_h200": 90.0, "meshd_node_gpu_box_1": 90.0}  # MPS: 48 less the pool
     assert node_resources(mps)["meshd_slot"] == 92.0
     assert replica_name("echo", 2) == "echo.fleet-2"
+
+
+async def test_the_controller_killed_comes_back_from_its_checkpoint_and_halts_nothing(rig, fleet, echo):
+    from meshd_mps.fleet.controller import CONTROLLER
+
+    await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
+    p = await fleet.wait("echo", running=3, timeout=UP_S)
+    pids = {(r.node, r.pid) for r in p.replicas}
+    ray.kill(ray.get_actor(CONTROLLER, namespace=NAMESPACE), no_restart=False)
+    started = f"controller started; 1 programs declared in {rig.fleet_state}/fleet.json"
+    deadline = time.monotonic() + UP_S
+    while True:  # Ray restarts it (its first words say what it loaded); the same handle reaches the new one
+        try:
+            st = await fleet.status()
+            if [e.message for e in st.events if e.kind == "controller"] == [started] and st.programs[0].running == 3:
+                break
+        except FleetUnavailable:  # the controller restarting
+            pass
+        assert time.monotonic() < deadline, "the controller did not come back"
+        await asyncio.sleep(0.1)  # the polling interval
+    assert {(r.node, r.pid) for r in st.programs[0].replicas} == pids, "the same workers, on the same nodes"
+    assert (await fleet.call("echo", b"still here")).data == b"still here"

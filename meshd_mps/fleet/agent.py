@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 import ray
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
+from meshd_mps.fleet.nodecalls import NodeCalls
 from meshd_mps.fleet.spec import parse_replica_name
 from meshd_mps.serving.client import Client, ClientError, default_socket
 
@@ -54,19 +56,23 @@ class NodeAgent:
         self.threads = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="meshd-agent")
         self.images: dict[str, dict[str, Any]] = {}
         self.want: dict[str, dict[str, Any]] | None = None  # None: no share yet: touch nothing
+        self.keep: set[str] = set()
         self.errors: dict[str, tuple[str, str]] = {}  # replica -> (hash, why) of its last failed load/upgrade
         self.retry_at: dict[str, float] = {}
         self.busy: dict[str, str] = {}  # replica -> "loading" | "upgrading" | "unloading", while it is done
         self.wake = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.daemon_pid: int | None = None
+        self.calls = NodeCalls(self.socket, deadlines.fleet_agent)
 
     # ---- the controller's side ----------------------------------------------------------------
 
-    async def reconcile(self, orders: list[dict[str, Any]]) -> dict[str, Any]:
+    async def reconcile(self, orders: list[dict[str, Any]], keep: list[str] | None = None) -> dict[str, Any]:
         """Take ``orders`` (each: ``name``, ``hash``, ``restart``, and ``image`` where the
-        controller has not seen this agent hold it) as this node's whole share; what the daemon
-        runs of the fleet now."""
+        controller has not seen this agent hold it) as this node's whole share, ``keep`` as the
+        replicas Ray has placed nowhere yet (left alone where they run: a placement group made again
+        after the head's restart has not landed yet); what the daemon runs of the fleet now."""
+        self.keep = set(keep or ())
         for o in orders:
             if o.get("image") is not None:
                 self.images[o["hash"]] = o["image"]
@@ -94,13 +100,8 @@ class NodeAgent:
         return out
 
     async def call(self, name: str, data: bytes, timeout: float | None = None) -> dict[str, Any]:  # noqa: ASYNC109
-        """A request to replica ``name`` on this node's daemon: {"ok": True, "hex": ...}, or the
-        daemon's refusal {"ok": False, "status": HTTP status (0: no daemon), "error": ...}."""
-        try:
-            ans = await self._blocking(lambda c: c.call(name, data, timeout))
-        except ClientError as e:
-            return {"ok": False, "status": e.status, "error": str(e)}
-        return {"ok": True, "hex": ans["hex"]}
+        """A request to replica ``name`` on this node's daemon (``NodeCalls.call``'s answer)."""
+        return await self.calls.call(name, data, timeout)
 
     async def ping(self) -> str:
         return self.node_id
@@ -138,9 +139,10 @@ class NodeAgent:
             self.busy[name] = what
             try:
                 if p is None:
-                    await self._blocking(lambda c, b={**body, "restart": o["restart"]}: c.load(b), self.d.fleet_node)
+                    await self._blocking(functools.partial(Client.load, body={**body, "restart": o["restart"]}),
+                                         self.d.fleet_node)
                 else:
-                    await self._blocking(lambda c, n=name, b=body: c.upgrade(n, b), self.d.fleet_node)
+                    await self._blocking(functools.partial(Client.upgrade, name=name, body=body), self.d.fleet_node)
                 self.errors.pop(name, None)
             except ClientError as e:
                 if e.status == 0:
@@ -150,10 +152,10 @@ class NodeAgent:
                 self.retry_at[name] = time.monotonic() + RETRY_S
             finally:
                 self.busy.pop(name, None)
-        for name in programs.keys() - want.keys():
+        for name in programs.keys() - want.keys() - self.keep:
             self.busy[name] = "unloading"
             try:
-                await self._blocking(lambda c, n=name: c.unload(n), self.d.fleet_node)
+                await self._blocking(functools.partial(Client.unload, name=name), self.d.fleet_node)
             except ClientError as e:
                 if e.status == 0:
                     raise

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from typing import Any
@@ -24,8 +25,8 @@ from ray.exceptions import RayActorError, RayTaskError
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import CallRefused, FleetTimeout, FleetUnavailable, MeshError, NoReplica, ReplicaLost
 from meshd_mps.fleet.controller import CONTROLLER, FleetController
+from meshd_mps.fleet.nodecalls import NodeCalls
 from meshd_mps.fleet.spec import FleetProgram, FleetReply, FleetStatus, ProgramSource, ProgramSpec, ReplicaView
-from meshd_mps.serving.client import Client, ClientError
 
 HINT = "start Ray (ray start --head), or name its address (--address, $RAY_ADDRESS)"
 
@@ -39,6 +40,7 @@ class Fleet:
         self.node = ray.get_runtime_context().get_node_id()
         self.cache: dict[str, tuple[float, list[ReplicaView], dict[str, str], dict[str, Any]]] = {}
         self.turn = itertools.count()
+        self.direct: dict[str, NodeCalls] = {}  # this node's daemons, called without an actor between
 
     @classmethod
     async def connect(cls, address: str | None = None, *, namespace: str = "meshd-mps", state_dir: str | None = None,
@@ -51,12 +53,13 @@ class Fleet:
         if owns:
             addr = address or os.environ.get("RAY_ADDRESS") or "auto"
             try:
-                await asyncio.to_thread(ray.init, address=addr, namespace=namespace, logging_level="warning",
-                                        log_to_driver=False)
+                # On this thread: ray.init sets its signal handlers on the main thread only.
+                ray.init(address=addr, namespace=namespace, logging_level=logging.WARNING, log_to_driver=False)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise FleetUnavailable(f"no Ray cluster at {addr}: {e}", hint=HINT) from e
+        actor: Any = ray.remote(FleetController)
         ctl = await asyncio.to_thread(
-            lambda: ray.remote(FleetController).options(
+            lambda: actor.options(
                 name=CONTROLLER, namespace=namespace, lifetime="detached", get_if_exists=True, max_restarts=-1,
                 num_cpus=0, resources={"node:__internal_head__": 0.001}).remote(namespace, state_dir, deadlines))
         f = cls(ctl, namespace, owns, deadlines)
@@ -120,6 +123,8 @@ class Fleet:
             await asyncio.sleep(min(self.d.fleet_tick / 2, 0.1))  # polling the controller's view
 
     async def close(self) -> None:
+        for d in self.direct.values():
+            await d.close()
         if self.owns_ray and ray.is_initialized():
             await asyncio.to_thread(ray.shutdown)
 
@@ -170,19 +175,22 @@ class Fleet:
 
     async def _call_one(self, r: ReplicaView, socket: str | None, agent: Any, data: bytes,
                         timeout: float | None) -> str:  # noqa: ASYNC109
+        out: dict[str, Any]
         if r.node == self.node and socket:
-            try:
-                ans = await asyncio.to_thread(Client(socket, timeout=self.d.fleet_agent).call, r.name, data, timeout)
-            except ClientError as e:
-                raise _refusal(r, e.status, str(e)) from e
-            return str(ans["hex"])
-        if agent is None:
+            direct = self.direct.get(socket)
+            if direct is None:
+                direct = self.direct[socket] = NodeCalls(socket, self.d.fleet_agent)
+            out = await direct.call(r.name, data, timeout)
+        elif agent is None:
             raise _NotDelivered(f"node {r.node} has no agent")
-        try:
-            out: dict[str, Any] = await agent.call.remote(r.name, data, timeout)
-        except RayActorError as e:
-            raise _Lost(f"{type(e).__name__}") from e
+        else:
+            try:
+                out = await agent.call.remote(r.name, data, timeout)
+            except RayActorError as e:
+                raise _Lost(f"{type(e).__name__}") from e
         if not out["ok"]:
+            if out.get("lost"):
+                raise _Lost(out["error"])
             raise _refusal(r, out["status"], out["error"])
         return str(out["hex"])
 

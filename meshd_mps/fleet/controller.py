@@ -102,6 +102,7 @@ class FleetController:
 
     async def status(self, name: str | None = None) -> FleetStatus:
         self._start()
+        progs: tuple[FleetProgram, ...]
         if name is not None:
             progs = (await self.program(name),)
         else:
@@ -158,6 +159,7 @@ class FleetController:
         by_name = {t["name"]: t for t in tables.values() if t.get("name") and t.get("state") != "REMOVED"}
         placed: dict[str, list[str | None]] = {}
         shares: dict[str, list[dict[str, Any]]] = {nid: [] for nid in alive}
+        keep: list[str] = []  # replicas with no node now: left running wherever they run until Ray places them
         for name, p in self.programs.items():
             t = by_name.get(p.pg_name) or {}
             where = t.get("bundles_to_node_id") or {}
@@ -165,7 +167,9 @@ class FleetController:
             for i, nid in enumerate(placed[name]):
                 if nid in shares:
                     shares[nid].append(self._order(p, i, nid))
-        answers = await asyncio.gather(*(self._ask(nid, orders) for nid, orders in shares.items()))
+                else:
+                    keep.append(replica_name(name, i))
+        answers = await asyncio.gather(*(self._ask(nid, orders, keep) for nid, orders in shares.items()))
         for nid, ans in zip(shares, answers, strict=True):
             if isinstance(ans, dict):
                 self.seen[nid], self.answering[nid] = ans, None
@@ -189,11 +193,11 @@ class FleetController:
                 self.event("upgrade-failed", f"{p.name}: replica {r.index} refused image {err[0]}: {err[1]};"
                            f" rolling back to {p.image.hash}", p.name, r.index, r.node)
                 break
+        was = (list(p.assigned), p.draining, p.old, list(p.where))
         for r in view.replicas:
             here = node_name((self.nodes.get(r.node or "") or {}).get("Resources") or {})
             if r.state == "running" and here is not None:
                 p.where[r.index] = here
-        was = (list(p.assigned), p.draining, p.old, list(p.where))
         p.step(running, runs, drain=self.d.fleet_tick * 3)
         if p.draining is not None and was[1] != p.draining:
             self.event("draining", f"{p.name}: replica {p.draining} drained for the upgrade to {p.image.hash}",
@@ -234,7 +238,7 @@ class FleetController:
     def _replica(self, p: Declared, i: int, nid: str) -> ReplicaView:
         name = replica_name(p.name, i)
         nname = _name(self.nodes[nid])
-        base = {"node": nid, "node_name": nname}
+        base: dict[str, Any] = {"node": nid, "node_name": nname}
         seen = self.seen.get(nid)
         want = p.assigned[i]
         if seen is None:
@@ -319,9 +323,9 @@ class FleetController:
         self.pgs[p.name] = await asyncio.to_thread(self._placement, p)
         await self._save()
 
-    async def _ask(self, nid: str, orders: list[dict[str, Any]]) -> dict[str, Any] | str:
+    async def _ask(self, nid: str, orders: list[dict[str, Any]], keep: list[str]) -> dict[str, Any] | str:
         try:
-            return await asyncio.wait_for(self.agents[nid].reconcile.remote(orders), self.d.fleet_agent)
+            return await asyncio.wait_for(self.agents[nid].reconcile.remote(orders, keep), self.d.fleet_agent)
         except TimeoutError:
             return f"its agent did not answer in {self.d.fleet_agent:g}s"
         except ray.exceptions.RayError as e:

@@ -58,11 +58,34 @@ class FleetRig:
         self.nodes: dict[str, Node] = {}
         self.gone: list[Node] = []
         self.slots = slots
-        self.cluster = Cluster(initialize_head=True, head_node_args={
+        self.cluster: Cluster | None = None
+        self.starting: list[Serve] = []
+        try:
+            self.cluster = self.head()
+            started = [self.start_daemon(f"n{i}") for i in range(nodes)]  # all at once: each starts its worker
+            for i, (daemon, state) in enumerate(started):
+                self.add(f"n{i}", daemon, state)
+            ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
+        except BaseException:
+            self.close()  # what started so far: nothing is left behind by a start that failed
+            raise
+
+    def head(self) -> Cluster:
+        """A new cluster: its head (no slots; the controller's checkpoint in ``fleet_state``)."""
+        return Cluster(initialize_head=True, head_node_args={
             "num_cpus": 0, "env_vars": {FLEET_STATE_ENV: self.fleet_state}, "include_dashboard": False})
-        started = [self.start_daemon(f"n{i}") for i in range(nodes)]  # all at once: each starts its worker
-        for i, (daemon, state) in enumerate(started):
-            self.add(f"n{i}", daemon, state)
+
+    def restart_head(self) -> None:
+        """The head restarts (without GCS fault tolerance the cluster's state goes with it, so every
+        raylet starts again too, as systemd or KubeRay would start them): every Ray process of the
+        cluster ends and a new cluster starts, each node joining with its daemon, which runs on."""
+        ray.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+        reap_orphans()
+        self.cluster = self.head()
+        for name, n in self.nodes.items():
+            self.add(name, n.daemon, n.state)
         ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
 
     def start_daemon(self, name: str) -> tuple[Serve, str]:
@@ -70,6 +93,7 @@ class FleetRig:
         os.makedirs(os.path.dirname(state), mode=0o700, exist_ok=True)
         s = Serve(os.path.join(self.dir, name), "blink", os.path.join(self.dir, name, "s.sock"), "--state-dir", state,
                   "--live-restore", "--orphan-timeout", "5")
+        self.starting.append(s)
         return s, state
 
     def add(self, name: str, daemon: Serve | None = None, state: str | None = None) -> Node:
@@ -77,22 +101,29 @@ class FleetRig:
         if daemon is None or state is None:
             daemon, state = self.start_daemon(name)
         daemon.wait_ready()
+        self.nodes[name] = Node(name, daemon, state, None)  # stopped by close() from here on
         res = node_resources(daemon.client.status(), node=name, slots=self.slots)
-        rn = self.cluster.add_node(num_cpus=0, resources=res, env_vars={"MESHD_MPS_SOCKET": daemon.sock})
+        assert self.cluster is not None
+        n = self.nodes[name]
+        n.ray_node = self.cluster.add_node(num_cpus=0, resources=res, env_vars={"MESHD_MPS_SOCKET": daemon.sock})
         self.cluster.wait_for_nodes()
-        n = self.nodes[name] = Node(name, daemon, state, rn)
         return n
 
     def kill(self, name: str) -> Node:
-        """The node dies: its raylet, its daemon (SIGKILL) and the programs' workers."""
+        """The node dies: its raylet and every Ray process of it (its agent), its daemon (SIGKILL)
+        and the programs' workers: each has the node's directory in its command line or
+        environment (``$MESHD_MPS_SOCKET``)."""
         n = self.nodes.pop(name)
+        assert self.cluster is not None
         self.cluster.remove_node(n.ray_node, allow_graceful=False)
         n.daemon.proc.send_signal(signal.SIGKILL)
         n.daemon.proc.wait(30)
-        for line in leftovers([n.state]):
+        mark = os.path.join(self.dir, name) + os.sep
+        for line in leftovers([mark]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(line.split(":")[0]), signal.SIGKILL)
-        poll(lambda: (reap_orphans(), not leftovers([n.state]))[1], 20.0, f"node {name}'s processes gone")
+        poll(lambda: (reap_orphans(), not leftovers([mark]))[1], 20.0, lambda: f"node {name}'s processes gone:"
+             f" {leftovers([mark])}")
         self.gone.append(n)
         return n
 
@@ -100,13 +131,14 @@ class FleetRig:
         try:
             if ray.is_initialized():
                 ray.shutdown()
-            self.cluster.shutdown()
+            if self.cluster is not None:
+                self.cluster.shutdown()
         finally:
-            for n in self.nodes.values():
+            for s in {id(s): s for s in [*self.starting, *(n.daemon for n in self.nodes.values())]}.values():
                 with contextlib.suppress(ClientError):
-                    for p in n.daemon.client.programs():
-                        n.daemon.client.unload(p["name"])
-                n.daemon.kill()
+                    for p in s.client.programs():
+                        s.client.unload(p["name"])
+                s.kill()
             poll(lambda: (reap_orphans(), not leftovers([self.dir]))[1], 30.0,
                  lambda: f"no process of the fleet's nodes left: {leftovers([self.dir])}")
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,0 +1,171 @@
+"""The fleet through failures, on a real Ray cluster of a head and 3 nodes (tests/rigs/fleet.py),
+each node with its own daemon, socket and state dir, 2 slots a node: a node lost (its raylet,
+daemon and workers killed) and its replicas re-placed or pending with the reason, a call whose
+replica's node died (retried only when idempotent), the node back without any replica run twice,
+and the head restarted with nothing lost and nothing halted."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections import Counter
+
+import pytest
+
+from meshd_mps.errors import ReplicaLost
+from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
+
+from .rigs.deadlines import TEST_DEADLINES
+from .rigs.fleet import NAMESPACE, FleetRig
+from .rigs.serve import EXAMPLES
+
+FLEET_DEADLINES = dataclasses.replace(TEST_DEADLINES, fleet_tick=0.2, fleet_rejoin=5.0)
+#: A client that keeps its routes for a minute: its calls go to a replica the controller already
+#: knows is gone, as a call on its way when the node died would.
+STALE_ROUTES = dataclasses.replace(FLEET_DEADLINES, fleet_tick=60.0)
+UP_S = 60.0
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(autouse=True)
+def no_child_left():
+    """Replaces conftest's check after each test: these tests kill and start Ray's processes (a
+    node, the head), which are this process's children.  The rig's close checks instead that no
+    process of the cluster or its daemons is left at the end (``leftovers`` of its directory, which
+    every raylet, Ray worker, daemon and program worker has in its environment or command line)."""
+    yield
+
+
+@pytest.fixture(scope="module")
+def rig():
+    r = FleetRig(nodes=3, slots=2)
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+@pytest.fixture(scope="module")
+def sources() -> dict[str, ProgramSource]:
+    return {n: ProgramSource.read(str(EXAMPLES / n)) for n in ("echo", "heartbeat")}
+
+
+async def running_where(fleet: Fleet, name: str, n: int, *, not_on: tuple[str, ...] = ()) -> dict[int, str | None]:
+    """Where each replica of ``name`` runs, once ``n`` run and none on the nodes ``not_on``."""
+    deadline = time.monotonic() + UP_S
+    while True:
+        p = (await fleet.status(name)).programs[0]
+        if p.running >= n and not any(r.node_name in not_on for r in p.replicas):
+            return {r.index: r.node_name for r in p.replicas}
+        assert time.monotonic() < deadline, f"{name}: not {n} running, none on {not_on}: {p.replicas}"
+        await asyncio.sleep(0.05)  # the polling interval
+
+
+def runs(rig: FleetRig) -> Counter[str]:
+    """How many nodes run each replica (by its name on the daemons)."""
+    return Counter(k for n in rig.nodes.values() for k in n.ps())
+
+
+async def test_a_lost_nodes_replicas_run_elsewhere_or_wait_with_the_reason_and_its_return_runs_none_twice(
+        rig, sources):
+    fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
+    stale = await Fleet.connect(namespace=NAMESPACE, deadlines=STALE_ROUTES)
+    await fleet.deploy(ProgramSpec("echo", sources["echo"], replicas=3))
+    await fleet.deploy(ProgramSpec("heartbeat", sources["heartbeat"], replicas=1))
+    where = await running_where(fleet, "echo", 3)
+    assert sorted(where.values()) == ["n0", "n1", "n2"]  # type: ignore[type-var]
+    await running_where(fleet, "heartbeat", 1)
+    for i in range(3):
+        assert (await stale.call("echo", b"before %d" % i)).data == b"before %d" % i
+
+    rig.kill("n0")
+    # A call sent to the lost node's replica: not sent again unless idempotent.
+    lost = []
+    for i in range(3):
+        try:
+            reply = await stale.call("echo", b"after %d" % i)
+            assert reply.replica.node_name != "n0" and reply.data == b"after %d" % i
+        except ReplicaLost as e:
+            lost.append(e)
+    assert len(lost) == 1, lost
+    assert lost[0].program == "echo" and lost[0].replica == str(next(i for i, n in where.items() if n == "n0"))
+    for i in range(6):
+        reply = await stale.call("echo", b"again %d" % i, idempotent=True)
+        assert reply.data == b"again %d" % i and reply.replica.node_name != "n0"
+
+    # Re-placed on the 4 slots left (echo's 3 and heartbeat's 1), all running again.
+    where = await running_where(fleet, "echo", 3, not_on=("n0",))
+    assert sorted(Counter(where.values()).values()) == [1, 2]
+    await running_where(fleet, "heartbeat", 1, not_on=("n0",))
+    moved = [e for e in (await fleet.status()).events if e.kind in ("moved", "node-lost")]
+    assert any(e.kind == "node-lost" for e in moved) and any(e.kind == "moved" for e in moved), moved
+
+    # A second node lost: 2 slots left for 4 replicas; those without a slot pending with the reason.
+    rig.kill("n1")
+    deadline = time.monotonic() + UP_S
+    while True:
+        st = await fleet.status()
+        reps = [r for p in st.programs for r in p.replicas]
+        pending = [r for r in reps if r.state == "pending"]
+        if pending and all(r.reason and "no node has a free slot" in r.reason for r in pending) and \
+                all(r.state in ("pending", "running") for r in reps):
+            break
+        assert time.monotonic() < deadline, f"no replica pending with the reason: {reps}"
+        await asyncio.sleep(0.05)  # the polling interval
+    assert len(reps) == 4, "no replica dropped"
+    assert all(r.node_name == "n2" for r in reps if r.state == "running")
+
+    # The nodes come back, their daemons restarting from their state dirs (which restore the
+    # replicas they ran): every replica runs again, each on one node only.
+    rig.add("n0")
+    rig.add("n1")
+    await running_where(fleet, "echo", 3)
+    await running_where(fleet, "heartbeat", 1)
+    deadline = time.monotonic() + UP_S
+    while max(runs(rig).values()) > 1:
+        assert time.monotonic() < deadline, f"a replica runs on two nodes: {runs(rig)}"
+        await asyncio.sleep(0.05)  # the polling interval
+    for _ in range(10):  # and stays so
+        assert set(runs(rig).values()) == {1} and len(runs(rig)) == 4, runs(rig)
+        await asyncio.sleep(FLEET_DEADLINES.fleet_tick)
+    for name in ("echo", "heartbeat"):
+        await fleet.remove(name)
+    await stale.close()
+    await fleet.close()
+
+
+async def test_the_head_restarted_loses_no_program_and_halts_none(rig, sources):
+    fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
+    await fleet.deploy(ProgramSpec("echo", sources["echo"], replicas=3))
+    await fleet.deploy(ProgramSpec("heartbeat", sources["heartbeat"], replicas=2, restart="always"))
+    await fleet.wait("echo", running=3, timeout=UP_S)
+    await fleet.wait("heartbeat", running=2, timeout=UP_S)
+    declared = {p.name: (p.hash, p.wanted, p.restart) for p in (await fleet.status()).programs}
+    before = {(name, k): row for name, n in rig.nodes.items() for k, row in n.ps().items()}
+    assert len(before) == 5
+
+    rig.restart_head()  # the fleet's controller, agents and placement groups end with it
+
+    fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
+    st = await fleet.status()
+    assert {p.name: (p.hash, p.wanted, p.restart) for p in st.programs} == declared, "every program declared"
+    await fleet.wait("echo", running=3, timeout=UP_S)
+    await fleet.wait("heartbeat", running=2, timeout=UP_S)
+    for _ in range(5):  # a few ticks: the placements settled, nothing moved or reloaded
+        await asyncio.sleep(FLEET_DEADLINES.fleet_tick)
+    after = {(name, k): row for name, n in rig.nodes.items() for k, row in n.ps().items()}
+    assert after.keys() == before.keys(), "each replica on the node it ran on"
+    for key, row in after.items():
+        assert row["pid"] == before[key]["pid"] and row["restarts"] == 0, f"{key} halted: {row}"
+        assert row["heartbeat"] > before[key]["heartbeat"] and row["uptime_s"] > before[key]["uptime_s"]
+    st = await fleet.status()
+    assert {(r.node_name, r.name): r.pid for p in st.programs for r in p.replicas} == \
+        {key: row["pid"] for key, row in after.items()}
+    assert not [e for e in st.events if e.kind in ("moved", "failed")], st.events
+    reply = await fleet.call("echo", b"after the head")
+    assert reply.data == b"after the head"
+    for name in declared:
+        await fleet.remove(name)
+    await fleet.close()
