@@ -6,6 +6,12 @@ against what each node's daemon runs (``meshd-mps ps`` there)."""
 from __future__ import annotations
 
 import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 
@@ -14,7 +20,7 @@ pytest.importorskip("ray")
 from meshd_mps.fleet.spec import replica_name
 
 from .rigs.fleet import FleetRig
-from .rigs.serve import EXAMPLES, cli
+from .rigs.serve import EXAMPLES, REPO, cli, env
 
 #: Each command connects to the cluster and leaves it: a few seconds of Ray's start each.
 CLI_S = 120
@@ -82,3 +88,44 @@ def test_calling_a_program_not_declared(rig):
     assert (r.returncode, r.stdout) == (1, ""), r
     assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("meshd-mps: "), r.stderr
     assert "nothing-here" in r.stderr, r.stderr
+
+
+def test_status_watch_prints_each_change(rig):
+    """``status --watch``: the table, then a row each time a replica changes (as kubectl get -w),
+    until Ctrl-C (exit 130)."""
+    argv = [sys.executable, "-m", "meshd_mps", "fleet", "status", "--watch", "--address", rig.cluster.address]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO) as watch:
+        out, err = watch.stdout, watch.stderr
+        assert out is not None and err is not None
+        lines: queue.Queue[str] = queue.Queue()
+        reader = threading.Thread(target=lambda: [lines.put(line) for line in out], daemon=True)
+        reader.start()
+
+        def until_row(pred, what: str) -> None:
+            end = time.monotonic() + CLI_S
+            seen: list[str] = []
+            while time.monotonic() < end:
+                try:
+                    line = lines.get(timeout=1)  # the reader's next line, or a look at whether it still runs
+                except queue.Empty:
+                    assert watch.poll() is None, f"status --watch exited {watch.returncode}"
+                    continue
+                seen.append(line)
+                if pred(line.split()):
+                    return
+            raise AssertionError(f"status --watch printed no {what} within {CLI_S}s: {seen}")
+
+        try:
+            until_row(lambda w: w[:1] == ["PROGRAM"], "header")
+            # the simulation runs an example by its name: echo-*
+            r = fleet(rig, "deploy", str(EXAMPLES / "echo"), "--name", "echo-watched", "--wait")
+            assert r.returncode == 0, r
+            until_row(lambda w: w[:1] == ["echo-watched"] and w[5:6] == ["running"], "running row")
+            r = fleet(rig, "remove", "echo-watched")
+            assert r.returncode == 0, r
+            until_row(lambda w: w[:1] == ["echo-watched"] and w[5:6] == ["gone"], "gone row")
+        finally:
+            watch.send_signal(signal.SIGINT)
+            rc = watch.wait(CLI_S)
+            reader.join(CLI_S)
+        assert rc == 130, err.read()
