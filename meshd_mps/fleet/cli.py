@@ -26,7 +26,7 @@ PROG = "meshd-mps fleet"
 DESCRIPTION = "Many meshd-mps nodes run as one, on Ray: programs declared once, placed by Ray, kept by each node's daemon."
 EPILOG = """\
 examples:
-  ray start --head --resources "$(meshd-mps fleet resources)"   # on each node, beside meshd-mps serve --live-restore
+  ray start --address HEAD:6379 --resources "$(meshd-mps fleet resources --node NAME)"   # each node, beside its daemon
   meshd-mps fleet deploy examples/echo --replicas 3 --wait
   meshd-mps fleet status                    # a row per replica: node, GPU, slot, state, heartbeat age, why pending
   meshd-mps fleet status --watch            # then a row each time a replica changes (kubectl get -w)
@@ -97,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", metavar="S", default="SPREAD",
                    help="how Ray places the replicas: SPREAD (default), PACK or STRICT_SPREAD (one node each)")
     p.add_argument("--gpu", metavar="MODEL", help="only on GPUs of this model (as `meshd-mps fleet resources` names it)")
-    p.add_argument("--node", metavar="NODE", help="only on this node (its Ray node id or name)")
+    p.add_argument("--node", metavar="NAME", help="only on the node of this name (`meshd-mps fleet resources --node NAME`)")
     p.add_argument("--wait", action="store_true", help="wait until every replica runs")
     p.add_argument("--timeout", type=float, metavar="S", default=Deadlines().fleet_node,
                    help="with --wait: at most S seconds (default %(default)s)")
