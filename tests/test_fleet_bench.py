@@ -38,6 +38,7 @@ def test_fleet_bench_smoke(tmp):
         assert x["value"] > 0 and x["baseline"] > 0, x
     assert rows[0]["note"].startswith("placed n"), rows[0]
     assert rows[-1]["name"] == "a node's 2 replicas running elsewhere", rows[-1]
+    assert rows[4]["note"].startswith("2 agent processes for 2 nodes, 1 controller"), rows[4]
     poll(lambda: (reap_orphans(), not leftovers(["meshd-fleet."]))[1], 30.0,
          lambda: f"no process of the bench's cluster or daemons left: {leftovers(['meshd-fleet.'])}")
 

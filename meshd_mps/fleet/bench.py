@@ -162,14 +162,19 @@ async def timed(n: int, f: Callable[[], Any], warm: int = 10) -> list[float]:
     return out
 
 
-def processes(title: str) -> list[int]:
-    """The pids whose command line starts with ``title`` (Ray names an actor's process ``ray::Class``)."""
+def processes(title: str, mark: str) -> list[int]:
+    """The pids whose command line starts with ``title`` (Ray names an actor's process ``ray::Class``)
+    and whose environment holds ``mark`` (this bench's directory: another cluster on the machine is
+    not counted)."""
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/cmdline", "rb") as f:
-                    if f.read().startswith(title.encode()):
+                    if not f.read().startswith(title.encode()):
+                        continue
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if mark.encode() in f.read():
                         out.append(int(d))
             except OSError:
                 continue
@@ -177,8 +182,8 @@ def processes(title: str) -> list[int]:
 
 
 def memory_row(local: LocalFleet) -> Row:
-    agents = processes("ray::NodeAgent")
-    controllers = processes("ray::FleetController")
+    agents = processes("ray::NodeAgent", local.dir)
+    controllers = processes("ray::FleetController", local.dir)
     agent_mib = sum(vmrss_mib(p) for p in agents) / max(1, len(agents))
     daemon_mib = sum(vmrss_mib(n.proc.pid) for n in local.nodes) / len(local.nodes)
     ctl = sum(vmrss_mib(p) for p in controllers)

@@ -27,6 +27,7 @@ from ray.cluster_utils import Cluster
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import Timeout
 from meshd_mps.fleet.capacity import node_resources
+from meshd_mps.fleet.checkpoint import ENV as FLEET_STATE_ENV
 from meshd_mps.gpu.device import SIM_GPUS_ENV
 from meshd_mps.mps import standin
 from meshd_mps.serving.client import Client, ClientError
@@ -93,7 +94,8 @@ class LocalFleet:
         for n in self.nodes:
             n.resources = node_resources(self._ready(n), node=n.name)
         # The head places no replica (no meshd_slot): the controller and the bench's driver run there.
-        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "env_vars": {FLEET_STATE_ENV: self.state_dir}})  # the controller's checkpoint
         for n in self.nodes:
             n.ray_node = self.cluster.add_node(num_cpus=1, resources=n.resources,
                                                env_vars={"MESHD_MPS_SOCKET": n.socket})
