@@ -499,7 +499,19 @@ class NvmlUnavailable(DeviceError):
 
 
 class FleetError(MeshError):
-    """What the fleet refuses or cannot do; its subclasses sit on the branches above as well."""
+    """What the fleet refuses or cannot do; its subclasses sit on the branches above as well.
+    Pickled whole (Ray carries them from the controller to the caller): ``__init__`` would make
+    the message again from a message."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuilt, (type(self), self.args, self.__dict__)
+
+
+def _rebuilt(cls: type[FleetError], args: tuple[Any, ...], state: dict[str, Any]) -> FleetError:
+    e = cls.__new__(cls)
+    e.args = args
+    e.__dict__.update(state)
+    return e
 
 
 class FleetUnavailable(FleetError, Unavailable):

@@ -262,8 +262,9 @@ async def test_bad_specs_are_refused_with_the_node_apis_errors(rig, fleet, echo)
     with pytest.raises(AlreadyDeclared):
         await fleet.deploy(ProgramSpec("echo", echo, replicas=2))
     for bad_call in (fleet.call("nope", b"x"), fleet.remove("nope"), fleet.upgrade("nope", echo), fleet.status("nope")):
-        with pytest.raises(NoSuchProgram):
+        with pytest.raises(NoSuchProgram) as e:
             await bad_call
+        assert str(e.value) == "no program 'nope' is declared in the fleet" and e.value.program == "nope"
 
 
 def test_capacity_is_the_nodes_limits_as_ray_resources(rig):
@@ -297,3 +298,28 @@ async def test_the_controller_killed_comes_back_from_its_checkpoint_and_halts_no
         await asyncio.sleep(0.1)  # the polling interval
     assert {(r.node, r.pid) for r in st.programs[0].replicas} == pids, "the same workers, on the same nodes"
     assert (await fleet.call("echo", b"still here")).data == b"still here"
+
+
+async def test_gpu_and_node_constraints_place_the_replicas_only_there(rig, fleet, heartbeat):
+    await fleet.deploy(ProgramSpec("heartbeat", heartbeat, replicas=2, gpu="simulated NVIDIA H200", node="n2"))
+    p = await fleet.wait("heartbeat", running=2, timeout=UP_S)
+    assert {r.node_name for r in p.replicas} == {"n2"} and {r.gpu for r in p.replicas} == {0}
+    assert set(rig.nodes["n2"].ps()) == {"heartbeat.fleet-0", "heartbeat.fleet-1"}
+    assert p.gpu == "simulated NVIDIA H200" and p.node == "n2"
+
+
+async def test_an_upgrade_a_replica_refuses_stops_and_rolls_back(rig, fleet, echo):
+    from meshd_mps.errors import UpgradeFailed
+
+    await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
+    before = await fleet.wait("echo", running=3, timeout=UP_S)
+    # Over the GPU's shared memory per block (another PTX: the image hash is the PTX's and param's).
+    too_big = ProgramSource({**echo.manifest, "smem": 300_000}, echo.ptx + "\n// v3\n")
+    with pytest.raises(UpgradeFailed) as e:
+        await fleet.upgrade("echo", too_big)
+    assert e.value.program == "echo" and "shared memory" in e.value.why, e.value
+    p = await fleet.wait("echo", running=3, timeout=UP_S)
+    assert p.hash == echo.hash and not p.upgrading and p.upgrade_error == e.value.why
+    assert {(r.node, r.pid, r.hash) for r in p.replicas} == {(r.node, r.pid, r.hash) for r in before.replicas}
+    kinds = [ev.kind for ev in (await fleet.status("echo")).events]
+    assert kinds.count("draining") == 1 and "upgrade-failed" in kinds, kinds

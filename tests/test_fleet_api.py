@@ -117,3 +117,14 @@ def test_without_ray_the_fleet_says_how_to_get_it():
             "try:\n    import meshd_mps.fleet\nexcept FleetUnavailable as e:\n    print(e.hint)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), timeout=60)
     assert out.stdout.strip() == "pip install 'meshd-mps[fleet]'", out.stderr
+
+
+def test_the_fleets_errors_cross_ray_whole():
+    import pickle
+
+    from meshd_mps.errors import AlreadyDeclared, FleetTimeout, NoSuchProgram
+
+    for e in (NoSuchProgram("echo"), AlreadyDeclared("echo"), BadSpec("replicas 0: no", field="replicas"),
+              FleetTimeout("echo: 1 of 3", program="echo", running=1, wanted=3)):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e) and back.fields() == e.fields()

@@ -169,3 +169,39 @@ async def test_the_head_restarted_loses_no_program_and_halts_none(rig, sources):
     for name in declared:
         await fleet.remove(name)
     await fleet.close()
+
+
+async def test_a_raylet_restarted_with_no_room_elsewhere_halts_none_of_its_replicas(rig, sources):
+    fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
+    await fleet.deploy(ProgramSpec("heartbeat", sources["heartbeat"], replicas=6, strategy="PACK"))  # every slot
+    p = await fleet.wait("heartbeat", running=6, timeout=UP_S)
+    before = {(name, k): row for name, n in rig.nodes.items() for k, row in n.ps().items()}
+    assert len(before) == 6 and {r.node_name for r in p.replicas} == {"n0", "n1", "n2"}
+    on_n1 = {k for (name, k) in before if name == "n1"}
+
+    rig.stop_raylet("n1")  # on this thread (cluster_utils sets signal handlers); the loop waits meanwhile
+    deadline = time.monotonic() + UP_S
+    while True:  # n1's replicas have no node now (no room elsewhere), and its daemon runs them on
+        reps = (await fleet.status("heartbeat")).programs[0].replicas
+        if sorted(r.name for r in reps if r.state == "pending") == sorted(on_n1):
+            break
+        assert time.monotonic() < deadline, f"n1's replicas not pending: {reps}"
+        await asyncio.sleep(0.05)  # the polling interval
+    for _ in range(5):
+        assert set(rig.nodes["n1"].ps()) == on_n1, "unloaded while its node had no raylet"
+        await asyncio.sleep(FLEET_DEADLINES.fleet_tick)
+    n1 = rig.nodes["n1"]
+    rig.add("n1", n1.daemon, n1.state)  # the raylet back, for the same daemon
+    deadline = time.monotonic() + UP_S
+    while True:
+        p = (await fleet.status("heartbeat")).programs[0]
+        if p.running == 6 and not any(r.node_name != "n1" for r in p.replicas if r.name in on_n1):
+            break
+        assert time.monotonic() < deadline, f"not all back: {p.replicas}"
+        await asyncio.sleep(0.05)  # the polling interval
+    after = {(name, k): row for name, n in rig.nodes.items() for k, row in n.ps().items()}
+    assert after.keys() == before.keys()
+    for key, row in after.items():
+        assert row["pid"] == before[key]["pid"] and row["restarts"] == 0 and row["heartbeat"] > before[key]["heartbeat"]
+    await fleet.remove("heartbeat")
+    await fleet.close()

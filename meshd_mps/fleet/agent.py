@@ -28,7 +28,7 @@ import ray
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.fleet.nodecalls import NodeCalls
-from meshd_mps.fleet.spec import parse_replica_name
+from meshd_mps.fleet.spec import gpu_model, parse_replica_name
 from meshd_mps.serving.client import Client, ClientError, default_socket
 
 T = TypeVar("T")
@@ -77,6 +77,9 @@ class NodeAgent:
             if o.get("image") is not None:
                 self.images[o["hash"]] = o["image"]
         self.want = {o["name"]: o for o in orders}
+        used = {o["hash"] for o in orders}  # what no order names is forgotten: an upgrade's old image, a removed program's
+        self.images = {h: im for h, im in self.images.items() if h in used}
+        self.errors = {n: e for n, e in self.errors.items() if n in self.want}
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self._run())
         self.wake.set()
@@ -135,6 +138,10 @@ class NodeAgent:
             if image is None:
                 continue  # the controller sends it with the next share (this agent's "have" lacks it)
             body = {"manifest": {**image["manifest"], "name": name}, "ptx": image["ptx"], "hash": o["hash"]}
+            if p is None and o.get("gpu") is not None:
+                device = await self._device(o["gpu"])
+                if device is not None:
+                    body["device"] = device
             what = "loading" if p is None else "upgrading"
             self.busy[name] = what
             try:
@@ -161,6 +168,14 @@ class NodeAgent:
                     raise
             finally:
                 self.busy.pop(name, None)
+
+    async def _device(self, model: str) -> int | None:
+        """The GPU of ``model`` with the fewest programs on this node (a ``gpu`` constraint: Ray
+        counted a slot of that model here; the daemon would otherwise take its least loaded GPU)."""
+        status = await self._blocking(lambda c: c.status())
+        gpus = [d for d in status.get("devices") or [] if gpu_model(str(d.get("name"))) == model]
+        best = min(gpus, key=lambda d: (d.get("programs") or 0, d.get("device") or 0), default=None)
+        return None if best is None else int(best["device"])
 
     async def _blocking(self, fn: Callable[[Client], T], within: float | None = None) -> T:
         client = Client(self.socket, timeout=within or self.d.fleet_agent)

@@ -32,6 +32,10 @@ HINT = "start Ray (ray start --head), or name its address (--address, $RAY_ADDRE
 
 
 class Fleet:
+    """A handle on the fleet of one Ray cluster (``await Fleet.connect()``): declare, see, upgrade,
+    remove and call programs by name.  Every method asks the controller actor, except a call's
+    routes, kept for one tick, and the call itself (this node's daemon, or the replica's agent)."""
+
     def __init__(self, controller: Any, namespace: str, owns_ray: bool, deadlines: Deadlines):
         self.controller = controller
         self.ns = namespace
@@ -78,8 +82,8 @@ class Fleet:
 
     async def upgrade(self, name: str, source: ProgramSource, *, hash: str | None = None) -> FleetProgram:
         """A rolling upgrade to ``source``: one replica at a time, each passing its node's start check
-        before the next; the program once every replica runs it, UpgradeFailed if one refused it
-        (every replica is rolled back to the image before)."""
+        before the next; the program once every replica placed runs it, UpgradeFailed if one
+        refused it (every replica is rolled back to the image before)."""
         from meshd_mps.errors import BadSpec, UpgradeFailed
 
         got = source.hash
@@ -94,8 +98,9 @@ class Fleet:
                 bad = next((r for r in p.replicas if r.reason == p.upgrade_error), None)
                 raise UpgradeFailed(f"{name}: upgrade to {got} stopped: {p.upgrade_error}", program=name,
                                     replica=str(bad.index) if bad else "", why=p.upgrade_error)
-            if not p.upgrading and p.hash == got and p.running == p.wanted:
-                return p
+            if not p.upgrading and p.hash == got and \
+                    all(r.state == "pending" or (r.state == "running" and r.hash == got) for r in p.replicas):
+                return p  # every replica placed runs it; one with no node takes it when it gets one
             if time.monotonic() > deadline:
                 raise FleetTimeout(f"{name}: upgrade to {got}: {p.running} of {p.wanted} replicas run it after"
                                    f" {self.d.fleet_upgrade:g}s", program=name, running=p.running, wanted=p.wanted)
@@ -184,10 +189,13 @@ class Fleet:
         elif agent is None:
             raise _NotDelivered(f"node {r.node} has no agent")
         else:
+            within = (self.d.call if timeout is None else timeout) + 2 * self.d.fleet_agent
             try:
-                out = await agent.call.remote(r.name, data, timeout)
+                out = await asyncio.wait_for(agent.call.remote(r.name, data, timeout), within)
             except RayActorError as e:
                 raise _Lost(f"{type(e).__name__}") from e
+            except TimeoutError as e:  # the agent's node cut off: the call may have reached the program
+                raise _Lost(f"its agent did not answer in {within:g}s") from e
         if not out["ok"]:
             if out.get("lost"):
                 raise _Lost(out["error"])

@@ -26,7 +26,15 @@ from meshd_mps.fleet.agent import NodeAgent, agent_name
 from meshd_mps.fleet.capacity import SLOT, gpu_models, node_name, why_pending
 from meshd_mps.fleet.checkpoint import Checkpoint, fleet_state_dir
 from meshd_mps.fleet.desired import Declared, Image
-from meshd_mps.fleet.spec import FleetEvent, FleetProgram, FleetStatus, NodeView, ReplicaView, replica_name
+from meshd_mps.fleet.spec import (
+    FleetEvent,
+    FleetProgram,
+    FleetStatus,
+    NodeView,
+    ReplicaView,
+    replica_name,
+    resource_key,
+)
 
 CONTROLLER = "meshd-mps-fleet"
 EVENTS = 500
@@ -51,6 +59,7 @@ class FleetController:
         self.ticked = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()
+        self.saving = asyncio.Lock()
         self.started = time.monotonic()
         self.event("controller", f"controller started; {len(self.programs)} programs declared in {self.checkpoint.path}")
 
@@ -160,13 +169,14 @@ class FleetController:
         placed: dict[str, list[str | None]] = {}
         shares: dict[str, list[dict[str, Any]]] = {nid: [] for nid in alive}
         keep: list[str] = []  # replicas with no node now: left running wherever they run until Ray places them
+        sent: dict[str, set[str]] = {}  # the images in each node's share: each once
         for name, p in self.programs.items():
             t = by_name.get(p.pg_name) or {}
             where = t.get("bundles_to_node_id") or {}
             placed[name] = [where.get(i) or None for i in range(p.replicas)]
             for i, nid in enumerate(placed[name]):
                 if nid in shares:
-                    shares[nid].append(self._order(p, i, nid))
+                    shares[nid].append(self._order(p, i, nid, sent.setdefault(nid, set())))
                 else:
                     keep.append(replica_name(name, i))
         answers = await asyncio.gather(*(self._ask(nid, orders, keep) for nid, orders in shares.items()))
@@ -331,12 +341,16 @@ class FleetController:
         except ray.exceptions.RayError as e:
             return f"its agent is not reachable ({type(e).__name__})"
 
-    def _order(self, p: Declared, i: int, nid: str) -> dict[str, Any]:
+    def _order(self, p: Declared, i: int, nid: str, sent: set[str]) -> dict[str, Any]:
+        """Replica ``i``'s order for node ``nid``: its image with it, unless the node's agent said it
+        holds it or this share carries it already (``sent``)."""
         h = p.assigned[i]
         have = (self.seen.get(nid) or {}).get("have") or ()
         im = p.image_of(h)
-        return {"name": replica_name(p.name, i), "hash": h, "restart": p.restart,
-                "image": None if h in have or im is None else {"manifest": im.manifest, "ptx": im.ptx}}
+        image = None if h in have or h in sent or im is None else {"manifest": im.manifest, "ptx": im.ptx}
+        sent.add(h)
+        return {"name": replica_name(p.name, i), "hash": h, "restart": p.restart, "image": image,
+                "gpu": None if p.gpu is None else resource_key(p.gpu)}
 
     # ---- small things ----------------------------------------------------------------------------
 
@@ -351,8 +365,11 @@ class FleetController:
         return (e[0], e[1]) if e else None
 
     async def _save(self) -> None:
-        snapshot = {n: p.to_json() for n, p in self.programs.items()}
-        await asyncio.to_thread(self.checkpoint.save, snapshot)
+        """The checkpoint written again: one write at a time, each with the state as it is when its
+        turn comes, so that a slower older write never lands after a newer one."""
+        async with self.saving:
+            snapshot = {n: p.to_json() for n, p in self.programs.items()}
+            await asyncio.to_thread(self.checkpoint.save, snapshot)
 
     def event(self, kind: str, message: str, program: str | None = None, replica: int | None = None,
               node: str | None = None) -> None:

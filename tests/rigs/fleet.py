@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from typing import Any
 
 import ray
@@ -38,6 +39,33 @@ def reap_orphans() -> None:
             pass
 
 
+def stop_ray_stragglers(mark: str, within: float = 15.0) -> None:
+    """Ray's processes of the cluster (``ray::*``, raylet, gcs_server: ``mark`` in their
+    environment or command line) still there ``within`` s after ``Cluster.shutdown``: killed.  On a
+    machine loaded far past its cores, a Ray agent that was still starting when the shutdown's
+    SIGTERM came was seen to stay (its handlers not set yet); it is Ray's, and it must not outlive
+    the test.  The daemons and their workers are not touched here: ``close`` stops them itself."""
+    deadline = time.monotonic() + within
+    while True:
+        reap_orphans()
+        ray_left = [int(line.split(":")[0]) for line in leftovers([mark]) if _is_ray(int(line.split(":")[0]))]
+        if not ray_left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)  # the polling interval
+    for pid in ray_left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _is_ray(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+    except OSError:
+        return False
+    return comm.startswith("ray::") or comm in ("raylet", "gcs_server")
+
+
 class Node:
     def __init__(self, name: str, daemon: Serve, state: str, ray_node: Any):
         self.name, self.daemon, self.state, self.ray_node = name, daemon, state, ray_node
@@ -56,7 +84,6 @@ class FleetRig:
         self.dir = tempfile.mkdtemp(prefix="mf-")
         self.fleet_state = os.path.join(self.dir, "fleet")
         self.nodes: dict[str, Node] = {}
-        self.gone: list[Node] = []
         self.slots = slots
         self.cluster: Cluster | None = None
         self.starting: list[Serve] = []
@@ -109,6 +136,17 @@ class FleetRig:
         self.cluster.wait_for_nodes()
         return n
 
+    def stop_raylet(self, name: str) -> None:
+        """Node ``name``'s raylet stops, and with it the node's Ray workers (its agent among them);
+        its daemon runs on.  ``add(name, ...)`` with the same daemon is its restart: to Ray,
+        another node.  (On the main thread: cluster_utils sets signal handlers.)"""
+        n = self.nodes[name]
+        assert self.cluster is not None
+        self.cluster.remove_node(n.ray_node)
+        mark = os.path.join(self.dir, name) + os.sep
+        poll(lambda: (reap_orphans(), not [p for p in leftovers([mark]) if _is_ray(int(p.split(":")[0]))])[1], 30.0,
+             f"node {name}'s Ray processes gone")
+
     def kill(self, name: str) -> Node:
         """The node dies: its raylet and every Ray process of it (its agent), its daemon (SIGKILL)
         and the programs' workers: each has the node's directory in its command line or
@@ -124,7 +162,6 @@ class FleetRig:
                 os.kill(int(line.split(":")[0]), signal.SIGKILL)
         poll(lambda: (reap_orphans(), not leftovers([mark]))[1], 20.0, lambda: f"node {name}'s processes gone:"
              f" {leftovers([mark])}")
-        self.gone.append(n)
         return n
 
     def close(self) -> None:
@@ -139,6 +176,7 @@ class FleetRig:
                     for p in s.client.programs():
                         s.client.unload(p["name"])
                 s.kill()
+            stop_ray_stragglers(self.dir)
             poll(lambda: (reap_orphans(), not leftovers([self.dir]))[1], 30.0,
                  lambda: f"no process of the fleet's nodes left: {leftovers([self.dir])}")
             shutil.rmtree(self.dir, ignore_errors=True)
