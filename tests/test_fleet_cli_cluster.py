@@ -75,8 +75,6 @@ def test_deploy_status_call_remove(rig):
     assert r.returncode == 0 and json.loads(r.stdout)["programs"] == [], r
 
 
-@pytest.mark.xfail(strict=True, reason="NoSuchProgram's message is made again from its args when Ray unpickles it"
-                   " (errors.py: its __init__ takes the program, its args hold the message): reported to the coordinator")
 def test_removing_a_program_not_declared(rig):
     r = fleet(rig, "remove", "nothing-here")
     assert (r.returncode, r.stdout) == (1, ""), r
