@@ -1,5 +1,6 @@
-"""``python -m meshd_mps``: the ``meshd-mps`` command; ``worker`` goes straight to the worker's own
-start (as ``python -m workers`` does), before anything of the command line is imported."""
+"""``python -m meshd_mps``: the ``meshd-mps`` command (``meshd_mps/cli.py``); ``worker`` goes straight
+to the worker's own start (as ``python -m workers`` does), before anything of the command line is
+imported."""
 
 import sys
 
@@ -8,6 +9,6 @@ if sys.argv[1:2] == ["worker"]:
 
     raise SystemExit(run(sys.argv[2:]))
 
-from meshd_mps.serving.cli import main  # after the worker's dispatch, which must not import it
+from meshd_mps.cli import main  # after the worker's dispatch, which must not import it
 
 raise SystemExit(main())

@@ -31,6 +31,7 @@ examples:
   meshd-mps upgrade echo examples/echo     # a new image on the same slot
   meshd-mps unload echo
   meshd-mps serve --config /etc/meshd-mps.toml   # options and always-loaded programs from a TOML file
+  meshd-mps fleet --help                   # many nodes run as one, on Ray (docs/fleet.md; pip install 'meshd-mps[fleet]')
 the socket: --socket, else $MESHD_MPS_SOCKET, else (client commands) --config FILE's socket, else
   $XDG_RUNTIME_DIR/meshd-mps.sock, else /run/meshd-mps/meshd-mps.sock (root) or /tmp/meshd-mps-$UID/meshd-mps.sock
   (a directory only you can write); a --gpu sim daemon's default is meshd-mps-sim.sock there, and its state dir

@@ -1,0 +1,258 @@
+"""``meshd-mps fleet bench``: what the fleet costs over each node's daemon, each figure beside its
+baseline measured in the same run, on a real Ray cluster of simulated-GPU nodes on this machine
+(``fleet/local.py``; issue 34, item 8).  Here and not in ``meshd_mps/bench/`` because the bench's
+layer (8) is below the fleet's (9): ``meshd-mps bench`` cannot import it.
+
+(l1) 200 replicas placed and running: ``fleet.deploy`` until ``fleet.wait`` sees every one run,
+     against the same loads made directly on each node's daemon (its socket, one load after another
+     on a node, the nodes at once: as each node's agent loads), the same count per node;  <= 1.3x.
+(l2) a node's death, once Ray knows it (its node is not alive in ``ray.nodes()``), until its replicas
+     run elsewhere, against loading as many directly on the nodes they went to;  <= 1.3x.
+(l3) ``fleet.call`` p50 and p99 from the head (no replica there), against a bare Ray async actor's
+     echo on a fleet node;  <= 1.5x at p50.
+(l4) what the fleet layer holds on a node (its agent actor's process, RSS), beside that node's
+     daemon; one controller on the head; no process per program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import datetime
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from meshd_mps.bench.measure import pct, vmrss_mib
+from meshd_mps.bench.report import Row, as_json, describe, table
+from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
+from meshd_mps.fleet.local import LocalFleet, Node
+
+EXAMPLE = "echo"
+#: The longest the bench waits for the fleet to run what it was asked (a deadline; the figure is the
+#: time it took).
+SETTLE_S = 600.0
+
+
+def examples_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", EXAMPLE)
+
+
+# ---- the baselines: each node's daemon, directly ------------------------------------------------------
+
+
+def direct_loads(counts: dict[Node, int], source: ProgramSource, prefix: str) -> float:
+    """Seconds to load ``counts[node]`` copies of ``source`` on each node's daemon, one after another
+    on a node, the nodes at once (threads); then every one unloaded again (not timed)."""
+    body = {"ptx": source.ptx, "hash": source.hash}
+
+    def one_node(n: Node, k: int) -> None:
+        c = n.client()
+        for i in range(k):
+            c.load({**body, "manifest": {**source.manifest, "name": f"{EXAMPLE}-{prefix}-{i}"}})
+
+    t0 = time.perf_counter()
+    _each(counts, one_node)
+    took = time.perf_counter() - t0
+
+    def unload(n: Node, k: int) -> None:
+        c = n.client()
+        for i in range(k):
+            c.unload(f"{EXAMPLE}-{prefix}-{i}")
+
+    _each(counts, unload)
+    return took
+
+
+def _each(counts: dict[Node, int], fn: Callable[[Node, int], None]) -> None:
+    with ThreadPoolExecutor(max(1, len(counts))) as ex:
+        for f in [ex.submit(fn, n, k) for n, k in counts.items() if k]:
+            f.result()
+
+
+@ray.remote(num_cpus=0)
+class Echo:
+    """The bare Ray async actor of (l3)'s baseline."""
+
+    async def echo(self, data: bytes) -> bytes:
+        return data
+
+
+# ---- the rows -----------------------------------------------------------------------------------------
+
+
+def per_node(st: Any, name: str) -> collections.Counter[str]:
+    return collections.Counter(r.node for p in st.programs if p.name == name for r in p.replicas if r.state == "running")
+
+
+async def rows(local: LocalFleet, replicas: int, calls: int) -> list[Row]:
+    out: list[Row] = []
+    source = ProgramSource.read(examples_dir())
+    fleet = await Fleet.connect(local.address, state_dir=local.state_dir)
+    try:
+        by_id = {n.node_id: n for n in local.nodes}
+        even = {n: replicas // len(local.nodes) + (i < replicas % len(local.nodes)) for i, n in enumerate(local.nodes)}
+        base = await asyncio.to_thread(direct_loads, even, source, "l1")
+        t0 = time.perf_counter()
+        await fleet.deploy(ProgramSpec(name=EXAMPLE, source=source, replicas=replicas, strategy="SPREAD"))
+        await fleet.wait(EXAMPLE, running=replicas, timeout=SETTLE_S)
+        took = time.perf_counter() - t0
+        placed = per_node(await fleet.status(EXAMPLE), EXAMPLE)
+        where = ", ".join(f"{by_id[k].name}:{v}" for k, v in sorted(placed.items(), key=lambda kv: by_id[kv[0]].name))
+        out.append(Row("l1", f"{replicas} replicas placed and running ({len(local.nodes)} nodes)", "s", took, base,
+                       "direct loads", "<= 1.3x", took <= 1.3 * base, note=f"placed {where}; the baseline "
+                       + ", ".join(f"{n.name}:{k}" for n, k in even.items())))
+        out += await call_rows(fleet, local, calls)
+        out.append(memory_row(local))
+        out.append(await node_death_row(fleet, local, source, replicas, placed))
+        await fleet.remove(EXAMPLE)
+    finally:
+        await fleet.close()
+    return out
+
+
+async def call_rows(fleet: Fleet, local: LocalFleet, calls: int) -> list[Row]:
+    data = b"x" * 16
+    node = local.nodes[0].node_id
+    echo = Echo.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()  # type: ignore[attr-defined]
+
+    async def bare() -> None:
+        assert await echo.echo.remote(data) == data
+
+    async def via_fleet() -> None:
+        assert (await fleet.call(EXAMPLE, data)).data == data
+
+    # Where the time goes: the same call made on a node's socket (the daemon and the ring, no Ray).
+    st = await fleet.status(EXAMPLE)
+    r = next(r for p in st.programs for r in p.replicas if r.state == "running" and r.node == node)
+    client = local.nodes[0].client()
+
+    async def on_socket() -> None:
+        assert (await asyncio.to_thread(client.call, r.name, data))["hex"] == data.hex()
+
+    ours = await timed(calls, via_fleet)
+    theirs = await timed(calls, bare)
+    direct = await timed(calls, on_socket)
+    ray.kill(echo)
+    p50, b50, d50 = pct(ours, 0.5) * 1e3, pct(theirs, 0.5) * 1e3, pct(direct, 0.5) * 1e3
+    p99, b99 = pct(ours, 0.99) * 1e3, pct(theirs, 0.99) * 1e3
+    return [Row("l3", f"fleet.call p50 ({calls} calls, 16 B)", "ms", p50, b50, "Ray async actor echo", "<= 1.5x",
+                p50 <= 1.5 * b50),
+            Row("l3", f"fleet.call p99 ({calls} calls, 16 B)", "ms", p99, b99, "Ray async actor echo"),
+            Row("l3", f"the same call on a node's socket, p50 ({calls} calls)", "ms", d50, b50, "Ray async actor echo",
+                note="meshd-mps call's path (HTTP, the ring), no Ray: what fleet.call adds is the rest")]
+
+
+async def timed(n: int, f: Callable[[], Any], warm: int = 10) -> list[float]:
+    out = []
+    for i in range(n + warm):
+        t0 = time.perf_counter()
+        await f()
+        if i >= warm:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def processes(title: str, mark: str) -> list[int]:
+    """The pids whose command line starts with ``title`` (Ray names an actor's process ``ray::Class``)
+    and whose environment holds ``mark`` (this bench's directory: another cluster on the machine is
+    not counted)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if not f.read().startswith(title.encode()):
+                        continue
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if mark.encode() in f.read():
+                        out.append(int(d))
+            except OSError:
+                continue
+    return out
+
+
+def memory_row(local: LocalFleet) -> Row:
+    agents = processes("ray::NodeAgent", local.dir)
+    controllers = processes("ray::FleetController", local.dir)
+    agent_mib = sum(vmrss_mib(p) for p in agents) / max(1, len(agents))
+    daemon_mib = sum(vmrss_mib(n.proc.pid) for n in local.nodes) / len(local.nodes)
+    ctl = sum(vmrss_mib(p) for p in controllers)
+    return Row("l4", "the fleet's RSS per node (its agent)", "MiB", agent_mib, daemon_mib, "the node daemon",
+               note=f"{len(agents)} agent processes for {len(local.nodes)} nodes, {len(controllers)} controller"
+                    f" ({ctl:.0f} MiB), none per program")
+
+
+async def node_death_row(fleet: Fleet, local: LocalFleet, source: ProgramSource, replicas: int,
+                         placed: collections.Counter[str]) -> Row:
+    by_id = {n.node_id: n for n in local.nodes}
+    dead = by_id[max(placed, key=lambda k: placed[k])]
+    lost = placed[dead.node_id]
+    await asyncio.to_thread(local.kill_node, dead)
+    end = time.monotonic() + SETTLE_S
+    while any(n["NodeID"] == dead.node_id and n["Alive"] for n in ray.nodes()):
+        if time.monotonic() > end:
+            raise TimeoutError(f"Ray did not see node {dead.name} dead within {SETTLE_S:g}s")
+        await asyncio.sleep(0.05)
+    t0 = time.perf_counter()
+    while True:
+        now = per_node(await fleet.status(EXAMPLE), EXAMPLE)
+        if sum(now.values()) >= replicas and dead.node_id not in now:
+            break
+        if time.monotonic() > end:
+            raise TimeoutError(f"{sum(now.values())} of {replicas} replicas running {SETTLE_S:g}s after node {dead.name} died")
+        await asyncio.sleep(0.05)
+    took = time.perf_counter() - t0
+    moved = {by_id[k]: now[k] - placed.get(k, 0) for k in now if now[k] > placed.get(k, 0)}
+    base = await asyncio.to_thread(direct_loads, moved, source, "l2")
+    return Row("l2", f"a node's {lost} replicas running elsewhere", "s", took, base, "direct loads there", "<= 1.3x",
+               took <= 1.3 * base, note="moved to " + ", ".join(f"{n.name}:{k}" for n, k in moved.items()))
+
+
+# ---- the command ----------------------------------------------------------------------------------------
+
+
+def header(argv: list[str], nodes: int, sim_gpus: int) -> dict[str, str]:
+    return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "device": f"{nodes} nodes x {sim_gpus} simulated GPUs (--gpu sim, blink) on one machine",
+            "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+            "ray": metadata.version("ray"), "python": sys.version.split()[0],
+            "command": " ".join(["meshd-mps fleet bench", *argv])}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="meshd-mps fleet bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=4, help="fleet nodes (default 4)")
+    ap.add_argument("--sim-gpus", type=int, default=3, help="simulated GPUs per node (default 3: 96 slots in blink mode)")
+    ap.add_argument("--replicas", type=int, default=200, help="replicas of (l1) and (l2) (default 200)")
+    ap.add_argument("--calls", type=int, default=500, help="calls of (l3) (default 500)")
+    ap.add_argument("--json", metavar="FILE", help="also write the header and rows as JSON")
+    args = ap.parse_args(argv)
+    for k in ("nodes", "sim_gpus", "replicas", "calls"):
+        if getattr(args, k) < (2 if k == "nodes" else 1):  # (l2) kills a node: another must be left
+            print(f"meshd-mps fleet bench: --{k.replace('_', '-')} {getattr(args, k)}: too few", file=sys.stderr)
+            return 2
+    local = LocalFleet(args.nodes, args.sim_gpus)
+    try:
+        local.start()
+        out = asyncio.run(rows(local, args.replicas, args.calls))
+    except Exception as e:  # one ERROR row: the run's failure named, nothing left running
+        out = [Row("l", "fleet bench", error=describe(e))]
+    finally:
+        local.close()
+    h = header(argv, args.nodes, args.sim_gpus)
+    print(table(h, out))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(as_json(h, out, []))
+    return 1 if any(r.error for r in out) else 0

@@ -1,0 +1,153 @@
+"""A fleet on one machine, for the bench (``meshd-mps fleet bench``): a real Ray cluster of a head
+and N nodes (``ray.cluster_utils.Cluster``), each node with its own ``meshd-mps serve`` daemon
+(``--gpu sim``: the explicit CPU simulation), socket and state dir, advertising the capacity that
+daemon reports (``capacity.node_resources``), and its agent told the socket through the raylet's
+environment (``$MESHD_MPS_SOCKET``), as ``ray start`` beside a daemon on a host does.
+
+Everything it starts is stopped and waited for at ``close()``: the cluster (``cluster.shutdown()``
+after ``ray.shutdown()``), every daemon (SIGTERM, then SIGKILL past its deadline) and the temporary
+directory.  Ray's subreaper option is never enabled.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.cluster_utils import Cluster
+
+from meshd_mps.deadlines import DEFAULT, Deadlines
+from meshd_mps.errors import Timeout
+from meshd_mps.fleet.capacity import node_resources
+from meshd_mps.fleet.checkpoint import ENV as FLEET_STATE_ENV
+from meshd_mps.gpu.device import SIM_GPUS_ENV
+from meshd_mps.mps import standin
+from meshd_mps.serving.client import Client, ClientError
+
+#: A daemon's start (the simulated GPU's worker included) and its stop: the daemon's own API
+#: deadlines bound each request; these bound the whole.
+START_S = 60.0
+STOP_S = 30.0
+#: How often a start is looked at again (a poll interval, not a deadline).
+POLL_S = 0.05
+
+
+@dataclass(eq=False)  # one object per node: hashed by identity (the bench counts replicas per node)
+class Node:
+    """One node of the local fleet: its daemon (``proc``, ``socket``, ``state``) and its Ray node."""
+
+    name: str
+    socket: str
+    state: str
+    proc: subprocess.Popen[bytes]
+    resources: dict[str, float]
+    ray_node: Any = None
+
+    @property
+    def node_id(self) -> str:
+        return str(self.ray_node.node_id)
+
+    def client(self, timeout: float = 60.0) -> Client:
+        return Client(self.socket, timeout=timeout)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """The daemon stopped and reaped (SIGKILL past STOP_S)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(STOP_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(STOP_S)
+
+
+class LocalFleet:
+    """``LocalFleet(nodes=4, sim_gpus=3)``: start with :meth:`start`, end with :meth:`close` (always)."""
+
+    def __init__(self, nodes: int = 4, sim_gpus: int = 3, isolation: str = "blink", deadlines: Deadlines = DEFAULT):
+        self.count, self.sim_gpus, self.isolation, self.d = nodes, sim_gpus, isolation, deadlines
+        self.dir = tempfile.mkdtemp(prefix="meshd-fleet.")
+        self.nodes: list[Node] = []
+        self.cluster: Cluster | None = None
+
+    @property
+    def address(self) -> str:
+        assert self.cluster is not None
+        return str(self.cluster.address)
+
+    @property
+    def state_dir(self) -> str:
+        """The controller's checkpoint directory (on the head: this machine)."""
+        return os.path.join(self.dir, "fleet-state")
+
+    def start(self) -> LocalFleet:
+        for i in range(self.count):
+            self.nodes.append(self._daemon(f"n{i}"))
+        for n in self.nodes:
+            n.resources = node_resources(self._ready(n), node=n.name)
+        # The head places no replica (no meshd_slot): the controller and the bench's driver run there.
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "env_vars": {FLEET_STATE_ENV: self.state_dir}})  # the controller's checkpoint
+        for n in self.nodes:
+            n.ray_node = self.cluster.add_node(num_cpus=1, resources=n.resources,
+                                               env_vars={"MESHD_MPS_SOCKET": n.socket})
+        self.cluster.wait_for_nodes(START_S)
+        return self
+
+    def _env(self) -> dict[str, str]:
+        e = {k: v for k, v in os.environ.items() if k not in ("MESHD_MPS_SOCKET", "CUDA_MPS_PIPE_DIRECTORY")}
+        e["PATH"] = os.pathsep.join([standin.BIN_DIR, os.path.dirname(sys.executable), e.get("PATH", "")])
+        e[SIM_GPUS_ENV] = str(self.sim_gpus)
+        e.setdefault("MESHD_MPS_LOG_LEVEL", "warning")
+        return e
+
+    def _daemon(self, name: str) -> Node:
+        sock = os.path.join(self.dir, f"{name}.sock")
+        state = os.path.join(self.dir, f"{name}-state")
+        argv = [sys.executable, "-m", "meshd_mps", "serve", "--gpu", "sim", "--isolation", self.isolation,
+                "--socket", sock, "--state-dir", state, "--log-format", "json"]
+        with open(os.path.join(self.dir, f"{name}.log"), "wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self._env())
+        return Node(name, sock, state, proc, {})
+
+    def _ready(self, n: Node) -> dict[str, Any]:
+        end = time.monotonic() + START_S
+        while True:
+            if n.proc.poll() is not None:
+                raise RuntimeError(f"node {n.name}: meshd-mps serve exited with {n.proc.returncode}: {self.log(n)}")
+            try:
+                return Client(n.socket, timeout=5).status()
+            except ClientError:
+                if time.monotonic() > end:
+                    raise Timeout(f"node {n.name}: meshd-mps serve not answering on {n.socket} within {START_S:g}s") from None
+                time.sleep(POLL_S)
+
+    def log(self, n: Node) -> str:
+        with open(os.path.join(self.dir, f"{n.name}.log"), errors="replace") as f:
+            return f.read()[-2000:]
+
+    def kill_node(self, n: Node) -> None:
+        """The node dies: its raylet killed (not a graceful leave), and its daemon gone with its
+        programs (stopped without live restore: nothing of it runs on)."""
+        assert self.cluster is not None
+        self.cluster.remove_node(n.ray_node, allow_graceful=False)
+        n.stop()
+
+    def close(self) -> None:
+        try:
+            if ray.is_initialized():
+                ray.shutdown()
+            if self.cluster is not None:
+                self.cluster.shutdown()
+        finally:
+            for n in self.nodes:
+                n.stop()
+            shutil.rmtree(self.dir, ignore_errors=True)
