@@ -7,6 +7,7 @@ is refused with a 400 and changes nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -31,10 +32,8 @@ def lose_node(s, state: str) -> None:
     s.proc.wait(30)
     for line in leftovers([state]):
         pid = int(line.split(":")[0])
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     poll(lambda: (reap_orphans(), not leftovers([state]))[1], 20.0, lambda: f"the node's processes gone: {leftovers([state])}")
 
 
