@@ -2,7 +2,8 @@
 each node with its own daemon, socket and state dir, 2 slots a node: a node lost (its raylet,
 daemon and workers killed) and its replicas re-placed or pending with the reason, a call whose
 replica's node died (retried only when idempotent), the nodes back without any replica run twice
-(at any observation: the replicas are loaded with restore adopt), and the head restarted with nothing lost and nothing halted."""
+at any observation (the replicas are loaded with restore adopt), and the head restarted with
+nothing lost and nothing halted."""
 
 from __future__ import annotations
 
