@@ -52,6 +52,7 @@ LAYERS: dict[str, int] = {
     "meshd_mps.eventloop": 1,
     "meshd_mps.faults": 1,
     "meshd_mps.restart": 1,
+    "meshd_mps.restore": 1,
     "meshd_mps.version": 1,
     "meshd_mps.defaults": 1,
 }

@@ -47,7 +47,7 @@ def test_programs_come_back_on_their_slots_after_a_restart(tmp):
     try:
         st = b.client.status()["state"]
         assert st["dir"] == state and st["restore"] == {"adopted": [], "restored": ["heartbeat", "echo"], "declared": [],
-                                                  "halted": [], "skipped": {}}
+                                                  "halted": [], "skipped": {}, "left": {}}
         got = rows(b)
         assert {n: (p["slot"], p["hash"], p["restart"]) for n, p in got.items()} == before
         assert got["echo"]["hash"] == up["hash"] and all(p["state"] == "running" for p in got.values())
@@ -111,7 +111,7 @@ def test_programs_declared_in_the_config_file_are_loaded(tmp):
     a = serve(tmp, state, "--config", conf, name="a")
     try:
         assert a.client.status()["state"]["restore"] == {"adopted": [], "restored": [], "declared": ["heartbeat", "echo"],
-                                                     "halted": [], "skipped": {}}
+                                                     "halted": [], "skipped": {}, "left": {}}
         got = rows(a)
         assert got["heartbeat"]["restart"] == "never" and got["echo"]["restart"] == "on-failure"
         a.client.upgrade("heartbeat", program_body(str(EXAMPLES / "heartbeat"), restart="always"))

@@ -63,6 +63,7 @@ from meshd_mps.errors.programs import (
     AlreadyLoaded as AlreadyLoaded,
     BadName as BadName,
     BadRestartPolicy as BadRestartPolicy,
+    BadRestoreMode as BadRestoreMode,
     CallTimeout as CallTimeout,
     CapacityError as CapacityError,
     ClientLimit as ClientLimit,

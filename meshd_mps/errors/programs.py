@@ -37,6 +37,16 @@ class BadRestartPolicy(BadRequest):
         self.value = value
 
 
+class BadRestoreMode(BadRequest):
+    """A restore mode that is neither reload nor adopt (``restore.Restore``)."""
+
+    FIELDS = ("value",)
+
+    def __init__(self, message: str, *, value: str):
+        super().__init__(message)
+        self.value = value
+
+
 class HashMismatch(BadRequest):
     """The image's hash is not the one the caller expected."""
 

@@ -7,7 +7,9 @@ no process.  It is level-triggered: each share the controller sends replaces the
 loop compares it with the daemon's ``ps`` and closes the difference (load what is missing, upgrade
 what runs another image, unload a ``fleet.*`` program the share no longer holds: a replica Ray
 moved away while this node was gone).  A restarted agent starts with no share and touches nothing
-until the controller sends one: what runs is adopted by being found running.
+until the controller sends one: what runs is adopted by being found running.  Every replica is
+loaded with restore ``adopt`` (restore.py): a daemon that restarts adopts it while it runs, and
+never loads it again by itself (a node lost and back would run a replica Ray re-placed meanwhile).
 
 It talks to the daemon through ``serving/client.Client`` (blocking, stdlib HTTP over the Unix
 socket) in threads of its own, so that calls in flight and a reconcile share no thread.
@@ -29,6 +31,7 @@ import ray
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.fleet.nodecalls import NodeCalls
 from meshd_mps.fleet.spec import gpu_model, parse_replica_name
+from meshd_mps.restore import Restore
 from meshd_mps.serving.client import Client, ClientError, default_socket
 
 T = TypeVar("T")
@@ -146,8 +149,10 @@ class NodeAgent:
             self.busy[name] = what
             try:
                 if p is None:
-                    await self._blocking(functools.partial(Client.load, body={**body, "restart": o["restart"]}),
-                                         self.d.fleet_node)
+                    # restore adopt: a daemon that comes back does not load it again by itself (Ray
+                    # may have placed it elsewhere meanwhile); it runs where this share says.
+                    load = {**body, "restart": o["restart"], "restore": Restore.ADOPT.value}
+                    await self._blocking(functools.partial(Client.load, body=load), self.d.fleet_node)
                 else:
                     await self._blocking(functools.partial(Client.upgrade, name=name, body=body), self.d.fleet_node)
                 self.errors.pop(name, None)

@@ -11,6 +11,7 @@ import structlog
 from meshd_mps.errors import AlreadyLoaded
 from meshd_mps.programs.program import Program
 from meshd_mps.restart import Policy
+from meshd_mps.restore import Restore
 
 if TYPE_CHECKING:
     from meshd_mps.gpu.compiler import Manifest
@@ -28,14 +29,16 @@ class Adoption:
 
     async def adopt(self, f: Found, manifest: Manifest, ptx: bytes, hash: int, nodes: int,
                     restart: Policy | str | None = None, *, started_wall: float | None = None,
-                    restarts: int = 0) -> Program:
+                    restarts: int = 0, restore: Restore | str = Restore.RELOAD) -> Program:
         """A program an earlier meshd-mps left running (live restore, ``Backend.found``), taken
         over as it runs: its worker, kernel and launch unchanged, nothing halted, its heartbeat
         counted on from the mailbox.  The caller (state/desired.py) matched it to its record.
         ``started_wall`` and ``restarts``: its launch's wall time and its relaunches, as the
-        earlier daemon kept them (its uptime counts from that launch, as docker's does)."""
+        earlier daemon kept them (its uptime counts from that launch, as docker's does); ``restore``:
+        its record's restore mode, kept."""
         reg = self.reg
         pol = reg.restart if restart is None else Policy.parse(restart)
+        mode = Restore.parse(restore)
         assert f.launch is not None, "adopt: a module with no launch runs nothing"
         async with reg.lock:
             if f.name in reg.by_name:
@@ -46,7 +49,7 @@ class Adoption:
             now, wall = time.monotonic(), time.time()
             since = wall if started_wall is None or started_wall > wall else started_wall
             p = Program(f.name, slot, k, k.launch, hash, nodes, cached=True, manifest=manifest, ptx=ptx, restart=pol,
-                        started=now - (wall - since), started_wall=since, restarts=restarts)
+                        restore=mode, started=now - (wall - since), started_wall=since, restarts=restarts)
             p.saw_beat(reg.b.mailbox.heartbeat(slot), now)  # it beat before we came: a stall from here on is one
             self.recovery.install(p)
             log.info(f"program {f.name} adopted on slot {slot}, GPU {k.device}, worker {k.pid}: it runs on",

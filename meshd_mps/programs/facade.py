@@ -27,6 +27,7 @@ from meshd_mps.programs.recovery import Recovery
 from meshd_mps.programs.registry import Registry
 from meshd_mps.protocol import abi
 from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
+from meshd_mps.restore import Restore
 
 if TYPE_CHECKING:
     from meshd_mps.backend import Backend
@@ -160,13 +161,15 @@ class Programs:
     # ---- changes ------------------------------------------------------------------------------
     async def load(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, hash: int | None = None,
                    nodes: int = 1, device: int | None = None, restart: Policy | str | None = None,
-                   slot: int | None = None, *, expect: int | None = None, policy: Policy | str | None = None) -> Program:
+                   slot: int | None = None, *, restore: Restore | str = Restore.RELOAD, expect: int | None = None,
+                   policy: Policy | str | None = None) -> Program:
         """Compile, preload and launch on a free slot (``slot``: that one, a restore's), on GPU
         ``device`` (None: ``place``'s choice); ``hash``: the image hash it must have; ``restart``:
-        its restart policy (None: the default of these Programs).  ``expect`` and ``policy``: the
-        old names of ``hash`` and ``restart``, for one release."""
+        its restart policy (None: the default of these Programs); ``restore``: what the daemon's
+        next start does with it (restore.py: reload, or adopt only while it runs).  ``expect`` and
+        ``policy``: the old names of ``hash`` and ``restart``, for one release."""
         return await self.lifecycle.load(manifest, ptx, _either(hash, expect, "hash or expect"), nodes, device,
-                                         _either(restart, policy, "restart or policy"), slot)
+                                         _either(restart, policy, "restart or policy"), slot, restore)
 
     async def upgrade(self, name: str, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes,
                       hash: int | None = None, restart: Policy | str | None = None, *, expect: int | None = None,
@@ -189,9 +192,9 @@ class Programs:
     # ---- live restore -------------------------------------------------------------------------
     async def adopt(self, f: Found, manifest: Manifest, ptx: bytes, hash: int, nodes: int,
                     restart: Policy | str | None = None, *, started_wall: float | None = None, restarts: int = 0,
-                    policy: Policy | str | None = None) -> Program:
+                    policy: Policy | str | None = None, restore: Restore | str = Restore.RELOAD) -> Program:
         return await self.adoption.adopt(f, manifest, ptx, hash, nodes, _either(restart, policy, "restart or policy"),
-                                         started_wall=started_wall, restarts=restarts)
+                                         started_wall=started_wall, restarts=restarts, restore=restore)
 
     async def discard(self, f: Found, why: str) -> None:
         await self.adoption.discard(f, why)
@@ -236,6 +239,7 @@ class Programs:
             "upgrades": p.upgrades,
             "restarts": p.restarts,
             "restart": p.restart.value,
+            "restore": p.restore.value,
             "regs": p.kernel.regs,
             "nodes": p.nodes,
         }

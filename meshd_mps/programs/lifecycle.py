@@ -19,6 +19,7 @@ from meshd_mps.errors import AlreadyLoaded, ManifestError, MeshError, Unavailabl
 from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.programs.program import Program, ProgramState, Run
 from meshd_mps.restart import Policy
+from meshd_mps.restore import Restore
 
 if TYPE_CHECKING:
     from meshd_mps.programs.launching import Launching
@@ -39,13 +40,16 @@ class Lifecycle:
         self.recovery = recovery
 
     async def load(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, hash: int | None,
-                   nodes: int, device: int | None, restart: Policy | str | None, slot: int | None) -> Program:
+                   nodes: int, device: int | None, restart: Policy | str | None, slot: int | None,
+                   restore: Restore | str = Restore.RELOAD) -> Program:
         """Compile, preload and launch on a free slot (``slot``: that one, a restore's), on GPU
         ``device`` (None: the placement's choice); ``restart``: its restart policy (None: the
-        default of these Programs); ``hash``: the image hash it must have (None: any)."""
+        default of these Programs); ``hash``: the image hash it must have (None: any);
+        ``restore``: what the daemon's next start does with it (restore.py)."""
         reg, b = self.reg, self.reg.b
         m = manifest_of(manifest)
         pol = reg.restart if restart is None else Policy.parse(restart)
+        mode = Restore.parse(restore)
         if isinstance(nodes, bool) or not isinstance(nodes, int):
             raise ManifestError(f"{m.name}: nodes {nodes!r}: a count of blocks expected")
         if m.name in reg.by_name:  # at once, not behind a load that holds the lock (checked again under it)
@@ -68,7 +72,7 @@ class Lifecycle:
                     await b.drop(img)
                 raise
             p = Program(m.name, slot, k, run, img.prepared.hash, nodes, compile_ms=img.prepared.compile_ms,
-                        cached=img.prepared.cached, manifest=m, ptx=ptx, restart=pol)
+                        cached=img.prepared.cached, manifest=m, ptx=ptx, restart=pol, restore=mode)
             self.recovery.install(p)
             reg.count_load(t0)
             log.info(f"program {m.name} loaded on slot {slot}, GPU {k.device}", program=m.name, pid=k.pid, slot=slot,

@@ -23,6 +23,7 @@ import structlog
 from meshd_mps.errors import StateError
 from meshd_mps.isolation import limits
 from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
+from meshd_mps.restore import DEFAULT as DEFAULT_RESTORE, Restore
 
 if TYPE_CHECKING:
     from meshd_mps.backend import Kernel
@@ -111,6 +112,7 @@ class Program:
     ptx: bytes = b""
     restarts: int = 0
     restart: Policy = DEFAULT_RESTART  # its restart policy (restart.py)
+    restore: Restore = DEFAULT_RESTORE  # what the next start does with it (restore.py); chosen at load, kept
     failures: tuple[float, ...] = ()  # monotonic times of its recent failures (restart.decide)
     restart_at: float = 0.0  # RESTARTING: the monotonic time of its relaunch
     phase: ProgramState = ProgramState.RUNNING  # changed only by to()

@@ -40,6 +40,7 @@ from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import MeshError, NotNative, NotServedHere, Unavailable, UpgradeMismatch
 from meshd_mps.names import check_name
 from meshd_mps.programs import Program, Programs
+from meshd_mps.restore import Restore
 from meshd_mps.serving import schemas
 from meshd_mps.serving.client import MAX_BODY
 from meshd_mps.serving.heads import MAX_HEAD, MAX_HEADERS, check_path, head_size, path_of
@@ -338,7 +339,8 @@ class Api:
         body = schemas.load_body(await self._json(request))
         request[PROGRAM] = body.manifest.name  # for the log of a refusal
         try:
-            p = await self.ps.load(body.manifest, body.text.encode(), body.hash, body.nodes or 1, body.device, body.restart)
+            p = await self.ps.load(body.manifest, body.text.encode(), body.hash, body.nodes or 1, body.device, body.restart,
+                                   restore=body.restore or Restore.RELOAD)
         except NotServedHere as e:  # Backend's check, said in the body's terms
             raise NotServedHere(f"field 'device' {e.device}: this daemon serves GPU {', '.join(map(str, e.devices))}"
                                 " (--devices)", device=e.device, devices=e.devices) from e
@@ -347,7 +349,7 @@ class Api:
     async def put_program(self, request: web.Request) -> web.Response:
         name = _name(request)
         body = schemas.load_body(await self._json(request))
-        if body.nodes is not None or body.device is not None:
+        if body.nodes is not None or body.device is not None or body.restore is not None:
             # What an upgrade keeps; Programs.upgrade takes neither (the manifest's name it checks itself).
             old = self.ps.get(name)
             if body.nodes is not None and body.nodes != old.nodes:
@@ -356,6 +358,9 @@ class Api:
             if body.device is not None and body.device != old.device:
                 raise UpgradeMismatch(f"field 'device' {body.device}: an upgrade keeps the program on its GPU"
                                       f" {old.device} (unload and load to move it)", program=name, field="device")
+            if body.restore is not None and body.restore is not old.restore:
+                raise UpgradeMismatch(f"field 'restore' {body.restore.value!r}: an upgrade keeps the program's"
+                                      f" {old.restore.value!r} (unload and load to change it)", program=name, field="restore")
         p = await self.ps.upgrade(name, body.manifest, body.text.encode(), body.hash, body.restart)
         return self._loaded(p, 200, "upgraded")
 

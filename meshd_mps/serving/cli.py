@@ -112,6 +112,10 @@ def _image_opts(p: argparse.ArgumentParser, nodes: bool) -> None:
                         " when it returns), never; with backoff, and not after 5 failures within 60 s (crash-loop)"
                         + ("" if nodes else "; an upgrade keeps the program's own unless given"))
     if nodes:
+        p.add_argument("--restore", choices=("reload", "adopt"),
+                       help="what the daemon's next start does with it: reload it from its record if it no longer"
+                            " runs (the default), or adopt it only while it runs and otherwise leave it to whoever"
+                            " loaded it (the fleet's replicas)")
         p.add_argument("--nodes", type=int, metavar="N", help="blocks to launch (default 1)")
         p.add_argument("--device", type=int, metavar="N",
                        help="the GPU to run it on, a CUDA ordinal (default: the one with the fewest programs)")
@@ -368,6 +372,8 @@ def _client(args: argparse.Namespace) -> int:
             # CUDA C is compiled here (as this user), for the daemon's oldest GPU; the daemon gets PTX.
             body = c.program_body(args.dir, args.manifest, args.ptx, args.cuda, args.hash, getattr(args, "nodes", None),
                                   getattr(args, "device", None), restart=args.restart, loading=args.cmd == "load")
+            if getattr(args, "restore", None) is not None:
+                body["restore"] = args.restore
             ans = c.load(body) if args.cmd == "load" else c.upgrade(args.name, body)
             if args.json:
                 return _json(ans)

@@ -271,7 +271,7 @@ class Client:
 
     def load(self, body: dict[str, Any]) -> dict[str, Any]:
         """``body``: {"manifest": {...}, "ptx": text, "hash"?: 16 hex, "nodes"?: N, "device"?: GPU,
-        "restart"?: on-failure | always | never}
+        "restart"?: on-failure | always | never, "restore"?: reload | adopt}
         (the daemon takes PTX only: see :func:`program_body` for CUDA C)."""
         return self.request("POST", "/v1/programs", body)
 

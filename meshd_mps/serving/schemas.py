@@ -20,14 +20,15 @@ import anyio
 from aiohttp import web
 
 from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import BadRestartPolicy
+from meshd_mps.errors import BadRestartPolicy, BadRestoreMode
 from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.restart import Policy
+from meshd_mps.restore import Restore
 from meshd_mps.serving.client import MAX_BODY
 from meshd_mps.serving.status import BadBody, BodyTooLarge, EncodingRefused, LengthRequired, RequestTimeout
 from meshd_mps.strictjson import parse_json
 
-LOAD_FIELDS = ("manifest", "ptx", "hash", "nodes", "device", "restart")
+LOAD_FIELDS = ("manifest", "ptx", "hash", "nodes", "device", "restart", "restore")
 CALL_FIELDS = ("data", "hex", "timeout")
 #: The answer to a body with CUDA C: the daemon never compiles it (an ``#include`` would read any
 #: file the daemon can read, and the compile log would echo it to the client).
@@ -119,6 +120,7 @@ class LoadBody:
     nodes: int | None
     device: int | None = None
     restart: Policy | None = None  # None: the daemon's default (a load), the program's own (an upgrade)
+    restore: Restore | None = None  # None: reload (a load), the program's own (an upgrade, which keeps it)
 
 
 def load_body(obj: dict[str, Any]) -> LoadBody:
@@ -158,7 +160,13 @@ def load_body(obj: dict[str, Any]) -> LoadBody:
             restart = Policy.parse(obj["restart"])
         except BadRestartPolicy as e:
             raise e.prefixed("field 'restart'") from e
-    return LoadBody(m, text, required, nodes, _int_field(obj, "device"), restart)
+    restore = None
+    if obj.get("restore") is not None:
+        try:
+            restore = Restore.parse(obj["restore"])
+        except BadRestoreMode as e:
+            raise e.prefixed("field 'restore'") from e
+    return LoadBody(m, text, required, nodes, _int_field(obj, "device"), restart, restore)
 
 
 @dataclass

@@ -107,7 +107,8 @@ def status_table(s: dict[str, Any]) -> str:
 
 def state_rows(st: dict[str, Any] | None) -> list[list[str]]:
     """The desired state's rows (status's ``state``): its directory, live restore, and what the
-    start did with what it found there (``restore``) and with the workers left running (``adoption``)."""
+    start did with what it found there (``restore``: adopted, restored, declared, halted, skipped,
+    left) and with the workers left running (``adoption``)."""
     if not st:
         return []
     rows = [["state dir", str(st.get("dir") or "-")],
@@ -117,6 +118,7 @@ def state_rows(st: dict[str, Any] | None) -> list[list[str]]:
     if r.get("halted"):
         did.append("halted " + ", ".join(str(h.get("program", "?")) for h in r["halted"]))
     did += [f"skipped {n} ({why})" for n, why in (r.get("skipped") or {}).items()]
+    did += [f"left {n} ({why})" for n, why in (r.get("left") or {}).items()]
     rows.append(["at start", "; ".join(did) or "nothing to restore"])
     a = st.get("adoption")
     if a is not None:  # live restore: the workers an earlier meshd-mps left

@@ -4,7 +4,9 @@
 request is answered (off the event loop: each write is fsynced).  ``restore`` runs at ``serve``'s
 start, before it reports ready: with live restore the modules the adopted workers hold are
 reconciled with the records first (``unwanted``: adopted as they run, or halted and unloaded);
-every recorded program not adopted is loaded again on its slot and GPU, with its restart policy,
+a recorded program loaded with restore ``adopt`` (restore.py: the fleet's replicas, which Ray may
+have placed elsewhere meanwhile) that was not adopted is left, its record dropped (``left``); every
+other recorded program not adopted is loaded again on its slot and GPU, with its restart policy,
 then every program the config file declares and the state lacks (or holds a record of that could
 not be brought back); a program that no longer loads is reported and skipped, never blocking the others.  A record wins over a
 declared program of the same name: it is the latest an operator did (an upgrade through the API,
@@ -26,6 +28,7 @@ from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.isolation.base import Found
 from meshd_mps.programs import FaultReport, Program, Programs
 from meshd_mps.protocol import abi
+from meshd_mps.restore import LEFT, Restore
 from meshd_mps.state.config import DeclaredProgram
 from meshd_mps.state.history import History, Launched
 from meshd_mps.state.store import ProgramRecord, Store
@@ -44,7 +47,7 @@ class Recorder:
         """A load or an upgrade: the program as it runs now."""
         assert p.manifest is not None
         rec = ProgramRecord.of(p.name, dataclasses.asdict(p.manifest), p.ptx, slot=p.slot, nodes=p.nodes,
-                               device=p.device, hash=p.hash, restart=p.restart.value)
+                               device=p.device, hash=p.hash, restart=p.restart.value, restore=p.restore.value)
         await anyio.to_thread.run_sync(self.store.record, rec, p.ptx)
 
     async def unloaded(self, name: str) -> None:
@@ -67,6 +70,7 @@ class Restored:
     declared: list[str] = field(default_factory=list)  # declared in the config file, loaded anew
     halted: list[dict[str, Any]] = field(default_factory=list)  # live restore: modules found and not wanted
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why it is not running
+    left: dict[str, str] = field(default_factory=dict)  # restore adopt, not running: name -> why, its record dropped
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -130,7 +134,8 @@ async def restore(programs: Programs, store: Store, declared: Sequence[DeclaredP
             if seen is not None and seen.pid != f.module.proc.pid:
                 seen = None  # another launch's (a relaunch the last daemon did not live to keep)
             await programs.adopt(f, Manifest.parse(rec.manifest), ptx, int(rec.hash, 16), rec.nodes, rec.restart,
-                                 started_wall=seen.started_at if seen else None, restarts=seen.restarts if seen else 0)
+                                 started_wall=seen.started_at if seen else None, restarts=seen.restarts if seen else 0,
+                                 restore=rec.restore)
             out.adopted.append(rec.name)
         except MeshError as e:
             drop.append((f, f"not adopted: {e}"))
@@ -142,6 +147,7 @@ async def restore(programs: Programs, store: Store, declared: Sequence[DeclaredP
             entry["error"] = str(e)
             log.error(f"restore: {f.name} on worker {f.module.proc.pid} not discarded: {e}", program=f.name)
         out.halted.append(entry)
+    records = await _leave(programs, store, records, out)
     # Every worker the loads below need made first, at once: no MPS client is made once they run.
     wanted: list[int | None] = [r.device for r in records.values() if r.name not in programs.by_name]
     wanted += [d.device for d in declared if d.name not in programs.by_name and d.name not in records]
@@ -154,9 +160,29 @@ async def restore(programs: Programs, store: Store, declared: Sequence[DeclaredP
     finally:
         programs.settled()
     log.info(f"restore: {len(out.adopted)} adopted, {len(out.restored)} recorded and {len(out.declared)} declared"
-             f" programs loaded, {len(out.halted)} halted, {len(out.skipped)} skipped", adopted=out.adopted,
-             restored=out.restored, declared=out.declared, halted=out.halted, skipped=out.skipped)
+             f" programs loaded, {len(out.halted)} halted, {len(out.skipped)} skipped, {len(out.left)} left",
+             adopted=out.adopted, restored=out.restored, declared=out.declared, halted=out.halted, skipped=out.skipped,
+             left=out.left)
     return out
+
+
+async def _leave(programs: Programs, store: Store, records: dict[str, ProgramRecord],
+                 out: Restored) -> dict[str, ProgramRecord]:
+    """The records of restore ``adopt`` programs that were not adopted dropped (whoever loaded
+    them places them again, maybe elsewhere by now: loaded here too, they would run twice); the
+    records left to load.  A record that cannot be dropped is not loaded either (logged)."""
+    keep: dict[str, ProgramRecord] = {}
+    for name, rec in records.items():
+        if name in programs.by_name or rec.restore != Restore.ADOPT.value:
+            keep[name] = rec
+            continue
+        out.left[name] = LEFT
+        try:
+            await anyio.to_thread.run_sync(store.forget, name)
+        except MeshError as e:  # StateIOError: the next start leaves it again
+            log.error(f"restore: program {name}: its record not dropped: {e}", program=name)
+        log.info(f"restore: program {name} not loaded again: {LEFT}", program=name)
+    return keep
 
 
 async def _load_all(programs: Programs, store: Store, declared: Sequence[DeclaredProgram], body: Body,

@@ -13,9 +13,12 @@ from typing import Any
 from meshd_mps.errors import BadName
 from meshd_mps.names import check_name
 from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
+from meshd_mps.restore import DEFAULT as DEFAULT_RESTORE, Restore
 
 #: A program's restart policies (``restart.Policy``), by name.
 RESTART = tuple(p.value for p in Policy)
+#: A program's restore modes (``restore.Restore``), by name.
+RESTORE = tuple(r.value for r in Restore)
 
 _HASH = re.compile(r"[0-9a-f]{16}")
 _KEY = re.compile(r"[0-9a-f]{64}")
@@ -33,8 +36,10 @@ def ptx_key(ptx: bytes) -> str:
 class ProgramRecord:
     """What it takes to run a program again as it ran: its manifest and PTX (by ``ptx_key``), the
     mailbox ``slot`` it had, its ``nodes``, its GPU (``device``), its ``restart`` policy
-    (``RESTART``), its image ``hash`` (16 hex digits) and when it was recorded (wall time, for
-    people: nothing orders by it)."""
+    (``RESTART``), its image ``hash`` (16 hex digits), when it was recorded (wall time, for
+    people: nothing orders by it) and its ``restore`` mode (``RESTORE``).  A ``reload`` record is
+    written without ``restore``, as records were before it (and a record without it reads as
+    ``reload``): an older meshd-mps reads the state of programs loaded as it loaded them."""
 
     name: str
     manifest: dict[str, Any]
@@ -45,15 +50,17 @@ class ProgramRecord:
     restart: str
     hash: str
     recorded_at: float
+    restore: str = DEFAULT_RESTORE.value
 
     @classmethod
     def of(cls, name: str, manifest: Mapping[str, Any], ptx: bytes, *, slot: int, nodes: int, device: int,
-           hash: int | str, restart: str = DEFAULT_RESTART.value) -> ProgramRecord:
+           hash: int | str, restart: str = DEFAULT_RESTART.value,
+           restore: str = DEFAULT_RESTORE.value) -> ProgramRecord:
         """The record of a program just loaded: ``ptx_key`` computed from ``ptx``, ``hash`` as
         ``Program.hash`` (an int) or its 16 hex digits, recorded now; checked."""
         h = f"{hash:016x}" if isinstance(hash, int) else hash
         return cls(name=name, manifest=dict(manifest), ptx_key=ptx_key(ptx), slot=slot, nodes=nodes, device=device,
-                   restart=restart, hash=h, recorded_at=time.time()).check()
+                   restart=restart, hash=h, recorded_at=time.time(), restore=restore).check()
 
     def check(self) -> ProgramRecord:
         """Itself, or ValueError naming the field that is wrong."""
@@ -71,6 +78,8 @@ class ProgramRecord:
                 raise ValueError(f"{k} {v!r}: an integer, {lo} or more, expected")
         if self.restart not in RESTART:
             raise ValueError(f"restart {self.restart!r}: one of {', '.join(RESTART)} expected")
+        if self.restore not in RESTORE:
+            raise ValueError(f"restore {self.restore!r}: one of {', '.join(RESTORE)} expected")
         if not isinstance(self.hash, str) or not _HASH.fullmatch(self.hash):
             raise ValueError(f"hash {self.hash!r}: 16 lowercase hex digits expected")
         t = self.recorded_at
@@ -79,7 +88,10 @@ class ProgramRecord:
         return self
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.restore == DEFAULT_RESTORE.value:
+            del out["restore"]  # as records were before it: see the class's doc
+        return out
 
     @classmethod
     def from_json(cls, obj: object) -> ProgramRecord:
@@ -87,10 +99,14 @@ class ProgramRecord:
         if not isinstance(obj, dict):
             raise ValueError(f"a JSON object expected, got {type(obj).__name__}")
         names = [f.name for f in fields(cls)]
-        missing = [k for k in names if k not in obj]
+        missing = [k for k in names if k not in obj and k not in _OPTIONAL]
         if missing:
             raise ValueError(f"field {missing[0]!r} is missing")
         extra = sorted(set(obj) - set(names))
         if extra:
             raise ValueError(f"unknown field {extra[0]!r}")
-        return cls(**{k: obj[k] for k in names}).check()
+        return cls(**{k: obj[k] for k in names if k in obj}).check()
+
+
+#: Fields a record may lack (their defaults): those added after the schema's first records.
+_OPTIONAL = frozenset({"restore"})

@@ -58,7 +58,9 @@ from meshd_mps.state.statedir import (
 
 log = structlog.get_logger("meshd_mps")
 
-#: The state file's schema; a file of a higher one is refused (StateFileNewer), never overwritten.
+#: The state file's schema; a file of a higher one is refused (StateFileNewer), never overwritten.  A
+#: record's field added with a default that is left out when it holds it (``restore``: record.py)
+#: keeps the schema: older records read as they are, and an older meshd-mps reads the default ones.
 SCHEMA = 1
 #: The two generations' files: a write replaces the one that does not hold the newest good state.
 SLOTS = ("programs.a.json", "programs.b.json")
