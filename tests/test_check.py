@@ -147,3 +147,17 @@ def test_check_is_a_listed_command():
     assert r.returncode == 0 and re.search(r"^\s+check\s+check a program without a GPU", r.stdout, re.M), r.stdout
     h = cli("check", "--help")
     assert h.returncode == 0 and "meshd-mps check examples/echo" in h.stdout and "--arch" in h.stdout, h.stdout
+
+
+def test_the_sim_verdict_is_by_the_cubin(capsys, tmp):
+    """``check`` says what the simulated GPU makes of the cubin it compiled: echo's PTX with a
+    comment added (a new image hash, the same cubin) runs as echo; echo's code at 32 warps (another
+    register cap, another cubin) is refused."""
+    d = tmp / "v2"
+    d.mkdir()
+    (d / "echo.ptx").write_bytes(cuda_to_ptx((EXAMPLES / "echo" / "echo.cu").read_bytes(), "echo") + b"\n// v2\n")
+    rc, out, _ = check(capsys, tmp, "--manifest", str(EXAMPLES / "echo" / "manifest.json"), "--ptx", str(d / "echo.ptx"))
+    assert rc == 0 and "the simulated GPU runs it as echo" in out[-1], out
+    wide = program_dir(tmp, "echo32", (EXAMPLES / "echo" / "echo.cu").read_text(), file="echo32.cu", warps=32)
+    rc, out, _ = check(capsys, tmp, str(wide))
+    assert rc == 0 and "the simulated GPU refuses it" in out[-1], out

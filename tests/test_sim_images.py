@@ -1,4 +1,4 @@
-"""The simulated GPU knows the shipped examples by their image, never by a program's name (issue
+"""The simulated GPU knows the shipped examples by their image (the cubin), never by a program's name (issue
 32, item 1): a user's own program called ``echo_counter`` is refused with a 400 that says what the
 simulation runs and points to ``meshd-mps check``, rather than answering as echo; an example
 loaded under a name of its own is still run as itself.  One ``--gpu sim`` daemon (blink mode),
@@ -6,14 +6,16 @@ driven as a user does: ``meshd-mps load DIR`` and ``call``."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
 
 import pytest
 
-from meshd_mps.gpu.compiler import cuda_to_ptx, image_hash
-from meshd_mps.gpu.examples import example_images
+from meshd_mps.gpu.compiler import Compiler, cuda_to_ptx, image_hash, ptx_to_cubin, reg_cap
+from meshd_mps.gpu.device import simulated_device
+from meshd_mps.gpu.examples import cubin_id, example_images
 from meshd_mps.serving.client import ClientError, program_body
 
 from .rigs.programs import program_dir
@@ -54,6 +56,7 @@ def test_a_users_program_named_like_an_example_is_refused(daemon, tmp):
     assert "meshd-mps check" in text, text
     h = image_hash(program_body(str(d))["ptx"].encode(), 0)
     assert f"{h:016x}" in text, text  # the image it was known by
+    assert "recognised by their cubin" in text, text  # and what the simulation compares
     assert all(p["name"] != "echo_counter" for p in daemon.client.programs())
     # The CLI says it in one line, with no traceback.
     r = cli("load", str(d), "--socket", daemon.sock)
@@ -73,15 +76,20 @@ def test_an_example_under_another_name_runs_as_itself(daemon, tmp):
 
 
 def test_the_known_images_are_the_examples_as_load_compiles_them():
-    """Derived at run time from the shipped sources (no hash written down): each example's image,
-    compiled as ``meshd-mps load examples/NAME`` compiles it, is known, under its name."""
-    known = example_images("compute_90")
+    """Derived at run time from the shipped sources (no hash written down): each example's cubin,
+    compiled as ``meshd-mps load examples/NAME`` and the daemon's JIT compile it
+    (``Compiler.prepare``, the bytes a load sends the worker), is known, under its name."""
+    info = simulated_device()
+    known = example_images(info)
     for name in ("heartbeat", "echo", "spin", "fault"):
-        ptx = program_body(str(EXAMPLES / name), arch="compute_90")["ptx"].encode()
-        assert known.get(image_hash(ptx, 0)) == name
-    # An image compiled by another path to the same PTX (no include folder given) is the same image.
+        body = program_body(str(EXAMPLES / name), arch=info.compute)
+        cubin = asyncio.run(Compiler(info).prepare(body["manifest"], body["ptx"].encode())).cubin
+        assert known.get(cubin_id(cubin)) == name
+    # A cubin compiled by another path to the same PTX (no include folder given) is the same image.
     src = (EXAMPLES / "echo" / "echo.cu").read_bytes()
-    assert known[image_hash(cuda_to_ptx(src, "anything", "compute_90"), 0)] == "echo"
+    ptx = cuda_to_ptx(src, "anything", info.compute)
+    assert known[cubin_id(ptx_to_cubin(ptx, info.arch, reg_cap(info, 1)))] == "echo"
+    assert example_images(simulated_device(1)) is known  # one compile per kind of GPU, not per ordinal
 
 
 def test_check_compiles_for_the_daemons_gpu(daemon):

@@ -21,6 +21,7 @@ from contextlib import ExitStack
 import pytest
 
 from meshd_mps.gpu.compiler import cuda_to_ptx, image_hash, ptx_to_cubin
+from meshd_mps.gpu.examples import cubin_id
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import LaunchReq, Load, Op
 from meshd_mps.protocol.mailbox import Mailbox
@@ -230,19 +231,22 @@ def test_exit_writes_running_before_it_exits(worker, mailbox):
 
 @pytest.fixture(scope="module")
 def cubins() -> dict[str, tuple[bytes, int]]:
-    """The heartbeat example as a real cubin, and the same without its entry (renamed in the PTX),
-    each with its image hash (LOAD's tag, by which the simulation knows an example)."""
+    """The heartbeat example as a real cubin (as a one-warp load compiles it: at most 248 registers),
+    the same code at another register cap (another cubin: not the example's), and the same without
+    its entry (renamed in the PTX), each with its image hash (LOAD's tag: what the user knows it by;
+    the simulation knows an example by the cubin)."""
     d = ROOT / "examples" / "heartbeat"
     ptx = cuda_to_ptx((d / "heartbeat.cu").read_bytes(), "heartbeat", include=[str(ROOT / "examples" / "include")])
     other = ptx.replace(b"mesh_main", b"mesh_other")
     return {"heartbeat": (ptx_to_cubin(ptx, "sm_90", 248), image_hash(ptx, 0)),
+            "capped": (ptx_to_cubin(ptx, "sm_90", 64), image_hash(ptx, 0)),
             "no-entry": (ptx_to_cubin(other, "sm_90", 248), image_hash(other, 0))}
 
 
 def test_an_example_cubin_runs_as_the_example_and_says_so(worker, mailbox, cubins):
     w = worker()
-    cubin, tag = cubins["heartbeat"]
-    w.load(image(1, cubin, "heartbeat-7", tag))
+    cubin, _tag = cubins["heartbeat"]
+    w.load(image(1, cubin, "heartbeat-7", 0))  # known by the cubin: LOAD's tag (the PTX's hash) plays no part
     w.logged(level="warning",
              msg="simulated GPU: heartbeat-7 runs as the example 'heartbeat': the simulation does not run GPU code")
     w.launch(1, 1, slot=0)
@@ -251,8 +255,10 @@ def test_an_example_cubin_runs_as_the_example_and_says_so(worker, mailbox, cubin
 
 def test_images_the_simulation_cannot_run_are_refused(worker, cubins):
     w = worker()
-    text = w.load_error(image(1, cubins["heartbeat"][0], "mything"), frames.REFUSED)  # tag 0: not the example's image
-    assert text.startswith("simulated GPU: mything (image 0000000000000000) is not one of the shipped examples"), text
+    cubin, tag = cubins["capped"]  # heartbeat's code and tag, compiled for another manifest's register cap
+    text = w.load_error(image(1, cubin, "mything", tag), frames.REFUSED)
+    assert text.startswith(f"simulated GPU: mything (image {tag:016x}) is not one of the shipped examples"), text
+    assert f"sha256 starts {cubin_id(cubin):016x}" in text, text  # what the simulation compared
     cubin, tag = cubins["no-entry"]
     assert w.load_error(image(2, cubin, "heartbeat", tag), frames.NO_ENTRY) == DRIVER_NO_ENTRY
     assert w.load_error(image(3, sim(kernel="heartbeat", entry=False)), frames.NO_ENTRY) == DRIVER_NO_ENTRY
@@ -267,20 +273,24 @@ def test_images_the_simulation_cannot_run_are_refused(worker, cubins):
 
 
 def test_the_examples_known_are_the_daemons(worker, mailbox, cubins):
-    """A sim worker knows the images the daemon names on its command line (``--examples``, written
-    by worker_argv once per daemon), not others of its own: the heartbeat cubin under another image
-    hash runs as heartbeat, under its own it is refused."""
+    """A sim worker knows the cubins the daemon names on its command line (``--examples``, written
+    by worker_argv once per daemon), not others of its own: told heartbeat's cubin is another, it
+    refuses the real one; told it is this one, it runs it, whatever the name and tag."""
+    from meshd_mps.gpu.device import simulated_device
     from meshd_mps.gpu.examples import example_images
     from meshd_mps.supervision.argv import worker_argv
     from workers.sim_images import parse
 
     argv = worker_argv("/proc/self/fd/3", 0, "sim")
-    assert parse(argv[argv.index("--examples") + 1]) == example_images("compute_90")
+    assert parse(argv[argv.index("--examples") + 1]) == example_images(simulated_device())
     assert "--examples" not in worker_argv("/proc/self/fd/3", 0, "cuda")
     cubin, tag = cubins["heartbeat"]
-    w = worker("--examples", f"heartbeat={tag ^ 1:016x}")
+    c = cubin_id(cubin)
+    w = worker("--examples", f"heartbeat={c ^ 1:016x}")
     text = w.load_error(image(1, cubin, "heartbeat", tag), frames.REFUSED)
-    assert f"(heartbeat {tag ^ 1:016x})" in text, text
+    assert f"(heartbeat {c ^ 1:016x})" in text, text
+    w.close()
+    w = worker("--examples", f"heartbeat={c:016x}")
     w.load(image(2, cubin, "anything", tag ^ 1))
     w.launch(2, 1, slot=0)
     poll(lambda: mailbox.heartbeat(0) > 5, 10, "the example beating")

@@ -304,7 +304,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="start without a context: import, then create it at the first READY (a worker started ahead"
                          " while the MPS server does not take clients yet)")
     ap.add_argument("--examples", metavar="LIST",
-                    help="--gpu sim: the shipped examples' images, name=hash,... (the daemon's; default: compiled here)")
+                    help="--gpu sim: the shipped examples' cubins, name=cubin id,... (sha256's first 16 hex digits; the daemon's;"
+                         " default: compiled here)")
     ap.add_argument("--listen", metavar="DIR",
                     help="serve the frames on the Unix socket DIR/<pid>.sock (one daemon at a time, each greeted"
                          " with HELLO) instead of stdin/stdout, and outlive the daemon (live restore)")

@@ -8,8 +8,8 @@ finish, fail, hang, die or break the protocol where a test wants it.
 
 The image ("cubin") is either a script, ``MESHSIM1`` then a JSON object, or a
 real cubin (an ELF from nvJitLink).  The simulation does not run GPU code, and
-says so: a real cubin whose image is a shipped example's (heartbeat, echo, spin,
-fault; recognised by LOAD's ``tag``, the image hash, never by the program's name:
+says so: a real cubin that is a shipped example's (heartbeat, echo, spin, fault;
+recognised by the cubin's own bytes, never by the program's name nor LOAD's ``tag``:
 meshd_mps/gpu/examples.py) runs as that example, with a warning at load; any
 other is refused at load (sim_images.py, pointing to ``meshd-mps check``), as
 is one without the entry ``mesh_main`` (in the real driver's words).  Refusals
@@ -125,7 +125,7 @@ class _Kernel:
 
 def _script_of(req: Load, examples: Examples) -> tuple[Script, str | None]:
     """The image's script, and the example a real cubin runs as (None for a script): the example
-    whose image is the load's tag; GpuError, refused, for an image the simulation (or the driver)
+    whose cubin it is; GpuError, refused, for an image the simulation (or the driver)
     would not run."""
     if req.cubin.startswith(MAGIC):
         try:
@@ -145,7 +145,7 @@ def _script_of(req: Load, examples: Examples) -> tuple[Script, str | None]:
         raise GpuError("cuModuleLoadData: CUDA_ERROR_INVALID_IMAGE (device kernel image is invalid)", refused=True)
     if b"\0" + abi.ENTRY.encode() + b"\0" not in req.cubin:  # a whole entry of the symbol string table
         raise GpuError(NO_ENTRY, word=frames.NO_ENTRY)
-    kind = examples.example_of(req.name, req.tag)
+    kind = examples.example_of(req.name, req.tag, req.cubin)
     return {"kernel": kind}, kind
 
 
@@ -210,7 +210,7 @@ class SimGpu:
             )
         self.sms = -(-sms // 8) * 8 if sms else SIM_SMS  # green contexts come in multiples of 8 SMs
         _check_registrable(mailbox)
-        self._examples = Examples(examples, simulated_device(device).compute)
+        self._examples = Examples(examples, simulated_device(device))
         self._client: socket.socket | None = None
         self._modules: dict[int, _Module] = {}
         self._pending: list[threading.Thread] = []

@@ -45,7 +45,7 @@ async def inventory(gpu: str, asked: Sequence[int] | None, sms: int, cache_dir: 
     for d in inv.devices:
         info = simulated_device(d) if gpu == "sim" else await anyio.to_thread.run_sync(query_device, d)
         if gpu == "sim":  # the examples the simulated GPU knows, compiled off the loop once (worker_argv reads them)
-            await anyio.to_thread.run_sync(example_images, info.compute)
+            await anyio.to_thread.run_sync(example_images, info)
         check_sms(info, sms, f"GPU {d}" if several else "the device")
         inv.infos[d] = info
         inv.caps[d] = caps_of(info, sms)

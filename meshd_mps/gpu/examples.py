@@ -2,22 +2,28 @@
 
 The simulated GPU (``--gpu sim``) runs no GPU code: it runs these examples' device code as
 Python (workers/sim_kernels.py), so it must know that a cubin *is* one of them.  It knows by the
-image, the hash the daemon reports for a load (``compiler.image_hash`` of the PTX and ``param``,
-sent to the worker as LOAD's ``tag``), never by the program's name: a user's ``echo_counter`` is
-not echo.  The hashes are not written down here: PTX changes with every NVRTC release, so they
-are derived at run time from the example sources this package ships, compiled as ``meshd-mps
-load examples/NAME`` compiles them (``cuda_to_ptx``, the example's folder on the include path, the
-arch asked for), once per process and arch: ~0.4 s of NVRTC, which the daemon spends once and
+image in the driver's sense, the cubin a load hands the worker (``cubin_id``: its sha256), never by
+the program's name (a user's ``echo_counter`` is not echo) nor by the load's hash of the PTX: the
+PTX with a comment added is a new hash but the same cubin, the same code, so it is still the
+example; the example's code under a manifest that changes the cubin (warps that change the
+register cap) is another image.  The cubins are not written down here: they change with every
+NVRTC and nvJitLink release, so they are derived at run time from the example sources this
+package ships, compiled as a load compiles them (``cuda_to_ptx`` as ``meshd-mps load
+examples/NAME`` does, then the daemon's JIT, ``Compiler.check``'s register cap and
+``ptx_to_cubin``), once per process and device kind: ~0.5 s, which the daemon spends once and
 hands to each simulated worker on its command line (``--examples``, ``as_arg``), so that a worker
 started for one load does not spend it again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 from pathlib import Path
 
-from meshd_mps.gpu.compiler import Manifest, cuda_to_ptx, image_hash
+from meshd_mps.gpu.compiler import Compiler, Manifest, cuda_to_ptx, ptx_to_cubin
+from meshd_mps.gpu.device import DeviceInfo
 
 #: The examples folder of a source checkout (the wheel ships none: then nothing is recognised).
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
@@ -25,24 +31,37 @@ EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 NAMES = ("heartbeat", "echo", "spin", "fault")
 
 
+def cubin_id(cubin: bytes) -> int:
+    """A cubin's identity: the first 8 bytes of its sha256, big-endian (so its 16 hex digits are
+    the start of ``sha256sum``'s)."""
+    return int.from_bytes(hashlib.sha256(cubin).digest()[:8], "big")
+
+
+def example_images(info: DeviceInfo) -> dict[int, str]:
+    """Cubin id -> example name, for the shipped examples compiled for the GPU ``info``.  An example
+    that cannot be read or compiled here (no checkout, no NVRTC or nvJitLink) is left out: the
+    simulation then refuses its cubin as it refuses any other, saying which it knows."""
+    return _images(dataclasses.replace(info, ordinal=0))  # one compile per kind of GPU, not per GPU
+
+
 @functools.cache
-def example_images(arch: str = "compute_90") -> dict[int, str]:
-    """Image hash -> example name, for the shipped examples compiled for ``arch`` (``compute_XY``).
-    An example that cannot be read or compiled here (no checkout, no NVRTC) is left out: the
-    simulation then refuses its images as it refuses any other, saying which it knows."""
+def _images(info: DeviceInfo) -> dict[int, str]:
     out: dict[int, str] = {}
+    jit = Compiler(info)  # no cache: its checks and register cap only, the JIT is ptx_to_cubin as its _build runs it
     for name in NAMES:
         d = EXAMPLES_DIR / name
         try:
             m = Manifest.parse((d / "manifest.json").read_bytes())
-            ptx = cuda_to_ptx((d / f"{name}.cu").read_bytes(), name, arch, [str(d)])
-        except Exception:  # OSError, ManifestError, CompileError, NVRTC missing: not known here
+            ptx = cuda_to_ptx((d / f"{name}.cu").read_bytes(), name, info.compute, [str(d)])
+            _m, _hash, cap = jit.check(m, ptx)
+            cubin = ptx_to_cubin(ptx, info.arch, cap)
+        except Exception:  # OSError, ManifestError, CompileError, NVRTC or nvJitLink missing: not known here
             continue
-        out[image_hash(ptx, m.param)] = name
+        out[cubin_id(cubin)] = name
     return out
 
 
-def as_arg(arch: str = "compute_90") -> str:
-    """The known images as a sim worker's ``--examples``: ``name=hash`` (16 hex digits), comma-separated
-    (workers/sim_gpu.py ``parse_examples`` reads it)."""
-    return ",".join(f"{n}={h:016x}" for h, n in sorted(example_images(arch).items(), key=lambda kv: kv[1]))
+def as_arg(info: DeviceInfo) -> str:
+    """The known images as a sim worker's ``--examples``: ``name=cubin id`` (16 hex digits),
+    comma-separated (workers/sim_images.py ``parse`` reads it)."""
+    return ",".join(f"{n}={h:016x}" for h, n in sorted(example_images(info).items(), key=lambda kv: kv[1]))

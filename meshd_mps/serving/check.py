@@ -149,8 +149,11 @@ def run(t: Target, dir: str | None, manifest: str | None, ptx: str | None, cuda:
         return fail("compile", str(e))
     except Exception as e:  # nvJitLink's library missing or broken: one line, not a traceback
         return fail("compile", f"nvJitLink failed: {type(e).__name__}: {e}")
+    from meshd_mps.gpu.examples import cubin_id
+
     steps.append(Step("compile", True, f"nvJitLink for {info.arch}, at most {cap} registers a thread: a cubin of"
-                      f" {len(cubin)} bytes, image {image:016x}", {"arch": info.arch, "reg_cap": cap}))
+                      f" {len(cubin)} bytes, image {image:016x}", {"arch": info.arch, "reg_cap": cap,
+                                                                    "cubin": f"{cubin_id(cubin):016x}"}))
     try:
         elf = Cubin(cubin)
     except CubinError as e:
@@ -186,14 +189,15 @@ def run(t: Target, dir: str | None, manifest: str | None, ptx: str | None, cuda:
 
 
 def sim_verdict(t: Target, steps: list[Step]) -> str:
-    """What the simulated GPU (``--gpu sim``) makes of the image: it runs only the shipped examples."""
+    """What the simulated GPU (``--gpu sim``) makes of the image: it runs only the shipped examples,
+    known by their cubin (the compiled image), so it is the cubin compiled here that is compared."""
     from meshd_mps.gpu.examples import example_images
 
-    image = next(s.numbers["image"] for s in steps if s.check == "limits")
-    kind = example_images(t.info.compute).get(int(image, 16))
+    cubin = next(s.numbers["cubin"] for s in steps if s.check == "compile")
+    kind = example_images(t.info).get(int(cubin, 16))
     if kind is not None:
-        return f"its image is the example {kind}'s: the simulated GPU runs it as {kind}"
-    return ("its image is none of the shipped examples': the simulated GPU refuses it (it runs no GPU code),"
+        return f"its cubin is the example {kind}'s: the simulated GPU runs it as {kind}"
+    return ("its cubin is none of the shipped examples': the simulated GPU refuses it (it runs no GPU code),"
             " run it on a GPU")
 
 

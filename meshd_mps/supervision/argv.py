@@ -26,5 +26,5 @@ def worker_argv(mailbox: str, sms: int, gpu: str, device: int = 0, queues: int =
         from meshd_mps.gpu.device import simulated_device
         from meshd_mps.gpu.examples import as_arg
 
-        argv += ["--examples", as_arg(simulated_device(device).compute)]
+        argv += ["--examples", as_arg(simulated_device(device))]
     return argv
