@@ -5,6 +5,7 @@ format, and what a daemon leaves behind (processes, its control daemon, its log'
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -61,7 +62,7 @@ class Serve:
         e = env() if gpu == "sim" else {**env(), "PATH": os.environ.get("PATH", "")}
         with open(self.logpath, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=e, cwd=REPO,
-                                         process_group=0 if group else None)
+                                         process_group=0 if group else None, preexec_fn=_stop_with_us)
         self.client = Client(sock, timeout=60)
 
     def log(self) -> str:
@@ -97,6 +98,16 @@ class Serve:
 
 
 # ---- helpers: processes, metrics --------------------------------------------------------
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _stop_with_us() -> None:
+    """In the daemon's child, before exec: a SIGTERM when the test process dies (a pytest-xdist
+    worker ended by a crash or a timeout runs no ``finally``), so that no daemon outlives the suite."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _read(path: str) -> bytes:
