@@ -1,7 +1,8 @@
 """The simulated GPU knows the shipped examples by their image (the cubin), never by a program's name (issue
 32, item 1): a user's own program called ``echo_counter`` is refused with a 400 that says what the
 simulation runs and points to ``meshd-mps check``, rather than answering as echo; an example
-loaded under a name of its own is still run as itself.  One ``--gpu sim`` daemon (blink mode),
+loaded under a name of its own is still run as itself, and one whose PTX differs only in a
+comment too (the same cubin).  One ``--gpu sim`` daemon (blink mode),
 driven as a user does: ``meshd-mps load DIR`` and ``call``."""
 
 from __future__ import annotations
@@ -98,3 +99,38 @@ def test_check_compiles_for_the_daemons_gpu(daemon):
     assert r.returncode == 0, r.stdout + r.stderr
     first = r.stdout.splitlines()[0]
     assert first.startswith("target: sm_90, simulated NVIDIA H200") and "the daemon's GPU" in first, first
+
+
+# ---- by the cubin, not the PTX's hash: echo's PTX with a comment added (a new hash, the same code,
+# the same cubin: what the fleet's rolling upgrade loads) runs as echo; echo's code under a manifest
+# that changes the cubin (32 warps: another register cap) is refused.
+
+
+def test_echo_with_a_comment_added_runs_as_echo(daemon):
+    echo = program_body(str(EXAMPLES / "echo"))
+    v2 = {**echo, "ptx": echo["ptx"] + "\n// v2\n"}
+    try:
+        old = daemon.client.load(echo)["program"]
+        daemon.client.unload("echo")
+        new = daemon.client.load(v2)["program"]
+        assert new["hash"] != old["hash"], (old, new)  # another image to the daemon and the user
+        assert daemon.client.call("echo", "hello")["data"] == "hello"
+        assert daemon.client.call("echo", "again")["data"] == "again"
+    finally:
+        daemon.client.unload("echo")
+
+
+def test_a_users_counter_is_still_refused(daemon, tmp):
+    d = program_dir(tmp, "counter")
+    with pytest.raises(ClientError) as e:
+        daemon.client.load(program_body(str(d)))
+    assert e.value.status == 400 and "is not one of the shipped examples" in str(e.value), e.value
+    assert all(p["name"] != "counter" for p in daemon.client.programs())
+
+
+def test_echos_code_under_a_manifest_that_changes_the_cubin_is_refused(daemon, tmp):
+    d = program_dir(tmp, "echo32", (EXAMPLES / "echo" / "echo.cu").read_text(), file="echo32.cu", warps=32)
+    with pytest.raises(ClientError) as e:
+        daemon.client.load(program_body(str(d)))
+    assert e.value.status == 400 and "is not one of the shipped examples" in str(e.value), e.value
+    assert all(p["name"] != "echo32" for p in daemon.client.programs())
