@@ -1,7 +1,7 @@
 """``meshd-mps fleet ...`` without a cluster: the command's routing (meshd_mps/cli.py), the one line
 it prints where Ray is not installed, its refusals of bad input (one line, exit 2, before any cluster
 is asked), ``fleet resources`` from a real node daemon, and what ``status`` and ``--watch`` print.
-The round trip against a real Ray cluster is in tests/test_fleet_cli_cluster.py."""
+The round trip against a real Ray cluster is in tests/test_fleet.py (its last tests, on the module's cluster)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,10 @@ from meshd_mps.serving.client import ClientError
 from .serve import Serve, leftovers
 from .waits import poll
 
-NAMESPACE = "meshd-mps-tests"
+#: The fleet's own namespace, the one ``meshd-mps fleet`` uses: the CLI's tests share the module's
+#: fleet.  (A second fleet, in another namespace, on the same node daemons would fight the first:
+#: each node's agents unload the replicas their own controller does not place there.)
+NAMESPACE = "meshd-mps"
 
 
 def reap_orphans() -> None:
