@@ -111,7 +111,8 @@ def serve(tmp):
 #: changes (a name that is no longer a test's does nothing).
 LONGEST_FIRST = (
     "tests/test_fleet_failover.py::",  # 100 (a Ray cluster of 3 nodes, killed and restarted)
-    "tests/test_fleet.py::",  # 55 (a Ray cluster of 3 nodes)
+    "tests/test_fleet.py::",  # 75 (a Ray cluster of 3 nodes; the CLI's round trip on it)
+    "tests/test_fleet_bench.py::test_fleet_bench_smoke",  # 27 (its own cluster of 2 nodes, one killed)
     "tests/test_bench.py::test_bench_sim_quick",  # 77
     "tests/test_scripts.py::test_issue18_probes_run",  # 33
     "tests/test_live_restore.py::test_reconcile_",  # 18
@@ -128,6 +129,10 @@ LONGEST_FIRST = (
     "tests/test_lifecycle_races.py::",  # 6 + 4 + ...
     "tests/test_config.py::test_serve_",  # 5 + 5
     "tests/test_hard_deaths.py::",  # 5 + 4 + 3 + ...
+    "tests/test_readme_walk.py::",  # 10 + 10 (make serve, then the CLI, in both modes)
+    "tests/test_first_hour_cli.py::",  # three daemons in turn, and more
+    "tests/test_no_surprise_clients.py::",  # live restarts
+    "tests/test_recovery_speed.py::",  # faults in both modes
 )
 
 
