@@ -278,7 +278,9 @@ def test_capacity_is_the_nodes_limits_as_ray_resources(rig):
     n = rig.nodes["n0"]
     st = n.daemon.client.status()
     assert node_resources(st) == {"meshd_slot": 32.0, "meshd_gpu_simulated_h200": 32.0}  # blink: 32 per GPU
-    mps = {**st, "isolation": "mps", "pool": {"capacity": 2}, "devices": st["devices"] * 2}
+    # An MPS daemon's status, two GPUs with a pool of 2 each: each GPU's capacity is 48 less its pool
+    # (what its isolation refuses at: tests/test_limits.py, test_mps_programs_are_the_clients_less_the_pool).
+    mps = {**st, "isolation": "mps", "pool": {"capacity": 2}, "devices": [{**d, "capacity": 46} for d in st["devices"] * 2]}
     assert node_resources(mps, node="gpu-box-1", slots=90) == {
         "meshd_slot": 90.0, "meshd_gpu_simulated_h200": 90.0, "meshd_node_gpu_box_1": 90.0}  # MPS: 48 less the pool
     assert node_resources(mps)["meshd_slot"] == 92.0

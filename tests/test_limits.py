@@ -69,6 +69,7 @@ async def test_mps_programs_are_the_clients_less_the_pool(standin_on_path):
     b.compiler = ScriptCompiler(b.infos[0])
     try:
         progs = Programs(b)
+        assert b.device_status(0)["capacity"] == 6  # the status says it: the fleet advertises it to Ray
         for i in range(6):
             await progs.load(man(f"p{i}"), sim(kernel="heartbeat"))
         before = snapshot(b, progs)

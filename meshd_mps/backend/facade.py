@@ -415,7 +415,7 @@ class Backend(NativeClients):
                              "caps": caps.__dict__ if caps else None, "images": self.load_of(d)}
         g = self.isolations.get(d)
         if g is not None:
-            s.update(g.status())
+            s.update(g.status(), capacity=g.capacity())
         return s
 
     def last_blink_ms(self) -> float | None:

@@ -1,10 +1,10 @@
 """A node's program capacity as Ray resources, from its daemon's real limits, and what one replica
 asks of them.  Ray's scheduler places replicas against these numbers; the fleet never counts slots.
 
-- ``meshd_slot``: the node's programs at once, summed over its GPUs: in blink mode 32 per GPU (the
-  blink context's hardware queues, ``isolation/limits.BLINK_QUEUES``), in MPS mode 48 per GPU (the
-  server's clients, ``mps/clients.MAX_CLIENTS``) less that GPU's pool; at most the mailbox's 256
-  slots for the whole node.
+- ``meshd_slot``: the node's programs at once, summed over its GPUs, each GPU's as its daemon's
+  status says it (``capacity``, from the isolation that refuses past it: in blink mode the
+  context's 32 hardware queues, in MPS mode the server's 48 clients less that GPU's pool and its
+  native clients); at most the mailbox's 256 slots for the whole node.
 - ``meshd_gpu_<model>``: the same slots, per GPU model (``spec.gpu_model``), for a ``gpu`` constraint.
 - ``meshd_node_<name>``: the same slots again under the node's name, for a ``node`` constraint.
 
@@ -18,8 +18,6 @@ from typing import Any
 
 from meshd_mps.errors import BadRequest
 from meshd_mps.fleet.spec import gpu_model, resource_key
-from meshd_mps.isolation.limits import BLINK_QUEUES
-from meshd_mps.mps.clients import MAX_CLIENTS
 from meshd_mps.protocol.abi import SLOTS as MAILBOX_SLOTS
 
 SLOT = "meshd_slot"
@@ -28,16 +26,10 @@ NODE_PREFIX = "meshd_node_"
 
 
 def per_gpu(status: dict[str, Any]) -> list[tuple[str, int]]:
-    """(model, programs it runs at once) for each GPU a daemon's ``GET /v1/status`` names."""
-    isolation = status.get("isolation")
-    pool = status.get("pool") or {}
-    cap = pool.get("capacity", 0) if isinstance(pool, dict) else 0
-    out = []
-    for d in status.get("devices") or []:
-        model = gpu_model(str(d.get("name") or status.get("device") or "gpu"))
-        n = BLINK_QUEUES if isolation == "blink" else max(0, MAX_CLIENTS - int(cap or 0))
-        out.append((model, n))
-    return out
+    """(model, programs it runs at once) for each GPU a daemon's ``GET /v1/status`` names: its
+    ``capacity``, what that GPU's isolation refuses at (``Isolation.capacity``)."""
+    return [(gpu_model(str(d.get("name") or status.get("device") or "gpu")), max(0, int(d.get("capacity") or 0)))
+            for d in status.get("devices") or []]
 
 
 def node_resources(status: dict[str, Any], *, node: str | None = None, slots: int | None = None) -> dict[str, float]:

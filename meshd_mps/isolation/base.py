@@ -223,6 +223,11 @@ class Isolation(ABC):
         new program's: never the pool's reserve, which is kept for upgrades and relaunches)."""
 
     @abstractmethod
+    def capacity(self) -> int:
+        """Programs this GPU runs at once, by the mode's own limit: what ``check_room`` refuses at,
+        and what the status says (the fleet advertises it to Ray: fleet/capacity.py)."""
+
+    @abstractmethod
     def check_room(self, name: str) -> None:
         """CapacityError unless this GPU takes one more program (the mode's own count)."""
 

@@ -183,9 +183,13 @@ class BlinkIsolation(Isolation):
                     log.info(f"blink: {what}: {len(halted)} programs on GPU {self.device} halted for {ms:.2f} ms")
 
     # ---- modules ----------------------------------------------------------------------------
+    def capacity(self) -> int:
+        """One module, one stream, one hardware queue each."""
+        return self.queues
+
     def room(self) -> int:
-        """Programs the context still takes: one module, one stream, one hardware queue each."""
-        return self.queues - len(self.modules)
+        """Programs the context still takes."""
+        return self.capacity() - len(self.modules)
 
     def check_room(self, name: str) -> None:
         if self.room() <= 0:

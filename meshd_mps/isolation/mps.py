@@ -246,12 +246,16 @@ class MpsIsolation(Isolation):
         return await self.pool.give_back(w.proc, w.module)
 
     # ---- the isolation ----------------------------------------------------------------------
+    def capacity(self) -> int:
+        """The server's clients less the pool's (kept for the next loads and upgrades) and the
+        native clients'."""
+        return self.mps.max_clients - self.pool.cap - len(self.mps.native)
+
     def check_room(self, name: str) -> None:
-        """CapacityError unless this GPU takes one more program: the server's clients less the
-        pool's (kept for the next loads and upgrades), the native clients' and the programs'."""
+        """CapacityError unless this GPU takes one more program (``capacity``)."""
         m, d = self.mps, self.device
         busy = self.load_count()
-        have = m.max_clients - self.pool.cap - len(m.native)
+        have = self.capacity()
         if busy >= have:
             gpu = "" if len(m.gpus) <= 1 else f" of GPU {d}"
             raise CapacityError(
