@@ -16,7 +16,10 @@ After ``OK`` the client may say ``RUNNING\\n`` (a kernel of it is on the GPU),
 module load's round trip: the daemon answers ``PONG\\n``, after anything it said before); the daemon
 says ``FAULT\\n`` to every client of a device it tears down: at a client's fault,
 and when a client's connection closes while it said RUNNING (on the H200 a client
-that exited with a kernel running faulted the device's other clients).
+that exited with a kernel running faulted the device's other clients).  While a torn-down
+client of a device lives, a new one is refused (``ERR``); once the last has exited, the server
+recreates its contexts and a ``HELLO`` waits for its ``OK`` meanwhile, as a context creation
+blocks on the GPU (``MESHD_MPS_STANDIN_RECOVER_MS`` per torn client).
 ``terminate_client`` sends ``TERMINATED\\n`` to a connected client, then EOF (a
 terminated client faults nobody); ``quit`` closes it (EOF).
 
