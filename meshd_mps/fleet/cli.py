@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import BadRequest, FleetUnavailable, MeshError
 from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
+from meshd_mps.fleet.checkpoint import NAMESPACE
 from meshd_mps.fleet.metrics import exposition
 from meshd_mps.fleet.tables import Watch, as_json, events_table, node, node_table, replicas, status_table
 
@@ -78,6 +79,8 @@ def _sub(sub: Any, name: str) -> argparse.ArgumentParser:
                                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     if name != "resources":
         p.add_argument("--address", metavar="ADDR", help="the Ray cluster (default: $RAY_ADDRESS, else this host's)")
+        p.add_argument("--namespace", metavar="NS", default=NAMESPACE,
+                       help="the fleet's Ray namespace, for a second fleet in one cluster (default %(default)s)")
     return p
 
 
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "resources":
             return resources(args.socket, args.node, args.slots)
         ask = _command(args)  # the files read and the spec checked before the cluster is asked anything
-        return asyncio.run(_with_fleet(args.address, ask))
+        return asyncio.run(_with_fleet(args.address, args.namespace, ask))
     except BadRequest as e:  # bad input: nothing was changed
         print(f"meshd-mps: {e}", file=sys.stderr)
         return 2
@@ -179,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
 Command = Callable[[Fleet], Awaitable[int]]
 
 
-async def _with_fleet(address: str | None, ask: Command) -> int:
-    fleet = await Fleet.connect(address)
+async def _with_fleet(address: str | None, namespace: str, ask: Command) -> int:
+    fleet = await Fleet.connect(address, namespace=namespace)
     try:
         return await ask(fleet)
     finally:
