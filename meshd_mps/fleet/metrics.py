@@ -7,11 +7,12 @@ same views ``fleet status`` shows, never counted twice, with the daemon's famili
 (``serving.metrics.Family``) and a registry of their own.  Names: ``meshd_mps_fleet_*``, in the
 API's words (``replicas``, ``slots``, ``node``, ``program``).
 
-Why not Ray's own metrics (``ray.util.metrics``, exported by each node's metrics agent): they
-reach Prometheus only through Ray's dashboard agents and its service discovery, which a cluster
-started without the dashboard (the tests', a lean ``ray start --include-dashboard false``) does not
-run; the exposition here needs nothing but the controller, and a scrape gets it through the
-node_exporter's textfile directory or any exporter that runs a command.
+Why not Ray's own metrics (``ray.util.metrics``, exported by each node's metrics agent): the
+``fleet`` extra installs Ray without its ``default`` extra, and there each node's dashboard agent
+runs ``--minimal``, with no metrics agent and no export port (Ray writes -1 for both): the samples
+would go nowhere.  Exporting them needs ``ray[default]`` (grpcio, OpenCensus, OpenTelemetry,
+aiohttp-cors and more) on every node.  The exposition here needs nothing but the controller, and a
+scrape gets it through node_exporter's textfile directory or any exporter that runs a command.
 """
 
 from __future__ import annotations
