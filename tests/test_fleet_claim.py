@@ -36,6 +36,8 @@ def test_a_claim_is_taken_by_the_first_fleet_and_binds_the_second(tmp_path):
     why = claim.why(held, False, 1001.0)
     assert "fleet aaaa0001 (namespace 'meshd-mps' of the Ray cluster at 10.0.0.1:6379)" in why
     assert "loads and unloads nothing there" in why
+    assert claim.take(path, A, replicas=True, lease=LEASE, now=1002.0) is None
+    assert claim.read(path) == claim.Claim(A, 1000.0), "renewed lately: not written at every look"
     assert claim.take(path, A, replicas=True, lease=LEASE, now=1030.0) is None, "A renews it"
     assert claim.read(path) == claim.Claim(A, 1030.0)
 

@@ -32,6 +32,8 @@ from typing import Any
 SUFFIX = ".fleet"
 #: The longest a claim file may be (it is a few hundred bytes): more is not a claim.
 MAX_BYTES = 4096
+#: A claim is written again once a ``RENEW``-th of its lease has passed (not at every look).
+RENEW = 6
 #: How long a look waits for another agent's look at the same file (each holds it for a read and
 #: a write).
 LOCK_S = 2.0
@@ -113,6 +115,8 @@ def take(path: str, me: FleetId, replicas: bool, lease: float, now: float | None
                 held = Claim.from_json(json.loads(raw))
         if binds(held, me, replicas, lease, now):
             return held
+        if held is not None and held.fleet == me and 0 <= now - held.renewed < lease / RENEW:
+            return None  # ours, renewed lately: not written at every look
         data = json.dumps(Claim(me, now).to_json()).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)

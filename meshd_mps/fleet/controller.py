@@ -211,7 +211,7 @@ class FleetController:
         was = self.claimed.get(nid)
         name = _name(self.nodes[nid]) if nid in self.nodes else nid[:8]
         if foreign is not None and was is None:
-            self.claimed[nid] = other.id if other is not None else "?"
+            self.claimed[nid] = other.id if other is not None else ""  # "": its claim file cannot be used
             self.event("node-claimed", f"node {name}: {foreign.get('why')}", node=nid)
         elif foreign is None and was is not None:
             del self.claimed[nid]
@@ -327,7 +327,7 @@ class FleetController:
                         slots=int(res.get(SLOT, 0)), replicas=count, gpus=gpu_models(res), socket=seen.get("socket"),
                         daemon_pid=seen.get("daemon_pid"), agent_pid=seen.get("pid"),
                         reason=why or (seen.get("claim") or {}).get("why") or seen.get("error"),
-                        claimed_by=self.claimed.get(nid) if n is not None else None)
+                        claimed_by=(self.claimed.get(nid) or None) if n is not None else None)
 
     # ---- Ray: agents, placement groups ---------------------------------------------------------------
 
