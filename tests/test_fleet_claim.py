@@ -55,6 +55,20 @@ def test_a_claim_binds_while_its_replicas_run_and_lapses_once_nothing_of_its_fle
     assert claim.take(path, A, replicas=False, lease=LEASE, now=LEASE + 2) is not None, "B's now"
 
 
+def test_a_daemon_no_fleet_claims_is_not_taken_where_taking_it_would_unload_replicas(tmp_path):
+    path = claim.claim_path(str(tmp_path / "s.sock"))
+    running = {"echo.fleet-0", "echo.fleet-1", "a.fleet-0", "b.fleet-0", "c.fleet-0"}
+    seen = claim.look(path, A, running, {"echo.fleet-0"}, LEASE, now=10.0)
+    assert seen is not None and seen[0] is None
+    assert "no fleet claims (a.fleet-0, b.fleet-0, c.fleet-0 and 1 more)" in seen[1]
+    assert claim.read(path) is None, "not taken"
+    assert claim.look(path, A, running, running, LEASE, now=11.0) is None, "all of them its own: taken (adopted)"
+    assert claim.read(path) == claim.Claim(A, 11.0)
+    seen = claim.look(path, B, running, set(), LEASE, now=12.0)
+    assert seen is not None and seen[0] == claim.Claim(A, 11.0) and "runs its replicas" in seen[1]
+    assert claim.look(path, A, running, set(), LEASE, now=13.0) is None, "its own claim: it may unload them"
+
+
 @pytest.mark.parametrize("content", [b"", b"not json", b"[]", b'{"fleet": {"id": 1}, "renewed": 0}', b"x" * 5000])
 def test_a_file_that_is_no_claim_is_nobodys(tmp_path, content):
     path = claim.claim_path(str(tmp_path / "s.sock"))

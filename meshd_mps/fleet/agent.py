@@ -25,7 +25,7 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 import ray
@@ -136,7 +136,7 @@ class NodeAgent:
             return
         programs = {p["name"]: p for p in await self._blocking(lambda c: c.programs())
                     if parse_replica_name(str(p.get("name")))}
-        if not await self._claimed(bool(programs)):
+        if not await self._claimed(programs.keys(), want.keys() | self.keep):
             return  # another fleet's daemon: nothing of it is touched
         now = time.monotonic()
         for name, o in want.items():
@@ -184,24 +184,23 @@ class NodeAgent:
             finally:
                 self.busy.pop(name, None)
 
-    async def _claimed(self, replicas: bool) -> bool:
-        """Whether this agent's fleet holds the daemon's claim now (renewed, or taken: claim.take);
-        if not, ``foreign`` says whose it is and why it binds.  ``replicas``: the daemon runs fleet
-        replicas (they are the claim's fleet's)."""
+    async def _claimed(self, running: Collection[str], mine: Collection[str]) -> bool:
+        """Whether this agent's fleet holds the daemon's claim now (renewed, or taken: claim.look);
+        if not, ``foreign`` says whose it is and why this agent touches nothing.  ``running``: the
+        daemon's fleet replicas; ``mine``: those this fleet has there."""
         me = self.fleet
         if me is None:
             return False  # no fleet named yet: nothing is claimed, nothing touched
         path = claim.claim_path(self.socket)
         try:
-            held = await asyncio.get_running_loop().run_in_executor(
-                self.threads, claim.take, path, me, replicas, self.d.fleet_claim)
+            seen = await asyncio.get_running_loop().run_in_executor(
+                self.threads, claim.look, path, me, set(running), set(mine), self.d.fleet_claim)
         except OSError as e:
-            self.foreign = {"fleet": None, "why": f"the node's claim file {path} cannot be used: {e}; this fleet"
-                                                  " touches nothing there"}
-            return False
-        self.foreign = None if held is None else {"fleet": held.fleet.to_json(),
-                                                  "why": claim.why(held, replicas, time.time())}
-        return held is None
+            seen = None, f"the node's claim file {path} cannot be used ({e}): this fleet touches nothing there"
+        held = None if seen is None else seen[0]
+        self.foreign = None if seen is None else {"fleet": None if held is None else held.fleet.to_json(),
+                                                  "why": seen[1]}
+        return seen is None
 
     async def _device(self, model: str) -> int | None:
         """The GPU of ``model`` with the fewest programs on this node (a ``gpu`` constraint: Ray

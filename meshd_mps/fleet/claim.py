@@ -25,6 +25,7 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,24 @@ def why(claim: Claim, replicas: bool, now: float) -> str:
     held = "runs its replicas" if replicas else f"its agent renewed the claim {max(0.0, now - claim.renewed):.0f}s ago"
     return (f"the node's daemon belongs to another {claim.fleet} (it {held}): this fleet loads and unloads"
             " nothing there")
+
+
+def look(path: str, me: FleetId, running: Collection[str], mine: Collection[str], lease: float,
+         now: float | None = None) -> tuple[Claim | None, str] | None:
+    """An agent's look: None if fleet ``me`` holds the daemon's claim now (``take``), else the
+    other fleet's claim and why this one touches nothing there.  ``running``: the fleet replicas
+    the daemon runs; ``mine``: those fleet ``me`` has there (its share, and those it leaves alone).
+    A daemon no fleet claims that runs replicas not ``mine`` is not taken either: whose they are
+    is not known (the claim file was removed, or they are from a meshd-mps before claims), and
+    taking it would unload them."""
+    now = time.time() if now is None else now
+    strangers = sorted(set(running) - set(mine))
+    if strangers and read(path) is None:
+        shown = ", ".join(strangers[:3]) + (f" and {len(strangers) - 3} more" if len(strangers) > 3 else "")
+        return None, (f"the node's daemon runs fleet replicas that no fleet claims ({shown}) and this fleet does not"
+                      " place there: it loads and unloads nothing there until they are unloaded (meshd-mps unload)")
+    held = take(path, me, bool(running), lease, now)
+    return None if held is None else (held, why(held, bool(running), now))
 
 
 def take(path: str, me: FleetId, replicas: bool, lease: float, now: float | None = None) -> Claim | None:
