@@ -96,9 +96,9 @@ def binds(claim: Claim | None, me: FleetId, replicas: bool, lease: float, now: f
 
 def why(claim: Claim, replicas: bool, now: float) -> str:
     """The reason a user reads on the node and on each replica Ray placed there."""
-    held = "runs its replicas" if replicas else f"its agent renewed the claim {max(0.0, now - claim.renewed):.0f}s ago"
-    return (f"the node's daemon belongs to another {claim.fleet} (it {held}): this fleet loads and unloads"
-            " nothing there")
+    held = "which runs its replicas there" if replicas else \
+        f"whose agent renewed its claim {max(0.0, now - claim.renewed):.0f}s ago"
+    return f"the node's daemon belongs to another {claim.fleet}, {held}: this fleet loads and unloads nothing there"
 
 
 def look(path: str, me: FleetId, running: Collection[str], mine: Collection[str], lease: float,
