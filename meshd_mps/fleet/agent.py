@@ -10,6 +10,8 @@ moved away while this node was gone).  A restarted agent starts with no share an
 until the controller sends one: what runs is adopted by being found running.  Every replica is
 loaded with restore ``adopt`` (restore.py): a daemon that restarts adopts it while it runs, and
 never loads it again by itself (a node lost and back would run a replica Ray re-placed meanwhile).
+It loads and unloads only while its fleet holds the daemon's claim (claim.py), renewed at each
+look: another fleet's daemon it leaves as it is, and says why (``observe``'s ``claim``).
 
 It talks to the daemon through ``serving/client.Client`` (blocking, stdlib HTTP over the Unix
 socket) in threads of its own, so that calls in flight and a reconcile share no thread.
@@ -23,12 +25,13 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 import ray
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
+from meshd_mps.fleet import claim
 from meshd_mps.fleet.nodecalls import NodeCalls
 from meshd_mps.fleet.spec import gpu_model, parse_replica_name
 from meshd_mps.restore import Restore
@@ -67,14 +70,19 @@ class NodeAgent:
         self.task: asyncio.Task[None] | None = None
         self.daemon_pid: int | None = None
         self.calls = NodeCalls(self.socket, deadlines.fleet_agent)
+        self.fleet: claim.FleetId | None = None  # this agent's fleet, as its controller names it
+        self.foreign: dict[str, Any] | None = None  # another fleet's claim on the daemon, and why it binds
 
     # ---- the controller's side ----------------------------------------------------------------
 
-    async def reconcile(self, orders: list[dict[str, Any]], keep: list[str] | None = None) -> dict[str, Any]:
+    async def reconcile(self, orders: list[dict[str, Any]], keep: list[str] | None = None,
+                        fleet: dict[str, Any] | None = None) -> dict[str, Any]:
         """Take ``orders`` (each: ``name``, ``hash``, ``restart``, and ``image`` where the
         controller has not seen this agent hold it) as this node's whole share, ``keep`` as the
         replicas Ray has placed nowhere yet (left alone where they run: a placement group made again
-        after the head's restart has not landed yet); what the daemon runs of the fleet now."""
+        after the head's restart has not landed yet), ``fleet`` as the fleet's id (``FleetId``'s
+        JSON: the daemon's claim is taken by it); what the daemon runs of the fleet now."""
+        self.fleet = claim.FleetId.from_json(fleet) or self.fleet
         self.keep = set(keep or ())
         for o in orders:
             if o.get("image") is not None:
@@ -92,7 +100,7 @@ class NodeAgent:
         """The daemon's ``fleet.*`` programs as its ``ps`` shows them, and this agent's own view."""
         out: dict[str, Any] = {"node": self.node_id, "socket": self.socket, "pid": os.getpid(),
                                "have": sorted(self.images), "errors": dict(self.errors), "busy": dict(self.busy),
-                               "programs": None, "error": None, "daemon_pid": self.daemon_pid}
+                               "programs": None, "error": None, "daemon_pid": self.daemon_pid, "claim": self.foreign}
         try:
             programs = await self._blocking(lambda c: c.programs())
             if self.daemon_pid is None:
@@ -128,6 +136,8 @@ class NodeAgent:
             return
         programs = {p["name"]: p for p in await self._blocking(lambda c: c.programs())
                     if parse_replica_name(str(p.get("name")))}
+        if not await self._claimed(programs.keys(), want.keys() | self.keep):
+            return  # another fleet's daemon: nothing of it is touched
         now = time.monotonic()
         for name, o in want.items():
             p = programs.get(name)
@@ -173,6 +183,24 @@ class NodeAgent:
                     raise
             finally:
                 self.busy.pop(name, None)
+
+    async def _claimed(self, running: Collection[str], mine: Collection[str]) -> bool:
+        """Whether this agent's fleet holds the daemon's claim now (renewed, or taken: claim.look);
+        if not, ``foreign`` says whose it is and why this agent touches nothing.  ``running``: the
+        daemon's fleet replicas; ``mine``: those this fleet has there."""
+        me = self.fleet
+        if me is None:
+            return False  # no fleet named yet: nothing is claimed, nothing touched
+        path = claim.claim_path(self.socket)
+        try:
+            seen = await asyncio.get_running_loop().run_in_executor(
+                self.threads, claim.look, path, me, set(running), set(mine), self.d.fleet_claim)
+        except OSError as e:
+            seen = None, f"the node's claim file {path} cannot be used ({e}): this fleet touches nothing there"
+        held = None if seen is None else seen[0]
+        self.foreign = None if seen is None else {"fleet": None if held is None else held.fleet.to_json(),
+                                                  "why": seen[1]}
+        return seen is None
 
     async def _device(self, model: str) -> int | None:
         """The GPU of ``model`` with the fewest programs on this node (a ``gpu`` constraint: Ray

@@ -7,12 +7,19 @@ small and change only at deploy, upgrade and remove: one JSON file, written whol
 (``state/statedir.atomic_write``) in a directory that is the user's alone (``open_state_dir``), is
 enough; a controller that starts (restarted by Ray, or on a head that came back) reloads it.  The
 running programs need neither: their node daemons keep them (``serve --live-restore``).
+
+The file also keeps the fleet's id (``id``, made at the first start and kept from then on): the
+name its agents claim the node daemons by (claim.py), the same across the controller's and the
+head's restarts.  One file per Ray namespace (``fleet.json`` for the CLI's, ``fleet.<namespace>.json``
+for another), so that two fleets on one head never share their programs or their id.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +30,15 @@ from meshd_mps.strictjson import parse_json
 ENV = "MESHD_MPS_FLEET_STATE_DIR"
 FILE = "fleet.json"
 SCHEMA = 1
+#: The namespace whose checkpoint is ``FILE`` (the CLI's, ``Fleet.connect``'s default).
+NAMESPACE = "meshd-mps"
+
+
+def file_name(namespace: str) -> str:
+    """The checkpoint's file name for the fleet of Ray namespace ``namespace``."""
+    if namespace == NAMESPACE:
+        return FILE
+    return f"fleet.{re.sub(r'[^A-Za-z0-9_-]', '_', namespace)}.json"
 
 
 def fleet_state_dir(environ: Mapping[str, str] = os.environ) -> str:
@@ -33,14 +49,24 @@ def fleet_state_dir(environ: Mapping[str, str] = os.environ) -> str:
 
 
 class Checkpoint:
-    """``fleet.json`` in the fleet's state directory: blocking, called from a thread."""
+    """``fleet.json`` in the fleet's state directory: blocking, called from a thread.  ``fleet``:
+    the fleet's id, read by ``load`` (a new one, saved at once, where the file has none)."""
 
-    def __init__(self, dir: str):
+    def __init__(self, dir: str, namespace: str = NAMESPACE):
         self.dir = open_state_dir(dir)
-        self.path = os.path.join(self.dir, FILE)
+        self.name = file_name(namespace)
+        self.path = os.path.join(self.dir, self.name)
+        self.fleet = ""
 
     def load(self) -> dict[str, Any]:
         """The programs declared ({} when nothing was ever saved)."""
+        programs = self._read()
+        if not self.fleet:
+            self.fleet = secrets.token_hex(4)
+            self.save(programs)  # before any agent claims a node by it
+        return programs
+
+    def _read(self) -> dict[str, Any]:
         try:
             with open(self.path, "rb") as f:
                 raw = f.read()
@@ -59,7 +85,10 @@ class Checkpoint:
         if isinstance(schema, int) and schema > SCHEMA:
             raise StateFileNewer(f"fleet state: {self.path}: schema {schema}, this meshd-mps reads {SCHEMA}",
                                  file=self.path, schema=schema, supported=SCHEMA)
+        fleet = obj.get("fleet")
+        self.fleet = fleet if isinstance(fleet, str) and fleet else ""
         return dict(obj["programs"])
 
     def save(self, programs: Mapping[str, Any]) -> None:
-        atomic_write(self.dir, FILE, json.dumps({"schema": SCHEMA, "programs": programs}).encode())
+        body = {"schema": SCHEMA, "fleet": self.fleet, "programs": programs}
+        atomic_write(self.dir, self.name, json.dumps(body).encode())

@@ -20,7 +20,9 @@ from typing import Any, NoReturn
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import BadRequest, FleetUnavailable, MeshError
 from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
-from meshd_mps.fleet.tables import Watch, as_json, node, replicas, status_table
+from meshd_mps.fleet.checkpoint import NAMESPACE
+from meshd_mps.fleet.metrics import exposition
+from meshd_mps.fleet.tables import Watch, as_json, events_table, node, node_table, replicas, status_table
 
 PROG = "meshd-mps fleet"
 DESCRIPTION = "Many meshd-mps nodes run as one, on Ray: programs declared once, placed by Ray, kept by each node's daemon."
@@ -30,6 +32,9 @@ examples:
   meshd-mps fleet deploy examples/echo --replicas 3 --wait
   meshd-mps fleet status                    # a row per replica: node, GPU, slot, state, heartbeat age, why pending
   meshd-mps fleet status --watch            # then a row each time a replica changes (kubectl get -w)
+  meshd-mps fleet status --nodes            # a row per node: slots, replicas, free, why not usable
+  meshd-mps fleet events                    # what happened: replicas moved, nodes lost, another fleet's daemon
+  meshd-mps fleet metrics                   # the fleet's Prometheus metrics (text format)
   meshd-mps fleet call echo hello           # by name, from anywhere in the cluster: the caller's node first
   meshd-mps fleet upgrade echo examples/echo   # rolling: at most one replica unavailable
   meshd-mps fleet remove echo
@@ -42,6 +47,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "meshd-mps fleet deploy examples/echo --replicas 3 --strategy SPREAD --wait"),
     "status": ("every program and replica: node, GPU, slot, state, heartbeat age, and why one is pending",
                "meshd-mps fleet status\n  meshd-mps fleet status echo --watch\n  meshd-mps fleet status --json"),
+    "events": ("what happened, oldest first: replicas placed, moved, failed; nodes joined, lost, held by another fleet",
+               "meshd-mps fleet events\n  meshd-mps fleet events echo --json"),
+    "metrics": ("the fleet's metrics in Prometheus' text format: replicas per program and state, slots per node, moves",
+                "meshd-mps fleet metrics > /var/lib/node_exporter/textfile/meshd-mps-fleet.prom"),
     "upgrade": ("a new image for a declared program, replica by replica (at most one unavailable)",
                 "meshd-mps fleet upgrade echo examples/echo"),
     "remove": ("remove a program from the fleet: every replica halted and unloaded", "meshd-mps fleet remove echo"),
@@ -70,6 +79,8 @@ def _sub(sub: Any, name: str) -> argparse.ArgumentParser:
                                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     if name != "resources":
         p.add_argument("--address", metavar="ADDR", help="the Ray cluster (default: $RAY_ADDRESS, else this host's)")
+        p.add_argument("--namespace", metavar="NS", default=NAMESPACE,
+                       help="the fleet's Ray namespace, for a second fleet in one cluster (default %(default)s)")
     return p
 
 
@@ -107,6 +118,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", metavar="NAME", help="one program (default: every one)")
     p.add_argument("--json", action="store_true", help="the whole status as JSON: programs, replicas, nodes, events")
     p.add_argument("--watch", "-w", action="store_true", help="after the table, a row each time a replica changes")
+    p.add_argument("--nodes", action="store_true", help="a row per node instead: slots, replicas, free, why not usable")
+
+    p = _sub(sub, "events")
+    p.add_argument("name", nargs="?", metavar="NAME", help="one program's, and the nodes' (default: every one)")
+    p.add_argument("--json", action="store_true", help="the events as JSON")
+
+    _sub(sub, "metrics")
 
     p = _sub(sub, "upgrade")
     p.add_argument("name", metavar="NAME", help="the declared program")
@@ -147,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "resources":
             return resources(args.socket, args.node, args.slots)
         ask = _command(args)  # the files read and the spec checked before the cluster is asked anything
-        return asyncio.run(_with_fleet(args.address, ask))
+        return asyncio.run(_with_fleet(args.address, args.namespace, ask))
     except BadRequest as e:  # bad input: nothing was changed
         print(f"meshd-mps: {e}", file=sys.stderr)
         return 2
@@ -164,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
 Command = Callable[[Fleet], Awaitable[int]]
 
 
-async def _with_fleet(address: str | None, ask: Command) -> int:
-    fleet = await Fleet.connect(address)
+async def _with_fleet(address: str | None, namespace: str, ask: Command) -> int:
+    fleet = await Fleet.connect(address, namespace=namespace)
     try:
         return await ask(fleet)
     finally:
@@ -231,6 +249,21 @@ def _command(args: argparse.Namespace) -> Command:
             return 0
 
         return call
+    if args.cmd == "events":
+        async def events(fleet: Fleet) -> int:
+            st = await fleet.status(args.name)
+            if args.json:
+                return _print_json(st.events)
+            print(events_table(st.events), end="")
+            return 0
+
+        return events
+    if args.cmd == "metrics":
+        async def metrics(fleet: Fleet) -> int:
+            sys.stdout.buffer.write(exposition(await fleet.status()))
+            return 0
+
+        return metrics
     return _status(args)
 
 
@@ -239,7 +272,13 @@ def _status(args: argparse.Namespace) -> Command:
         st = await fleet.status(args.name)
         if args.json:
             return _print_json(st)
+        if args.nodes:
+            print(node_table(st.nodes), end="")
+            return 0
         print(status_table(replicas(st)), end="", flush=True)
+        for n in st.nodes:  # beside the rows (stderr): a node this fleet cannot use, and why
+            if n.alive and n.reason:
+                print(f"# node {n.name}: {n.reason}", file=sys.stderr, flush=True)
         if not args.watch:
             return 0
         watch = Watch(st)

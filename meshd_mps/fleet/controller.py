@@ -6,7 +6,9 @@ spec's strategy; Ray re-places the bundles of a dead node.  The controller only 
 bundles landed (``placement_group_table``) and hands each node's agent its share; it never picks a
 node.  It starts one agent per node that advertises ``meshd_slot`` (pinned there, detached,
 restarted by Ray), and builds the views (``spec.ReplicaView``) from the placements and what each
-agent reports of its daemon.
+agent reports of its daemon.  Its fleet's id (kept in the checkpoint) goes to every agent with its
+share: the agent claims its node's daemon by it (claim.py), and a daemon another fleet holds shows
+here with the reason, on the node and on each replica Ray placed there.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from meshd_mps.errors import AlreadyDeclared, NoSuchProgram
 from meshd_mps.fleet.agent import NodeAgent, agent_name
 from meshd_mps.fleet.capacity import SLOT, gpu_models, node_name, why_pending
 from meshd_mps.fleet.checkpoint import Checkpoint, fleet_state_dir
+from meshd_mps.fleet.claim import FleetId
 from meshd_mps.fleet.desired import Declared, Image
 from meshd_mps.fleet.spec import (
     FleetEvent,
@@ -47,8 +50,9 @@ class FleetController:
     def __init__(self, namespace: str, state_dir: str | None = None, deadlines: Deadlines = DEFAULT):
         self.ns = namespace
         self.d = deadlines
-        self.checkpoint = Checkpoint(state_dir or fleet_state_dir())
+        self.checkpoint = Checkpoint(state_dir or fleet_state_dir(), namespace)
         self.programs: dict[str, Declared] = {k: Declared.from_json(v) for k, v in self.checkpoint.load().items()}
+        self.fleet = FleetId(self.checkpoint.fleet, namespace, str(ray.get_runtime_context().gcs_address))
         self.pgs: dict[str, Any] = {}
         self.agents: dict[str, Any] = {}
         self.nodes: dict[str, dict[str, Any]] = {}  # alive fleet nodes, by Ray node id: ray.nodes()' entry
@@ -61,6 +65,10 @@ class FleetController:
         self.lock = asyncio.Lock()
         self.saving = asyncio.Lock()
         self.started = time.monotonic()
+        self.last_tick: float | None = None  # when the last tick ended (monotonic)
+        self.moves = 0  # replicas seen on another node than before, since this controller started
+        self.node_losses = 0  # fleet nodes that left the cluster, since this controller started
+        self.claimed: dict[str, str] = {}  # node -> the other fleet whose claim keeps this one off its daemon
         self.event("controller", f"controller started; {len(self.programs)} programs declared in {self.checkpoint.path}")
 
     # ---- the API (fleet/client.py) ---------------------------------------------------------------
@@ -118,7 +126,9 @@ class FleetController:
             progs = tuple(self.views.get(n) or self._view(p) for n, p in sorted(self.programs.items()))
         nodes = tuple(self._node_view(nid) for nid in sorted(set(self.nodes) | set(self.seen)))
         events = tuple(e for e in self.events if name is None or e.program in (None, name))
-        return FleetStatus(programs=progs, nodes=nodes, events=events)
+        age = None if self.last_tick is None else round(time.monotonic() - self.last_tick, 3)
+        return FleetStatus(programs=progs, nodes=nodes, events=events, fleet=self.fleet.to_json(), moves=self.moves,
+                           node_losses=self.node_losses, tick_age=age)
 
     async def routes(self, name: str) -> tuple[list[ReplicaView], dict[str, str], dict[str, Any]]:
         """The replicas a call may go to now (running, not draining), each node's daemon socket and
@@ -142,6 +152,7 @@ class FleetController:
             try:
                 async with self.lock:
                     await self._tick()
+                self.last_tick = time.monotonic()
             except Exception as e:  # one bad tick (the GCS away a moment) must not end the loop
                 self.event("error", f"controller tick failed: {type(e).__name__}: {e}")
             self.ticked.set()
@@ -154,6 +165,8 @@ class FleetController:
             self.event("node-joined", f"node {_name(alive[nid])} ({nid[:8]}) joined the fleet", node=nid)
         for nid in self.nodes.keys() - alive.keys():
             self.event("node-lost", f"node {_name(self.nodes[nid])} ({nid[:8]}) left the cluster", node=nid)
+            self.node_losses += 1
+            self.claimed.pop(nid, None)
             self.agents.pop(nid, None)
             self.seen.pop(nid, None)
             self.answering.pop(nid, None)
@@ -183,6 +196,7 @@ class FleetController:
         for nid, ans in zip(shares, answers, strict=True):
             if isinstance(ans, dict):
                 self.seen[nid], self.answering[nid] = ans, None
+                self._claim_seen(nid, ans.get("claim"))
             else:
                 self.answering[nid] = ans
         available = await asyncio.to_thread(ray.available_resources)
@@ -190,6 +204,18 @@ class FleetController:
             self._observe(p, placed[name], by_name.get(p.pg_name) or {}, available)
             if any(pin is not None for pin in p.pins):
                 await self._unpin(p, placed[name])
+
+    def _claim_seen(self, nid: str, foreign: dict[str, Any] | None) -> None:
+        """An event when a node's daemon turns out to be another fleet's, or this fleet's again."""
+        other = FleetId.from_json((foreign or {}).get("fleet"))
+        was = self.claimed.get(nid)
+        name = _name(self.nodes[nid]) if nid in self.nodes else nid[:8]
+        if foreign is not None and was is None:
+            self.claimed[nid] = other.id if other is not None else ""  # "": its claim file cannot be used
+            self.event("node-claimed", f"node {name}: {foreign.get('why')}", node=nid)
+        elif foreign is None and was is not None:
+            del self.claimed[nid]
+            self.event("node-released", f"node {name}: its daemon is this fleet's now (fleet {self.fleet.id})", node=nid)
 
     def _observe(self, p: Declared, placed: list[str | None], table: dict[str, Any], available: dict[str, float]) -> None:
         before = self.views.get(p.name)
@@ -220,6 +246,7 @@ class FleetController:
         for r in view.replicas:
             o = old.get(r.index)
             if o is not None and o.node and r.node and o.node != r.node:
+                self.moves += 1
                 self.event("moved", f"{p.name}: replica {r.index} moved from node {o.node_name} to {r.node_name}",
                            p.name, r.index, r.node)
             if o is None or o.state != r.state:
@@ -254,6 +281,8 @@ class FleetController:
         if seen is None:
             return ReplicaView(p.name, i, "placing", "waiting for the node's agent", **base,
                                generation=p.generation_of(want))
+        if seen.get("claim") is not None:  # another fleet's daemon: its programs are not this fleet's replicas
+            return ReplicaView(p.name, i, "pending", seen["claim"].get("why"), **base, generation=p.generation_of(want))
         if seen.get("programs") is None:
             return ReplicaView(p.name, i, "placing", f"the node's daemon does not answer: {seen.get('error')}", **base,
                                generation=p.generation_of(want))
@@ -296,7 +325,9 @@ class FleetController:
         agent = "starting" if nid not in self.answering else ("up" if why is None else "not answering")
         return NodeView(node=nid, name=_name(n) if n else nid[:8], alive=n is not None, agent=agent,
                         slots=int(res.get(SLOT, 0)), replicas=count, gpus=gpu_models(res), socket=seen.get("socket"),
-                        daemon_pid=seen.get("daemon_pid"), agent_pid=seen.get("pid"), reason=why or seen.get("error"))
+                        daemon_pid=seen.get("daemon_pid"), agent_pid=seen.get("pid"),
+                        reason=why or (seen.get("claim") or {}).get("why") or seen.get("error"),
+                        claimed_by=(self.claimed.get(nid) or None) if n is not None else None)
 
     # ---- Ray: agents, placement groups ---------------------------------------------------------------
 
@@ -335,7 +366,8 @@ class FleetController:
 
     async def _ask(self, nid: str, orders: list[dict[str, Any]], keep: list[str]) -> dict[str, Any] | str:
         try:
-            return await asyncio.wait_for(self.agents[nid].reconcile.remote(orders, keep), self.d.fleet_agent)
+            return await asyncio.wait_for(self.agents[nid].reconcile.remote(orders, keep, self.fleet.to_json()),
+                                          self.d.fleet_agent)
         except TimeoutError:
             return f"its agent did not answer in {self.d.fleet_agent:g}s"
         except ray.exceptions.RayError as e:

@@ -185,7 +185,9 @@ class FleetProgram:
 @dataclass(frozen=True)
 class NodeView:
     """A node of the fleet: its Ray node id and name, whether it is alive and its agent answers,
-    its capacity (``slots``) and the replicas placed there, its daemon's socket and pid."""
+    its capacity (``slots``) and the replicas placed there, its daemon's socket and pid;
+    ``claimed_by``: the other fleet (its id) whose claim on the daemon keeps this one off it
+    (``reason`` says which, and why)."""
 
     node: str
     name: str
@@ -198,6 +200,13 @@ class NodeView:
     daemon_pid: int | None = None
     agent_pid: int | None = None
     reason: str | None = None
+    claimed_by: str | None = None
+
+    @property
+    def free(self) -> int:
+        """Slots this fleet may still fill here: none on a daemon another fleet holds, or on a
+        node gone."""
+        return 0 if self.claimed_by is not None or not self.alive else max(0, self.slots - self.replicas)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -221,13 +230,23 @@ class FleetEvent:
 
 @dataclass(frozen=True)
 class FleetStatus:
+    """The whole fleet: ``fleet`` its id (``id``, ``namespace``, ``cluster``: what its agents claim
+    node daemons by), ``moves`` and ``node_losses`` since its controller started, ``tick_age`` the
+    seconds since the controller's last look (None before the first)."""
+
     programs: tuple[FleetProgram, ...]
     nodes: tuple[NodeView, ...]
     events: tuple[FleetEvent, ...] = field(default=())
+    fleet: dict[str, str] | None = None
+    moves: int = 0
+    node_losses: int = 0
+    tick_age: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"programs": [p.to_json() for p in self.programs], "nodes": [n.to_json() for n in self.nodes],
-                "events": [e.to_json() for e in self.events]}
+        return {"programs": [p.to_json() for p in self.programs],
+                "nodes": [{**n.to_json(), "free": n.free} for n in self.nodes],
+                "events": [e.to_json() for e in self.events], "fleet": self.fleet, "moves": self.moves,
+                "node_losses": self.node_losses, "tick_age": self.tick_age}
 
 
 @dataclass(frozen=True)

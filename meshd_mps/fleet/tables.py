@@ -1,6 +1,7 @@
 """What ``meshd-mps fleet status`` prints: a row per replica (PROGRAM REPLICA NODE GPU SLOT STATE
 BEAT-AGE REASON), and with ``--watch`` a row again each time a replica changes, as ``kubectl get -w``
-does; ``--json``'s plain data.  Pure: it reads the API's views and asks nothing."""
+does; with ``--nodes`` a row per node; ``fleet events``' rows; ``--json``'s plain data.  Pure: it
+reads the API's views and asks nothing."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Any
 from meshd_mps.serving.tables import duration, table
 
 HEAD = ["PROGRAM", "REPLICA", "NODE", "GPU", "SLOT", "STATE", "BEAT-AGE", "REASON"]
+NODE_HEAD = ["NODE", "ID", "ALIVE", "AGENT", "SLOTS", "REPLICAS", "FREE", "DAEMON-PID", "REASON"]
+EVENT_HEAD = ["TIME", "KIND", "MESSAGE"]
 
 #: What ``--watch`` prints for a replica no longer in the status (removed, or its program scaled down).
 GONE = "gone"
@@ -45,6 +48,24 @@ def status_table(views: Iterable[Any]) -> str:
     rows = [row(r) for r in sorted(views, key=lambda r: (r.program, r.index))]
     out = table([HEAD, *rows])
     return out if rows else out + "(no replicas)\n"
+
+
+def node_table(nodes: Iterable[Any]) -> str:
+    """A row per node (``NodeView``): whether it and its agent are up, its slots, the replicas Ray
+    placed there, the slots still free to this fleet, and why it is not usable (another fleet's
+    daemon, its agent not answering)."""
+    rows = [[n.name, str(n.node)[:12], "yes" if n.alive else "no", n.agent, str(n.slots), str(n.replicas), str(n.free),
+             _cell(n.daemon_pid), n.reason or ""] for n in sorted(nodes, key=lambda n: (n.name, n.node))]
+    out = table([NODE_HEAD, *rows])
+    return out if rows else out + "(no nodes)\n"
+
+
+def events_table(events: Iterable[Any]) -> str:
+    """A row per event, oldest first, with its local time."""
+    rows = [[time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.at)), e.kind, e.message]
+            for e in sorted(events, key=lambda e: e.at)]
+    out = table([EVENT_HEAD, *rows])
+    return out if rows else out + "(no events)\n"
 
 
 def _key(r: Any) -> tuple[str, int]:
