@@ -463,10 +463,5 @@ def test_another_devices_client_is_taken_during_the_recovery(standin):
 
 def recv_all_line(s) -> bytes:
     s.settimeout(DEADLINE)
-    line = b""
-    while not line.endswith(b"\n"):
-        chunk = s.recv(1)
-        if not chunk:
-            break
-        line += chunk
-    return line
+    with s.makefile("rb") as f:
+        return f.readline()
