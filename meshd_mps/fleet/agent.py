@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import ray
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.fleet.nodecalls import NodeCalls
+from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.fleet.spec import gpu_model, parse_replica_name
 from meshd_mps.restore import Restore
 from meshd_mps.serving.client import Client, ClientError, default_socket
@@ -105,7 +105,7 @@ class NodeAgent:
         out["programs"] = [p for p in programs if parse_replica_name(str(p.get("name")))]
         return out
 
-    async def call(self, name: str, data: bytes, timeout: float | None = None) -> dict[str, Any]:  # noqa: ASYNC109
+    async def call(self, name: str, data: bytes, timeout: float | None = None) -> NodeAnswer:  # noqa: ASYNC109
         """A request to replica ``name`` on this node's daemon (``NodeCalls.call``'s answer)."""
         return await self.calls.call(name, data, timeout)
 
