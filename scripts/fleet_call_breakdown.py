@@ -62,6 +62,11 @@ class Probe:
         return self.inner
 
 
+def ok(answer: Any) -> bool:
+    """A node call's answer is good (a NodeAnswer; before issue 34's (l3), a dict)."""
+    return bool(answer["ok"] if isinstance(answer, dict) else answer.ok)
+
+
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -117,10 +122,10 @@ async def measure(local: LocalFleet, n: int, rounds: int) -> dict[str, list[floa
         async def in_turn() -> None:
             turn[0] ^= 1
             a, name = (agent, r.name) if turn[0] else (agent1, r1.name)
-            assert (await a.call.remote(name, data, None)).ok
+            assert ok(await a.call.remote(name, data, None))
 
         async def a_call() -> None:
-            assert (await agent.call.remote(r.name, data, None)).ok
+            assert ok(await agent.call.remote(r.name, data, None))
 
         async def a_ping() -> None:
             await agent.ping.remote()
@@ -129,10 +134,10 @@ async def measure(local: LocalFleet, n: int, rounds: int) -> dict[str, list[floa
             await echo.echo.remote(data)
 
         async def p_call() -> None:
-            assert (await probe.call.remote(r.name, data)).ok
+            assert ok(await probe.call.remote(r.name, data))
 
         async def node_call() -> None:
-            assert (await direct.call(r.name, data)).ok
+            assert ok(await direct.call(r.name, data))
 
         async def raw_http() -> None:
             status, ans = ok.ask()

@@ -23,12 +23,12 @@ Script = dict[str, Any]
 #: would take a CPU core (and the GIL) from the worker; the H200's kernels poll without pause.
 POLL_S = 0.0005
 #: While calls flow (within HOT_S of the last request it served), an echo kernel's ring polls every
-#: HOT_POLL_S instead (about 80 us a poll on the 2-core CPU machine, a sleep's own cost included):
-#: a request waited ~0.3 ms for the next poll at POLL_S, and a call's wait in the daemon gives the
-#: loop back for Calls.YIELDS (0.2 ms) before it backs off to 1 ms sleeps, so most calls paid
-#: 1.3 ms for a ring the GPU answers in microseconds (docs/benchmarks.md, "Issue 34: (l3)").  An
-#: idle kernel polls at POLL_S, as before.
-HOT_POLL_S = 50e-6
+#: HOT_POLL_S instead: a poll each ~150 us on the 2-core CPU machine (a sleep's own cost included),
+#: 6.5 % of a core against 3 % at POLL_S and 10 % at 50 us.  At POLL_S a request waited ~0.3 ms for
+#: the next poll, past the daemon's Calls.YIELDS (0.2 ms) of a call's wait, which then backs off
+#: to 1 ms sleeps: most calls paid 1.3 ms for a ring the GPU answers in microseconds
+#: (docs/benchmarks.md, "Issue 34: (l3) the call path").  An idle kernel polls at POLL_S, as before.
+HOT_POLL_S = 100e-6
 HOT_S = 0.02
 HOT_NS = int(HOT_S * 1e9)
 
