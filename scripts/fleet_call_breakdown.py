@@ -12,6 +12,8 @@ sim`` daemon), one echo replica per node; from the head (the bench's driver, no 
   echo           the bench's baseline: a bare Ray async actor's echo on that node
   probe.call     an async actor of the script's own on that node making the agent's call
   probe inside   ... that call's time inside that actor (NodeCalls in a Ray actor's loop)
+  probe 404      probe.call of a program that is not there (the daemon's HTTP, no ring), and inside
+  probe blocking the request on a blocking socket in that actor's loop (no asyncio IO), and inside
   node call      NodeCalls.call from the head, straight to the node's socket (the agent's hop)
   raw http       the same request on a blocking socket, kept alive (the daemon's share)
   ring           inside that: the daemon's own ``ms`` (its ``ps.call``: the ring post and wait)
@@ -50,15 +52,24 @@ class Probe:
 
     def __init__(self, socket: str):
         self.calls = NodeCalls(socket, 10.0)
-        self.inner: list[float] = []
+        self.inner: dict[str, list[float]] = {}
 
     async def call(self, name: str, data: bytes) -> Any:
         t0 = time.perf_counter()
         out = await self.calls.call(name, data)
-        self.inner.append(time.perf_counter() - t0)
+        self.inner.setdefault(name, []).append(time.perf_counter() - t0)
         return out
 
-    async def times(self) -> list[float]:
+    async def blocking(self, name: str, data: bytes) -> bool:
+        """The same request on a blocking socket of this actor's own, in its loop (a probe only)."""
+        if not hasattr(self, "raw"):
+            self.raw = Raw(self.calls.path, name, {"hex": data.hex()})
+        t0 = time.perf_counter()
+        status = self.raw.ask()[0]
+        self.inner.setdefault("blocking", []).append(time.perf_counter() - t0)
+        return status == 200
+
+    async def times(self) -> dict[str, list[float]]:
         return self.inner
 
 
@@ -112,7 +123,7 @@ async def measure(local: LocalFleet, n: int, rounds: int) -> dict[str, list[floa
         probe = Probe.options(scheduling_strategy=here).remote(node.socket)  # type: ignore[attr-defined]
         data = b"x" * 16
         direct = NodeCalls(node.socket, 10.0)
-        ok, missing = Raw(node.socket, r.name, {"hex": data.hex()}), Raw(node.socket, "no-such-program", {"hex": "00"})
+        good, missing = Raw(node.socket, r.name, {"hex": data.hex()}), Raw(node.socket, "no-such-program", {"hex": "00"})
         ring: list[float] = []
         turn = [0]
 
@@ -136,11 +147,17 @@ async def measure(local: LocalFleet, n: int, rounds: int) -> dict[str, list[floa
         async def p_call() -> None:
             assert ok(await probe.call.remote(r.name, data))
 
+        async def p_404() -> None:
+            assert not ok(await probe.call.remote("no-such-program", data))
+
+        async def p_blocking() -> None:
+            assert await probe.blocking.remote(r.name, data)
+
         async def node_call() -> None:
             assert ok(await direct.call(r.name, data))
 
         async def raw_http() -> None:
-            status, ans = ok.ask()
+            status, ans = good.ask()
             assert status == 200
             ring.append(float(ans["ms"]) / 1e3)
 
@@ -149,7 +166,8 @@ async def measure(local: LocalFleet, n: int, rounds: int) -> dict[str, list[floa
 
         variants: dict[str, Callable[[], Awaitable[None]]] = {
             "fleet.call": f_call, "agents in turn": in_turn, "agent.call": a_call, "agent.ping": a_ping,
-            "echo": e_echo, "probe.call": p_call, "node call": node_call, "raw http": raw_http, "http 404": http_404}
+            "echo": e_echo, "probe.call": p_call, "probe 404": p_404, "probe blocking": p_blocking,
+            "node call": node_call, "raw http": raw_http, "http 404": http_404}
         out: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(rounds):
             for k, f in variants.items():
@@ -158,10 +176,13 @@ async def measure(local: LocalFleet, n: int, rounds: int) -> dict[str, list[floa
                     await f()
                     if i >= 10:
                         out[k].append(time.perf_counter() - t0)
-        out["probe inside"] = await probe.times.remote()
+        inside = await probe.times.remote()
+        out["probe inside"] = inside[r.name]
+        out["probe 404 inside"] = inside["no-such-program"]
+        out["blocking inside"] = inside["blocking"]
         out["ring"] = ring
         await direct.close()
-        ok.s.close()
+        good.s.close()
         missing.s.close()
         ray.kill(echo)
         ray.kill(probe)
