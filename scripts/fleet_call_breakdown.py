@@ -1,10 +1,11 @@
 """Where a ``fleet.call`` goes: the bench's row (l3) split into its hops, each p50/p99 from the same
 run, the variants taken in turns (rounds) so that the shared machine's load falls on all of them.
 
-    python scripts/fleet_call_breakdown.py [-n 300] [--rounds 3]
+    python scripts/fleet_call_breakdown.py [-n 300] [--rounds 3] [--replicas 2] [--sim-gpus 1]
 
 A local fleet (fleet/local.py: a Ray cluster of a head and 2 nodes, each node's own ``serve --gpu
-sim`` daemon), one echo replica per node; from the head (the bench's driver, no replica there):
+sim`` daemon), echo replicas spread over them (the bench's: --replicas 4 --sim-gpus 3); from the
+head (the bench's driver, no replica there):
   fleet.call     the whole call (routes cached, the replicas in turn, their agents, daemons, rings)
   agents in turn ``agent.call.remote`` of the two replicas' agents in turn (no route, no retry)
   agent.call     the same, one replica's agent only
@@ -105,12 +106,12 @@ class Raw:
         return int(head.split()[1]), json.loads(rest)
 
 
-async def measure(local: LocalFleet, n: int, rounds: int) -> dict[str, list[float]]:
+async def measure(local: LocalFleet, n: int, rounds: int, replicas: int) -> dict[str, list[float]]:
     fleet = await Fleet.connect(local.address, state_dir=local.state_dir)
     try:
         source = ProgramSource.read(examples_dir())
-        await fleet.deploy(ProgramSpec(name=EXAMPLE, source=source, replicas=len(local.nodes), strategy="SPREAD"))
-        await fleet.wait(EXAMPLE, running=len(local.nodes), timeout=300)
+        await fleet.deploy(ProgramSpec(name=EXAMPLE, source=source, replicas=replicas, strategy="SPREAD"))
+        await fleet.wait(EXAMPLE, running=replicas, timeout=300)
         node = local.nodes[0]
         st = await fleet.status(EXAMPLE)
         running = [r for p in st.programs for r in p.replicas if r.state == "running"]
@@ -196,13 +197,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=300, help="calls per variant per round (default 300)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds, the variants in turns (default 3)")
+    ap.add_argument("--replicas", type=int, default=2, help="echo replicas, spread over the 2 nodes (default 2)")
+    ap.add_argument("--sim-gpus", type=int, default=1, help="simulated GPUs per node (default 1)")
     args = ap.parse_args()
     with open("/proc/loadavg") as f:
         before = f.read().split()[0]
-    local = LocalFleet(2, 1)
+    local = LocalFleet(2, args.sim_gpus)
     try:
         local.start()
-        out = asyncio.run(measure(local, args.n, args.rounds))
+        out = asyncio.run(measure(local, args.n, args.rounds, max(2, args.replicas)))
     finally:
         local.close()
     with open("/proc/loadavg") as f:
