@@ -59,7 +59,9 @@ class Probe:
         t0 = time.perf_counter()
         out = await self.calls.call(name, data)
         self.inner.setdefault(name, []).append(time.perf_counter() - t0)
-        return out
+        if isinstance(out, dict):  # before issue 34's (l3)
+            return out
+        return out.data if out.ok else out  # as the agent answers
 
     async def blocking(self, name: str, data: bytes) -> bool:
         """The same request on a blocking socket of this actor's own, in its loop (a probe only)."""
@@ -75,7 +77,9 @@ class Probe:
 
 
 def ok(answer: Any) -> bool:
-    """A node call's answer is good (a NodeAnswer; before issue 34's (l3), a dict)."""
+    """A node call's answer is good: the agent's bytes, a NodeAnswer, or (before issue 34's (l3)) a dict."""
+    if isinstance(answer, bytes):
+        return True
     return bool(answer["ok"] if isinstance(answer, dict) else answer.ok)
 
 

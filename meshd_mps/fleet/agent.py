@@ -105,9 +105,12 @@ class NodeAgent:
         out["programs"] = [p for p in programs if parse_replica_name(str(p.get("name")))]
         return out
 
-    async def call(self, name: str, data: bytes, timeout: float | None = None) -> NodeAnswer:  # noqa: ASYNC109
-        """A request to replica ``name`` on this node's daemon (``NodeCalls.call``'s answer)."""
-        return await self.calls.call(name, data, timeout)
+    async def call(self, name: str, data: bytes, timeout: float | None = None) -> bytes | NodeAnswer:  # noqa: ASYNC109
+        """A request to replica ``name`` on this node's daemon: its response's bytes, or the
+        ``NodeAnswer`` that says why none came (``NodeCalls.call``).  Bytes because Ray hands them
+        back as they are (1 us to serialize, against 27 us for a NodeAnswer), and most calls answer."""
+        out = await self.calls.call(name, data, timeout)
+        return out.data if out.ok else out
 
     async def ping(self) -> str:
         return self.node_id

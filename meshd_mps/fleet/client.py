@@ -193,7 +193,8 @@ class Fleet:
             try:
                 # asyncio.timeout, not wait_for: no task per call (the call's hot path).
                 async with asyncio.timeout(within):
-                    out = await agent.call.remote(r.name, data, timeout)
+                    got = await agent.call.remote(r.name, data, timeout)
+                out = NodeAnswer(True, got) if isinstance(got, bytes) else got  # NodeAgent.call: bytes, or why not
             except RayActorError as e:
                 raise _Lost(f"{type(e).__name__}") from e
             except TimeoutError as e:  # the agent's node cut off: the call may have reached the program
