@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from meshd_mps.errors import PayloadTooLarge
+from meshd_mps.fleet import nodecalls
 from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.protocol import abi
 from meshd_mps.serving.client import program_body
@@ -169,4 +170,43 @@ async def test_connection_close_is_honoured(tmp):
             assert await nc.call("echo", b"") == NodeAnswer(True, b"")
             assert nc.idle == []
         assert len(conns) == 2
+        await nc.close()
+
+
+async def test_a_call_with_no_answer_by_its_deadline_is_lost(tmp):
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await read_request(r)
+        await r.read()  # never answers; until the client hangs up
+
+    async with stand_in(tmp, silent) as path:
+        nc = NodeCalls(path, 0.3)
+        out = await nc.call("echo", b"x")
+        assert (out.ok, out.status, out.lost) == (False, 0, True) and "no answer in 0.3s" in out.error
+        assert nc.idle == []
+        await nc.close()
+
+
+async def test_connections_to_a_daemon_are_bounded_and_a_call_waiting_for_one_is_not_sent(tmp, monkeypatch):
+    monkeypatch.setattr(nodecalls, "CONNECTIONS", 2)
+    conns, go = [], asyncio.Event()
+
+    async def held(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conns.append(w)
+        while True:
+            await read_request(r)
+            await go.wait()
+            w.write(answer(b'{"ok": true, "hex": "6f6b"}'))
+            await w.drain()
+
+    async with stand_in(tmp, held) as path:
+        nc = NodeCalls(path, 30)
+        calls = [asyncio.create_task(nc.call("echo", b"ok")) for _ in range(3)]
+        await until(lambda: len(conns) == 2, 10, "two connections")
+        short = NodeCalls(path, 0.2)
+        short.slots = nc.slots  # the same daemon's bound, none free: not sent, another replica may take it
+        out = await short.call("echo", b"x")
+        assert (out.ok, out.status, out.lost) == (False, 0, False) and "no connection free" in out.error
+        go.set()
+        assert await asyncio.gather(*calls) == [NodeAnswer(True, b"ok")] * 3
+        assert len(conns) == 2 and len(nc.idle) == 2  # the third call waited for one of the two
         await nc.close()

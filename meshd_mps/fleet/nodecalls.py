@@ -12,10 +12,13 @@ closed, never guessed at.  The same checks as the CLI's client: the socket is th
 (``check_socket_owner``) before each new connection, and the process that answers runs as the
 caller's uid (``check_peer``) on each new connection.
 
-An answer is a ``NodeAnswer``, as the node agent hands it back to the caller through Ray: ``ok``
-and the response's bytes, or the daemon's HTTP ``status`` (0: no daemon took the connection: the
-call reached nothing), its ``error``, and ``lost``: the call was sent and its answer never came
-(it may have reached the program).
+At most CONNECTIONS calls are in flight to one daemon at once; a call that finds none free by
+its deadline is not sent.
+
+An answer is a ``NodeAnswer`` (the node agent hands back its bytes alone when it is ``ok``):
+``ok`` and the response's bytes, or the daemon's HTTP ``status`` (0: the call reached no daemon,
+or no answer came), its ``error``, and ``lost``: the call was sent and its answer never came (it
+may have reached the program).
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from meshd_mps.strictjson import parse_json
 IDLE_S = 5.0
 #: The most bytes an answer's head or body may have (a call's answer is a ring entry's, in JSON).
 MAX_ANSWER = 1 << 20
+#: The most connections to one daemon at once (aiohttp's connector had the same limit): calls past
+#: it wait for one, within their deadline.
+CONNECTIONS = 64
 
 
 class NodeAnswer(NamedTuple):
@@ -61,6 +67,7 @@ class NodeCalls:
         self.path = path
         self.within = within  # the answer's deadline beyond the call's own timeout
         self.idle: list[_Conn] = []  # connections between two calls, the last used last
+        self.slots = asyncio.Semaphore(CONNECTIONS)
 
     async def call(self, name: str, data: bytes, timeout: float | None = None) -> NodeAnswer:  # noqa: ASYNC109
         body: dict[str, object] = {"hex": data.hex()}
@@ -72,24 +79,39 @@ class NodeCalls:
         raw = json.dumps(body).encode()
         req = (f"POST /v1/programs/{urllib.parse.quote(name, safe='')}/call HTTP/1.1\r\nHost: meshd-mps\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n").encode() + raw
+        deadline = asyncio.get_running_loop().time() + wait
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self.slots.acquire()
+        except TimeoutError:  # not sent: another replica may take it
+            return NodeAnswer(False, status=0, error=f"{self.path}: no connection free in {wait:g}s ({CONNECTIONS}"
+                                                     " calls in flight)")
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._call(req)
+        except TimeoutError as e:
+            return NodeAnswer(False, status=0, error=f"{self.path}: no answer in {wait:g}s: {e}", lost=True)
+        finally:
+            self.slots.release()
+
+    async def _call(self, req: bytes) -> NodeAnswer:
         conn: _Conn | None = None
         try:
-            async with asyncio.timeout(wait):
-                try:
-                    conn = await self._connection()
-                except ClientError as e:
-                    return NodeAnswer(False, status=0, error=str(e))
-                except OSError as e:  # no socket, nobody listening
-                    return NodeAnswer(False, status=0, error=f"no daemon on {self.path} ({e})")
-                conn.writer.write(req)
-                status, answer, keep = await _read_answer(conn.reader)
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
+            try:
+                conn = await self._connection()
+            except ClientError as e:
+                return NodeAnswer(False, status=0, error=str(e))
+            except OSError as e:  # no socket, nobody listening
+                return NodeAnswer(False, status=0, error=f"no daemon on {self.path} ({e})")
+            conn.writer.write(req)
+            status, answer, keep = await _read_answer(conn.reader)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
             self._drop(conn)
             return NodeAnswer(False, status=0, error=f"{self.path}: no answer: {type(e).__name__}: {e}", lost=True)
         except _BadAnswer as e:
             self._drop(conn)
             return NodeAnswer(False, status=0, error=f"{self.path}: {e}", lost=True)
-        except BaseException:  # cancelled mid-answer: the connection holds the rest of it
+        except BaseException:  # cancelled (the deadline) mid-answer: the connection holds the rest of it
             self._drop(conn)
             raise
         if keep:
