@@ -22,6 +22,15 @@ Script = dict[str, Any]
 #: How long a simulated resident kernel sleeps between two polls of its slot: a thread that spun
 #: would take a CPU core (and the GIL) from the worker; the H200's kernels poll without pause.
 POLL_S = 0.0005
+#: While calls flow (within HOT_S of the last request it served), an echo kernel's ring polls every
+#: HOT_POLL_S instead: a poll each ~150 us on the 2-core CPU machine (a sleep's own cost included),
+#: 6.5 % of a core against 3 % at POLL_S and 10 % at 50 us.  At POLL_S a request waited ~0.3 ms for
+#: the next poll, past the daemon's Calls.YIELDS (0.2 ms) of a call's wait, which then backs off
+#: to 1 ms sleeps: most calls paid 1.3 ms for a ring the GPU answers in microseconds
+#: (docs/benchmarks.md, "Issue 34: (l3) the call path").  An idle kernel polls at POLL_S, as before.
+HOT_POLL_S = 100e-6
+HOT_S = 0.02
+HOT_NS = int(HOT_S * 1e9)
 
 
 class MeshBeat:
@@ -62,7 +71,7 @@ class MeshRing:
     RING) is served in one batch, published by one RESP_HEAD; a beat every ``every`` ns, while idle,
     or while busy once it is a whole interval late; an entry is read whole, and a response writes
     the words that hold its length (clamped) and payload.  The one difference: the simulated
-    kernel sleeps POLL_S between polls."""
+    kernel sleeps between polls (HOT_POLL_S while calls flow, POLL_S once idle for HOT_S)."""
 
     def __init__(self, mb: Mailbox, slot: int, beat: MeshBeat, every: int):
         self.mb, self.slot, self.b, self.every = mb, slot, beat, every
@@ -71,6 +80,7 @@ class MeshRing:
         mb.set_u32(slot, abi.SERVES, abi.SERVING)  # mesh_ring_init marks the slot served, before its beat
         beat.beat(time.monotonic_ns(), mb.u32(slot, abi.GAP_RESET))  # mesh_ring_init beats once
         self.due = time.monotonic_ns() + every
+        self.hot_until = 0  # monotonic ns: polls at HOT_POLL_S until then (a request was served lately)
 
     def wait(self, poisoned: Callable[[], bool]) -> int:
         mb, slot = self.mb, self.slot
@@ -83,8 +93,9 @@ class MeshRing:
                 self.b.beat(t, reset)
                 self.due = t + self.every
             if head != self.next:
+                self.hot_until = t + HOT_NS
                 return min((head - self.next) & 0xFFFFFFFF, abi.RING)
-            time.sleep(POLL_S)
+            time.sleep(HOT_POLL_S if t < self.hot_until else POLL_S)
         return 0
 
     def load(self, seq: int) -> bytes:

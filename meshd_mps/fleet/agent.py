@@ -32,7 +32,7 @@ import ray
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.fleet import claim
-from meshd_mps.fleet.nodecalls import NodeCalls
+from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.fleet.spec import gpu_model, parse_replica_name
 from meshd_mps.restore import Restore
 from meshd_mps.serving.client import Client, ClientError, default_socket
@@ -113,9 +113,12 @@ class NodeAgent:
         out["programs"] = [p for p in programs if parse_replica_name(str(p.get("name")))]
         return out
 
-    async def call(self, name: str, data: bytes, timeout: float | None = None) -> dict[str, Any]:  # noqa: ASYNC109
-        """A request to replica ``name`` on this node's daemon (``NodeCalls.call``'s answer)."""
-        return await self.calls.call(name, data, timeout)
+    async def call(self, name: str, data: bytes, timeout: float | None = None) -> bytes | NodeAnswer:  # noqa: ASYNC109
+        """A request to replica ``name`` on this node's daemon: its response's bytes, or the
+        ``NodeAnswer`` that says why none came (``NodeCalls.call``).  Bytes because Ray hands them
+        back as they are (1 us to serialize, against 27 us for a NodeAnswer), and most calls answer."""
+        out = await self.calls.call(name, data, timeout)
+        return out.data if out.ok else out
 
     async def ping(self) -> str:
         return self.node_id

@@ -9,7 +9,8 @@ layer (8) is below the fleet's (9): ``meshd-mps bench`` cannot import it.
 (l2) a node's death, once Ray knows it (its node is not alive in ``ray.nodes()``), until its replicas
      run elsewhere, against loading as many directly on the nodes they went to;  <= 1.3x.
 (l3) ``fleet.call`` p50 and p99 from the head (no replica there), against a bare Ray async actor's
-     echo on a fleet node;  <= 1.5x at p50.
+     echo on a fleet node;  <= 1.5x at p50.  Both (and the same call on a node's socket) are timed
+     in turns of TURN calls, so that the machine's load falls on them alike.
 (l4) what the fleet layer holds on a node (its agent actor's process, RSS), beside that node's
      daemon; one controller on the head; no process per program.
 """
@@ -94,26 +95,34 @@ def per_node(st: Any, name: str) -> collections.Counter[str]:
     return collections.Counter(r.node for p in st.programs if p.name == name for r in p.replicas if r.state == "running")
 
 
-async def rows(local: LocalFleet, replicas: int, calls: int) -> list[Row]:
+ROWS = ("l1", "l2", "l3", "l4")
+
+
+async def rows(local: LocalFleet, replicas: int, calls: int, only: frozenset[str] = frozenset(ROWS)) -> list[Row]:
+    """The rows of ``only`` (every row needs (l1)'s deploy; its baseline is made for (l1) alone)."""
     out: list[Row] = []
     source = ProgramSource.read(examples_dir())
     fleet = await Fleet.connect(local.address, state_dir=local.state_dir)
     try:
         by_id = {n.node_id: n for n in local.nodes}
         even = {n: replicas // len(local.nodes) + (i < replicas % len(local.nodes)) for i, n in enumerate(local.nodes)}
-        base = await asyncio.to_thread(direct_loads, even, source, "l1")
+        base = await asyncio.to_thread(direct_loads, even, source, "l1") if "l1" in only else 0.0
         t0 = time.perf_counter()
         await fleet.deploy(ProgramSpec(name=EXAMPLE, source=source, replicas=replicas, strategy="SPREAD"))
         await fleet.wait(EXAMPLE, running=replicas, timeout=SETTLE_S)
         took = time.perf_counter() - t0
         placed = per_node(await fleet.status(EXAMPLE), EXAMPLE)
         where = ", ".join(f"{by_id[k].name}:{v}" for k, v in sorted(placed.items(), key=lambda kv: by_id[kv[0]].name))
-        out.append(Row("l1", f"{replicas} replicas placed and running ({len(local.nodes)} nodes)", "s", took, base,
-                       "direct loads", "<= 1.3x", took <= 1.3 * base, note=f"placed {where}; the baseline "
-                       + ", ".join(f"{n.name}:{k}" for n, k in even.items())))
-        out += await call_rows(fleet, local, calls)
-        out.append(memory_row(local))
-        out.append(await node_death_row(fleet, local, source, replicas, placed))
+        if "l1" in only:
+            out.append(Row("l1", f"{replicas} replicas placed and running ({len(local.nodes)} nodes)", "s", took, base,
+                           "direct loads", "<= 1.3x", took <= 1.3 * base, note=f"placed {where}; the baseline "
+                           + ", ".join(f"{n.name}:{k}" for n, k in even.items())))
+        if "l3" in only:
+            out += await call_rows(fleet, local, calls)
+        if "l4" in only:
+            out.append(memory_row(local))
+        if "l2" in only:
+            out.append(await node_death_row(fleet, local, source, replicas, placed))
         await fleet.remove(EXAMPLE)
     finally:
         await fleet.close()
@@ -139,9 +148,7 @@ async def call_rows(fleet: Fleet, local: LocalFleet, calls: int) -> list[Row]:
     async def on_socket() -> None:
         assert (await asyncio.to_thread(client.call, r.name, data))["hex"] == data.hex()
 
-    ours = await timed(calls, via_fleet)
-    theirs = await timed(calls, bare)
-    direct = await timed(calls, on_socket)
+    ours, theirs, direct = await timed_in_turns(calls, [via_fleet, bare, on_socket])
     ray.kill(echo)
     p50, b50, d50 = pct(ours, 0.5) * 1e3, pct(theirs, 0.5) * 1e3, pct(direct, 0.5) * 1e3
     p99, b99 = pct(ours, 0.99) * 1e3, pct(theirs, 0.99) * 1e3
@@ -152,13 +159,25 @@ async def call_rows(fleet: Fleet, local: LocalFleet, calls: int) -> list[Row]:
                 note="meshd-mps call's path (HTTP, the ring), no Ray: what fleet.call adds is the rest")]
 
 
-async def timed(n: int, f: Callable[[], Any], warm: int = 10) -> list[float]:
-    out = []
-    for i in range(n + warm):
-        t0 = time.perf_counter()
-        await f()
-        if i >= warm:
-            out.append(time.perf_counter() - t0)
+#: (l3)'s calls are timed in turns of this many of each kind, so that a change of the shared
+#: machine's load falls on the figure and its baseline alike.
+TURN = 50
+
+
+async def timed_in_turns(n: int, fs: list[Callable[[], Any]], warm: int = 10) -> list[list[float]]:
+    """``n`` timed calls of each of ``fs`` (after ``warm`` untimed ones each), TURN of one, then
+    TURN of the next, and so on."""
+    out: list[list[float]] = [[] for _ in fs]
+    for f in fs:
+        for _ in range(warm):
+            await f()
+    while len(out[0]) < n:
+        k = min(TURN, n - len(out[0]))
+        for f, times in zip(fs, out, strict=True):
+            for _ in range(k):
+                t0 = time.perf_counter()
+                await f()
+                times.append(time.perf_counter() - t0)
     return out
 
 
@@ -236,6 +255,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sim-gpus", type=int, default=3, help="simulated GPUs per node (default 3: 96 slots in blink mode)")
     ap.add_argument("--replicas", type=int, default=200, help="replicas of (l1) and (l2) (default 200)")
     ap.add_argument("--calls", type=int, default=500, help="calls of (l3) (default 500)")
+    ap.add_argument("--only", metavar="ROW", action="append", choices=ROWS,
+                    help="only this row (again for more: --only l3 --only l4); default every row")
     ap.add_argument("--json", metavar="FILE", help="also write the header and rows as JSON")
     args = ap.parse_args(argv)
     for k in ("nodes", "sim_gpus", "replicas", "calls"):
@@ -245,7 +266,7 @@ def main(argv: list[str]) -> int:
     local = LocalFleet(args.nodes, args.sim_gpus)
     try:
         local.start()
-        out = asyncio.run(rows(local, args.replicas, args.calls))
+        out = asyncio.run(rows(local, args.replicas, args.calls, frozenset(args.only or ROWS)))
     except Exception as e:  # one ERROR row: the run's failure named, nothing left running
         out = [Row("l", "fleet bench", error=describe(e))]
     finally:

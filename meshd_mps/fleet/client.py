@@ -25,7 +25,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import CallRefused, FleetTimeout, FleetUnavailable, MeshError, NoReplica, ReplicaLost
 from meshd_mps.fleet.controller import CONTROLLER, FleetController
-from meshd_mps.fleet.nodecalls import NodeCalls
+from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.fleet.spec import FleetProgram, FleetReply, FleetStatus, ProgramSource, ProgramSpec, ReplicaView
 
 HINT = "start Ray (ray start --head), or name its address (--address, $RAY_ADDRESS)"
@@ -147,7 +147,7 @@ class Fleet:
                     continue
                 tried.append(f"{r.index}@{r.node}")
                 try:
-                    hexed = await self._call_one(r, sockets.get(r.node or ""), agents.get(r.node or ""), data, timeout)
+                    got = await self._call_one(r, sockets.get(r.node or ""), agents.get(r.node or ""), data, timeout)
                 except _NotDelivered:
                     continue
                 except _Lost as e:
@@ -157,7 +157,7 @@ class Fleet:
                     raise ReplicaLost(f"{name}: replica {r.index} on node {r.node_name} was lost during the call"
                                       f" ({e}); not sent again (not idempotent)", program=name, replica=str(r.index),
                                       node=r.node or "") from e
-                return FleetReply(bytes.fromhex(hexed), r)
+                return FleetReply(got, r)
             self.cache.pop(name, None)
         raise NoReplica(f"{name}: no running replica answered (tried {', '.join(tried) or 'none: none runs'})",
                         program=name, tried=tried)
@@ -179,8 +179,8 @@ class Fleet:
         return mine + others
 
     async def _call_one(self, r: ReplicaView, socket: str | None, agent: Any, data: bytes,
-                        timeout: float | None) -> str:  # noqa: ASYNC109
-        out: dict[str, Any]
+                        timeout: float | None) -> bytes:  # noqa: ASYNC109
+        out: NodeAnswer
         if r.node == self.node and socket:
             direct = self.direct.get(socket)
             if direct is None:
@@ -191,16 +191,19 @@ class Fleet:
         else:
             within = (self.d.call if timeout is None else timeout) + 2 * self.d.fleet_agent
             try:
-                out = await asyncio.wait_for(agent.call.remote(r.name, data, timeout), within)
+                # asyncio.timeout, not wait_for: no task per call (the call's hot path).
+                async with asyncio.timeout(within):
+                    got = await agent.call.remote(r.name, data, timeout)
+                out = NodeAnswer(True, got) if isinstance(got, bytes) else got  # NodeAgent.call: bytes, or why not
             except RayActorError as e:
                 raise _Lost(f"{type(e).__name__}") from e
             except TimeoutError as e:  # the agent's node cut off: the call may have reached the program
                 raise _Lost(f"its agent did not answer in {within:g}s") from e
-        if not out["ok"]:
-            if out.get("lost"):
-                raise _Lost(out["error"])
-            raise _refusal(r, out["status"], out["error"])
-        return str(out["hex"])
+        if not out.ok:
+            if out.lost:
+                raise _Lost(out.error)
+            raise _refusal(r, out.status, out.error)
+        return out.data
 
     async def _ask(self, ref: Any) -> Any:
         """An actor call's answer; the controller's own errors as raised there, typed."""

@@ -1,80 +1,183 @@
 """Calls to one node daemon's programs, async and over kept-alive connections: the fleet's call path.
 
 ``serving/client.Client`` is blocking and opens a connection per request (the CLI's one request);
-run in a thread for each fleet call it took twice the time of this (aiohttp's client over the Unix
-socket, its connections kept between calls).  The same checks as the CLI's client: the socket is
-the caller's own (``check_socket_owner``) before the first connection, and the process that
-answers runs as the caller's uid (``check_peer``) on each connection once.
+run in a thread for each fleet call it took twice the time of aiohttp's client, and aiohttp's
+client (its request and response objects, connector, cookie jar, timers) took 0.58 ms a call
+where this module's takes 0.34 ms, the daemon and the ring included (the 2-core CPU machine;
+docs/benchmarks.md, "Issue 34: (l3) the call path").  So a call is written here: one HTTP/1.1
+request of a fixed shape, on a connection kept from the last call, and its answer read by its
+Content-Length, which the daemon's answers always carry (aiohttp's ``web.Response`` with a body).
+An answer of any other shape (chunked, no length, not HTTP/1.x) is refused and its connection
+closed, never guessed at.  The same checks as the CLI's client: the socket is the caller's own
+(``check_socket_owner``) before each new connection, and the process that answers runs as the
+caller's uid (``check_peer``) on each new connection.
 
-An answer is a dict, as the node agent hands it back to the caller through Ray: ``{"ok": True,
-"hex": ...}``, or ``{"ok": False, "status": S, "error": ..., "lost": L}`` where ``status`` is the
-daemon's HTTP status (0: no daemon took the connection: the call reached nothing), and ``lost`` says
-that the call was sent and its answer never came (it may have reached the program).
+At most CONNECTIONS calls are in flight to one daemon at once; a call that finds none free by
+its deadline is not sent.
+
+An answer is a ``NodeAnswer`` (the node agent hands back its bytes alone when it is ``ok``):
+``ok`` and the response's bytes, or the daemon's HTTP ``status`` (0: the call reached no daemon,
+or no answer came), its ``error``, and ``lost``: the call was sent and its answer never came (it
+may have reached the program).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import math
+import time
 import urllib.parse
-import weakref
-from typing import Any
-
-import aiohttp
+from typing import NamedTuple
 
 from meshd_mps.serving.client import ClientError, check_peer, check_socket_owner
 from meshd_mps.strictjson import parse_json
+
+#: A connection idle longer than this is closed, not used again: the daemon closes an idle one
+#: after its ``Deadlines.http_head`` (30 s), and a request written as it closes would be lost.
+IDLE_S = 5.0
+#: The most bytes an answer's head or body may have (a call's answer is a ring entry's, in JSON).
+MAX_ANSWER = 1 << 20
+#: The most connections to one daemon at once (aiohttp's connector had the same limit): calls past
+#: it wait for one, within their deadline.
+CONNECTIONS = 64
+
+
+class NodeAnswer(NamedTuple):
+    ok: bool
+    data: bytes = b""
+    status: int = 200
+    error: str = ""
+    lost: bool = False
+
+
+class _Conn(NamedTuple):
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    used: float  # monotonic, when it was last put back
+
+
+class _BadAnswer(Exception):
+    """The daemon answered in a shape this client does not read (its connection is closed)."""
 
 
 class NodeCalls:
     def __init__(self, path: str, within: float):
         self.path = path
         self.within = within  # the answer's deadline beyond the call's own timeout
-        self.session: aiohttp.ClientSession | None = None
-        self.checked: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()  # connections whose peer was checked
+        self.idle: list[_Conn] = []  # connections between two calls, the last used last
+        self.slots = asyncio.Semaphore(CONNECTIONS)
 
-    async def call(self, name: str, data: bytes, timeout: float | None = None) -> dict[str, Any]:  # noqa: ASYNC109
-        body: dict[str, Any] = {"hex": data.hex()}
+    async def call(self, name: str, data: bytes, timeout: float | None = None) -> NodeAnswer:  # noqa: ASYNC109
+        body: dict[str, object] = {"hex": data.hex()}
         if timeout is not None:
             if not 0 < timeout < math.inf:
-                return {"ok": False, "status": 400, "error": f"timeout {timeout:g}: seconds, a finite number more than 0",
-                        "lost": False}
+                return NodeAnswer(False, status=400, error=f"timeout {timeout:g}: seconds, a finite number more than 0")
             body["timeout"] = timeout
         wait = self.within if timeout is None else max(self.within, timeout + 10)
-        url = f"http://meshd-mps/v1/programs/{urllib.parse.quote(name, safe='')}/call"
+        raw = json.dumps(body).encode()
+        req = (f"POST /v1/programs/{urllib.parse.quote(name, safe='')}/call HTTP/1.1\r\nHost: meshd-mps\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n").encode() + raw
+        deadline = asyncio.get_running_loop().time() + wait
         try:
-            if self.session is None:
-                check_socket_owner(self.path)
-                self.session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=self.path, limit=64))
-            async with asyncio.timeout(wait), self.session.post(url, json=body) as r:
-                self._check(r)
-                raw = await r.read()
-                status = r.status
-        except ClientError as e:
-            return {"ok": False, "status": 0, "error": str(e), "lost": False}
-        except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as e:
-            return {"ok": False, "status": 0, "error": f"no daemon on {self.path} ({e})", "lost": False}
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
-            return {"ok": False, "status": 0, "error": f"{self.path}: no answer: {type(e).__name__}: {e}", "lost": True}
+            async with asyncio.timeout_at(deadline):
+                await self.slots.acquire()
+        except TimeoutError:  # not sent: another replica may take it
+            return NodeAnswer(False, status=0, error=f"{self.path}: no connection free in {wait:g}s ({CONNECTIONS}"
+                                                     " calls in flight)")
         try:
-            ans = parse_json(raw, strict=False)
+            async with asyncio.timeout_at(deadline):
+                return await self._call(req)
+        except TimeoutError as e:
+            return NodeAnswer(False, status=0, error=f"{self.path}: no answer in {wait:g}s: {e}", lost=True)
+        finally:
+            self.slots.release()
+
+    async def _call(self, req: bytes) -> NodeAnswer:
+        conn: _Conn | None = None
+        try:
+            try:
+                conn = await self._connection()
+            except ClientError as e:
+                return NodeAnswer(False, status=0, error=str(e))
+            except OSError as e:  # no socket, nobody listening
+                return NodeAnswer(False, status=0, error=f"no daemon on {self.path} ({e})")
+            conn.writer.write(req)
+            status, answer, keep = await _read_answer(conn.reader)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
+            self._drop(conn)
+            return NodeAnswer(False, status=0, error=f"{self.path}: no answer: {type(e).__name__}: {e}", lost=True)
+        except _BadAnswer as e:
+            self._drop(conn)
+            return NodeAnswer(False, status=0, error=f"{self.path}: {e}", lost=True)
+        except BaseException:  # cancelled (the deadline) mid-answer: the connection holds the rest of it
+            self._drop(conn)
+            raise
+        if keep:
+            self.idle.append(_Conn(conn.reader, conn.writer, time.monotonic()))
+        else:
+            self._drop(conn)
+        try:
+            ans = parse_json(answer, strict=False)
         except ValueError as e:
-            return {"ok": False, "status": status, "error": f"HTTP {status}: not JSON ({e})", "lost": False}
+            return NodeAnswer(False, status=status, error=f"HTTP {status}: not JSON ({e})")
         if status >= 400 or not isinstance(ans, dict) or not ans.get("ok"):
             err = ans.get("error") if isinstance(ans, dict) else None
-            return {"ok": False, "status": status, "error": str(err or f"HTTP {status}"), "lost": False}
-        return {"ok": True, "hex": ans["hex"]}
+            return NodeAnswer(False, status=status, error=str(err or f"HTTP {status}"))
+        try:
+            return NodeAnswer(True, bytes.fromhex(ans["hex"]))
+        except (KeyError, TypeError, ValueError):
+            return NodeAnswer(False, status=status, error=f"HTTP {status}: an answer without its bytes ('hex')")
 
-    def _check(self, r: aiohttp.ClientResponse) -> None:
-        """The peer of a connection used for the first time: ClientError if it is another uid's."""
-        transport = r.connection.transport if r.connection is not None else None
-        sock = transport.get_extra_info("socket") if transport is not None else None
-        if transport is None or sock is None or transport in self.checked:
-            return
-        check_peer(sock, self.path)
-        self.checked.add(transport)
+    async def _connection(self) -> _Conn:
+        """The connection used last, if it is still open and not idle too long; else a new one,
+        its socket's owner and its peer checked (ClientError)."""
+        now = time.monotonic()
+        while self.idle:
+            c = self.idle.pop()
+            if now - c.used < IDLE_S and not c.reader.at_eof() and not c.writer.is_closing():
+                return c
+            c.writer.close()
+        check_socket_owner(self.path)
+        reader, writer = await asyncio.open_unix_connection(self.path, limit=MAX_ANSWER)
+        try:
+            check_peer(writer.get_extra_info("socket"), self.path)
+        except BaseException:
+            writer.close()
+            raise
+        return _Conn(reader, writer, now)
+
+    @staticmethod
+    def _drop(conn: _Conn | None) -> None:
+        if conn is not None:
+            conn.writer.close()
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        idle, self.idle = self.idle, []
+        for c in idle:
+            c.writer.close()
+        for c in idle:
+            with contextlib.suppress(OSError):
+                await c.writer.wait_closed()
+
+
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
+    """One answer: its status, its body, and whether its connection may carry the next request."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    version, _, rest = lines[0].partition(" ")
+    code = rest[:3]
+    if version not in ("HTTP/1.1", "HTTP/1.0") or not code.isdigit():
+        raise _BadAnswer(f"not an HTTP/1.x answer: {lines[0][:80]!r}")
+    fields: dict[str, str] = {}
+    for line in lines[1:]:
+        if line:
+            k, _, v = line.partition(":")
+            fields[k.strip().lower()] = v.strip()
+    size = fields.get("content-length", "")
+    if "transfer-encoding" in fields or not size.isdigit() or int(size) > MAX_ANSWER:
+        raise _BadAnswer(f"HTTP {code}: an answer without a Content-Length of at most {MAX_ANSWER} bytes")
+    body = await reader.readexactly(int(size))
+    keep = version == "HTTP/1.1" and fields.get("connection", "").lower() != "close"
+    return int(code), body, keep

@@ -1,0 +1,114 @@
+"""The simulated GPU's ring poll (workers/sim_kernels.py ``MeshRing.wait``): while calls flow it
+polls every HOT_POLL_S, once idle for HOT_S it polls every POLL_S again, as before (issue 34, (l3):
+a request waited for the idle poll, ~0.3 ms, where the GPU answers in microseconds).  The pauses
+are read from the kernel's own sleeps and its clock is the test's (no assertion about time); the
+ring's semantics (every request served, HALT ends the wait, the beat on its timer) stay those of
+tests/test_ring.py, checked here again while the kernel is hot."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshd_mps.protocol import abi
+from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.protocol.ring import Ring
+from workers import sim_kernels
+from workers.sim_kernels import HOT_POLL_S, HOT_S, POLL_S, MeshBeat, MeshRing, echo_turn
+
+SLOT = 5
+
+
+@pytest.fixture
+def mb():
+    m = Mailbox.create()
+    yield m
+    m.close()
+
+
+class Clock:
+    """The kernel's clock and sleep, the test's: each sleep is recorded and moves the clock."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.now = 10**12
+        self.slept: list[float] = []
+        monkeypatch.setattr(sim_kernels.time, "monotonic_ns", lambda: self.now)
+        monkeypatch.setattr(sim_kernels.time, "sleep", self.sleep)
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.now += int(s * 1e9)
+
+
+def polls(n: int):
+    """A ``poisoned`` for ``MeshRing.wait`` that ends the wait after ``n`` polls."""
+    left = [n]
+
+    def poisoned() -> bool:
+        left[0] -= 1
+        return left[0] < 0
+
+    return poisoned
+
+
+def device(mb: Mailbox) -> MeshRing:
+    return MeshRing(mb, SLOT, MeshBeat(mb, SLOT, {}, lambda: False), abi.BEAT_EVERY)
+
+
+def test_an_idle_kernel_polls_at_poll_s(mb, monkeypatch):
+    clock = Clock(monkeypatch)
+    dev = device(mb)
+    assert dev.wait(polls(5)) == 0
+    assert clock.slept == [POLL_S] * 5
+
+
+def test_after_a_request_the_kernel_polls_fast_until_idle_for_hot_s(mb, monkeypatch):
+    clock = Clock(monkeypatch)
+    host, dev = Ring(mb, SLOT), device(mb)
+    seq = host.post(b"first")
+    assert echo_turn(dev, lambda: False) == 1 and host.response(seq) == b"first"
+    assert clock.slept == []  # the request was there at the first poll
+    fast = int(HOT_S / HOT_POLL_S)
+    assert dev.wait(polls(fast + 10)) == 0  # no request: hot for HOT_S, then idle
+    assert set(clock.slept[: fast - 1]) == {HOT_POLL_S}
+    assert clock.slept[-5:] == [POLL_S] * 5
+    assert sum(s for s in clock.slept if s == HOT_POLL_S) == pytest.approx(HOT_S, rel=0.01)
+
+
+def test_a_hot_kernel_serves_every_request_and_each_request_keeps_it_hot(mb, monkeypatch):
+    clock = Clock(monkeypatch)
+    host, dev = Ring(mb, SLOT), device(mb)
+    sent = [bytes([k]) * (k % abi.ENTRY_PAYLOAD + 1) for k in range(3 * abi.RING + 1)]
+    got: list[bytes | None] = []
+    for k, x in enumerate(sent):
+        if k % 3 == 2:  # the kernel polled meanwhile and found nothing
+            assert dev.wait(polls(3)) == 0
+        seq = host.post(x)
+        assert echo_turn(dev, lambda: False) == 1
+        got.append(host.response(seq))
+        clock.now += int(HOT_S * 1e9 * 0.9)  # the next request comes within HOT_S of this one
+        dev.wait(polls(1))
+        assert clock.slept[-1] == HOT_POLL_S
+    assert got == sent
+    assert mb.u32(SLOT, abi.RESP_HEAD) == len(sent)
+
+
+def test_halt_ends_a_hot_wait(mb, monkeypatch):
+    clock = Clock(monkeypatch)
+    host, dev = Ring(mb, SLOT), device(mb)
+    host.post(b"a")
+    echo_turn(dev, lambda: False)
+    host.post(b"late")
+    mb.halt(SLOT)
+    assert dev.wait(lambda: False) == 0  # HALT first, the pending request not served
+    assert mb.u32(SLOT, abi.RESP_HEAD) == 1 and clock.slept == []
+
+
+def test_the_beat_stays_on_its_timer_while_hot(mb, monkeypatch):
+    clock = Clock(monkeypatch)
+    host, dev = Ring(mb, SLOT), device(mb)
+    before = mb.heartbeat(SLOT)
+    host.post(b"a")
+    echo_turn(dev, lambda: False)
+    assert mb.heartbeat(SLOT) == before  # not due: a hot poll does not beat
+    dev.wait(polls(int(abi.BEAT_EVERY / 1e9 / HOT_POLL_S) + 2))  # a whole interval of polls
+    assert mb.heartbeat(SLOT) > before and clock.slept
