@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnschedulableError, RayActorError, RayTaskError
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import CallRefused, FleetTimeout, FleetUnavailable, MeshError, NoReplica, ReplicaLost
@@ -192,7 +192,7 @@ class Fleet:
             within = (self.d.call if timeout is None else timeout) + 2 * self.d.fleet_agent
             try:
                 out = await asyncio.wait_for(agent.call.remote(r.name, data, timeout), within)
-            except RayActorError as e:
+            except (RayActorError, ActorUnschedulableError) as e:  # the latter: its node known dead to Ray
                 raise _Lost(f"{type(e).__name__}") from e
             except TimeoutError as e:  # the agent's node cut off: the call may have reached the program
                 raise _Lost(f"its agent did not answer in {within:g}s") from e
