@@ -113,7 +113,8 @@ class FleetRig:
             self.cluster = self.head()
             started = [self.start_daemon(f"n{i}") for i in range(nodes)]  # all at once: each starts its worker
             for i, (daemon, state) in enumerate(started):
-                self.add(f"n{i}", daemon, state)
+                self.add(f"n{i}", daemon, state, wait=False)
+            self.cluster.wait_for_nodes(UP_S)  # the raylets start together
             ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
         except BaseException:
             self.close()  # what started so far: nothing is left behind by a start that failed
@@ -137,7 +138,8 @@ class FleetRig:
         reap_orphans()
         self.cluster = self.head()
         for name, n in self.nodes.items():
-            self.add(name, n.daemon, n.state)
+            self.add(name, n.daemon, n.state, wait=False)
+        self.cluster.wait_for_nodes(UP_S)
         ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
 
     def start_daemon(self, name: str) -> tuple[Serve, str]:
@@ -148,8 +150,9 @@ class FleetRig:
         self.starting.append(s)
         return s, state
 
-    def add(self, name: str, daemon: Serve | None = None, state: str | None = None) -> Node:
-        """Node ``name`` joins: its daemon (started here unless given), then its raylet."""
+    def add(self, name: str, daemon: Serve | None = None, state: str | None = None, wait: bool = True) -> Node:
+        """Node ``name`` joins: its daemon (started here unless given), then its raylet (``wait``:
+        until the cluster has it; else the caller waits for all it added, ``cluster.wait_for_nodes``)."""
         if daemon is None or state is None:
             daemon, state = self.start_daemon(name)
         daemon.wait_ready()
@@ -157,8 +160,10 @@ class FleetRig:
         res = node_resources(daemon.client.status(), node=name, slots=self.slots)
         assert self.cluster is not None
         n = self.nodes[name]
-        n.ray_node = self.cluster.add_node(num_cpus=0, resources=res, env_vars={"MESHD_MPS_SOCKET": daemon.sock})
-        self.cluster.wait_for_nodes()
+        n.ray_node = self.cluster.add_node(wait=False, num_cpus=0, resources=res,
+                                           env_vars={"MESHD_MPS_SOCKET": daemon.sock})
+        if wait:
+            self.cluster.wait_for_nodes(UP_S)
         return n
 
     def stop_raylet(self, name: str) -> None:
