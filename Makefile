@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 # make test runs the suite on this many pytest-xdist workers (0: in one process, as plain pytest
 # does), each taking the next test module when it is free (--dist loadscope: a module's daemon and
 # compiled examples are made once, not once per worker; 10 s less than test by test on 2 cores),
-# the longest first (tests/conftest.py).  More workers than cores: tests wait on processes too.
+# the longest first, and the fleet modules one after another on one worker, on one Ray cluster
+# (tests/conftest.py).  More workers than cores: tests wait on processes too.
 PYTEST_WORKERS ?= 4
 
 # What make lint and make test check, with zero findings (the rules: pyproject's [tool.ruff], [tool.mypy]).

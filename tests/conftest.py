@@ -10,6 +10,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Generator
+from typing import Any
 
 import pytest
 
@@ -106,14 +108,13 @@ def serve(tmp):
 
 #: The tests that take longest (seconds, one at a time on 2 loaded cores, 2026-12-06), by node id
 #: prefix.  make test runs the suite on pytest-xdist workers that each take the next module when
-#: they are free (``--dist loadscope``): these modules go first, longest first, so that none of
-#: them starts last and is run alone at the end while the other workers idle.  Only the order
-#: changes (a name that is no longer a test's does nothing).
+#: they are free (``--dist loadscope``, in this order: ``OneClusterScope`` keeps it): these modules
+#: go first, longest first, so that none of them starts last and is run alone at the end while the
+#: other workers idle.  Only the order changes (a name that is no longer a test's does nothing).
+#: The fleet modules on the shared cluster (``SHARED_CLUSTER``) come before all of them.
 LONGEST_FIRST = (
-    "tests/test_fleet_failover.py::",  # 100 (a Ray cluster of 3 nodes, killed and restarted)
-    "tests/test_fleet.py::",  # 75 (a Ray cluster of 3 nodes; the CLI's round trip on it)
-    "tests/test_fleet_bench.py::test_fleet_bench_smoke",  # 27 (its own cluster of 2 nodes, one killed)
     "tests/test_bench.py::test_bench_sim_quick",  # 77
+    "tests/test_fleet_bench.py::test_fleet_bench_smoke",  # 27 (its own cluster of 2 nodes, one killed)
     "tests/test_scripts.py::test_issue18_probes_run",  # 33
     "tests/test_live_restore.py::test_reconcile_",  # 18
     "tests/test_serve.py::test_serve_end_to_end",  # 13 + 8
@@ -135,11 +136,62 @@ LONGEST_FIRST = (
     "tests/test_recovery_speed.py::",  # faults in both modes
 )
 
+#: The fleet test modules (by prefix) share one Ray cluster (tests/rigs/fleet.py ``rig``): one
+#: xdist scope, so one worker runs them one after another, the first of all (~150 s, most of it
+#: waiting on Ray), and ``CLUSTER_LAST`` after the others (it kills nodes and restarts the head).
+#: Not the modules in ``OWN_CLUSTER``: the bench's smoke starts its own (``meshd-mps fleet bench``),
+#: and the others start none; each is a scope of its own, run beside.
+SHARED_CLUSTER = "tests/test_fleet"
+CLUSTER_LAST = "tests/test_fleet_failover.py::"
+OWN_CLUSTER = ("tests/test_fleet_bench.py::", "tests/test_fleet_api.py::", "tests/test_fleet_cli.py::")
+
+
+def shares_cluster(nodeid: str) -> bool:
+    return nodeid.startswith(SHARED_CLUSTER) and not nodeid.startswith(OWN_CLUSTER)
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """LONGEST_FIRST's tests first, in its order; the others after them, in the order collected."""
+    """The shared cluster's modules first (``CLUSTER_LAST`` last of them), then LONGEST_FIRST's
+    tests in its order, then the others in the order collected."""
 
-    def rank(item: pytest.Item) -> int:
-        return next((i for i, p in enumerate(LONGEST_FIRST) if item.nodeid.startswith(p)), len(LONGEST_FIRST))
+    def rank(item: pytest.Item) -> tuple[int, bool]:
+        if shares_cluster(item.nodeid):
+            return (-1, item.nodeid.startswith(CLUSTER_LAST))
+        return (next((i for i, p in enumerate(LONGEST_FIRST) if item.nodeid.startswith(p)), len(LONGEST_FIRST)), False)
 
     items.sort(key=rank)  # stable: each group keeps the order collected
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadscope`` with the fleet modules on the shared cluster as one scope."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneClusterScope(LoadScopeScheduling):
+        """A module is a scope, as in loadscope, but the shared cluster's modules are one; the scopes
+        go out in the order collected (LONGEST_FIRST's), not xdist's largest-first."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return SHARED_CLUSTER if shares_cluster(nodeid) else super()._split_scope(nodeid)
+
+    config.option.loadscopereorder = False  # read by the scheduler's first schedule(), ours alone
+    return OneClusterScope(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    """After the last test on the shared cluster (the next one on this worker is not on it), the
+    cluster closed: not left idle, its Ray processes and daemons gone before the other tests."""
+    yield
+    rigs = sys.modules.get(f"{__package__}.rigs.fleet")  # imported by the modules that use it: Ray is optional
+    if rigs is not None and rigs.uses_shared(item) and not rigs.uses_shared(nextitem):
+        rigs.close_shared()
+
+
+def pytest_sessionfinish() -> None:
+    """A session cut short (-x, Ctrl-C) leaves no cluster running either."""
+    rigs = sys.modules.get(f"{__package__}.rigs.fleet")
+    if rigs is not None:
+        rigs.close_shared()

@@ -2,13 +2,12 @@
 each node with its own ``meshd-mps serve --gpu sim --live-restore`` daemon, socket and state dir
 (tests/rigs/fleet.py), 2 slots a node: deploy over several nodes, capacity exhausted, the agent
 killed, a rolling upgrade with calls in flight, status against each node's ``ps``, calls from a
-node, bad specs; and ``meshd-mps fleet`` as a user runs it, from a shell.  One cluster for the
-module; each test removes what it deployed."""
+node, bad specs; and ``meshd-mps fleet`` as a user runs it, from a shell.  On the fleet tests'
+shared cluster (``rig`` and ``fleet`` from tests/rigs/fleet.py); each test removes what it deployed."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import queue
 import signal
@@ -27,24 +26,13 @@ from meshd_mps.fleet.capacity import node_resources
 from meshd_mps.fleet.spec import replica_name
 from meshd_mps.serving.client import Client, ClientError
 
-from .rigs.deadlines import TEST_DEADLINES
-from .rigs.fleet import NAMESPACE, FleetRig
+from .rigs import fleet as shared
+from .rigs.fleet import NAMESPACE, UP_S, FleetRig
 from .rigs.serve import EXAMPLES, REPO, cli, env
-from .rigs.waits import until
 
-FLEET_DEADLINES = dataclasses.replace(TEST_DEADLINES, fleet_tick=0.2, fleet_rejoin=5.0)
-UP_S = 60.0
+rig, fleet = shared.rig, shared.fleet  # the fleet tests' cluster (tests/rigs/fleet.py), and its client
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def rig():
-    r = FleetRig(nodes=3, slots=2)
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 @pytest.fixture(scope="module")
@@ -55,18 +43,6 @@ def echo() -> ProgramSource:
 @pytest.fixture(scope="module")
 def heartbeat() -> ProgramSource:
     return ProgramSource.read(str(EXAMPLES / "heartbeat"))
-
-
-@pytest.fixture
-async def fleet(rig):
-    f = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
-    try:
-        yield f
-    finally:
-        for p in (await f.status()).programs:
-            await f.remove(p.name)
-        await until(lambda: not any(n.ps() for n in rig.nodes.values()), UP_S, "every replica unloaded")
-        await f.close()
 
 
 async def pending_reason(fleet: Fleet, name: str) -> str:
@@ -399,7 +375,11 @@ def test_status_watch_prints_each_change(rig):
     """``status --watch``: the table, then a row each time a replica changes (as kubectl get -w),
     until Ctrl-C (exit 130)."""
     argv = [sys.executable, "-m", "meshd_mps", "fleet", "status", "--watch", "--address", rig.cluster.address]
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO) as watch:
+    # Ctrl-C reaches it as a shell's foreground job: SIGINT at its default, not ignored as this run's
+    # own may be (a background job of a non-interactive shell starts with SIGINT ignored, and so its
+    # children: then Python never raises KeyboardInterrupt, and the watch runs on).
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as watch:
         out, err = watch.stdout, watch.stderr
         assert out is not None and err is not None
         lines: queue.Queue[str] = queue.Queue()
@@ -431,6 +411,10 @@ def test_status_watch_prints_each_change(rig):
             until_row(lambda w: w[:1] == ["echo-watched"] and w[5:6] == ["gone"], "gone row")
         finally:
             watch.send_signal(signal.SIGINT)
-            rc = watch.wait(CLI_S)
+            try:
+                rc = watch.wait(CLI_S)
+            except subprocess.TimeoutExpired:  # deaf to Ctrl-C: killed, its exit status the failure below
+                watch.kill()
+                rc = watch.wait(CLI_S)
             reader.join(CLI_S)
         assert rc == 130, err.read()

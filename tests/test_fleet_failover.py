@@ -3,7 +3,8 @@ each node with its own daemon, socket and state dir, 2 slots a node: a node lost
 daemon and workers killed) and its replicas re-placed or pending with the reason, a call whose
 replica's node died (retried only when idempotent), the nodes back without any replica run twice
 at any observation (the replicas are loaded with restore adopt), and the head restarted with
-nothing lost and nothing halted."""
+nothing lost and nothing halted.  On the fleet tests' shared cluster, after every other module on it
+(tests/conftest.py): each test leaves the 3 nodes up again, but the cluster is not the one it found."""
 
 from __future__ import annotations
 
@@ -17,15 +18,15 @@ import pytest
 from meshd_mps.errors import ReplicaLost
 from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
 
-from .rigs.deadlines import TEST_DEADLINES
-from .rigs.fleet import NAMESPACE, FleetRig
+from .rigs import fleet as shared
+from .rigs.fleet import FLEET_DEADLINES, NAMESPACE, UP_S, FleetRig
 from .rigs.serve import EXAMPLES
 
-FLEET_DEADLINES = dataclasses.replace(TEST_DEADLINES, fleet_tick=0.2, fleet_rejoin=5.0)
+rig = shared.rig  # the fleet tests' cluster (tests/rigs/fleet.py)
+
 #: A client that keeps its routes for a minute: its calls go to a replica the controller already
 #: knows is gone, as a call on its way when the node died would.
 STALE_ROUTES = dataclasses.replace(FLEET_DEADLINES, fleet_tick=60.0)
-UP_S = 60.0
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -37,15 +38,6 @@ def no_child_left():
     process of the cluster or its daemons is left at the end (``leftovers`` of its directory, which
     every raylet, Ray worker, daemon and program worker has in its environment or command line)."""
     yield
-
-
-@pytest.fixture(scope="module")
-def rig():
-    r = FleetRig(nodes=3, slots=2)
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 @pytest.fixture(scope="module")

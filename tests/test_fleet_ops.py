@@ -2,13 +2,13 @@
 its own simulated-GPU daemon, 2 slots a node): a second fleet (another Ray namespace) on the same
 node daemons touches nothing there and says why, while the first runs on undisturbed; the fleet's
 metrics (``meshd-mps fleet metrics``) agree with its status after a deploy and after a deploy that
-finds no capacity.  One cluster for the module; each test removes what it deployed."""
+finds no capacity.  The fleet tests' shared cluster (``rig`` and ``fleet`` from tests/rigs/fleet.py); each test removes
+what it deployed."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import time
 
@@ -20,26 +20,16 @@ from meshd_mps.fleet import Fleet, FleetStatus, ProgramSource, ProgramSpec
 from meshd_mps.fleet.agent import agent_name
 from meshd_mps.fleet.controller import CONTROLLER
 
-from .rigs.deadlines import TEST_DEADLINES
-from .rigs.fleet import NAMESPACE, FleetRig
+from .rigs import fleet as shared
+from .rigs.fleet import FLEET_DEADLINES, NAMESPACE, FleetRig
 from .rigs.serve import EXAMPLES, cli
-from .rigs.waits import until
 
-FLEET_DEADLINES = dataclasses.replace(TEST_DEADLINES, fleet_tick=0.2, fleet_rejoin=5.0)
+rig, fleet = shared.rig, shared.fleet  # the fleet tests' cluster (tests/rigs/fleet.py), and its client
 UP_S = 60.0
 #: Each command connects to the cluster and leaves it: a few seconds of Ray's start each.
 CLI_S = 120
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def rig():
-    r = FleetRig(nodes=3, slots=2)
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +40,6 @@ def echo() -> ProgramSource:
 @pytest.fixture(scope="module")
 def heartbeat() -> ProgramSource:
     return ProgramSource.read(str(EXAMPLES / "heartbeat"))
-
-
-@pytest.fixture
-async def fleet(rig):
-    f = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
-    try:
-        yield f
-    finally:
-        for p in (await f.status()).programs:
-            await f.remove(p.name)
-        await until(lambda: not any(n.ps() for n in rig.nodes.values()), UP_S, "every replica unloaded")
-        await f.close()
 
 
 def fleet_cli(rig: FleetRig, *args: str):

@@ -20,14 +20,16 @@ from meshd_mps.protocol.mailbox import Mailbox
 Script = dict[str, Any]
 
 #: How long a simulated resident kernel sleeps between two polls of its slot: a thread that spun
-#: would take a CPU core (and the GIL) from the worker; the H200's kernels poll without pause.
-POLL_S = 0.0005
+#: would take a CPU core (and the GIL) from the worker; the H200's kernels poll without pause.  2 ms,
+#: not 0.5: each resident program took ~4 % of a core polling, dozens at once in make test on 2
+#: cores (test_live_restore, test_restore and test_ring_serving: 57 -> 51 s of CPU).
+POLL_S = 0.002
 #: While calls flow (within HOT_S of the last request it served), an echo kernel's ring polls every
 #: HOT_POLL_S instead: a poll each ~150 us on the 2-core CPU machine (a sleep's own cost included),
-#: 6.5 % of a core against 3 % at POLL_S and 10 % at 50 us.  At POLL_S a request waited ~0.3 ms for
+#: 6.5 % of a core against 3 % at 0.5 ms and 10 % at 50 us.  At 0.5 ms a request waited ~0.3 ms for
 #: the next poll, past the daemon's Calls.YIELDS (0.2 ms) of a call's wait, which then backs off
 #: to 1 ms sleeps: most calls paid 1.3 ms for a ring the GPU answers in microseconds
-#: (docs/benchmarks.md, "Issue 34: (l3) the call path").  An idle kernel polls at POLL_S, as before.
+#: (docs/benchmarks.md, "Issue 34: (l3) the call path").  An idle kernel polls at POLL_S.
 HOT_POLL_S = 100e-6
 HOT_S = 0.02
 HOT_NS = int(HOT_S * 1e9)

@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ActorUnschedulableError, RayActorError, RayTaskError
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import CallRefused, FleetTimeout, FleetUnavailable, MeshError, NoReplica, ReplicaLost
@@ -195,7 +195,7 @@ class Fleet:
                 async with asyncio.timeout(within):
                     got = await agent.call.remote(r.name, data, timeout)
                 out = NodeAnswer(True, got) if isinstance(got, bytes) else got  # NodeAgent.call: bytes, or why not
-            except RayActorError as e:
+            except (RayActorError, ActorUnschedulableError) as e:  # the latter: its node known dead to Ray
                 raise _Lost(f"{type(e).__name__}") from e
             except TimeoutError as e:  # the agent's node cut off: the call may have reached the program
                 raise _Lost(f"its agent did not answer in {within:g}s") from e

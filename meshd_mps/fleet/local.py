@@ -38,6 +38,12 @@ START_S = 60.0
 STOP_S = 30.0
 #: How often a start is looked at again (a poll interval, not a deadline).
 POLL_S = 0.05
+#: The head's health checks of each raylet (Ray's GCS: ``_system_config``), for a cluster on one
+#: machine: a killed raylet is known dead after 3 failed checks 1 s apart (~3 s) instead of Ray's 5
+#: checks 3 s apart (~15 s).  Only the period and the count: each check still has Ray's 10 s to be
+#: answered, and a node its first 5 s, so that a node that is alive but slow on a loaded machine is
+#: never declared dead (its raylet then exits, and what is pinned to it with NodeAffinity cannot run).
+NODE_DEATH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 
 
 @dataclass(eq=False)  # one object per node: hashed by identity (the bench counts replicas per node)
@@ -95,7 +101,8 @@ class LocalFleet:
             n.resources = node_resources(self._ready(n), node=n.name)
         # The head places no replica (no meshd_slot): the controller and the bench's driver run there.
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "env_vars": {FLEET_STATE_ENV: self.state_dir}})  # the controller's checkpoint
+            "num_cpus": 1, "env_vars": {FLEET_STATE_ENV: self.state_dir},  # the controller's checkpoint
+            "_system_config": NODE_DEATH, "include_dashboard": False})  # nothing reads it: a process less
         for n in self.nodes:
             n.ray_node = self.cluster.add_node(num_cpus=1, resources=n.resources,
                                                env_vars={"MESHD_MPS_SOCKET": n.socket})

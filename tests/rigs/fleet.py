@@ -6,11 +6,21 @@ Each node advertises the resources ``capacity.node_resources`` computes from its
 with a small ``slots`` so that capacity runs out early, and its daemon's socket in the node's
 environment (``$MESHD_MPS_SOCKET``, which its agent reads).  ``close`` removes every program, stops
 the daemons with nothing running (a live-restore stop then leaves nothing) and the cluster.
+
+One cluster serves every fleet test module (fixtures ``rig`` and ``fleet`` here): one less saved
+14 s of the CPU of test_fleet.py and test_fleet_failover.py (4 raylets with their agents, 3
+daemons, the controller and agents).  A module joins with ``from .rigs import fleet as shared`` and
+``rig, fleet = shared.rig, shared.fleet`` (not imported by name: ruff takes the tests' arguments for
+redefinitions); tests/conftest.py runs the modules whose names start with tests/test_fleet on one
+pytest-xdist worker, one after another, test_fleet_failover.py last, and closes the cluster after
+the last test that uses it.  Each test leaves it as it found it: its programs removed (``fleet``
+does), every node it removed added back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -18,21 +28,30 @@ import tempfile
 import time
 from typing import Any
 
+import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from meshd_mps.fleet import Fleet
 from meshd_mps.fleet.capacity import node_resources
 from meshd_mps.fleet.checkpoint import ENV as FLEET_STATE_ENV
+from meshd_mps.fleet.local import NODE_DEATH
 from meshd_mps.fleet.spec import parse_replica_name
 from meshd_mps.serving.client import ClientError
 
+from .deadlines import TEST_DEADLINES
 from .serve import Serve, leftovers
-from .waits import poll
+from .waits import poll, until
 
 #: The fleet's own namespace, the one ``meshd-mps fleet`` uses: the CLI's tests share the module's
 #: fleet.  (A second fleet, in another namespace, on the same node daemons would fight the first:
 #: each node's agents unload the replicas their own controller does not place there.)
 NAMESPACE = "meshd-mps"
+#: The fleet's reconcile loops tick every 0.2 s (not 0.5: each wait below waits on a few ticks), and a
+#: node that ran replicas has 5 s to rejoin after the head's restart.
+FLEET_DEADLINES = dataclasses.replace(TEST_DEADLINES, fleet_tick=0.2, fleet_rejoin=5.0)
+#: The longest a test waits for the fleet to run, move or unload what it was asked.
+UP_S = 60.0
 
 
 def reap_orphans() -> None:
@@ -94,16 +113,20 @@ class FleetRig:
             self.cluster = self.head()
             started = [self.start_daemon(f"n{i}") for i in range(nodes)]  # all at once: each starts its worker
             for i, (daemon, state) in enumerate(started):
-                self.add(f"n{i}", daemon, state)
+                self.add(f"n{i}", daemon, state, wait=False)
+            self.cluster.wait_for_nodes(UP_S)  # the raylets start together
             ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
         except BaseException:
             self.close()  # what started so far: nothing is left behind by a start that failed
             raise
 
     def head(self) -> Cluster:
-        """A new cluster: its head (no slots; the controller's checkpoint in ``fleet_state``)."""
+        """A new cluster: its head (no slots; the controller's checkpoint in ``fleet_state``; a killed
+        raylet known dead in ~3 s, ``NODE_DEATH``)."""
         return Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "env_vars": {FLEET_STATE_ENV: self.fleet_state}, "include_dashboard": False})
+            "num_cpus": 0, "env_vars": {FLEET_STATE_ENV: self.fleet_state}, "include_dashboard": False,
+            "include_log_monitor": False,  # no driver here shows the actors' logs: a process less
+            "_system_config": NODE_DEATH})
 
     def restart_head(self) -> None:
         """The head restarts (without GCS fault tolerance the cluster's state goes with it, so every
@@ -115,7 +138,8 @@ class FleetRig:
         reap_orphans()
         self.cluster = self.head()
         for name, n in self.nodes.items():
-            self.add(name, n.daemon, n.state)
+            self.add(name, n.daemon, n.state, wait=False)
+        self.cluster.wait_for_nodes(UP_S)
         ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
 
     def start_daemon(self, name: str) -> tuple[Serve, str]:
@@ -126,8 +150,9 @@ class FleetRig:
         self.starting.append(s)
         return s, state
 
-    def add(self, name: str, daemon: Serve | None = None, state: str | None = None) -> Node:
-        """Node ``name`` joins: its daemon (started here unless given), then its raylet."""
+    def add(self, name: str, daemon: Serve | None = None, state: str | None = None, wait: bool = True) -> Node:
+        """Node ``name`` joins: its daemon (started here unless given), then its raylet (``wait``:
+        until the cluster has it; else the caller waits for all it added, ``cluster.wait_for_nodes``)."""
         if daemon is None or state is None:
             daemon, state = self.start_daemon(name)
         daemon.wait_ready()
@@ -135,8 +160,10 @@ class FleetRig:
         res = node_resources(daemon.client.status(), node=name, slots=self.slots)
         assert self.cluster is not None
         n = self.nodes[name]
-        n.ray_node = self.cluster.add_node(num_cpus=0, resources=res, env_vars={"MESHD_MPS_SOCKET": daemon.sock})
-        self.cluster.wait_for_nodes()
+        n.ray_node = self.cluster.add_node(wait=False, num_cpus=0, resources=res,
+                                           env_vars={"MESHD_MPS_SOCKET": daemon.sock})
+        if wait:
+            self.cluster.wait_for_nodes(UP_S)
         return n
 
     def stop_raylet(self, name: str) -> None:
@@ -183,3 +210,43 @@ class FleetRig:
             poll(lambda: (reap_orphans(), not leftovers([self.dir]))[1], 30.0,
                  lambda: f"no process of the fleet's nodes left: {leftovers([self.dir])}")
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ---- one cluster for every fleet test module ------------------------------------------------------
+
+_shared: list[FleetRig] = []
+
+
+@pytest.fixture(scope="module")
+def rig() -> FleetRig:
+    """The fleet tests' cluster: a head and 3 nodes of 2 slots each.  Started by the first module
+    that uses it; the next ones find it as the last left it (each test removes what it deployed,
+    and puts back a node it removed); closed by ``close_shared`` after the last (tests/conftest.py)."""
+    if not _shared:
+        _shared.append(FleetRig(nodes=3, slots=2))
+    return _shared[0]
+
+
+@pytest.fixture
+async def fleet(rig: FleetRig):
+    """A client of the cluster's fleet, in the fleet's own namespace; after the test, every program
+    removed and every replica unloaded from its node."""
+    f = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
+    try:
+        yield f
+    finally:
+        for p in (await f.status()).programs:
+            await f.remove(p.name)
+        await until(lambda: not any(n.ps() for n in rig.nodes.values()), UP_S, "every replica unloaded")
+        await f.close()
+
+
+def uses_shared(item: pytest.Item | None) -> bool:
+    """Whether ``item``'s module takes its ``rig`` from here (the shared cluster)."""
+    return item is not None and getattr(getattr(item, "module", None), "rig", None) is rig
+
+
+def close_shared() -> None:
+    """The shared cluster closed, if one runs (its next user starts another)."""
+    while _shared:
+        _shared.pop().close()
