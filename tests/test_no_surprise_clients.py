@@ -199,6 +199,7 @@ def test_an_adopting_start_while_the_pool_refills_makes_no_client(tmp):
         # Stopped at once, so that the daemon's READY (sent once it has imported) cannot make its
         # client before the kill: on a loaded machine this test's poll may see it late.
         os.kill(late, signal.SIGSTOP)
+        made.settle()  # a HELLO it wrote before the stop was its old daemon's refill, not its own
         made.mark()
         a.proc.kill()
         a.proc.wait(10)

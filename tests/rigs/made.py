@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+
+from meshd_mps.mps.standin import BIN_DIR
 
 _LINE = re.compile(r"(New client (\d+) connected|Client (\d+) kernel running)")
 
@@ -15,6 +18,7 @@ class MadeClients:
 
     def __init__(self, mps_dir: str):
         self.path = os.path.join(mps_dir, "log", "control.log")
+        self.pipe = os.path.join(mps_dir, "pipe")
         self.at = 0
 
     def _lines(self) -> list[str]:
@@ -27,6 +31,16 @@ class MadeClients:
     def mark(self) -> None:
         """What is logged from now on is what ``since`` reads."""
         self.at = len(self._lines())
+
+    def settle(self) -> None:
+        """Two control commands' round trips: a client's HELLO already written (by a process
+        stopped since, say) has been taken by the daemon when they return, so a ``mark`` after this
+        counts only what comes later.  (Each command is a round of the daemon's loop, which takes
+        every socket ready in it.)"""
+        env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": self.pipe}
+        for _ in range(2):
+            subprocess.run([os.path.join(BIN_DIR, "nvidia-cuda-mps-control")], input="get_server_list\n", env=env, capture_output=True,
+                           text=True, timeout=30, check=True)
 
     def since(self) -> list[tuple[str, int]]:
         """("new", pid) for each client made and ("running", pid) for each kernel seen starting, in
