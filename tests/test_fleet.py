@@ -30,19 +30,9 @@ from .rigs import fleet as shared
 from .rigs.fleet import NAMESPACE, UP_S, FleetRig
 from .rigs.serve import EXAMPLES, REPO, cli, env
 
-rig, fleet = shared.rig, shared.fleet  # the fleet tests' cluster (tests/rigs/fleet.py), and its client
+rig, fleet, echo, heartbeat = shared.rig, shared.fleet, shared.echo, shared.heartbeat  # tests/rigs/fleet.py
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def echo() -> ProgramSource:
-    return ProgramSource.read(str(EXAMPLES / "echo"))
-
-
-@pytest.fixture(scope="module")
-def heartbeat() -> ProgramSource:
-    return ProgramSource.read(str(EXAMPLES / "heartbeat"))
 
 
 async def pending_reason(fleet: Fleet, name: str) -> str:

@@ -16,30 +16,20 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshd_mps.fleet import Fleet, FleetStatus, ProgramSource, ProgramSpec
+from meshd_mps.fleet import Fleet, FleetStatus, ProgramSpec
 from meshd_mps.fleet.agent import agent_name
 from meshd_mps.fleet.controller import CONTROLLER
 
 from .rigs import fleet as shared
 from .rigs.fleet import FLEET_DEADLINES, NAMESPACE, FleetRig
-from .rigs.serve import EXAMPLES, cli
+from .rigs.serve import cli
 
-rig, fleet = shared.rig, shared.fleet  # the fleet tests' cluster (tests/rigs/fleet.py), and its client
+rig, fleet, echo, heartbeat = shared.rig, shared.fleet, shared.echo, shared.heartbeat  # tests/rigs/fleet.py
 UP_S = 60.0
 #: Each command connects to the cluster and leaves it: a few seconds of Ray's start each.
 CLI_S = 120
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def echo() -> ProgramSource:
-    return ProgramSource.read(str(EXAMPLES / "echo"))
-
-
-@pytest.fixture(scope="module")
-def heartbeat() -> ProgramSource:
-    return ProgramSource.read(str(EXAMPLES / "heartbeat"))
 
 
 def fleet_cli(rig: FleetRig, *args: str):

@@ -32,7 +32,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from meshd_mps.fleet import Fleet
+from meshd_mps.fleet import Fleet, ProgramSource
 from meshd_mps.fleet.capacity import node_resources
 from meshd_mps.fleet.checkpoint import ENV as FLEET_STATE_ENV
 from meshd_mps.fleet.local import NODE_DEATH
@@ -40,7 +40,7 @@ from meshd_mps.fleet.spec import parse_replica_name
 from meshd_mps.serving.client import ClientError
 
 from .deadlines import TEST_DEADLINES
-from .serve import Serve, leftovers
+from .serve import EXAMPLES, Serve, leftovers
 from .waits import poll, until
 
 #: The fleet's own namespace, the one ``meshd-mps fleet`` uses: the CLI's tests share the module's
@@ -239,6 +239,16 @@ async def fleet(rig: FleetRig):
             await f.remove(p.name)
         await until(lambda: not any(n.ps() for n in rig.nodes.values()), UP_S, "every replica unloaded")
         await f.close()
+
+
+@pytest.fixture(scope="module")
+def echo() -> ProgramSource:
+    return ProgramSource.read(str(EXAMPLES / "echo"))
+
+
+@pytest.fixture(scope="module")
+def heartbeat() -> ProgramSource:
+    return ProgramSource.read(str(EXAMPLES / "heartbeat"))
 
 
 def uses_shared(item: pytest.Item | None) -> bool:

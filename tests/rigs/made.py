@@ -38,9 +38,10 @@ class MadeClients:
         counts only what comes later.  (Each command is a round of the daemon's loop, which takes
         every socket ready in it.)"""
         env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": self.pipe}
+        control = os.path.join(BIN_DIR, "nvidia-cuda-mps-control")
         for _ in range(2):
-            subprocess.run([os.path.join(BIN_DIR, "nvidia-cuda-mps-control")], input="get_server_list\n", env=env, capture_output=True,
-                           text=True, timeout=30, check=True)
+            subprocess.run([control], input="get_server_list\n", env=env, capture_output=True, text=True, timeout=30,
+                           check=True)
 
     def since(self) -> list[tuple[str, int]]:
         """("new", pid) for each client made and ("running", pid) for each kernel seen starting, in
