@@ -11,6 +11,7 @@ directory.  Ray's subreaper option is never enabled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -149,12 +150,31 @@ class LocalFleet:
         n.stop()
 
     def close(self) -> None:
+        session = None
         try:
             if ray.is_initialized():
                 ray.shutdown()
             if self.cluster is not None:
+                # Ray keeps a session's logs and sockets under its temporary dir after shutdown, for
+                # debugging; a bench's fleet is ours alone, so its session goes with it.
+                head = self.cluster.head_node
+                session = head.get_session_dir_path() if head is not None else None
                 self.cluster.shutdown()
         finally:
+            if session is not None:
+                _remove_session(session)
             for n in self.nodes:
                 n.stop()
             shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _remove_session(session: str) -> None:
+    """A session dir, the ``session_latest`` link to it, and Ray's dir if nothing else is left in it."""
+    shutil.rmtree(session, ignore_errors=True)
+    root = os.path.dirname(session)
+    latest = os.path.join(root, "session_latest")
+    with contextlib.suppress(OSError):
+        if os.path.realpath(latest) == os.path.realpath(session):
+            os.unlink(latest)
+    with contextlib.suppress(OSError):
+        os.rmdir(root)  # only if empty: another cluster's sessions stay
