@@ -52,7 +52,8 @@ def no_child_left():
     """After every test: no child process of ours, running or zombie (checked, not assumed)."""
     before = children()
     yield
-    left = wait_gone(children() - before, within=5.0)
+    rigs = sys.modules.get(f"{__package__}.rigs.fleet")  # the shared cluster's, when one runs
+    left = wait_gone(children() - before - (rigs.held() if rigs is not None else set()), within=5.0)
     assert not left, f"child processes left behind: {describe(left)}"
 
 
@@ -111,7 +112,7 @@ def serve(tmp):
 #: they are free (``--dist loadscope``, in this order: ``OneClusterScope`` keeps it): these modules
 #: go first, longest first, so that none of them starts last and is run alone at the end while the
 #: other workers idle.  Only the order changes (a name that is no longer a test's does nothing).
-#: The fleet modules on the shared cluster (``SHARED_CLUSTER``) come before all of them.
+#: The fleet modules on the shared clusters (``cluster_scope``) come before all of them.
 LONGEST_FIRST = (
     "tests/test_bench.py::test_bench_sim_quick",  # 77
     "tests/test_fleet_bench.py::test_fleet_bench_smoke",  # 27 (its own cluster of 2 nodes, one killed)
@@ -136,11 +137,13 @@ LONGEST_FIRST = (
     "tests/test_recovery_speed.py::",  # faults in both modes
 )
 
-#: The fleet test modules (by prefix) share one Ray cluster (tests/rigs/fleet.py ``rig``): one
-#: xdist scope, so one worker runs them one after another, the first of all (~150 s, most of it
-#: waiting on Ray), and ``CLUSTER_LAST`` after the others (it kills nodes and restarts the head).
-#: Not the modules in ``OWN_CLUSTER``: the bench's smoke starts its own (``meshd-mps fleet bench``),
-#: and the others start none; each is a scope of its own, run beside.
+#: The fleet test modules (by prefix) run on a Ray cluster a module does not start for itself
+#: (tests/rigs/fleet.py ``rig``): two xdist scopes, the first of all, each on a worker of its own
+#: with its own cluster, side by side.  ``CLUSTER_LAST`` (it kills nodes and restarts the head) is
+#: one; the other modules, which leave the cluster as they found it, share the other, one after
+#: another.  One scope for all of them was one worker's ~190 s on 2 loaded cores: the whole run's
+#: length.  Not the modules in ``OWN_CLUSTER``: the bench's smoke starts its own (``meshd-mps fleet
+#: bench``), and the others start none; each is a scope of its own, run beside.
 SHARED_CLUSTER = "tests/test_fleet"
 CLUSTER_LAST = "tests/test_fleet_failover.py::"
 OWN_CLUSTER = ("tests/test_fleet_bench.py::", "tests/test_fleet_api.py::", "tests/test_fleet_cli.py::")
@@ -148,6 +151,13 @@ OWN_CLUSTER = ("tests/test_fleet_bench.py::", "tests/test_fleet_api.py::", "test
 
 def shares_cluster(nodeid: str) -> bool:
     return nodeid.startswith(SHARED_CLUSTER) and not nodeid.startswith(OWN_CLUSTER)
+
+
+def cluster_scope(nodeid: str) -> str | None:
+    """The xdist scope of a test on a cluster shared by modules (None: it is not on one)."""
+    if not shares_cluster(nodeid):
+        return None
+    return CLUSTER_LAST if nodeid.startswith(CLUSTER_LAST) else SHARED_CLUSTER
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -164,17 +174,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadscope`` with the fleet modules on the shared cluster as one scope."""
+    """``--dist loadscope`` with the fleet modules on a shared cluster as two scopes."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class OneClusterScope(LoadScopeScheduling):
-        """A module is a scope, as in loadscope, but the shared cluster's modules are one; the scopes
+        """A module is a scope, as in loadscope, but the modules sharing a cluster are one; the scopes
         go out in the order collected (LONGEST_FIRST's), not xdist's largest-first."""
 
         def _split_scope(self, nodeid: str) -> str:
-            return SHARED_CLUSTER if shares_cluster(nodeid) else super()._split_scope(nodeid)
+            return cluster_scope(nodeid) or super()._split_scope(nodeid)
 
     config.option.loadscopereorder = False  # read by the scheduler's first schedule(), ours alone
     return OneClusterScope(config, log)

@@ -3,8 +3,9 @@ each node with its own daemon, socket and state dir, 2 slots a node: a node lost
 daemon and workers killed) and its replicas re-placed or pending with the reason, a call whose
 replica's node died (retried only when idempotent), the nodes back without any replica run twice
 at any observation (the replicas are loaded with restore adopt), and the head restarted with
-nothing lost and nothing halted.  On the fleet tests' shared cluster, after every other module on it
-(tests/conftest.py): each test leaves the 3 nodes up again, but the cluster is not the one it found."""
+nothing lost and nothing halted.  On a cluster of the fleet tests' own (tests/conftest.py: an xdist
+scope of its own, beside the other fleet modules'): each test leaves the 3 nodes up again, but the
+cluster is not the one it found."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The fleet's operations on a real Ray cluster (tests/rigs/fleet.py: a head and 3 nodes, each with
 its own simulated-GPU daemon, 2 slots a node): a second fleet (another Ray namespace) on the same
-node daemons touches nothing there and says why, while the first runs on undisturbed; the fleet's
+node daemons touches nothing there and says why, while the first runs on undisturbed, across a
+restart of a node's daemon too (live restore); the fleet's
 metrics (``meshd-mps fleet metrics``) agree with its status after a deploy and after a deploy that
 finds no capacity.  The fleet tests' shared cluster (``rig`` and ``fleet`` from tests/rigs/fleet.py); each test removes
 what it deployed."""
@@ -11,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Callable
 
 import pytest
 import ray
@@ -36,11 +38,11 @@ def fleet_cli(rig: FleetRig, *args: str):
     return cli("fleet", *args, "--address", rig.cluster.address, timeout=CLI_S)
 
 
-async def eventually(cond, what: str):
-    """``cond()`` (async) until it returns something truthy, within UP_S."""
+async def eventually(cond, what: str | Callable[[], str]):
+    """``cond()`` (async) until it returns something truthy, within UP_S (``what``: said, or made, then)."""
     deadline = time.monotonic() + UP_S
     while not (got := await cond()):
-        assert time.monotonic() < deadline, f"not within {UP_S:g}s: {what}"
+        assert time.monotonic() < deadline, f"not within {UP_S:g}s: {what if isinstance(what, str) else what()}"
         await asyncio.sleep(0.05)  # the polling interval
     return got
 
@@ -116,6 +118,27 @@ async def test_a_second_fleet_on_the_same_daemons_touches_nothing_and_says_why(r
         r = fleet_cli(rig, "events", "--namespace", ns)
         assert r.returncode == 0, r
         assert sum(" node-claimed " in line and f"fleet {mine['id']}" in line for line in r.stdout.splitlines()) == 3
+
+        # The claim outlives its daemon's restart with live restore (the file stays beside the
+        # socket, the replicas run on and are adopted): after n0's new daemon is up and both fleets'
+        # agents have looked at it, the second fleet is still kept off n0 and the first holds it.
+        rig.restart_daemon("n0")
+        undisturbed()
+        pid = rig.nodes["n0"].daemon.proc.pid
+
+        last: dict[str, object] = {}
+
+        async def seen_again(f: Fleet, claimed_by: str | None) -> FleetStatus | None:
+            undisturbed()
+            st = await f.status()
+            last["n0"] = n0 = next(n for n in st.nodes if n.name == "n0")
+            return st if n0.daemon_pid == pid and n0.claimed_by == claimed_by else None
+
+        st = await eventually(lambda: seen_again(other, mine["id"]),
+                              lambda: f"the second fleet's agent looked at n0's new daemon {pid}: {last}")
+        assert all(r.state == "pending" for r in st.programs[0].replicas), st.programs
+        await eventually(lambda: seen_again(fleet, None),
+                         lambda: f"the first fleet's agent looked at n0's new daemon {pid}: {last}")
 
         # The first fleet ran on through all of the second's looks: same workers, heartbeats on.
         seen = dict(lowest)

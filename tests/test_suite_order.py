@@ -1,20 +1,23 @@
-"""The suite's own order (tests/conftest.py): the fleet modules that share the Ray cluster run as
-one xdist scope, the failover tests last among them (they kill nodes and restart the head), and
-before every other test; a fleet module with its own cluster, or none, is a scope of its own."""
+"""The suite's own order (tests/conftest.py): the fleet modules that share a Ray cluster run as
+two xdist scopes, the failover tests (they kill nodes and restart the head) one and the others
+the other, before every other test; a fleet module with its own cluster, or none, is a scope of
+its own."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from .conftest import pytest_collection_modifyitems, shares_cluster
+from .conftest import cluster_scope, pytest_collection_modifyitems, shares_cluster
 
 
-def test_the_fleet_modules_on_the_shared_cluster_are_one_scope():
+def test_the_fleet_modules_on_a_shared_cluster_are_two_scopes_the_failover_tests_one():
     on_it = ["tests/test_fleet.py::test_a", "tests/test_fleet_failover.py::test_b", "tests/test_fleet_ops.py::test_c"]
     assert all(shares_cluster(n) for n in on_it)
+    assert cluster_scope(on_it[0]) == cluster_scope(on_it[2]) != cluster_scope(on_it[1])
+    assert None not in {cluster_scope(n) for n in on_it}
     for own in ("tests/test_fleet_bench.py::test_fleet_bench_smoke", "tests/test_fleet_api.py::test_x",
                 "tests/test_fleet_cli.py::test_y", "tests/test_serve.py::test_fleet"):
-        assert not shares_cluster(own), own
+        assert not shares_cluster(own) and cluster_scope(own) is None, own
 
 
 def test_the_shared_clusters_tests_go_first_and_the_failover_tests_last_of_them():

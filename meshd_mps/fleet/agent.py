@@ -69,6 +69,7 @@ class NodeAgent:
         self.wake = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.daemon_pid: int | None = None
+        self.daemon_socket: tuple[int, int] | None = None  # the socket file the pid was asked through
         self.calls = NodeCalls(self.socket, deadlines.fleet_agent)
         self.fleet: claim.FleetId | None = None  # this agent's fleet, as its controller names it
         self.foreign: dict[str, Any] | None = None  # another fleet's claim on the daemon, and why it binds
@@ -103,8 +104,12 @@ class NodeAgent:
                                "programs": None, "error": None, "daemon_pid": self.daemon_pid, "claim": self.foreign}
         try:
             programs = await self._blocking(lambda c: c.programs())
-            if self.daemon_pid is None:
+            sock = _identity(self.socket)
+            if self.daemon_pid is None or sock != self.daemon_socket:
+                # A daemon that restarted between two looks (live restore: a second's gap) made its
+                # socket again: its pid is asked for again, not kept from the old daemon.
                 self.daemon_pid = (await self._blocking(lambda c: c.status())).get("pid")
+                self.daemon_socket = sock
                 out["daemon_pid"] = self.daemon_pid
         except ClientError as e:
             out["error"] = str(e)
@@ -216,3 +221,12 @@ class NodeAgent:
     async def _blocking(self, fn: Callable[[Client], T], within: float | None = None) -> T:
         client = Client(self.socket, timeout=within or self.d.fleet_agent)
         return await asyncio.get_running_loop().run_in_executor(self.threads, fn, client)
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """The socket file's inode and change time: another once its daemon made it again."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_ctime_ns

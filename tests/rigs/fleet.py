@@ -109,6 +109,10 @@ class FleetRig:
         self.slots = slots
         self.cluster: Cluster | None = None
         self.starting: list[Serve] = []
+        #: The nodes whose daemon was restarted with live restore (``restart_daemon``): the old
+        #: daemon's workers run on, re-parented to this process (a subreaper), the rig's until it
+        #: closes (``held``), not a test's leftovers.
+        self.restarted: set[str] = set()
         try:
             self.cluster = self.head()
             started = [self.start_daemon(f"n{i}") for i in range(nodes)]  # all at once: each starts its worker
@@ -149,6 +153,15 @@ class FleetRig:
                   "--live-restore", "--orphan-timeout", "5")
         self.starting.append(s)
         return s, state
+
+    def restart_daemon(self, name: str) -> None:
+        """Node ``name``'s daemon stops (SIGTERM) and starts again on its state dir and socket: with
+        ``--live-restore`` its programs run on through the gap and the new daemon adopts them."""
+        n = self.nodes[name]
+        self.restarted.add(name)
+        assert n.daemon.stop() == 0, n.daemon.log()
+        n.daemon, _state = self.start_daemon(name)
+        n.daemon.wait_ready()
 
     def add(self, name: str, daemon: Serve | None = None, state: str | None = None, wait: bool = True) -> Node:
         """Node ``name`` joins: its daemon (started here unless given), then its raylet (``wait``:
@@ -212,7 +225,7 @@ class FleetRig:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-# ---- one cluster for every fleet test module ------------------------------------------------------
+# ---- a cluster for the fleet test modules (two xdist scopes, each its own: tests/conftest.py) -----
 
 _shared: list[FleetRig] = []
 
@@ -249,6 +262,12 @@ def echo() -> ProgramSource:
 @pytest.fixture(scope="module")
 def heartbeat() -> ProgramSource:
     return ProgramSource.read(str(EXAMPLES / "heartbeat"))
+
+
+def held() -> set[int]:
+    """The processes of the shared cluster's restarted nodes (``FleetRig.restarted``)."""
+    marks = [os.path.join(r.dir, name) + os.sep for r in _shared for name in r.restarted]
+    return {int(line.split(":")[0]) for line in leftovers(marks)} if marks else set()
 
 
 def uses_shared(item: pytest.Item | None) -> bool:
