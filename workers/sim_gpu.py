@@ -452,6 +452,8 @@ class SimGpu:
             end = time.monotonic() + ms / 1e3
             while time.monotonic() < end and not self._poison and mb.u32(slot, abi.CONTROL) != abi.HALT:
                 time.sleep(0.001)
+            if not self._poison:  # as examples/spin: EXITED as it returns
+                mb.set_u32(slot, abi.STATE, abi.EXITED)
             return True, ""
         if kind in ("heartbeat", "echo"):
             resident(mb, slot, echo=kind == "echo", pause=m.script, poisoned=lambda: bool(self._poison),

@@ -135,6 +135,10 @@ class Lifecycle:
             await self.launching.halt(p)
             del reg.by_name[name]
             await reg.b.unload(p.kernel)
+            # Its kernel has ended: the slot keeps no word of it (a kernel may return without writing
+            # EXITED), so a next meshd-mps adopting this mailbox (live restore) finds nothing running
+            # there to halt and wait 5 s for.
+            reg.b.mailbox.reset_slot(p.slot)
             log.info(f"program {name} unloaded from slot {p.slot}", program=name)
             await reg.forget(name)
 

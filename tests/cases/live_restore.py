@@ -81,6 +81,9 @@ def adopt_case(tmp: str, isolation: str, how: int, gpu: str = "sim") -> None:
         before = rows(a)
         mb = Mailbox.open(live_paths(state).mailbox)  # the file the kernels beat in: it outlives the daemon
         try:
+            used = {p["slot"] for p in before.values()}
+            assert [s for s in range(abi.SLOTS) if s not in used and mb.u32(s, abi.STATE) != abi.IDLE] == [], \
+                "an unloaded program's slot keeps a word of its kernel"
             slot = before["heartbeat"]["slot"]
             if how == signal.SIGKILL:
                 a.proc.kill()
@@ -104,6 +107,7 @@ def adopt_case(tmp: str, isolation: str, how: int, gpu: str = "sim") -> None:
                 assert st["state"]["restore"]["adopted"] == ["heartbeat", "echo"], st["state"]
                 assert not st["state"]["restore"]["restored"] and not st["state"]["restore"]["halted"]
                 assert set(st["state"]["adoption"]["adopted"]) == pids
+                assert "halted the kernels on slots" not in b.log(), "a slot no kernel runs taken for a running one"
                 if isolation == "mps":
                     assert st["pool"]["idle"] == pool, "the pooled worker adopted into the pool"
                 assert b.client.call("echo", "adopted")["data"] == "adopted"
