@@ -68,6 +68,10 @@ def test_an_adopt_program_is_adopted_while_it_runs_and_left_when_it_does_not(tmp
     try:
         r = c.client.status()["state"]["restore"]
         assert r["left"] == {"heartbeat": LEFT} and r["restored"] == ["echo"] and not r["adopted"], r
+        # The lost kernels' slots still said RUNNING: zeroed at once, no HALT waited on (their
+        # workers died with the node, and a kernel ends with its process).
+        assert "halted the kernels on slots" not in c.log(), c.log()[-4000:]
+        assert "said RUNNING, but their workers are gone: zeroed" in c.log(), c.log()[-4000:]
         assert list(rows(c)) == ["echo"], "the adopt program not loaded again; the reload one is"
         assert c.client.call("echo", "back")["data"] == "back"
         with Store(state, lock=False) as st:

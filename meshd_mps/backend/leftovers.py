@@ -85,16 +85,20 @@ async def adopt(sup: Supervisor, mailbox: Mailbox, live: str, devices: Collectio
     out = WorkersLeft()
     kept: list[WorkerProc] = []
     unwanted: list[WorkerProc] = []
+    unheard = 0  # workers that may live on without being ours to keep: a kernel of theirs may run
     for path in _sockets(live_paths(live).workers):
         try:
             w = await sup.adopt(path)
         except ProtocolMismatch as e:
             log.warning(f"live restore: {e}: its programs are reloaded", pid=e.pid, theirs=e.theirs, ours=e.ours)
+            unheard += 1
             continue
         except WorkerError as e:  # gone, not ours (PeerMismatch), or no HELLO
             log.warning(f"live restore: {path}: {e}", pid=e.pid)
             if isinstance(e, WorkerGone):
                 out.report["gone"].append(e.pid or 0)
+            else:
+                unheard += 1
             continue
         if why := not_kept(w, mailbox, devices, keeps_workers):
             log.warning(f"live restore: worker {w.pid} not kept: {why}", pid=w.pid)
@@ -103,8 +107,12 @@ async def adopt(sup: Supervisor, mailbox: Mailbox, live: str, devices: Collectio
             kept.append(w)
     keep = {la.slot for w in kept for la in (w.hello.launches if w.hello else ()) if la.running}
     stale = [s for s in range(abi.SLOTS) if s not in keep and mailbox.u32(s, abi.STATE) == abi.RUNNING]
-    if stale:
+    if stale and (unwanted or unheard):
         await halt_slots(mailbox, stale, sup.deadlines.halt)
+    elif stale:
+        # Every worker that could run a kernel there is gone (a kernel ends with its process and its
+        # context): the words are what the dead left, not a kernel to halt and wait 5 s for.
+        log.info(f"live restore: slots {stale} said RUNNING, but their workers are gone: zeroed", slots=stale)
     for w in unwanted:
         sup.retire(w, before_exit=False)
     out.report["dismissed"] = [w.pid for w in unwanted] + await sup.dismiss()
