@@ -85,20 +85,20 @@ async def adopt(sup: Supervisor, mailbox: Mailbox, live: str, devices: Collectio
     out = WorkersLeft()
     kept: list[WorkerProc] = []
     unwanted: list[WorkerProc] = []
-    unheard = 0  # workers that may live on without being ours to keep: a kernel of theirs may run
+    unheard = False  # a worker that may live on without being ours to keep: a kernel of it may still run
     for path in _sockets(live_paths(live).workers):
         try:
             w = await sup.adopt(path)
         except ProtocolMismatch as e:
             log.warning(f"live restore: {e}: its programs are reloaded", pid=e.pid, theirs=e.theirs, ours=e.ours)
-            unheard += 1
+            unheard = True
             continue
         except WorkerError as e:  # gone, not ours (PeerMismatch), or no HELLO
             log.warning(f"live restore: {path}: {e}", pid=e.pid)
             if isinstance(e, WorkerGone):
                 out.report["gone"].append(e.pid or 0)
             else:
-                unheard += 1
+                unheard = True
             continue
         if why := not_kept(w, mailbox, devices, keeps_workers):
             log.warning(f"live restore: worker {w.pid} not kept: {why}", pid=w.pid)
