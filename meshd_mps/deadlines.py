@@ -66,6 +66,7 @@ class Deadlines:
     fleet_node: float = 60.0  # one request of an agent to its node daemon (a load compiles and starts)
     fleet_upgrade: float = 300.0  # a rolling upgrade, every replica (fleet.upgrade's wait)
     fleet_rejoin: float = 60.0  # after the head's restart, a node that ran replicas has this long to rejoin
+    fleet_connect: float = 1.0  # a TCP connect to a node agent's call port (unanswered: the call goes through Ray)
     fleet_claim: float = 60.0  # a node daemon's fleet keeps it this long after its agent last looked (fleet/claim.py)
 
     def reply(self, op: enum.Enum) -> float:

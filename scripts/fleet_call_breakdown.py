@@ -6,7 +6,9 @@ run, the variants taken in turns (rounds) so that the shared machine's load fall
 A local fleet (fleet/local.py: a Ray cluster of a head and 2 nodes, each node's own ``serve --gpu
 sim`` daemon), echo replicas spread over them (the bench's: --replicas 4 --sim-gpus 3); from the
 head (the bench's driver, no replica there):
-  fleet.call     the whole call (routes cached, the replicas in turn, their agents, daemons, rings)
+  fleet.call     the whole call (routes cached, the replicas in turn, their call ports, daemons, rings)
+  call port      NodeCalls through one replica's agent's call port (TCP, the agent's relay, no Ray)
+  fleet via ray  fleet.call with the call ports left out (as where none can be reached: the agents' actor calls)
   agents in turn ``agent.call.remote`` of the two replicas' agents in turn (no route, no retry)
   agent.call     the same, one replica's agent only
   agent.ping     a Ray call of that agent that does nothing (the Ray hop to an async actor)
@@ -45,6 +47,7 @@ from meshd_mps.fleet.agent import agent_name  # noqa: E402
 from meshd_mps.fleet.bench import EXAMPLE, Echo, examples_dir  # noqa: E402
 from meshd_mps.fleet.local import LocalFleet  # noqa: E402
 from meshd_mps.fleet.nodecalls import NodeCalls  # noqa: E402
+from meshd_mps.fleet.spec import CallPort  # noqa: E402
 
 
 @ray.remote(num_cpus=0)
@@ -128,12 +131,26 @@ async def measure(local: LocalFleet, n: int, rounds: int, replicas: int) -> dict
         probe = Probe.options(scheduling_strategy=here).remote(node.socket)  # type: ignore[attr-defined]
         data = b"x" * 16
         direct = NodeCalls(node.socket, 10.0)
+        seen = {n.node: n.call_port for n in st.nodes}
+        port = (await fleet._routes(EXAMPLE, True)).ports[node.node_id]
+        assert str(port) == seen[node.node_id]
+        through = NodeCalls("", 10.0, port=CallPort(*port))
         good, missing = Raw(node.socket, r.name, {"hex": data.hex()}), Raw(node.socket, "no-such-program", {"hex": "00"})
         ring: list[float] = []
         turn = [0]
 
         async def f_call() -> None:
-            assert (await fleet.call(EXAMPLE, data)).data == data
+            assert (await fleet.call(EXAMPLE, data)).via == "call-port"
+
+        async def f_ray() -> None:
+            fleet.unreachable = {p: float("inf") for p in (await fleet._routes(EXAMPLE, False)).ports.values()}
+            try:
+                assert (await fleet.call(EXAMPLE, data)).via == "ray"
+            finally:
+                fleet.unreachable = {}
+
+        async def port_call() -> None:
+            assert ok(await through.call(r.name, data))
 
         async def in_turn() -> None:
             turn[0] ^= 1
@@ -170,7 +187,7 @@ async def measure(local: LocalFleet, n: int, rounds: int, replicas: int) -> dict
             assert missing.ask()[0] == 404
 
         variants: dict[str, Callable[[], Awaitable[None]]] = {
-            "fleet.call": f_call, "agents in turn": in_turn, "agent.call": a_call, "agent.ping": a_ping,
+            "fleet.call": f_call, "call port": port_call, "fleet via ray": f_ray, "agents in turn": in_turn, "agent.call": a_call, "agent.ping": a_ping,
             "echo": e_echo, "probe.call": p_call, "probe 404": p_404, "probe blocking": p_blocking,
             "node call": node_call, "raw http": raw_http, "http 404": http_404}
         out: dict[str, list[float]] = {k: [] for k in variants}
@@ -187,6 +204,7 @@ async def measure(local: LocalFleet, n: int, rounds: int, replicas: int) -> dict
         out["blocking inside"] = inside["blocking"]
         out["ring"] = ring
         await direct.close()
+        await through.close()
         good.s.close()
         missing.s.close()
         ray.kill(echo)

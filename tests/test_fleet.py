@@ -11,6 +11,7 @@ import asyncio
 import json
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +24,7 @@ from meshd_mps.errors import AlreadyDeclared, BadName, BadSpec, FleetUnavailable
 from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
 from meshd_mps.fleet.agent import agent_name
 from meshd_mps.fleet.capacity import node_resources
-from meshd_mps.fleet.spec import replica_name
+from meshd_mps.fleet.spec import CallPort, replica_name
 from meshd_mps.serving.client import Client, ClientError
 
 from .rigs import fleet as shared
@@ -64,8 +65,27 @@ async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_a
         reply = await fleet.call("echo", b"hello %d" % i)
         assert reply.data == b"hello %d" % i
         assert reply.replica.state == "running" and reply.replica.program == "echo"
+        assert reply.via == "call-port", "the test's driver is on the head (no replica there): the agents' call ports"
         seen.add(reply.replica.index)
     assert len(seen) >= 2, f"the calls all went to one replica: {seen}"
+
+
+async def test_a_call_port_that_cannot_be_reached_sends_the_call_through_ray(fleet, echo):
+    await fleet.deploy(ProgramSpec("echo", echo, replicas=2))
+    await fleet.wait("echo", running=2, timeout=UP_S)
+    assert (await fleet.call("echo", b"first")).via == "call-port"
+    routes = fleet.cache["echo"][1]
+    assert len(routes.ports) == 2 and all(p.token for p in routes.ports.values())
+    with socket.socket() as s:  # where the caller finds nothing listening (a firewall, a host gone)
+        s.bind(("127.0.0.1", 0))
+        shut = {n: CallPort("127.0.0.1", s.getsockname()[1], p.token) for n, p in routes.ports.items()}
+        fleet.cache["echo"] = (time.monotonic() + 60, routes._replace(ports=shut))  # kept: no fresh routes
+        replies = [await fleet.call("echo", b"b%d" % i) for i in range(4)]
+    assert [(r.data, r.via) for r in replies] == [(b"b%d" % i, "ray") for i in range(4)]
+    assert set(fleet.unreachable) == set(shut.values()), "each port tried once, then left alone"
+    fleet.cache.pop("echo")
+    assert (await fleet.call("echo", b"last")).via == "call-port", "the real ports again with the routes"
+    await fleet.remove("echo")
 
 
 async def test_fleet_status_agrees_with_each_nodes_ps(rig, fleet, echo, heartbeat):
@@ -113,6 +133,7 @@ async def test_the_agent_killed_changes_no_worker_and_resets_no_heartbeat(rig, f
     await fleet.wait("heartbeat", running=3, timeout=UP_S)
     before = {(name, k): row for name, n in rig.nodes.items() for k, row in n.ps().items()}
     agents_before = {n.name: n.agent_pid for n in (await fleet.status()).nodes}
+    assert all(n.call_port for n in (await fleet.status()).nodes), "every agent has a call port"
     for n in rig.nodes.values():
         ray.kill(ray.get_actor(agent_name(n.id), namespace=NAMESPACE), no_restart=False)
     lowest: dict[tuple[str, str], int] = {k: row["heartbeat"] for k, row in before.items()}
@@ -128,7 +149,8 @@ async def test_the_agent_killed_changes_no_worker_and_resets_no_heartbeat(rig, f
     async def agents_back() -> bool:
         sample()
         st = await fleet.status()
-        return all(n.agent == "up" and n.agent_pid not in (None, agents_before[n.name]) for n in st.nodes)
+        return all(n.agent == "up" and n.agent_pid not in (None, agents_before[n.name]) and n.call_port
+                   for n in st.nodes)
 
     deadline = time.monotonic() + UP_S
     while not await agents_back():

@@ -123,7 +123,7 @@ def _status() -> FleetStatus:
     echo = FleetProgram("echo", (ReplicaView("echo", 0, "running", node=n0, node_name="n0", hash="h" * 16),
                                  ReplicaView("echo", 1, "pending", reason="no node has a free slot", node=None)),
                         wanted=2, hash="h" * 16, generation=1, restart="on-failure", strategy="SPREAD")
-    nodes = (NodeView(n0, "n0", True, "up", slots=2, replicas=1),
+    nodes = (NodeView(n0, "n0", True, "up", slots=2, replicas=1, call_port="10.0.0.5:41000"),
              NodeView(n1, "n1", True, "up", slots=2, replicas=1, reason="held", claimed_by="bbbb0002"))
     return FleetStatus((echo,), nodes, (FleetEvent(1e9, "moved", "echo: replica 1 moved"),),
                        fleet=A.to_json(), moves=3, node_losses=1, tick_age=0.25)
@@ -152,9 +152,10 @@ def test_the_metrics_are_the_status_numbers():
 def test_the_node_and_event_tables():
     st = _status()
     lines = node_table(st.nodes).splitlines()
-    assert lines[0].split() == ["NODE", "ID", "ALIVE", "AGENT", "SLOTS", "REPLICAS", "FREE", "DAEMON-PID", "REASON"]
-    assert lines[1].split() == ["n0", "0" * 12, "yes", "up", "2", "1", "1", "-"]
-    assert lines[2].split() == ["n1", "1" * 12, "yes", "up", "2", "1", "0", "-", "held"]
+    assert lines[0].split() == ["NODE", "ID", "ALIVE", "AGENT", "SLOTS", "REPLICAS", "FREE", "DAEMON-PID", "CALL-PORT",
+                                "REASON"]
+    assert lines[1].split() == ["n0", "0" * 12, "yes", "up", "2", "1", "1", "-", "10.0.0.5:41000"]
+    assert lines[2].split() == ["n1", "1" * 12, "yes", "up", "2", "1", "0", "-", "-", "held"]
     lines = events_table(st.events).splitlines()
     assert lines[0].split() == ["TIME", "KIND", "MESSAGE"] and lines[1].split()[2:] == ["moved", "echo:", "replica", "1",
                                                                                         "moved"]

@@ -32,12 +32,15 @@ from meshd_mps.errors.config import (
 from meshd_mps.errors.fleet import (
     AlreadyDeclared as AlreadyDeclared,
     BadSpec as BadSpec,
+    CallPortRelay as CallPortRelay,
+    CallPortToken as CallPortToken,
     CallRefused as CallRefused,
     FleetError as FleetError,
     FleetTimeout as FleetTimeout,
     FleetUnavailable as FleetUnavailable,
     NoReplica as NoReplica,
     NoSuchProgram as NoSuchProgram,
+    NotAReplica as NotAReplica,
     ReplicaLost as ReplicaLost,
     UpgradeFailed as UpgradeFailed,
 )

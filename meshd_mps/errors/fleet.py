@@ -124,3 +124,30 @@ class CallRefused(FleetError):
         self.program = program
         self.replica = replica
         self.status = status
+
+
+class CallPortToken(FleetError):
+    """A request on a node's call port without the token that node's agent gave the fleet (401):
+    the port is open on the node's network, and only the fleet's own callers hold its token."""
+
+
+class NotAReplica(FleetError, NotFound):
+    """A call port serves only its node's fleet replicas (``NAME.fleet-N``), never another program
+    of the daemon."""
+
+    FIELDS = ("program",)
+
+    def __init__(self, message: str, *, program: str):
+        super().__init__(message)
+        self.program = program
+
+
+class CallPortRelay(FleetError, Unavailable):
+    """A call port reached no answer of its daemon; ``lost``: the call was sent and may have
+    reached the program (the caller sends it again only if it is idempotent)."""
+
+    FIELDS = ("lost",)
+
+    def __init__(self, message: str, *, lost: bool):
+        super().__init__(message)
+        self.lost = lost

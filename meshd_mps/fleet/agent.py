@@ -30,8 +30,9 @@ from typing import Any, TypeVar
 
 import ray
 
+from meshd_mps import errors as E
 from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.fleet import claim
+from meshd_mps.fleet import callport, claim
 from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.fleet.spec import gpu_model, parse_replica_name
 from meshd_mps.restore import Restore
@@ -73,6 +74,8 @@ class NodeAgent:
         self.calls = NodeCalls(self.socket, deadlines.fleet_agent)
         self.fleet: claim.FleetId | None = None  # this agent's fleet, as its controller names it
         self.foreign: dict[str, Any] | None = None  # another fleet's claim on the daemon, and why it binds
+        self.port = callport.CallPortServer(self.calls)
+        self.port_state: tuple[callport.CallPort | None, str | None] | None = None  # once opened: it, or why none
 
     # ---- the controller's side ----------------------------------------------------------------
 
@@ -99,9 +102,11 @@ class NodeAgent:
 
     async def observe(self) -> dict[str, Any]:
         """The daemon's ``fleet.*`` programs as its ``ps`` shows them, and this agent's own view."""
+        port, port_error = self.port_state or await self._open_port()
         out: dict[str, Any] = {"node": self.node_id, "socket": self.socket, "pid": os.getpid(),
                                "have": sorted(self.images), "errors": dict(self.errors), "busy": dict(self.busy),
-                               "programs": None, "error": None, "daemon_pid": self.daemon_pid, "claim": self.foreign}
+                               "programs": None, "error": None, "daemon_pid": self.daemon_pid, "claim": self.foreign,
+                               "call_port": None if port is None else list(port), "call_port_error": port_error}
         try:
             programs = await self._blocking(lambda c: c.programs())
             sock = _identity(self.socket)
@@ -127,6 +132,19 @@ class NodeAgent:
 
     async def ping(self) -> str:
         return self.node_id
+
+    async def _open_port(self) -> tuple[callport.CallPort | None, str | None]:
+        """The call port (fleet/callport.py), opened once: it, or None and why not (``off``, a bad
+        ``$MESHD_MPS_FLEET_CALL_PORT``, a port taken); the node's calls then go through Ray."""
+        try:
+            want = callport.configured()
+            if want is None:
+                self.port_state = None, f"${callport.ENV}=off: calls to this node go through Ray"
+            else:
+                self.port_state = await self.port.open(str(ray.util.get_node_ip_address()), want), None
+        except (E.ConfigError, OSError) as e:
+            self.port_state = None, f"no call port: {e}; calls to this node go through Ray"
+        return self.port_state
 
     # ---- the loop -----------------------------------------------------------------------------
 

@@ -243,9 +243,10 @@ def _command(args: argparse.Namespace) -> Command:
             r = reply.replica
             if args.json:
                 return _print_json({"hex": reply.data.hex(), "data": reply.data.decode("utf-8", "replace"),
-                                    "replica": r})
+                                    "replica": r, "via": reply.via})
             print(reply.data.hex() if args.hex else reply.data.decode("utf-8", "replace"))
-            print(f"# {r.program}[{r.index}] on node {node(r)}, GPU {r.gpu}, slot {r.slot}", file=sys.stderr)
+            print(f"# {r.program}[{r.index}] on node {node(r)}, GPU {r.gpu}, slot {r.slot}, via {reply.via}",
+                  file=sys.stderr)
             return 0
 
         return call

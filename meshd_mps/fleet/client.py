@@ -2,12 +2,14 @@
 calls by name.
 
 A call goes to a running replica, the caller's own node first: straight to that node's daemon
-socket (no actor in the way) when the replica runs on the caller's node, else through the
-replica's node agent.  The routes (which replicas run, where) come from the controller and are
-kept for one tick (``Deadlines.fleet_tick``); an upgrade drains a replica for longer than that
-before it changes its image, so that no call is sent to one that is being replaced.  A call that
-never reached a program (no daemon there, the program not there) is sent to the next replica; a
-call whose replica's node or agent died on the way is sent again only if ``idempotent``.
+socket (no actor in the way) when the replica runs on the caller's node, else to the replica's
+node agent's call port (fleet/callport.py: TCP, no Ray hop), and through the agent as a Ray actor
+call where the port is off or cannot be reached (then not tried again for ``PORT_RETRY_S``). The
+routes (which replicas run, where) come from the controller and are kept for one tick
+(``Deadlines.fleet_tick``); an upgrade drains a replica for longer than that before it changes its
+image, so that no call is sent to one that is being replaced. A call that never reached a program
+(no daemon there, the program not there) is sent to the next replica; a call whose replica's node
+or agent died on the way is sent again only if ``idempotent``.
 """
 
 from __future__ import annotations
@@ -26,9 +28,22 @@ from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import CallRefused, FleetTimeout, FleetUnavailable, MeshError, NoReplica, ReplicaLost
 from meshd_mps.fleet.controller import CONTROLLER, FleetController
 from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
-from meshd_mps.fleet.spec import FleetProgram, FleetReply, FleetStatus, ProgramSource, ProgramSpec, ReplicaView
+from meshd_mps.fleet.spec import (
+    CallPort,
+    FleetProgram,
+    FleetReply,
+    FleetStatus,
+    ProgramSource,
+    ProgramSpec,
+    ReplicaView,
+    Routes,
+    Via,
+)
 
 HINT = "start Ray (ray start --head), or name its address (--address, $RAY_ADDRESS)"
+#: A call port that could not be reached (a firewall, its host gone) is not tried again for this
+#: long: the node's calls go through Ray meanwhile.
+PORT_RETRY_S = 30.0
 
 
 class Fleet:
@@ -42,9 +57,11 @@ class Fleet:
         self.d = deadlines
         self.owns_ray = owns_ray
         self.node = ray.get_runtime_context().get_node_id()
-        self.cache: dict[str, tuple[float, list[ReplicaView], dict[str, str], dict[str, Any]]] = {}
+        self.cache: dict[str, tuple[float, Routes]] = {}
         self.turn = itertools.count()
         self.direct: dict[str, NodeCalls] = {}  # this node's daemons, called without an actor between
+        self.ports: dict[CallPort, NodeCalls] = {}  # other nodes' call ports
+        self.unreachable: dict[CallPort, float] = {}  # a call port -> when it may be tried again (monotonic)
 
     @classmethod
     async def connect(cls, address: str | None = None, *, namespace: str = "meshd-mps", state_dir: str | None = None,
@@ -128,7 +145,7 @@ class Fleet:
             await asyncio.sleep(min(self.d.fleet_tick / 2, 0.1))  # polling the controller's view
 
     async def close(self) -> None:
-        for d in self.direct.values():
+        for d in [*self.direct.values(), *self.ports.values()]:
             await d.close()
         if self.owns_ray and ray.is_initialized():
             await asyncio.to_thread(ray.shutdown)
@@ -141,13 +158,13 @@ class Fleet:
         which replica answered."""
         tried: list[str] = []
         for fresh in (False, True):
-            replicas, sockets, agents = await self._routes(name, fresh)
-            for r in self._order(replicas):
+            routes = await self._routes(name, fresh)
+            for r in self._order(routes.replicas):
                 if f"{r.index}@{r.node}" in tried:
                     continue
                 tried.append(f"{r.index}@{r.node}")
                 try:
-                    got = await self._call_one(r, sockets.get(r.node or ""), agents.get(r.node or ""), data, timeout)
+                    got, via = await self._call_one(r, routes, data, timeout)
                 except _NotDelivered:
                     continue
                 except _Lost as e:
@@ -157,18 +174,18 @@ class Fleet:
                     raise ReplicaLost(f"{name}: replica {r.index} on node {r.node_name} was lost during the call"
                                       f" ({e}); not sent again (not idempotent)", program=name, replica=str(r.index),
                                       node=r.node or "") from e
-                return FleetReply(got, r)
+                return FleetReply(got, r, via)
             self.cache.pop(name, None)
         raise NoReplica(f"{name}: no running replica answered (tried {', '.join(tried) or 'none: none runs'})",
                         program=name, tried=tried)
 
-    async def _routes(self, name: str, fresh: bool) -> tuple[list[ReplicaView], dict[str, str], dict[str, Any]]:
+    async def _routes(self, name: str, fresh: bool) -> Routes:
         hit = self.cache.get(name)
         if hit is not None and not fresh and time.monotonic() - hit[0] < self.d.fleet_tick:
-            return hit[1], hit[2], hit[3]
-        replicas, sockets, agents = await self._ask(self.controller.routes.remote(name))
-        self.cache[name] = (time.monotonic(), replicas, sockets, agents)
-        return replicas, sockets, agents
+            return hit[1]
+        routes: Routes = await self._ask(self.controller.routes.remote(name))
+        self.cache[name] = (time.monotonic(), routes)
+        return routes
 
     def _order(self, replicas: list[ReplicaView]) -> list[ReplicaView]:
         mine = [r for r in replicas if r.node == self.node]
@@ -178,32 +195,49 @@ class Fleet:
             others = others[k:] + others[:k]
         return mine + others
 
-    async def _call_one(self, r: ReplicaView, socket: str | None, agent: Any, data: bytes,
-                        timeout: float | None) -> bytes:  # noqa: ASYNC109
-        out: NodeAnswer
+    async def _call_one(self, r: ReplicaView, routes: Routes, data: bytes,
+                        timeout: float | None) -> tuple[bytes, Via]:  # noqa: ASYNC109
+        node = r.node or ""
+        socket, port = routes.sockets.get(node), routes.ports.get(node)
+        out: NodeAnswer | None = None
+        via: Via
         if r.node == self.node and socket:
             direct = self.direct.get(socket)
             if direct is None:
                 direct = self.direct[socket] = NodeCalls(socket, self.d.fleet_agent)
-            out = await direct.call(r.name, data, timeout)
-        elif agent is None:
-            raise _NotDelivered(f"node {r.node} has no agent")
-        else:
-            within = (self.d.call if timeout is None else timeout) + 2 * self.d.fleet_agent
-            try:
-                # asyncio.timeout, not wait_for: no task per call (the call's hot path).
-                async with asyncio.timeout(within):
-                    got = await agent.call.remote(r.name, data, timeout)
-                out = NodeAnswer(True, got) if isinstance(got, bytes) else got  # NodeAgent.call: bytes, or why not
-            except (RayActorError, ActorUnschedulableError) as e:  # the latter: its node known dead to Ray
-                raise _Lost(f"{type(e).__name__}") from e
-            except TimeoutError as e:  # the agent's node cut off: the call may have reached the program
-                raise _Lost(f"its agent did not answer in {within:g}s") from e
+            out, via = await direct.call(r.name, data, timeout), "socket"
+        elif port is not None and time.monotonic() >= self.unreachable.get(port, 0.0):
+            calls = self.ports.get(port)
+            if calls is None:
+                calls = self.ports[port] = NodeCalls("", self.d.fleet_agent, port=port, connect=self.d.fleet_connect)
+            out, via = await calls.call(r.name, data, timeout), "call-port"
+            if out.unreachable:  # nothing sent: the same replica through Ray, and the port left alone a while
+                self.unreachable[port] = time.monotonic() + PORT_RETRY_S
+                out = None
+            elif out.status == 401:  # the agent restarted with another token: the routes are old
+                raise _NotDelivered(out.error)
+        if out is None:
+            out, via = await self._through_ray(routes.agents.get(node), r, data, timeout), "ray"
         if not out.ok:
             if out.lost:
                 raise _Lost(out.error)
             raise _refusal(r, out.status, out.error)
-        return out.data
+        return out.data, via
+
+    async def _through_ray(self, agent: Any, r: ReplicaView, data: bytes, timeout: float | None) -> NodeAnswer:  # noqa: ASYNC109
+        """The call as an actor call of the replica's node agent."""
+        if agent is None:
+            raise _NotDelivered(f"node {r.node} has no agent")
+        within = (self.d.call if timeout is None else timeout) + 2 * self.d.fleet_agent
+        try:
+            # asyncio.timeout, not wait_for: no task per call (the call's hot path).
+            async with asyncio.timeout(within):
+                got = await agent.call.remote(r.name, data, timeout)
+            return NodeAnswer(True, got) if isinstance(got, bytes) else got  # NodeAgent.call: bytes, or why not
+        except (RayActorError, ActorUnschedulableError) as e:  # the latter: its node known dead to Ray
+            raise _Lost(f"{type(e).__name__}") from e
+        except TimeoutError as e:  # the agent's node cut off: the call may have reached the program
+            raise _Lost(f"its agent did not answer in {within:g}s") from e
 
     async def _ask(self, ref: Any) -> Any:
         """An actor call's answer; the controller's own errors as raised there, typed."""

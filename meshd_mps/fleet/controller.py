@@ -30,11 +30,13 @@ from meshd_mps.fleet.checkpoint import Checkpoint, fleet_state_dir
 from meshd_mps.fleet.claim import FleetId
 from meshd_mps.fleet.desired import Declared, Image
 from meshd_mps.fleet.spec import (
+    CallPort,
     FleetEvent,
     FleetProgram,
     FleetStatus,
     NodeView,
     ReplicaView,
+    Routes,
     replica_name,
     resource_key,
 )
@@ -130,16 +132,17 @@ class FleetController:
         return FleetStatus(programs=progs, nodes=nodes, events=events, fleet=self.fleet.to_json(), moves=self.moves,
                            node_losses=self.node_losses, tick_age=age)
 
-    async def routes(self, name: str) -> tuple[list[ReplicaView], dict[str, str], dict[str, Any]]:
-        """The replicas a call may go to now (running, not draining), each node's daemon socket and
-        agent."""
+    async def routes(self, name: str) -> Routes:
+        """The replicas a call may go to now (running, not draining), each node's daemon socket,
+        agent and call port."""
         p = self._get(name)
         v = self.views.get(name)
         live = [r for r in (v.replicas if v else ()) if r.state == "running" and r.index != p.draining]
         nodes = {r.node for r in live if r.node}
         socks = {n: self.seen[n]["socket"] for n in nodes if n in self.seen}
         agents = {n: self.agents[n] for n in nodes if n in self.agents}
-        return live, socks, agents
+        ports = {n: CallPort(*self.seen[n]["call_port"]) for n in nodes if (self.seen.get(n) or {}).get("call_port")}
+        return Routes(live, socks, agents, ports)
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -327,7 +330,9 @@ class FleetController:
                         slots=int(res.get(SLOT, 0)), replicas=count, gpus=gpu_models(res), socket=seen.get("socket"),
                         daemon_pid=seen.get("daemon_pid"), agent_pid=seen.get("pid"),
                         reason=why or (seen.get("claim") or {}).get("why") or seen.get("error"),
-                        claimed_by=(self.claimed.get(nid) or None) if n is not None else None)
+                        claimed_by=(self.claimed.get(nid) or None) if n is not None else None,
+                        call_port=str(CallPort(*seen["call_port"])) if seen.get("call_port") else None,
+                        call_port_error=seen.get("call_port_error"))
 
     # ---- Ray: agents, placement groups ---------------------------------------------------------------
 

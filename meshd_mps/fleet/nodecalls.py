@@ -15,10 +15,16 @@ caller's uid (``check_peer``) on each new connection.
 At most CONNECTIONS calls are in flight to one daemon at once; a call that finds none free by
 its deadline is not sent.
 
+The same client reaches another node's daemon through that node's call port (fleet/callport.py):
+``CallPort`` names its TCP address and the token its agent asks for; the request is the same, with
+the token in its ``Authorization`` header, and the port relays it to its daemon as it is.  A
+connection to a call port is made within ``Deadlines.fleet_connect`` (a dead host drops it: the
+caller then goes through Ray).
+
 An answer is a ``NodeAnswer`` (the node agent hands back its bytes alone when it is ``ok``):
 ``ok`` and the response's bytes, or the daemon's HTTP ``status`` (0: the call reached no daemon,
-or no answer came), its ``error``, and ``lost``: the call was sent and its answer never came (it
-may have reached the program).
+or no answer came), its ``error``, ``lost``: the call was sent and its answer never came (it
+may have reached the program), and ``unreachable``: no connection could be made (nothing sent).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import time
 import urllib.parse
 from typing import NamedTuple
 
+from meshd_mps.fleet.spec import CallPort
 from meshd_mps.serving.client import ClientError, check_peer, check_socket_owner
 from meshd_mps.strictjson import parse_json
 
@@ -50,6 +57,7 @@ class NodeAnswer(NamedTuple):
     status: int = 200
     error: str = ""
     lost: bool = False
+    unreachable: bool = False
 
 
 class _Conn(NamedTuple):
@@ -63,9 +71,16 @@ class _BadAnswer(Exception):
 
 
 class NodeCalls:
-    def __init__(self, path: str, within: float):
-        self.path = path
+    """Calls to one daemon: on its Unix socket ``path``, or, with ``port``, through another node's
+    call port."""
+
+    def __init__(self, path: str, within: float, *, port: CallPort | None = None, connect: float = 1.0):
+        self.path = str(port) if port is not None else path  # what the messages name
+        self.socket = path
+        self.port = port
         self.within = within  # the answer's deadline beyond the call's own timeout
+        self.connect = connect  # a call port's TCP connect (Deadlines.fleet_connect)
+        self.auth = f"Authorization: Bearer {port.token}\r\n" if port is not None else ""
         self.idle: list[_Conn] = []  # connections between two calls, the last used last
         self.slots = asyncio.Semaphore(CONNECTIONS)
 
@@ -75,10 +90,15 @@ class NodeCalls:
             if not 0 < timeout < math.inf:
                 return NodeAnswer(False, status=400, error=f"timeout {timeout:g}: seconds, a finite number more than 0")
             body["timeout"] = timeout
+        got = await self.relay(name, json.dumps(body).encode(), timeout)
+        return got if isinstance(got, NodeAnswer) else _parsed(*got)
+
+    async def relay(self, name: str, body: bytes, timeout: float | None = None) -> tuple[int, bytes] | NodeAnswer:  # noqa: ASYNC109
+        """``body`` (a call's JSON, as the daemon reads it) to program ``name``: the daemon's status
+        and answer as they are, or the ``NodeAnswer`` that says why none came."""
         wait = self.within if timeout is None else max(self.within, timeout + 10)
-        raw = json.dumps(body).encode()
         req = (f"POST /v1/programs/{urllib.parse.quote(name, safe='')}/call HTTP/1.1\r\nHost: meshd-mps\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n").encode() + raw
+               f"{self.auth}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
         deadline = asyncio.get_running_loop().time() + wait
         try:
             async with asyncio.timeout_at(deadline):
@@ -88,21 +108,23 @@ class NodeCalls:
                                                      " calls in flight)")
         try:
             async with asyncio.timeout_at(deadline):
-                return await self._call(req)
+                return await self._exchange(req)
         except TimeoutError as e:
             return NodeAnswer(False, status=0, error=f"{self.path}: no answer in {wait:g}s: {e}", lost=True)
         finally:
             self.slots.release()
 
-    async def _call(self, req: bytes) -> NodeAnswer:
+    async def _exchange(self, req: bytes) -> tuple[int, bytes] | NodeAnswer:
         conn: _Conn | None = None
         try:
             try:
                 conn = await self._connection()
             except ClientError as e:
-                return NodeAnswer(False, status=0, error=str(e))
-            except OSError as e:  # no socket, nobody listening
-                return NodeAnswer(False, status=0, error=f"no daemon on {self.path} ({e})")
+                return NodeAnswer(False, status=0, error=str(e), unreachable=True)
+            except (OSError, TimeoutError) as e:  # no socket, nobody listening, a host that drops it
+                what = "no call port" if self.port is not None else "no daemon"
+                return NodeAnswer(False, status=0, error=f"{what} on {self.path} ({type(e).__name__}: {e})",
+                                  unreachable=True)
             conn.writer.write(req)
             status, answer, keep = await _read_answer(conn.reader)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
@@ -118,31 +140,26 @@ class NodeCalls:
             self.idle.append(_Conn(conn.reader, conn.writer, time.monotonic()))
         else:
             self._drop(conn)
-        try:
-            ans = parse_json(answer, strict=False)
-        except ValueError as e:
-            return NodeAnswer(False, status=status, error=f"HTTP {status}: not JSON ({e})")
-        if status >= 400 or not isinstance(ans, dict) or not ans.get("ok"):
-            err = ans.get("error") if isinstance(ans, dict) else None
-            return NodeAnswer(False, status=status, error=str(err or f"HTTP {status}"))
-        try:
-            return NodeAnswer(True, bytes.fromhex(ans["hex"]))
-        except (KeyError, TypeError, ValueError):
-            return NodeAnswer(False, status=status, error=f"HTTP {status}: an answer without its bytes ('hex')")
+        return status, answer
 
     async def _connection(self) -> _Conn:
-        """The connection used last, if it is still open and not idle too long; else a new one,
-        its socket's owner and its peer checked (ClientError)."""
+        """The connection used last, if it is still open and not idle too long; else a new one:
+        to a call port within ``connect`` seconds, or on the Unix socket, its owner and its peer
+        checked (ClientError)."""
         now = time.monotonic()
         while self.idle:
             c = self.idle.pop()
             if now - c.used < IDLE_S and not c.reader.at_eof() and not c.writer.is_closing():
                 return c
             c.writer.close()
-        check_socket_owner(self.path)
-        reader, writer = await asyncio.open_unix_connection(self.path, limit=MAX_ANSWER)
+        if self.port is not None:
+            async with asyncio.timeout(self.connect):
+                reader, writer = await asyncio.open_connection(self.port.host, self.port.port, limit=MAX_ANSWER)
+            return _Conn(reader, writer, now)
+        check_socket_owner(self.socket)
+        reader, writer = await asyncio.open_unix_connection(self.socket, limit=MAX_ANSWER)
         try:
-            check_peer(writer.get_extra_info("socket"), self.path)
+            check_peer(writer.get_extra_info("socket"), self.socket)
         except BaseException:
             writer.close()
             raise
@@ -160,6 +177,24 @@ class NodeCalls:
         for c in idle:
             with contextlib.suppress(OSError):
                 await c.writer.wait_closed()
+
+
+def _parsed(status: int, answer: bytes) -> NodeAnswer:
+    """A daemon's answer to a call, or a call port's own refusal (its ``lost`` field: the port
+    reached no daemon, ``CallPortRelay``; its status is then 0, as a daemon not reached here)."""
+    try:
+        ans = parse_json(answer, strict=False)
+    except ValueError as e:
+        return NodeAnswer(False, status=status, error=f"HTTP {status}: not JSON ({e})")
+    if status >= 400 or not isinstance(ans, dict) or not ans.get("ok"):
+        err = str((ans.get("error") if isinstance(ans, dict) else None) or f"HTTP {status}")
+        if isinstance(ans, dict) and isinstance(ans.get("lost"), bool):
+            return NodeAnswer(False, status=0, error=err, lost=ans["lost"])
+        return NodeAnswer(False, status=status, error=err)
+    try:
+        return NodeAnswer(True, bytes.fromhex(ans["hex"]))
+    except (KeyError, TypeError, ValueError):
+        return NodeAnswer(False, status=status, error=f"HTTP {status}: an answer without its bytes ('hex')")
 
 
 async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:

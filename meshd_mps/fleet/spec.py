@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from meshd_mps import restart
 from meshd_mps.errors import BadSpec
@@ -185,7 +185,8 @@ class FleetProgram:
 @dataclass(frozen=True)
 class NodeView:
     """A node of the fleet: its Ray node id and name, whether it is alive and its agent answers,
-    its capacity (``slots``) and the replicas placed there, its daemon's socket and pid;
+    its capacity (``slots``) and the replicas placed there, its daemon's socket and pid, its agent's
+    call port;
     ``claimed_by``: the other fleet (its id) whose claim on the daemon keeps this one off it
     (``reason`` says which, and why)."""
 
@@ -201,6 +202,8 @@ class NodeView:
     agent_pid: int | None = None
     reason: str | None = None
     claimed_by: str | None = None
+    call_port: str | None = None  # host:port where calls reach this node's daemon with no Ray hop (fleet/callport.py)
+    call_port_error: str | None = None  # why it has none (its calls go through Ray)
 
     @property
     def free(self) -> int:
@@ -249,9 +252,37 @@ class FleetStatus:
                 "node_losses": self.node_losses, "tick_age": self.tick_age}
 
 
+Via = Literal["socket", "call-port", "ray"]
+
+
 @dataclass(frozen=True)
 class FleetReply:
-    """A call's response and the replica that gave it."""
+    """A call's response, the replica that gave it, and how the call reached that replica's node:
+    ``socket`` (the caller's own node: its daemon's socket), ``call-port`` (another node's agent's
+    call port, fleet/callport.py) or ``ray`` (an actor call of that node's agent)."""
 
     data: bytes
     replica: ReplicaView
+    via: Via = "ray"
+
+
+class CallPort(NamedTuple):
+    """A node agent's call port: where a call reaches that node's daemon with no Ray hop, and the
+    token it asks for (never shown: ``NodeView.call_port`` is the address alone)."""
+
+    host: str
+    port: int
+    token: str
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class Routes(NamedTuple):
+    """Where a program's calls may go now (the controller's ``routes``): its running replicas, and
+    by node, the daemon's socket, the agent (a Ray actor handle) and the call port."""
+
+    replicas: list[ReplicaView]
+    sockets: dict[str, str]
+    agents: dict[str, Any]
+    ports: dict[str, CallPort]

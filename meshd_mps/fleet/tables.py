@@ -14,7 +14,7 @@ from typing import Any
 from meshd_mps.serving.tables import duration, table
 
 HEAD = ["PROGRAM", "REPLICA", "NODE", "GPU", "SLOT", "STATE", "BEAT-AGE", "REASON"]
-NODE_HEAD = ["NODE", "ID", "ALIVE", "AGENT", "SLOTS", "REPLICAS", "FREE", "DAEMON-PID", "REASON"]
+NODE_HEAD = ["NODE", "ID", "ALIVE", "AGENT", "SLOTS", "REPLICAS", "FREE", "DAEMON-PID", "CALL-PORT", "REASON"]
 EVENT_HEAD = ["TIME", "KIND", "MESSAGE"]
 
 #: What ``--watch`` prints for a replica no longer in the status (removed, or its program scaled down).
@@ -52,10 +52,10 @@ def status_table(views: Iterable[Any]) -> str:
 
 def node_table(nodes: Iterable[Any]) -> str:
     """A row per node (``NodeView``): whether it and its agent are up, its slots, the replicas Ray
-    placed there, the slots still free to this fleet, and why it is not usable (another fleet's
-    daemon, its agent not answering)."""
+    placed there, the slots still free to this fleet, its agent's call port (-: its calls go through
+    Ray), and why it is not usable (another fleet's daemon, its agent not answering)."""
     rows = [[n.name, str(n.node)[:12], "yes" if n.alive else "no", n.agent, str(n.slots), str(n.replicas), str(n.free),
-             _cell(n.daemon_pid), n.reason or ""] for n in sorted(nodes, key=lambda n: (n.name, n.node))]
+             _cell(n.daemon_pid), _cell(n.call_port), n.reason or ""] for n in sorted(nodes, key=lambda n: (n.name, n.node))]
     out = table([NODE_HEAD, *rows])
     return out if rows else out + "(no nodes)\n"
 
