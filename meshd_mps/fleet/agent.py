@@ -14,7 +14,9 @@ It loads and unloads only while its fleet holds the daemon's claim (claim.py), r
 look: another fleet's daemon it leaves as it is, and says why (``observe``'s ``claim``).
 
 It talks to the daemon through ``serving/client.Client`` (blocking, stdlib HTTP over the Unix
-socket) in threads of its own, so that calls in flight and a reconcile share no thread.
+socket) in threads of its own, so that calls in flight and a reconcile share no thread.  Calls
+from other nodes come to it as Ray actor calls (``call``) or, without the Ray hop, on its call port
+(callport.py), opened at its first look and reported with it (``observe``'s ``call_port``).
 """
 
 from __future__ import annotations
