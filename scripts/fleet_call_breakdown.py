@@ -187,7 +187,8 @@ async def measure(local: LocalFleet, n: int, rounds: int, replicas: int) -> dict
             assert missing.ask()[0] == 404
 
         variants: dict[str, Callable[[], Awaitable[None]]] = {
-            "fleet.call": f_call, "call port": port_call, "fleet via ray": f_ray, "agents in turn": in_turn, "agent.call": a_call, "agent.ping": a_ping,
+            "fleet.call": f_call, "call port": port_call, "fleet via ray": f_ray,
+            "agents in turn": in_turn, "agent.call": a_call, "agent.ping": a_ping,
             "echo": e_echo, "probe.call": p_call, "probe 404": p_404, "probe blocking": p_blocking,
             "node call": node_call, "raw http": raw_http, "http 404": http_404}
         out: dict[str, list[float]] = {k: [] for k in variants}
