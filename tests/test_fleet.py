@@ -363,6 +363,7 @@ def test_deploy_status_call_remove(rig):
     assert r.returncode == 0, r
     assert r.stdout == "hello fleet\n"
     assert r.stderr.startswith("# echo[") and " on node n" in r.stderr, r.stderr
+    assert r.stderr.rstrip().rsplit(" ", 1)[1] in ("socket", "call-port", "ray") and ", via " in r.stderr, r.stderr
 
     r = fleet_cli(rig, "remove", "echo")
     assert r.returncode == 0 and r.stdout == "echo removed\n", r
