@@ -143,10 +143,13 @@ LONGEST_FIRST = (
 #: one; the other modules, which leave the cluster as they found it, share the other, one after
 #: another.  One scope for all of them was one worker's ~190 s on 2 loaded cores: the whole run's
 #: length.  Not the modules in ``OWN_CLUSTER``: the bench's smoke starts its own (``meshd-mps fleet
-#: bench``), and the others start none; each is a scope of its own, run beside.
+#: bench``), and the others start none; each is a scope of its own, run beside.  A module of no
+#: cluster left in a shared scope ends the cluster before it (``pytest_runtest_teardown``): the next
+#: module starts another, ~18 s more (test_suite_order.py checks every fleet module's place).
 SHARED_CLUSTER = "tests/test_fleet"
 CLUSTER_LAST = "tests/test_fleet_failover.py::"
-OWN_CLUSTER = ("tests/test_fleet_bench.py::", "tests/test_fleet_api.py::", "tests/test_fleet_cli.py::")
+OWN_CLUSTER = ("tests/test_fleet_bench.py::", "tests/test_fleet_api.py::", "tests/test_fleet_cli.py::",
+               "tests/test_fleet_claim.py::")
 
 
 def shares_cluster(nodeid: str) -> bool:

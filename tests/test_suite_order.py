@@ -5,9 +5,12 @@ its own."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 from .conftest import cluster_scope, pytest_collection_modifyitems, shares_cluster
+
+HERE = Path(__file__).resolve().parent
 
 
 def test_the_fleet_modules_on_a_shared_cluster_are_two_scopes_the_failover_tests_one():
@@ -30,3 +33,13 @@ def test_the_shared_clusters_tests_go_first_and_the_failover_tests_last_of_them(
         "tests/test_fleet.py::test_x", "tests/test_fleet_ops.py::test_y", "tests/test_fleet.py::test_z",
         "tests/test_fleet_failover.py::test_lost", "tests/test_fleet_failover.py::test_head",
         "tests/test_bench.py::test_bench_sim_quick", "tests/test_api_input.py::test_a"]
+
+
+def test_every_fleet_module_in_a_shared_scope_uses_the_shared_cluster():
+    """A module in a shared cluster's scope that does not use the cluster ends it for the modules
+    after it (the cluster is closed after the last test that uses it before another), so that the
+    next one starts it again; a module that uses it outside the scopes would start one of its own."""
+    for path in sorted(HERE.glob("test_fleet*.py")):
+        uses = "shared.rig" in path.read_text()
+        assert shares_cluster(f"tests/{path.name}::test_x") == uses, \
+            f"{path.name}: {'uses' if uses else 'does not use'} the shared cluster (tests/conftest.py OWN_CLUSTER)"
