@@ -17,6 +17,7 @@ import pytest
 
 from meshd_mps.mps import standin
 from meshd_mps.mps.control import become_subreaper
+from meshd_mps.state.statedir import resolve_state_dir
 
 from .rigs.deadlines import TEST_DEADLINES
 from .rigs.mps import MpsRig
@@ -45,6 +46,11 @@ os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMP
 os.environ["XDG_STATE_HOME"] = os.path.join(SESSION_TMP, "xdg-state")
 os.environ.pop("STATE_DIRECTORY", None)
 atexit.register(shutil.rmtree, SESSION_TMP, ignore_errors=True)
+#: Root's default state directories, which $XDG_STATE_HOME does not move (state/statedir.py, and
+#: the fleet's checkpoint beside them): a daemon a test starts as root without --state-dir would
+#: make them (CI runs as root), and a refused start leaves them made.  None may appear in a run.
+ROOT_DEFAULTS = tuple(resolve_state_dir(None, {}, uid=0, gpu=g) + end for g in ("cuda", "sim") for end in ("", "-fleet"))
+ROOT_DEFAULTS_BEFORE = {p for p in ROOT_DEFAULTS if os.path.lexists(p)}
 
 
 @pytest.fixture(autouse=True)
@@ -203,8 +209,16 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         rigs.close_shared()
 
 
-def pytest_sessionfinish() -> None:
-    """A session cut short (-x, Ctrl-C) leaves no cluster running either."""
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A session cut short (-x, Ctrl-C) leaves no cluster running either.  And no state directory
+    of root's defaults that was not there before it (``ROOT_DEFAULTS``): one found is a failure of
+    the run, named, and removed."""
     rigs = sys.modules.get(f"{__package__}.rigs.fleet")
     if rigs is not None:
         rigs.close_shared()
+    made = [p for p in ROOT_DEFAULTS if os.path.lexists(p) and p not in ROOT_DEFAULTS_BEFORE]
+    if made and not hasattr(session.config, "workerinput"):  # once, in the run's first process
+        sys.stderr.write(f"\nthe run made root's default state directories (a serve without --state-dir): {made}\n")
+        for p in made:
+            shutil.rmtree(p, ignore_errors=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -808,7 +808,7 @@ def test_serve_refuses_a_socket_directory_others_can_write(tmp, how):
         os.chown(d, NOBODY, NOBODY)
         words = f"socket directory {d} is owned by uid {NOBODY}, not by this daemon's uid 0; refusing it"
     sock = os.path.join(d, "s.sock")
-    r = cli("serve", "--gpu", "sim", "--socket", sock, timeout=60)
+    r = cli("serve", "--gpu", "sim", "--socket", sock, "--state-dir", os.path.join(tmp, "state"), timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert f"meshd-mps: {words}" in r.stderr, r.stderr
     assert not os.path.exists(sock)
@@ -956,7 +956,8 @@ def test_stall_figures_in_status_and_metrics(daemon):
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e10"])
 def test_serve_refuses_a_bad_stall_after(tmp, value):
-    r = cli("serve", "--gpu", "sim", "--socket", os.path.join(tmp, "s.sock"), "--stall-after", value)
+    r = cli("serve", "--gpu", "sim", "--socket", os.path.join(tmp, "s.sock"), "--stall-after", value,
+            "--state-dir", os.path.join(tmp, "state"))
     said = f"meshd-mps: --stall-after {float(value):g}: seconds, more than 0 and at most 2592000 (30 days)\n"
     assert r.returncode == 2 and r.stderr == said, r.stderr
     assert not os.path.exists(os.path.join(tmp, "s.sock"))

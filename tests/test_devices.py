@@ -318,8 +318,9 @@ def test_serve_devices_end_to_end(serve, tmp, monkeypatch):
 def test_serve_refuses_bad_devices(tmp, monkeypatch):
     monkeypatch.setenv(SIM_GPUS_ENV, "2")
     sock = os.path.join(tmp, "x.sock")
-    r = cli("serve", "--gpu", "sim", "--devices", "0,2", "--socket", sock)
+    state = ("--state-dir", os.path.join(tmp, "state"))  # never root's default (/var/lib/meshd-mps-sim)
+    r = cli("serve", "--gpu", "sim", "--devices", "0,2", "--socket", sock, *state)
     assert r.returncode == 1 and r.stderr.strip().endswith("meshd-mps: devices 2: only 2 GPUs visible (0-1)"), r.stderr
-    r = cli("serve", "--gpu", "sim", "--devices", "0,x", "--socket", sock)
+    r = cli("serve", "--gpu", "sim", "--devices", "0,x", "--socket", sock, *state)
     assert r.returncode == 2 and r.stderr.strip() == "meshd-mps: devices 0,x: 'x' is not a GPU ordinal (0, 1, ...)"
     assert "Traceback" not in r.stderr and not os.path.exists(sock)

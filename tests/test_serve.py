@@ -402,7 +402,7 @@ def test_no_driver_is_plain(tmp):
     else:
         pytest.skip("this machine has an NVIDIA driver")
     sock = os.path.join(tmp, "s.sock")
-    r = cli("serve", "--gpu", "cuda", "--socket", sock)
+    r = cli("serve", "--gpu", "cuda", "--socket", sock, "--state-dir", os.path.join(tmp, "state"))
     assert r.returncode == 1
     assert "meshd-mps: no NVIDIA driver: " in r.stderr
     assert 'to try meshd-mps without a GPU, use the simulated one: gpu="sim"' in r.stderr

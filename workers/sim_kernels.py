@@ -9,6 +9,7 @@ that the ring's device side can be driven step by step without a worker (tests/t
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,57 @@ HOT_POLL_S = 100e-6
 HOT_S = 0.02
 HOT_NS = int(HOT_S * 1e9)
 
+#: A kernel's look at its slot while it waits: True when it has something to do (a request, HALT,
+#: its context poisoned); else it beats, if its beat is due.
+Look = Callable[[], bool]
+
+
+class Poller:
+    """The idle polls of a process's resident kernels, made by one thread.  A kernel thread that
+    slept POLL_S between its own polls cost ~1.7 % of a core idle (a thread's wake-up and the GIL
+    each time), and 200 of them asked for ~3.4 cores of the 2-core CPU machine before anything
+    ran (docs/benchmarks.md, "2026-12-06 22:31 UTC"); a GPU's idle kernels cost the host nothing.
+    So an idle kernel parks: this thread makes each parked kernel's poll (``Look``: the same reads
+    and the same beat on the same timer) every POLL_S, and wakes the kernel only when its look
+    finds something to do.  What the mailbox sees is what the kernel's own polls wrote."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.parked: dict[threading.Event, Look] = {}
+        self.running = False
+
+    def park(self, look: Look) -> None:
+        """Until ``look()`` is True (looked at every POLL_S by this process's polling thread)."""
+        woken = threading.Event()
+        with self.lock:
+            self.parked[woken] = look
+            if not self.running:
+                self.running = True
+                threading.Thread(target=self._run, name="sim kernel polls", daemon=True).start()
+        woken.wait()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(POLL_S)
+            with self.lock:
+                if not self.parked:
+                    self.running = False  # the next park starts another
+                    return
+                parked = list(self.parked.items())
+            for woken, look in parked:
+                try:
+                    wake = look()
+                except Exception:  # the kernel's own next poll meets it (a mailbox closed)
+                    wake = True
+                if wake:
+                    with self.lock:
+                        self.parked.pop(woken, None)
+                    woken.set()
+
+
+#: The process's one poller (a worker's kernels: ``resident``).
+POLLER = Poller()
+
 
 class MeshBeat:
     """``mesh_beat_t`` and ``mesh_beat_at``: one beat at time t, MAX_GAP since the last GAP_RESET;
@@ -47,6 +99,11 @@ class MeshBeat:
         self.beats = 0
         self.after, self.pause_ms = script.get("pause_after"), script.get("pause_ms", 0)
 
+    @property
+    def pausing(self) -> bool:
+        """The script's stall is still ahead (its beats, and the stall, stay the kernel's own: a
+        stall made by the poller would stall every parked kernel)."""
+        return isinstance(self.after, int) and self.beats <= self.after
     def beat(self, t: int, reset: int) -> None:
         mb, slot = self.mb, self.slot
         self.beats += 1
@@ -73,10 +130,12 @@ class MeshRing:
     RING) is served in one batch, published by one RESP_HEAD; a beat every ``every`` ns, while idle,
     or while busy once it is a whole interval late; an entry is read whole, and a response writes
     the words that hold its length (clamped) and payload.  The one difference: the simulated
-    kernel sleeps between polls (HOT_POLL_S while calls flow, POLL_S once idle for HOT_S)."""
+    kernel sleeps between polls (HOT_POLL_S while calls flow, POLL_S once idle for HOT_S, parked
+    on its process's ``Poller`` where it has one)."""
 
-    def __init__(self, mb: Mailbox, slot: int, beat: MeshBeat, every: int):
+    def __init__(self, mb: Mailbox, slot: int, beat: MeshBeat, every: int, poller: Poller | None = None):
         self.mb, self.slot, self.b, self.every = mb, slot, beat, every
+        self.poller = poller  # idle: parked on it (a worker's kernels), else a sleep of POLL_S between polls
         self.base = slot * abi.SLOT_BYTES
         self.next = mb.u32(slot, abi.RESP_HEAD)
         mb.set_u32(slot, abi.SERVES, abi.SERVING)  # mesh_ring_init marks the slot served, before its beat
@@ -97,8 +156,26 @@ class MeshRing:
             if head != self.next:
                 self.hot_until = t + HOT_NS
                 return min((head - self.next) & 0xFFFFFFFF, abi.RING)
-            time.sleep(HOT_POLL_S if t < self.hot_until else POLL_S)
+            if t < self.hot_until:
+                time.sleep(HOT_POLL_S)
+            elif self.poller is not None and not self.b.pausing:
+                self.poller.park(lambda: self.look(poisoned))
+            else:
+                time.sleep(POLL_S)
         return 0
+
+    def look(self, poisoned: Callable[[], bool]) -> bool:
+        """One idle poll, made for the parked kernel (``Poller``): ``wait``'s reads and its beat on
+        its timer; True once there is something to do (``wait`` polls again and returns it)."""
+        mb, slot = self.mb, self.slot
+        head, control, reset = mb.u32(slot, abi.REQ_HEAD), mb.u32(slot, abi.CONTROL), mb.u32(slot, abi.GAP_RESET)
+        if poisoned() or control == abi.HALT or head != self.next:
+            return True
+        t = time.monotonic_ns()
+        if t >= self.due:
+            self.b.beat(t, reset)
+            self.due = t + self.every
+        return False
 
     def load(self, seq: int) -> bytes:
         at = self.base + abi.REQ_BASE + (seq % abi.RING) * abi.ENTRY_BYTES
@@ -140,15 +217,24 @@ def resident(mb: Mailbox, slot: int, echo: bool, pause: Script, poisoned: Callab
     and beats on their timer.  STATE = RUNNING where the example's source writes it (``start``:
     at all).  ``poisoned``: the context's sticky error is set (the kernel ends with the rest, unheard)."""
     b = MeshBeat(mb, slot, pause, poisoned)
-    ring = MeshRing(mb, slot, b, abi.BEAT_EVERY) if echo else None
+    ring = MeshRing(mb, slot, b, abi.BEAT_EVERY, POLLER) if echo else None
     if start:
         mb.set_u32(slot, abi.STATE, abi.RUNNING)
     if ring is not None:
         while echo_turn(ring, poisoned):
             pass
     else:
+        def look() -> bool:  # heartbeat's poll, made by the process's poller: a beat each time
+            if mb.u32(slot, abi.CONTROL) == abi.HALT or poisoned():
+                return True
+            b.beat(time.monotonic_ns(), mb.u32(slot, abi.GAP_RESET))
+            return False
+
         while mb.u32(slot, abi.CONTROL) != abi.HALT and not poisoned():
             b.beat(time.monotonic_ns(), mb.u32(slot, abi.GAP_RESET))
-            time.sleep(POLL_S)
+            if b.pausing:
+                time.sleep(POLL_S)
+            else:
+                POLLER.park(look)
     if not poisoned():  # a kernel torn down by the server never gets to say EXITED
         mb.set_u32(slot, abi.STATE, abi.EXITED)
