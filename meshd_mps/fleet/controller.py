@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 from typing import Any
 
@@ -63,6 +64,8 @@ class FleetController:
         self.views: dict[str, FleetProgram] = {}
         self.events: collections.deque[FleetEvent] = collections.deque(maxlen=EVENTS)
         self.ticked = asyncio.Event()
+        self.poke = asyncio.Event()  # a change declared (deploy, upgrade, remove): the next look now
+        self.nodes_changed = False  # a node joined or left at the last look
         self.task: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()
         self.saving = asyncio.Lock()
@@ -92,6 +95,7 @@ class FleetController:
             await self._save()
             self.pgs[name] = await asyncio.to_thread(self._placement, p)
             self.event("declared", f"{name}: declared, {p.replicas} replicas ({p.strategy}), image {p.image.hash}", name)
+            self.poke.set()
             return self._view(p)
 
     async def upgrade(self, name: str, image: dict[str, Any]) -> FleetProgram:
@@ -101,6 +105,7 @@ class FleetController:
             p.upgrade_to(Image.from_json(image))
             await self._save()
             self.event("upgrade", f"{name}: upgrade to image {p.image.hash} (generation {p.generation}) declared", name)
+            self.poke.set()
             return self._view(p)
 
     async def remove(self, name: str) -> None:
@@ -114,6 +119,7 @@ class FleetController:
                 await asyncio.to_thread(remove_placement_group, pg)
             self.views.pop(name, None)
             self.event("removed", f"{name}: removed; its replicas are unloaded", name)
+            self.poke.set()
 
     async def program(self, name: str) -> FleetProgram:
         p = self._get(name)
@@ -159,7 +165,25 @@ class FleetController:
             except Exception as e:  # one bad tick (the GCS away a moment) must not end the loop
                 self.event("error", f"controller tick failed: {type(e).__name__}: {e}")
             self.ticked.set()
-            await asyncio.sleep(self.d.fleet_tick)  # the loop's period, not a wait on anything
+            period = self.d.fleet_tick if self._settled() else min(self.d.fleet_tick, self.d.fleet_busy_tick)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(period):  # the loop's period, cut short by a declared change
+                    await self.poke.wait()
+            self.poke.clear()
+
+    def _settled(self) -> bool:
+        """Nothing on its way: every replica running (or failed, waiting for its retry), no upgrade,
+        no node joined or lost at the last look.  Else the next look comes after ``fleet_busy_tick``:
+        a node's loss, a deploy or an upgrade takes a few looks (Ray places, the agents load, the
+        views see it run), and at ``fleet_tick`` each of them would wait up to a whole tick.  A
+        replica pending for want of capacity keeps the looks at that pace while it waits."""
+        if self.nodes_changed:
+            return False
+        for name, p in self.programs.items():
+            v = self.views.get(name)
+            if v is None or p.upgrading or any(r.state not in ("running", "failed") for r in v.replicas):
+                return False
+        return True
 
     async def _tick(self) -> None:
         nodes = await asyncio.to_thread(ray.nodes)
@@ -173,6 +197,7 @@ class FleetController:
             self.agents.pop(nid, None)
             self.seen.pop(nid, None)
             self.answering.pop(nid, None)
+        self.nodes_changed = alive.keys() != self.nodes.keys()
         self.nodes = alive
         for nid in alive.keys() - self.agents.keys():
             self.agents[nid] = await asyncio.to_thread(self._agent, nid)
