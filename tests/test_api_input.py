@@ -976,6 +976,7 @@ async def test_stall_after_reaches_programs(monkeypatch, tmp):
     monkeypatch.setattr(server, "Programs", Spy)
     for cfg, kw in ((server.Config(gpu="sim", stall_after=2.5), {"stall_after": 2.5}), (server.Config(gpu="sim"), {})):
         cfg.socket = os.path.join(tmp, "s.sock")
+        cfg.state_dir = os.path.join(tmp, "state")  # never root's default (/var/lib/meshd-mps-sim)
         d = server.Daemon(cfg)
         try:
             await d._open()

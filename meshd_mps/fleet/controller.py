@@ -172,18 +172,7 @@ class FleetController:
             self.poke.clear()
 
     def _settled(self) -> bool:
-        """Nothing on its way: every replica running (or failed, waiting for its retry), no upgrade,
-        no node joined or lost at the last look.  Else the next look comes after ``fleet_busy_tick``:
-        a node's loss, a deploy or an upgrade takes a few looks (Ray places, the agents load, the
-        views see it run), and at ``fleet_tick`` each of them would wait up to a whole tick.  A
-        replica pending for want of capacity keeps the looks at that pace while it waits."""
-        if self.nodes_changed:
-            return False
-        for name, p in self.programs.items():
-            v = self.views.get(name)
-            if v is None or p.upgrading or any(r.state not in ("running", "failed") for r in v.replicas):
-                return False
-        return True
+        return settled(self.programs, self.views, self.nodes_changed)
 
     async def _tick(self) -> None:
         nodes = await asyncio.to_thread(ray.nodes)
@@ -436,6 +425,22 @@ class FleetController:
     def event(self, kind: str, message: str, program: str | None = None, replica: int | None = None,
               node: str | None = None) -> None:
         self.events.append(FleetEvent(time.time(), kind, message, program, replica, node))
+
+
+def settled(programs: dict[str, Declared], views: dict[str, FleetProgram], nodes_changed: bool) -> bool:
+    """Nothing on its way: every replica running (or failed, waiting for its retry), no upgrade,
+    no node joined or lost at the last look.  Else the controller looks again after
+    ``fleet_busy_tick``: a node's loss, a deploy or an upgrade takes a few looks (Ray places, the
+    agents load, the views see it run), and at ``fleet_tick`` each would wait up to a whole tick
+    ((l2): 1.86 s against 0.72 s of direct loads, then 0.95 s).  A replica pending for want of
+    capacity keeps the looks at that pace while it waits."""
+    if nodes_changed:
+        return False
+    for name, p in programs.items():
+        v = views.get(name)
+        if v is None or p.upgrading or any(r.state not in ("running", "failed") for r in v.replicas):
+            return False
+    return True
 
 
 def _find_pg(name: str) -> Any:
