@@ -104,6 +104,7 @@ class MeshBeat:
         """The script's stall is still ahead (its beats, and the stall, stay the kernel's own: a
         stall made by the poller would stall every parked kernel)."""
         return isinstance(self.after, int) and self.beats <= self.after
+
     def beat(self, t: int, reset: int) -> None:
         mb, slot = self.mb, self.slot
         self.beats += 1
