@@ -164,3 +164,23 @@ def test_idle_kernels_park_on_one_polling_thread_that_beats_for_them_and_wakes_e
         poll(lambda: not poller.running, what="the polling thread gone with nothing parked")
     finally:
         poisoned.set()
+
+
+def test_a_poisoned_context_wakes_its_parked_kernels_at_once(mb, monkeypatch):
+    """``Poller.wake_all`` (the simulated GPU's sticky error): every parked kernel polls now and
+    ends, as a GPU's kernels end with their context, not at the poller's next look (a minute
+    away here)."""
+    monkeypatch.setattr(sim_kernels, "POLL_S", 60.0)
+    poller = sim_kernels.Poller()
+    poisoned = threading.Event()
+    dev = MeshRing(mb, 1, MeshBeat(mb, 1, {}, lambda: False), abi.BEAT_EVERY, poller)
+    t = threading.Thread(target=lambda: echo_turn(dev, poisoned.is_set), daemon=True)
+    t.start()
+    try:
+        poll(lambda: len(poller.parked) == 1, what="the idle kernel parked")
+        poisoned.set()
+        poller.wake_all()
+        t.join(20)
+        assert not t.is_alive() and poller.parked == {}
+    finally:
+        poisoned.set()

@@ -82,7 +82,7 @@ from meshd_mps.protocol.mailbox import Mailbox
 from . import pipes, wlog
 from .gpu import DoneCallback, GpuError, Streams
 from .sim_images import Examples
-from .sim_kernels import Script, resident
+from .sim_kernels import POLLER, Script, resident
 from .warm import driver_queues
 
 log = wlog.log
@@ -283,6 +283,7 @@ class SimGpu:
         with self._cv:
             self._poison = error
             self._cv.notify_all()
+        POLLER.wake_all()  # the parked kernels end now, as a poisoned context's do
 
     def _check(self, call: str, rpc: bool = False) -> None:
         """A call of the driver: the client's sticky error if it has one.  ``rpc``: a round trip to

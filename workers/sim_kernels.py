@@ -64,6 +64,14 @@ class Poller:
                 threading.Thread(target=self._run, name="sim kernel polls", daemon=True).start()
         woken.wait()
 
+    def wake_all(self) -> None:
+        """Every parked kernel woken now, to poll at once: its context was poisoned (a fault, the
+        server's termination), which ends a GPU's kernels at once, not at a next poll."""
+        with self.lock:
+            parked, self.parked = self.parked, {}
+        for woken in parked:
+            woken.set()
+
     def _run(self) -> None:
         while True:
             time.sleep(POLL_S)
