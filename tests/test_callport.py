@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import socket
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -27,22 +29,28 @@ from meshd_mps.serving.client import program_body
 from meshd_mps.serving.status import status_of
 from meshd_mps.strictjson import parse_json
 
-from .rigs.serve import EXAMPLES
+from .rigs.serve import EXAMPLES, Serve
 
 pytestmark = pytest.mark.timeout(120)
 
 REPLICA = "echo.fleet-0"
 
 
-@pytest.fixture
-def replica_daemon(serve):
-    """A daemon with a fleet replica (``echo.fleet-0``) and a program of its own (``echo``)."""
-    s = serve("blink")
-    s.wait_ready()
-    body = program_body(str(EXAMPLES / "echo"))
-    s.client.load({**body, "manifest": {**body["manifest"], "name": REPLICA}})
-    s.client.load(body)
-    return s
+@pytest.fixture(scope="module")
+def replica_daemon() -> Iterator[Serve]:
+    """A daemon with a fleet replica (``echo.fleet-0``) and a program of its own (``echo``): one
+    for the module (its tests only call it)."""
+    d = tempfile.mkdtemp(prefix="cp-")
+    s = Serve(d, "blink", os.path.join(d, "s.sock"))
+    try:
+        s.wait_ready()
+        body = program_body(str(EXAMPLES / "echo"))
+        s.client.load({**body, "manifest": {**body["manifest"], "name": REPLICA}})
+        s.client.load(body)
+        yield s
+    finally:
+        s.kill()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @contextlib.asynccontextmanager
