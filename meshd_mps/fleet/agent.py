@@ -108,7 +108,7 @@ class NodeAgent:
         out: dict[str, Any] = {"node": self.node_id, "socket": self.socket, "pid": os.getpid(),
                                "have": sorted(self.images), "errors": dict(self.errors), "busy": dict(self.busy),
                                "programs": None, "error": None, "daemon_pid": self.daemon_pid, "claim": self.foreign,
-                               "call_port": None if port is None else list(port), "call_port_error": port_error}
+                               "call_port": port, "call_port_error": port_error}
         try:
             programs = await self._blocking(lambda c: c.programs())
             sock = _identity(self.socket)

@@ -35,8 +35,8 @@ from aiohttp import web
 from meshd_mps import errors as E
 from meshd_mps.fleet.nodecalls import MAX_ANSWER, NodeAnswer, NodeCalls
 from meshd_mps.fleet.spec import CallPort, parse_replica_name
-from meshd_mps.serving.api import answer
-from meshd_mps.serving.status import BodyTooLarge, LengthRequired, MethodNotAllowed, NoRoute, status_of
+from meshd_mps.serving.api import answer, refused
+from meshd_mps.serving.status import BodyTooLarge, LengthRequired, MethodNotAllowed, NoRoute
 from meshd_mps.strictjson import parse_json
 
 ENV = "MESHD_MPS_FLEET_CALL_PORT"
@@ -88,7 +88,7 @@ class CallPortServer:
             if isinstance(got, NodeAnswer):  # no daemon answered: said with ``lost`` (nodecalls._parsed)
                 raise E.CallPortRelay(f"call port {self.port}: {got.error}", lost=got.lost)
         except E.MeshError as e:
-            return answer(status_of(e), {"ok": False, **e.fields(), "error": str(e)})
+            return answer(*refused(e))
         status, raw = got
         return web.Response(status=status, body=raw, content_type="application/json")
 

@@ -25,7 +25,15 @@ import ray
 from ray.exceptions import ActorUnschedulableError, RayActorError, RayTaskError
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.errors import CallRefused, FleetTimeout, FleetUnavailable, MeshError, NoReplica, ReplicaLost
+from meshd_mps.errors import (
+    CallPortToken,
+    CallRefused,
+    FleetTimeout,
+    FleetUnavailable,
+    MeshError,
+    NoReplica,
+    ReplicaLost,
+)
 from meshd_mps.fleet.controller import CONTROLLER, FleetController
 from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.fleet.spec import (
@@ -39,6 +47,7 @@ from meshd_mps.fleet.spec import (
     Routes,
     Via,
 )
+from meshd_mps.serving.status import STATUS
 
 HINT = "start Ray (ray start --head), or name its address (--address, $RAY_ADDRESS)"
 #: A call port that could not be reached (a firewall, its host gone) is not tried again for this
@@ -214,7 +223,7 @@ class Fleet:
             if out.unreachable:  # nothing sent: the same replica through Ray, and the port left alone a while
                 self.unreachable[port] = time.monotonic() + PORT_RETRY_S
                 out = None
-            elif out.status == 401:  # the agent restarted with another token: the routes are old
+            elif out.status == STATUS[CallPortToken]:  # the agent restarted with another token: the routes are old
                 raise _NotDelivered(out.error)
         if out is None:
             out, via = await self._through_ray(routes.agents.get(node), r, data, timeout), "ray"

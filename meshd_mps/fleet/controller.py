@@ -31,7 +31,6 @@ from meshd_mps.fleet.checkpoint import Checkpoint, fleet_state_dir
 from meshd_mps.fleet.claim import FleetId
 from meshd_mps.fleet.desired import Declared, Image
 from meshd_mps.fleet.spec import (
-    CallPort,
     FleetEvent,
     FleetProgram,
     FleetStatus,
@@ -147,7 +146,7 @@ class FleetController:
         nodes = {r.node for r in live if r.node}
         socks = {n: self.seen[n]["socket"] for n in nodes if n in self.seen}
         agents = {n: self.agents[n] for n in nodes if n in self.agents}
-        ports = {n: CallPort(*self.seen[n]["call_port"]) for n in nodes if (self.seen.get(n) or {}).get("call_port")}
+        ports = {n: self.seen[n]["call_port"] for n in nodes if (self.seen.get(n) or {}).get("call_port")}
         return Routes(live, socks, agents, ports)
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -345,7 +344,7 @@ class FleetController:
                         daemon_pid=seen.get("daemon_pid"), agent_pid=seen.get("pid"),
                         reason=why or (seen.get("claim") or {}).get("why") or seen.get("error"),
                         claimed_by=(self.claimed.get(nid) or None) if n is not None else None,
-                        call_port=str(CallPort(*seen["call_port"])) if seen.get("call_port") else None,
+                        call_port=str(seen["call_port"]) if seen.get("call_port") else None,
                         call_port_error=seen.get("call_port_error"))
 
     # ---- Ray: agents, placement groups ---------------------------------------------------------------

@@ -89,7 +89,7 @@ def answer(status: int, obj: dict[str, Any]) -> web.Response:
                         headers=SERVER)
 
 
-def _refused(e: MeshError | None) -> tuple[int, dict[str, Any]]:
+def refused(e: MeshError | None) -> tuple[int, dict[str, Any]]:
     """An error's status and answer (None: an internal error, said in generic words)."""
     if e is None:
         return 500, {"ok": False, "error": INTERNAL}
@@ -146,7 +146,7 @@ class Api:
         if request.version != HttpVersion11:
             return None
         if expect.lower() != "100-continue":
-            return answer(*_refused(ExpectRefused(f"Expect {expect[:40]!r}: only 100-continue is understood",
+            return answer(*refused(ExpectRefused(f"Expect {expect[:40]!r}: only 100-continue is understood",
                                                   expect=expect[:40])))
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the interim answer is no part of the response's size
@@ -236,7 +236,7 @@ class Api:
             getattr(log, level)(f"{request.method} {path_of(request)[:200]}: {e}", code=status, type=type(e).__name__)
 
     def refusal(self, request: web.BaseRequest, e: MeshError | None) -> web.Response:
-        status, obj = _refused(e)
+        status, obj = refused(e)
         if e is not None:
             self._log_refusal(request, e, status)
         resp = answer(status, obj)
@@ -438,7 +438,7 @@ class Protocol(web.RequestHandler):
         if self.heard or self.transport is None:
             return
         within = self.api.deadlines.http_head
-        status, obj = _refused(RequestTimeout(f"no request in {within:g}s", within=within))
+        status, obj = refused(RequestTimeout(f"no request in {within:g}s", within=within))
         body = _body(obj)
         head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json; charset=utf-8\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\nServer: {SERVER['Server']}\r\n\r\n")
