@@ -85,6 +85,8 @@ async def test_a_call_port_that_cannot_be_reached_sends_the_call_through_ray(fle
     assert set(fleet.unreachable) == set(shut.values()), "each port tried once, then left alone"
     fleet.cache.pop("echo")
     assert (await fleet.call("echo", b"last")).via == "call-port", "the real ports again with the routes"
+    assert set(fleet.ports) <= set(routes.ports.values()) and fleet.unreachable == {}, \
+        "the ports no route names any more are forgotten, their connections closed"
     await fleet.remove("echo")
 
 

@@ -194,7 +194,16 @@ class Fleet:
             return hit[1]
         routes: Routes = await self._ask(self.controller.routes.remote(name))
         self.cache[name] = (time.monotonic(), routes)
+        await self._forget_ports()
         return routes
+
+    async def _forget_ports(self) -> None:
+        """The connections to call ports no route names any more (a restarted agent listens on
+        another port), closed: a long-lived caller keeps none of the old ones."""
+        named = {p for _, r in self.cache.values() for p in r.ports.values()}
+        for port in [p for p in self.ports if p not in named]:
+            await self.ports.pop(port).close()
+        self.unreachable = {p: t for p, t in self.unreachable.items() if p in named}
 
     def _order(self, replicas: list[ReplicaView]) -> list[ReplicaView]:
         mine = [r for r in replicas if r.node == self.node]
