@@ -153,38 +153,34 @@ class MeshRing:
         self.hot_until = 0  # monotonic ns: polls at HOT_POLL_S until then (a request was served lately)
 
     def wait(self, poisoned: Callable[[], bool]) -> int:
-        mb, slot = self.mb, self.slot
         while not poisoned():
-            head, control, reset = mb.u32(slot, abi.REQ_HEAD), mb.u32(slot, abi.CONTROL), mb.u32(slot, abi.GAP_RESET)
-            if control == abi.HALT:
-                return 0
-            t = time.monotonic_ns()
-            if t >= self.due and (head == self.next or t >= self.due + self.every):
-                self.b.beat(t, reset)
-                self.due = t + self.every
-            if head != self.next:
-                self.hot_until = t + HOT_NS
-                return min((head - self.next) & 0xFFFFFFFF, abi.RING)
-            if t < self.hot_until:
+            n = self.poll()
+            if n is not None:
+                return n
+            if time.monotonic_ns() < self.hot_until:
                 time.sleep(HOT_POLL_S)
             elif self.poller is not None and not self.b.pausing:
-                self.poller.park(lambda: self.look(poisoned))
+                # parked: the process's poller makes the same polls, and wakes it once one finds work
+                self.poller.park(lambda: poisoned() or self.poll() is not None)
             else:
                 time.sleep(POLL_S)
         return 0
 
-    def look(self, poisoned: Callable[[], bool]) -> bool:
-        """One idle poll, made for the parked kernel (``Poller``): ``wait``'s reads and its beat on
-        its timer; True once there is something to do (``wait`` polls again and returns it)."""
+    def poll(self) -> int | None:
+        """One poll of the slot (REQ_HEAD, CONTROL and GAP_RESET read together): 0 at HALT, the
+        requests pending, or None (nothing to do); the beat made meanwhile on its timer."""
         mb, slot = self.mb, self.slot
         head, control, reset = mb.u32(slot, abi.REQ_HEAD), mb.u32(slot, abi.CONTROL), mb.u32(slot, abi.GAP_RESET)
-        if poisoned() or control == abi.HALT or head != self.next:
-            return True
+        if control == abi.HALT:
+            return 0
         t = time.monotonic_ns()
-        if t >= self.due:
+        if t >= self.due and (head == self.next or t >= self.due + self.every):
             self.b.beat(t, reset)
             self.due = t + self.every
-        return False
+        if head != self.next:
+            self.hot_until = t + HOT_NS
+            return min((head - self.next) & 0xFFFFFFFF, abi.RING)
+        return None
 
     def load(self, seq: int) -> bytes:
         at = self.base + abi.REQ_BASE + (seq % abi.RING) * abi.ENTRY_BYTES
