@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from meshd_mps.protocol import abi
+from meshd_mps.protocol import abi, doorbell
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.protocol.ring import Ring
 from workers import sim_kernels
@@ -184,3 +184,133 @@ def test_a_poisoned_context_wakes_its_parked_kernels_at_once(mb, monkeypatch):
         assert not t.is_alive() and poller.parked == {}
     finally:
         poisoned.set()
+
+
+# ---- the doorbell (protocol/doorbell.py): a parked kernel looked at when its slot is rung ----------
+
+needs_bell = pytest.mark.skipif(not doorbell.SUPPORTED, reason="no futex_waitv here (Linux 5.16+, x86_64 or aarch64):"
+                                " the simulated kernels are looked at every POLL_S only")
+
+
+@pytest.fixture
+def rung(mb, monkeypatch):
+    """The mailbox with its doorbell on (the backend's with --gpu sim), a poller of its own whose
+    looks are a minute apart, kernels that look by themselves once a minute: what a test sees
+    within its deadline came by the bell."""
+    monkeypatch.setattr(sim_kernels, "POLL_S", 60.0)
+    monkeypatch.setattr(sim_kernels, "BELL_WAIT_S", 60.0)
+    mb.doorbell = True
+    return sim_kernels.Poller()
+
+
+def parked_kernel(mb: Mailbox, slot: int, poller: sim_kernels.Poller, poisoned: threading.Event) -> threading.Thread:
+    dev = MeshRing(mb, slot, MeshBeat(mb, slot, {}, lambda: False), abi.BEAT_EVERY, poller)
+    t = threading.Thread(target=lambda: [None for _ in iter(lambda: echo_turn(dev, poisoned.is_set), 0)], daemon=True)
+    t.start()
+    return t
+
+
+@needs_bell
+def test_a_request_to_a_parked_kernel_rings_it_awake(mb, rung):
+    """The host's post rings the slot: the idle kernel answers now, as a GPU's polling kernel
+    does, not at its poller's next look (a minute away here; 2 ms in a worker)."""
+    poisoned = threading.Event()
+    parked_kernel(mb, 1, rung, poisoned)
+    try:
+        poll(lambda: len(rung.parked) == 1, what="the idle kernel parked")
+        host = Ring(mb, 1)
+        for x in (b"one", b"two"):  # and parked again between the two
+            seq = host.post(x)
+            assert poll(lambda s=seq: host.response(s), what="the request answered") == x
+            poll(lambda: len(rung.parked) == 1, what="the kernel parked again, once idle")
+        seqs = host.post_many([b"a", b"b", b"c"])  # call_many's publish rings too
+        assert [poll(lambda s=s: host.response(s), what="a batch answered") for s in range(seqs, seqs + 3)] == [b"a", b"b", b"c"]
+    finally:
+        poisoned.set()
+        rung.wake_all()
+
+
+@needs_bell
+def test_a_halt_rings_the_parked_kernel_which_ends(mb, rung):
+    """Rung or not yet waiting: a HALT written between the kernel's last poll and its wait is not
+    slept through, since the kernel waits on CONTROL as its poll read it, beside REQ_HEAD."""
+    poisoned = threading.Event()
+    t = parked_kernel(mb, 2, rung, poisoned)
+    try:
+        poll(lambda: len(rung.parked) == 1, what="the idle kernel parked")
+        mb.halt(2)
+        t.join(20)
+        assert not t.is_alive() and rung.parked == {}
+        assert mb.u32(2, abi.STATE) == 0  # ended by HALT (resident() writes EXITED; the bare ring does not)
+    finally:
+        poisoned.set()
+        rung.wake_all()
+
+
+@needs_bell
+def test_a_look_that_finds_work_wakes_a_kernel_waiting_on_its_bell(mb, monkeypatch):
+    """A HALT written without its bell (or a bell lost): the poller's next look finds it and pokes
+    the kernel, which ends; the request of another kernel, posted without a bell, is answered the
+    same way."""
+    monkeypatch.setattr(sim_kernels, "BELL_WAIT_S", 60.0)
+    mb.doorbell = True
+    poller, poisoned = sim_kernels.Poller(), threading.Event()
+    t = parked_kernel(mb, 2, poller, poisoned)
+    parked_kernel(mb, 3, poller, poisoned)
+    try:
+        poll(lambda: len(poller.parked) == 2, what="the idle kernels parked")
+        mb.set_u32(2, abi.CONTROL, abi.HALT)  # no bell
+        t.join(20)
+        assert not t.is_alive(), "the look found HALT and woke its kernel"
+        mb.doorbell = False
+        host = Ring(mb, 3)  # posts without a bell
+        seq = host.post(b"unrung")
+        assert poll(lambda: host.response(seq), what="the request found by a look") == b"unrung"
+    finally:
+        poisoned.set()
+        poller.wake_all()
+
+
+def test_a_kernel_waits_on_its_request_head_and_its_control_as_its_last_poll_read_them(mb):
+    host, dev = Ring(mb, SLOT), device(mb)
+    host.post(b"one")
+    assert echo_turn(dev, lambda: False) == 1 and dev.poll() is None
+    mb.run(SLOT)
+    assert dev.poll() is None
+    assert dev.bell() == [(mb.word(SLOT, abi.REQ_HEAD), 1), (mb.word(SLOT, abi.CONTROL), abi.RUN)]
+    assert mb.word(SLOT, abi.CONTROL) == mb.address + SLOT * abi.SLOT_BYTES + abi.CONTROL
+
+
+def test_without_the_doorbell_nothing_rings_and_the_look_finds_the_request(mb):
+    """A GPU's mailbox (doorbell off): the ring is written as before and nobody is rung; the
+    parked kernel's request is found at its poller's next look (POLL_S)."""
+    assert not mb.doorbell and Ring(mb, 1)._bell == 0
+    poller, poisoned = sim_kernels.Poller(), threading.Event()
+    parked_kernel(mb, 1, poller, poisoned)
+    try:
+        poll(lambda: len(poller.parked) == 1, what="the idle kernel parked")
+        host = Ring(mb, 1)
+        seq = host.post(b"found")
+        assert poll(lambda: host.response(seq), what="the request answered at a look") == b"found"
+    finally:
+        poisoned.set()
+        poller.wake_all()
+
+
+@needs_bell
+def test_a_wait_on_a_word_that_changed_already_returns_at_once(mb):
+    """futex_waitv compares each word with the value meant as nothing to do: a request published
+    before the poller began to wait is not slept through."""
+    mb.set_u32(1, abi.REQ_HEAD, 7)
+    done = threading.Event()
+    word = mb.word(1, abi.REQ_HEAD)
+    threading.Thread(target=lambda: (doorbell.wait([(word, 6, False)], 60.0), done.set()), daemon=True).start()
+    assert done.wait(20), "a word holding another value than expected: no wait"
+
+
+def test_the_mailbox_closes_after_its_address_was_taken():
+    """``doorbell.address`` exports the map only while it reads it: close unmaps it."""
+    m = Mailbox.create()
+    assert m.address == doorbell.address(m.mm)
+    m.close()
+    assert m.mm.closed

@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     mailbox: Mailbox | None = None
     try:
         mailbox = Mailbox.open(args.mailbox)
+        mailbox.doorbell = args.gpu == "sim"  # its own HALTs (halt_all) ring too
     except Exception as e:  # reported on the first request, as a GPU that did not open
         log.error("mailbox not opened", error=str(e))
         no_mailbox = f"worker {os.getpid()}: {e}"

@@ -125,6 +125,9 @@ class Backend(NativeClients):
         self.live = live
         self._clear = clear
         self.mailbox = live_mailbox(live_paths(live).mailbox) if live is not None else Mailbox.create()
+        #: The simulated GPU's idle kernels wait on their slots' doorbells (protocol/doorbell.py);
+        #: a GPU's poll, and nothing rings.
+        self.mailbox.doorbell = gpu == "sim"
         #: Live restore: the modules the adopted workers hold, for the programs to take or halt.
         self.found: list[Found] = []
         #: Live restore: what adoption did with each worker left, for status and the log.

@@ -19,7 +19,7 @@ import os
 import struct
 
 from meshd_mps.errors import MailboxError as MailboxError  # re-exported for the workers
-from meshd_mps.protocol import abi
+from meshd_mps.protocol import abi, doorbell
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -33,6 +33,11 @@ class Mailbox:
         self.mm = mmap.mmap(fd, self.size)
         #: The mailbox as u32 words (index = byte offset / 4): the ring's hot reads (protocol/ring.py).
         self.words = memoryview(self.mm).cast("I")
+        #: Where the map starts in this process (a slot word's doorbell address).
+        self.address = doorbell.address(self.mm)
+        #: The host rings a slot (``bell``) once it has written its ring or its HALT: set for the
+        #: simulated GPU, whose idle kernels wait on the bell (protocol/doorbell.py); a GPU's poll.
+        self.doorbell = False
 
     @classmethod
     def create(cls, path: str | None = None) -> Mailbox:
@@ -106,6 +111,16 @@ class Mailbox:
 
     def halt(self, slot: int) -> None:
         self.set_u32(slot, abi.CONTROL, abi.HALT)
+        if self.doorbell:
+            self.bell(slot)
+
+    def word(self, slot: int, off: int) -> int:
+        """The address of the word at ``off`` in ``slot``, in this process (a doorbell's)."""
+        return self.address + self.offset(slot, off)
+
+    def bell(self, slot: int) -> None:
+        """``slot``'s kernel, if it waits on its doorbell (its REQ_HEAD word), looks at its slot now."""
+        doorbell.wake(self.word(slot, abi.REQ_HEAD))
 
     def run(self, slot: int) -> None:
         self.set_u32(slot, abi.CONTROL, abi.RUN)

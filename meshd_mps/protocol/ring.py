@@ -30,6 +30,7 @@ from collections.abc import Sequence
 
 from meshd_mps.errors import PayloadTooLarge, RingFull
 from meshd_mps.protocol import abi
+from meshd_mps.protocol.doorbell import wake
 from meshd_mps.protocol.mailbox import Mailbox
 
 MASK = 0xFFFFFFFF
@@ -66,6 +67,8 @@ class Ring:
         self._req = tuple(base + abi.REQ_BASE + i * abi.ENTRY_BYTES for i in range(abi.RING))
         self._resp = tuple(base + abi.RESP_BASE + i * abi.ENTRY_BYTES for i in range(abi.RING))
         self._unread: deque[int] = deque()  # posted, their responses not read (nor forgotten), in order
+        #: The slot's doorbell, rung after each publish (the simulated GPU's: protocol/doorbell.py).
+        self._bell = mailbox.word(slot, abi.REQ_HEAD) if mailbox.doorbell else 0
         self._read: set[int] = set()  # of those, read out of order
 
     def serves(self) -> bool:
@@ -118,6 +121,8 @@ class Ring:
         self._mm[at + 4 : at + 4 + n] = payload
         unread.append(head)
         w[self._req_head] = (head + 1) & MASK  # published last
+        if self._bell:
+            wake(self._bell)
         return head
 
     def post_many(self, payloads: Sequence[bytes], checked: bool = False) -> int:
@@ -155,6 +160,8 @@ class Ring:
             unread.append(head)
             head = (head + 1) & MASK
         w[self._req_head] = head  # published last
+        if self._bell:
+            wake(self._bell)
         return first
 
     def take(self, seq: int, most: int, out: list[bytes]) -> int:
