@@ -64,6 +64,7 @@ class Deadlines:
     fleet_tick: float = 0.5  # the controller's and each agent's reconcile loop: one look this often
     fleet_busy_tick: float = 0.1  # ... while a replica is on its way (placed, starting, moving, upgrading)
     fleet_agent: float = 10.0  # one answer of a node agent to the controller (else: its node not heard)
+    fleet_watch: float = 30.0  # a node agent's watch (fleet/agent.py): it answers after a change it made, else this
     fleet_node: float = 60.0  # one request of an agent to its node daemon (a load compiles and starts)
     fleet_upgrade: float = 300.0  # a rolling upgrade, every replica (fleet.upgrade's wait)
     fleet_rejoin: float = 60.0  # after the head's restart, a node that ran replicas has this long to rejoin

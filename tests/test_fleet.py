@@ -55,6 +55,9 @@ def by_node(rig: FleetRig) -> dict[str, str]:
 
 
 async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_answered(rig, fleet, echo):
+    agent = ray.get_actor(agent_name(rig.nodes["n0"].id), namespace=NAMESPACE)
+    rounds = (await agent.observe.remote())["rounds"]
+    watch = agent.watch.remote(rounds)  # the controller's, made by the test: it answers once n0's agent loaded
     p = await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
     assert [r.state for r in p.replicas] != ["running"] * 3 or p.running == 3
     p = await fleet.wait("echo", running=3, timeout=UP_S)
@@ -68,6 +71,8 @@ async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_a
         assert reply.via == "call-port", "the test's driver is on the head (no replica there): the agents' call ports"
         seen.add(reply.replica.index)
     assert len(seen) >= 2, f"the calls all went to one replica: {seen}"
+    # Within the test's deadline, not after Deadlines.fleet_watch (30 s): the round that loaded it answered.
+    assert await asyncio.wait_for(watch, 20) > rounds, "the agent's watch answered after its loads"
 
 
 async def test_a_call_port_that_cannot_be_reached_sends_the_call_through_ray(fleet, echo):
@@ -136,8 +141,13 @@ async def test_the_agent_killed_changes_no_worker_and_resets_no_heartbeat(rig, f
     before = {(name, k): row for name, n in rig.nodes.items() for k, row in n.ps().items()}
     agents_before = {n.name: n.agent_pid for n in (await fleet.status()).nodes}
     assert all(n.call_port for n in (await fleet.status()).nodes), "every agent has a call port"
+    # The controller learns an agent's end from its watch failing (fleet/controller.py _watch):
+    # one watch of the test's own, which no change answers before the kill.
+    watch = ray.get_actor(agent_name(rig.nodes["n1"].id), namespace=NAMESPACE).watch.remote(2**40)
     for n in rig.nodes.values():
         ray.kill(ray.get_actor(agent_name(n.id), namespace=NAMESPACE), no_restart=False)
+    with pytest.raises(ray.exceptions.RayActorError):
+        await asyncio.wait_for(watch, 20)
     lowest: dict[tuple[str, str], int] = {k: row["heartbeat"] for k, row in before.items()}
 
     def sample() -> None:

@@ -1,17 +1,22 @@
-"""How often the fleet's controller looks (fleet/controller.py ``settled``): every ``fleet_tick``
+"""How often the fleet's controller looks (fleet/pace.py ``settled``): every ``fleet_tick``
 once every replica runs, every ``fleet_busy_tick`` while one is on its way (placed, starting,
-moving, upgrading, pending), so that a node's loss or a deploy does not wait a whole tick at each of
-its steps (the bench's (l2): 1.86 s against 0.72 s of direct loads at one look per 0.5 s, 0.95 s
-with the busy looks; docs/benchmarks.md).  Plain data: no cluster."""
+moving, upgrading, pending) or an agent does not answer, so that a node's loss or a deploy does not
+wait a whole tick at each of its steps (the bench's (l2): 1.86 s against 0.72 s of direct loads at one look per 0.5 s, 0.95 s
+with the busy looks; docs/benchmarks.md); and the agents' watch calls (``Watches``), which end a
+pause at once.  Plain data and plain futures: no cluster."""
 
 from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
 
 import pytest
 
 pytest.importorskip("ray")
 
-from meshd_mps.fleet.controller import settled
 from meshd_mps.fleet.desired import Declared, Image
+from meshd_mps.fleet.pace import Watches, settled
 from meshd_mps.fleet.spec import FleetProgram, ReplicaView
 
 OLD, NEW = Image({}, "ptx a", "a" * 12), Image({}, "ptx b", "b" * 12)
@@ -39,6 +44,81 @@ def test_busy_while_a_replica_is_on_its_way(state):
 
 def test_busy_while_a_node_joined_or_left_an_upgrade_rolls_or_a_program_has_no_view_yet():
     assert not settled({"echo": declared()}, view("running", "running"), nodes_changed=True)
+    assert not settled({"echo": declared()}, view("running", "running"), nodes_changed=False, unanswered=True), \
+        "an agent that did not answer: its node may be about to be called lost (its next ask hangs until then)"
     upgrading = declared(NEW, assigned=[OLD.hash, NEW.hash])
     assert upgrading.upgrading and not settled({"echo": upgrading}, view("running", "running"), nodes_changed=False)
     assert not settled({"echo": declared()}, {}, nodes_changed=False), "just declared: not looked at yet"
+
+
+# ---- Watches: the agents' watch calls end the controller's pause ---------------------------------
+# An agent's ``watch.remote(since).future()`` is a concurrent future that the call's answer (or its
+# failure) completes; here the test completes it, to see what the controller's pace does with it.
+# That the real call answers after an agent's loads and fails when the agent is killed is tested on
+# the cluster (tests/test_fleet.py).
+
+
+class Agent:
+    """What ``Watches`` uses of an agent's handle: ``watch.remote(since).future()``."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, concurrent.futures.Future[int]]] = []
+        self.watch = self
+
+    def remote(self, since: int) -> Agent:
+        self.sent.append((since, concurrent.futures.Future()))
+        return self
+
+    def future(self) -> concurrent.futures.Future[int]:
+        return self.sent[-1][1]
+
+
+async def test_a_pause_ends_when_a_watch_answers_or_fails_or_a_change_is_declared():
+    w, poke, a = Watches(quiet_after_failure=60.0), asyncio.Event(), Agent()
+    w.renew(["n1"], {"n1": a}, {"n1": 4})
+    assert [s for s, _ in a.sent] == [4], "one watch, for a change past the agent's last rounds"
+    w.renew(["n1"], {"n1": a}, {"n1": 4})
+    assert len(a.sent) == 1, "not a second while one is outstanding"
+
+    t0 = time.monotonic()
+    a.sent[0][1].set_result(5)  # the agent loaded something
+    await asyncio.wait_for(w.pause(poke, 60.0), 20)
+    poke.set()
+    await asyncio.wait_for(w.pause(poke, 60.0), 20)
+    assert not poke.is_set(), "a pause clears the poke it ended on"
+    assert time.monotonic() - t0 < 30, "neither waited for its minute"
+
+    w.renew(["n1"], {"n1": a}, {"n1": 5})
+    a.sent[-1][1].set_exception(RuntimeError("the agent ended"))
+    await asyncio.wait_for(w.pause(poke, 60.0), 20)
+
+
+async def test_a_failed_watch_is_not_sent_again_at_once_and_none_goes_to_an_agent_that_did_not_answer():
+    w, poke, a, b = Watches(quiet_after_failure=60.0), asyncio.Event(), Agent(), Agent()
+    w.renew(["n1"], {"n1": a, "n2": b}, {})
+    assert len(a.sent) == 1 and b.sent == [], "n2 did not answer the look: no watch"
+    a.sent[0][1].set_exception(RuntimeError("AttributeError: an older agent has no watch"))
+    await asyncio.sleep(0)  # the future's callbacks
+    w.renew(["n1", "n2"], {"n1": a, "n2": b}, {})
+    assert len(a.sent) == 1, "a watch that failed is not sent again within quiet_after_failure"
+    assert len(b.sent) == 1
+    assert list(w.calls) == ["n2"], "the failed one is not waited on: the loop does not spin on it"
+    w.forget("n2")
+    done = asyncio.ensure_future(w.pause(poke, 0.05))
+    await asyncio.wait_for(done, 20)  # its period: nothing left to end it sooner
+
+
+async def test_a_watch_that_ended_during_the_look_ends_the_next_pause_at_once_and_only_that_one():
+    """The look may have asked the agent before its change: its watch's end, seen only after the
+    look, must not wait for the tick.  Until the next look renews it, it ends no other pause (a
+    look that keeps failing before its renew would make the loop spin)."""
+    w, poke, a = Watches(quiet_after_failure=60.0), asyncio.Event(), Agent()
+    w.renew(["n1"], {"n1": a}, {})
+    a.sent[0][1].set_result(1)
+    await asyncio.sleep(0)  # the answer is in: the watch is done before the pause begins
+    assert w.calls["n1"].done()
+    await asyncio.wait_for(w.pause(poke, 60.0), 20)
+    assert w.calls["n1"] in w.ended, "its end was used: the next pause waits its period"
+    await asyncio.wait_for(w.pause(poke, 0.05), 20)
+    w.renew(["n1"], {"n1": a}, {"n1": 1})
+    assert len(a.sent) == 2 and not w.ended, "renewed, for a change past the agent's rounds"

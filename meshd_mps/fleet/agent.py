@@ -70,6 +70,8 @@ class NodeAgent:
         self.retry_at: dict[str, float] = {}
         self.busy: dict[str, str] = {}  # replica -> "loading" | "upgrading" | "unloading", while it is done
         self.wake = asyncio.Event()
+        self.rounds = 0  # rounds of _apply that loaded, upgraded or unloaded something
+        self.acted = asyncio.Event()  # set (and made anew) at the end of each such round
         self.task: asyncio.Task[None] | None = None
         self.daemon_pid: int | None = None
         self.daemon_socket: tuple[int, int] | None = None  # the socket file the pid was asked through
@@ -108,7 +110,7 @@ class NodeAgent:
         out: dict[str, Any] = {"node": self.node_id, "socket": self.socket, "pid": os.getpid(),
                                "have": sorted(self.images), "errors": dict(self.errors), "busy": dict(self.busy),
                                "programs": None, "error": None, "daemon_pid": self.daemon_pid, "claim": self.foreign,
-                               "call_port": port, "call_port_error": port_error}
+                               "call_port": port, "call_port_error": port_error, "rounds": self.rounds}
         try:
             programs = await self._blocking(lambda c: c.programs())
             sock = _identity(self.socket)
@@ -131,6 +133,18 @@ class NodeAgent:
         back as they are (1 us to serialize, against 27 us for a NodeAnswer), and most calls answer."""
         out = await self.calls.call(name, data, timeout)
         return out.data if out.ok else out
+
+    async def watch(self, since: int) -> int:
+        """The controller's call, kept outstanding: this agent's count of rounds that changed its
+        daemon's programs (loads, upgrades, unloads: ``rounds``, also in ``observe``'s report) once it
+        is past ``since`` (at once if it is already), else as it is after ``Deadlines.fleet_watch``.
+        It tells the controller to look now, not at its next tick: after a change here, and, since
+        the agent's end fails the call at once, when its node is lost or the actor killed."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.d.fleet_watch):
+                while self.rounds <= since:
+                    await self.acted.wait()
+        return self.rounds
 
     async def ping(self) -> str:
         return self.node_id
@@ -166,6 +180,14 @@ class NodeAgent:
                     if parse_replica_name(str(p.get("name")))}
         if not await self._claimed(programs.keys(), want.keys() | self.keep):
             return  # another fleet's daemon: nothing of it is touched
+        if await self._act(want, programs):
+            self.rounds += 1  # the controller's watch answers: it looks now
+            self.acted.set()
+            self.acted = asyncio.Event()
+
+    async def _act(self, want: dict[str, dict[str, Any]], programs: dict[str, dict[str, Any]]) -> bool:
+        """This round's loads, upgrades and unloads; whether it tried one."""
+        acted = False
         now = time.monotonic()
         for name, o in want.items():
             p = programs.get(name)
@@ -184,6 +206,7 @@ class NodeAgent:
                 if device is not None:
                     body["device"] = device
             what = "loading" if p is None else "upgrading"
+            acted = True
             self.busy[name] = what
             try:
                 if p is None:
@@ -204,6 +227,7 @@ class NodeAgent:
                 self.busy.pop(name, None)
         for name in programs.keys() - want.keys() - self.keep:
             self.busy[name] = "unloading"
+            acted = True
             try:
                 await self._blocking(functools.partial(Client.unload, name=name), self.d.fleet_node)
             except ClientError as e:
@@ -211,6 +235,7 @@ class NodeAgent:
                     raise
             finally:
                 self.busy.pop(name, None)
+        return acted
 
     async def _claimed(self, running: Collection[str], mine: Collection[str]) -> bool:
         """Whether this agent's fleet holds the daemon's claim now (renewed, or taken: claim.look);

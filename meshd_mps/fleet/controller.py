@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import time
 from typing import Any
 
@@ -30,6 +29,7 @@ from meshd_mps.fleet.capacity import SLOT, gpu_models, node_name, why_pending
 from meshd_mps.fleet.checkpoint import Checkpoint, fleet_state_dir
 from meshd_mps.fleet.claim import FleetId
 from meshd_mps.fleet.desired import Declared, Image
+from meshd_mps.fleet.pace import Watches, settled
 from meshd_mps.fleet.spec import (
     FleetEvent,
     FleetProgram,
@@ -64,6 +64,7 @@ class FleetController:
         self.events: collections.deque[FleetEvent] = collections.deque(maxlen=EVENTS)
         self.ticked = asyncio.Event()
         self.poke = asyncio.Event()  # a change declared (deploy, upgrade, remove): the next look now
+        self.watches = Watches(deadlines.fleet_tick)  # the agents' watch calls: a pause ends at their answer
         self.nodes_changed = False  # a node joined or left at the last look
         self.task: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()
@@ -165,13 +166,11 @@ class FleetController:
                 self.event("error", f"controller tick failed: {type(e).__name__}: {e}")
             self.ticked.set()
             period = self.d.fleet_tick if self._settled() else min(self.d.fleet_tick, self.d.fleet_busy_tick)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(period):  # the loop's period, cut short by a declared change
-                    await self.poke.wait()
-            self.poke.clear()
+            await self.watches.pause(self.poke, period)
 
     def _settled(self) -> bool:
-        return settled(self.programs, self.views, self.nodes_changed)
+        return settled(self.programs, self.views, self.nodes_changed,
+                       any(why is not None for why in self.answering.values()))
 
     async def _tick(self) -> None:
         nodes = await asyncio.to_thread(ray.nodes)
@@ -185,6 +184,7 @@ class FleetController:
             self.agents.pop(nid, None)
             self.seen.pop(nid, None)
             self.answering.pop(nid, None)
+            self.watches.forget(nid)
         self.nodes_changed = alive.keys() != self.nodes.keys()
         self.nodes = alive
         for nid in alive.keys() - self.agents.keys():
@@ -214,7 +214,13 @@ class FleetController:
                 self.seen[nid], self.answering[nid] = ans, None
                 self._claim_seen(nid, ans.get("claim"))
             else:
+                if self.answering.get(nid, "") is None:
+                    # It answered the look before: an agent that ends (its node lost) fails this ask
+                    # only once Ray knows, and this look's placement was read before: look again now.
+                    self.poke.set()
                 self.answering[nid] = ans
+        self.watches.renew([n for n, why in self.answering.items() if why is None], self.agents,
+                           {n: (self.seen.get(n) or {}).get("rounds", 0) for n in self.answering})
         available = await asyncio.to_thread(ray.available_resources)
         for name, p in self.programs.items():
             self._observe(p, placed[name], by_name.get(p.pg_name) or {}, available)
@@ -424,22 +430,6 @@ class FleetController:
     def event(self, kind: str, message: str, program: str | None = None, replica: int | None = None,
               node: str | None = None) -> None:
         self.events.append(FleetEvent(time.time(), kind, message, program, replica, node))
-
-
-def settled(programs: dict[str, Declared], views: dict[str, FleetProgram], nodes_changed: bool) -> bool:
-    """Nothing on its way: every replica running (or failed, waiting for its retry), no upgrade,
-    no node joined or lost at the last look.  Else the controller looks again after
-    ``fleet_busy_tick``: a node's loss, a deploy or an upgrade takes a few looks (Ray places, the
-    agents load, the views see it run), and at ``fleet_tick`` each would wait up to a whole tick
-    ((l2): 1.86 s against 0.72 s of direct loads, then 0.95 s).  A replica pending for want of
-    capacity keeps the looks at that pace while it waits."""
-    if nodes_changed:
-        return False
-    for name, p in programs.items():
-        v = views.get(name)
-        if v is None or p.upgrading or any(r.state not in ("running", "failed") for r in v.replicas):
-            return False
-    return True
 
 
 def _find_pg(name: str) -> Any:
