@@ -226,6 +226,8 @@ class NodeAgent:
             finally:
                 self.busy.pop(name, None)
         for name in programs.keys() - want.keys() - self.keep:
+            if name in (self.want or {}) or name in self.keep:
+                continue  # declared again while this round ran (removed, then deployed): the newest share wins
             self.busy[name] = "unloading"
             acted = True
             try:

@@ -317,6 +317,10 @@ class FleetController:
         info = {**base, "gpu": d.get("device"), "slot": d.get("slot"), "pid": d.get("pid"), "hash": d.get("hash"),
                 "heartbeat_age": d.get("beat_age_s"), "heartbeat": d.get("heartbeat"),
                 "generation": p.generation_of(d.get("hash"))}
+        if (seen.get("busy") or {}).get(name) == "unloading":
+            # An earlier share's (the program removed, then declared again): gone in a moment, then
+            # loaded again; no call goes to it meanwhile.
+            return ReplicaView(p.name, i, "stopping", "being unloaded on its node (an earlier share's)", **info)
         state, reason = d.get("state"), None
         if i == p.draining:
             return ReplicaView(p.name, i, "stopping", f"drained for the upgrade to {p.image.hash}", **info)
