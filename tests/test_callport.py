@@ -82,6 +82,18 @@ def post(path: str, body: bytes, *headers: str) -> bytes:
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
+async def test_a_call_on_its_way_when_its_calls_are_closed_closes_its_own_connection(replica_daemon):
+    """A ``Fleet`` closes the calls of a port its routes no longer name (fleet/client.py
+    _forget_ports) while a call may still be on its way there: that call ends as it would, and its
+    connection is closed, not kept by calls nobody uses (seen once as an unclosed StreamWriter)."""
+    nc = NodeCalls(replica_daemon.sock, 30)
+    call = asyncio.ensure_future(nc.call(REPLICA, b"on its way"))
+    await asyncio.sleep(0)  # the call took its connection
+    await nc.close()
+    assert (await call).data == b"on its way"
+    assert nc.idle == [], "its connection was not kept"
+
+
 async def test_a_call_through_the_port_answers_as_on_the_socket_on_one_kept_connection(replica_daemon):
     async with port_on(replica_daemon.sock) as port:
         nc = NodeCalls("", 30, port=port)

@@ -82,6 +82,7 @@ class NodeCalls:
         self.connect = connect  # a call port's TCP connect (Deadlines.fleet_connect)
         self.auth = f"Authorization: Bearer {port.token}\r\n" if port is not None else ""
         self.idle: list[_Conn] = []  # connections between two calls, the last used last
+        self.closed = False  # closed (a port no route names any more): a call still on its way closes its own
         self.slots = asyncio.Semaphore(CONNECTIONS)
 
     async def call(self, name: str, data: bytes, timeout: float | None = None) -> NodeAnswer:  # noqa: ASYNC109
@@ -136,7 +137,7 @@ class NodeCalls:
         except BaseException:  # cancelled (the deadline) mid-answer: the connection holds the rest of it
             self._drop(conn)
             raise
-        if keep:
+        if keep and not self.closed:
             self.idle.append(_Conn(conn.reader, conn.writer, time.monotonic()))
         else:
             self._drop(conn)
@@ -171,6 +172,7 @@ class NodeCalls:
             conn.writer.close()
 
     async def close(self) -> None:
+        self.closed = True
         idle, self.idle = self.idle, []
         for c in idle:
             c.writer.close()
