@@ -15,9 +15,9 @@ read, so that a request or HALT written before the wait began ends it at once.
 
 Only a hint: a kernel learns its work from the ring's words at its poll, and its process's poller
 still looks at every parked kernel each POLL_S, so a bell lost, or none (another kernel than
-Linux's, another CPU), costs that look's wait, never a request.  On the GPU nothing rings: its kernel polls, and a syscall per call would be spent for
-nobody.  ctypes, not a library: no package on PyPI offers futex_waitv, and the two calls are two
-syscalls of the C library already loaded.
+Linux's, another CPU), costs that look's wait, never a request.  On the GPU nothing rings: its
+kernel polls, and a syscall per call would be spent for nobody.  ctypes, not a library: no package
+on PyPI offers futex_waitv, and the two calls are two syscalls of the C library already loaded.
 """
 
 from __future__ import annotations
