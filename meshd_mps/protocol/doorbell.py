@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import platform
+import os
 import time
 from collections.abc import Sequence
 
@@ -52,7 +52,7 @@ class _Timespec(ctypes.Structure):
 _libc = ctypes.CDLL(None, use_errno=True)
 _syscall = _libc.syscall
 _syscall.restype = ctypes.c_long
-_FUTEX, _WAITV = _CALLS.get(platform.machine(), (0, 0))
+_FUTEX, _WAITV = _CALLS.get(os.uname().machine, (0, 0))  # not platform's: 2 ms more of a worker's start
 
 
 def _probe() -> bool:
