@@ -45,7 +45,7 @@ def test_bench_sim_quick(standin_on_path, tmp_path):
         rows = data["rows"]
         assert not [x for x in rows if x["result"] == "ERROR"], r.stdout
         assert data["left_behind"] == []
-        for rid in "abcdefghij":
+        for rid in "abcdefghijk":
             mine = [x for x in rows if x["id"] == rid]
             assert mine, f"no row ({rid})\n{r.stdout}"
             for x in mine:
@@ -55,6 +55,11 @@ def test_bench_sim_quick(standin_on_path, tmp_path):
         for x in rows:
             if x["target"] != "-":
                 assert x["result"] in ("PASS", "MISS"), x
+        # (k): live restore across a restart, an upgrade of meshd-mps (a copy of the tree, a later
+        # version) and a SIGKILL, each its beat gap against the idle one
+        live = sorted(x["name"].split(": ")[0].split(" (")[0] for x in rows if x["id"] == "k" and x["target"] == "<= 2x")
+        assert live == ["live restore across a SIGKILL, then serve", "live restore across a restart",
+                        "live restore across an upgrade of meshd-mps"], live
         header = data["header"]
         for k in ("date", "device", "driver", "cuda-bindings", "nvjitlink", "python", "command"):
             assert header.get(k), k
