@@ -170,7 +170,25 @@ class FleetController:
 
     def _settled(self) -> bool:
         return settled(self.programs, self.views, self.nodes_changed,
-                       any(why is not None for why in self.answering.values()))
+                       any(why is not None for why in self.answering.values()), self._loading())
+
+    def _loading(self) -> frozenset[tuple[str, int]]:
+        """The replicas (program, index) whose node's agent is to load or upgrade them (its daemon
+        does not run them with their image yet, the agent refused neither) and holds a watch."""
+        out = set()
+        for name, v in self.views.items():
+            p = self.programs.get(name)
+            if p is None:
+                continue
+            for r in v.replicas:
+                seen = self.seen.get(r.node or "") or {}
+                if r.node not in self.watches.calls or self.watches.calls[r.node].done() or seen.get("programs") is None:
+                    continue
+                runs = {d.get("name"): d.get("hash") for d in seen["programs"]}
+                want = p.assigned[r.index]
+                if runs.get(replica_name(name, r.index)) != want and self._error_of(r.node, r.name) is None:
+                    out.add((name, r.index))
+        return frozenset(out)
 
     async def _tick(self) -> None:
         nodes = await asyncio.to_thread(ray.nodes)

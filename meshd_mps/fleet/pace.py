@@ -17,11 +17,13 @@ from meshd_mps.fleet.spec import FleetProgram
 
 
 def settled(programs: dict[str, Declared], views: dict[str, FleetProgram], nodes_changed: bool,
-            unanswered: bool = False) -> bool:
-    """Nothing on its way: every replica running (or failed, waiting for its retry), no upgrade,
-    no node joined or lost at the last look, every node's agent answered it (one that did not may
-    be on a node Ray is about to call lost: an agent's end fails its ask before Ray says so, its
-    next ask hangs until it does).  Else the controller looks again after
+            unanswered: bool = False, loading: frozenset[tuple[str, int]] = frozenset()) -> bool:
+    """Nothing on its way: every replica running (or failed, waiting for its retry), or ``loading``
+    (its node's agent loads or upgrades it now, and its watch answers once it has: the looks
+    meanwhile would only slow the loads down), no upgrade, no node joined or lost at the last look,
+    every node's agent answered it (one that did not may be on a node Ray is about to call lost:
+    an agent's end fails its ask before Ray says so, its next ask hangs until it does).  Else the
+    controller looks again after
     ``fleet_busy_tick``: a node's loss, a deploy or an upgrade takes a few looks (Ray places, the
     agents load, the views see it run), and at ``fleet_tick`` each would wait up to a whole tick
     ((l2): 1.86 s against 0.72 s of direct loads, then 0.95 s).  A replica pending for want of
@@ -30,7 +32,9 @@ def settled(programs: dict[str, Declared], views: dict[str, FleetProgram], nodes
         return False
     for name, p in programs.items():
         v = views.get(name)
-        if v is None or p.upgrading or any(r.state not in ("running", "failed") for r in v.replicas):
+        if v is None or p.upgrading:
+            return False
+        if any(r.state not in ("running", "failed") and (name, r.index) not in loading for r in v.replicas):
             return False
     return True
 
