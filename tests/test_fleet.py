@@ -72,7 +72,10 @@ async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_a
         seen.add(reply.replica.index)
     assert len(seen) >= 2, f"the calls all went to one replica: {seen}"
     # Within the test's deadline, not after Deadlines.fleet_watch (30 s): the round that loaded it answered.
-    assert await asyncio.wait_for(watch, 20) > rounds, "the agent's watch answered after its loads"
+    report = await asyncio.wait_for(watch, 20)
+    assert report["rounds"] > rounds, "the agent's watch answered after its loads"
+    assert any(p["name"] in {replica_name("echo", i) for i in range(3)} for p in report["programs"]), \
+        f"its report (the controller's views take it at once) holds the replica it loaded: {report}"
 
 
 async def test_a_call_port_that_cannot_be_reached_sends_the_call_through_ray(fleet, echo):

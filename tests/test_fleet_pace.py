@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+from typing import Any
 
 import pytest
 
@@ -73,14 +74,14 @@ class Agent:
     """What ``Watches`` uses of an agent's handle: ``watch.remote(since).future()``."""
 
     def __init__(self) -> None:
-        self.sent: list[tuple[int, concurrent.futures.Future[int]]] = []
+        self.sent: list[tuple[int, concurrent.futures.Future[Any]]] = []
         self.watch = self
 
     def remote(self, since: int) -> Agent:
         self.sent.append((since, concurrent.futures.Future()))
         return self
 
-    def future(self) -> concurrent.futures.Future[int]:
+    def future(self) -> concurrent.futures.Future[Any]:
         return self.sent[-1][1]
 
 
@@ -102,6 +103,21 @@ async def test_a_pause_ends_when_a_watch_answers_or_fails_or_a_change_is_declare
     w.renew(["n1"], {"n1": a}, {"n1": 5})
     a.sent[-1][1].set_exception(RuntimeError("the agent ended"))
     await asyncio.wait_for(w.pause(poke, 60.0), 20)
+    assert w.answers() == {}, "a failed watch reports nothing"
+
+
+async def test_an_answered_watch_hands_its_report_to_the_views_until_it_is_renewed():
+    """The controller takes an answered watch's report (the agent's ``observe``) into its views
+    before its next look (fleet/controller.py ``_reported``): ``answers`` holds it until ``renew``."""
+    w, a = Watches(quiet_after_failure=60.0), Agent()
+    w.renew(["n1"], {"n1": a}, {"n1": 2})
+    assert w.answers() == {}, "nothing answered yet"
+    report = {"rounds": 3, "programs": [{"name": "echo.fleet-0", "state": "running"}]}
+    a.sent[0][1].set_result(report)
+    await asyncio.sleep(0)  # the answer is in
+    assert w.answers() == {"n1": report}
+    w.renew(["n1"], {"n1": a}, {"n1": 3})
+    assert w.answers() == {} and [s for s, _ in a.sent] == [2, 3]
 
 
 async def test_a_failed_watch_is_not_sent_again_at_once_and_none_goes_to_an_agent_that_did_not_answer():

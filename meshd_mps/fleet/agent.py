@@ -134,17 +134,18 @@ class NodeAgent:
         out = await self.calls.call(name, data, timeout)
         return out.data if out.ok else out
 
-    async def watch(self, since: int) -> int:
-        """The controller's call, kept outstanding: this agent's count of rounds that changed its
-        daemon's programs (loads, upgrades, unloads: ``rounds``, also in ``observe``'s report) once it
-        is past ``since`` (at once if it is already), else as it is after ``Deadlines.fleet_watch``.
-        It tells the controller to look now, not at its next tick: after a change here, and, since
-        the agent's end fails the call at once, when its node is lost or the actor killed."""
+    async def watch(self, since: int) -> dict[str, Any]:
+        """The controller's call, kept outstanding: this agent's report (``observe``) once its count
+        of rounds that changed its daemon's programs (loads, upgrades, unloads: the report's
+        ``rounds``) is past ``since`` (at once if it is already), else after ``Deadlines.fleet_watch``.
+        It tells the controller to look now, not at its next tick, with what it would ask for: after
+        a change here, and, since the agent's end fails the call at once, when its node is lost or
+        the actor killed."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.d.fleet_watch):
                 while self.rounds <= since:
                     await self.acted.wait()
-        return self.rounds
+        return await self.observe()
 
     async def ping(self) -> str:
         return self.node_id

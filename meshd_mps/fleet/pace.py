@@ -69,6 +69,11 @@ class Watches:
                 f.add_done_callback(_taken)
                 self.calls[nid] = f
 
+    def answers(self) -> dict[str, Any]:
+        """The answers of the watches that answered (an agent's report) and are not renewed yet."""
+        return {nid: f.result() for nid, f in self.calls.items()
+                if f.done() and not f.cancelled() and f.exception() is None}
+
     def forget(self, nid: str) -> None:
         """A node gone: its watch (failed, or about to) is not waited on."""
         f = self.calls.pop(nid, None)
