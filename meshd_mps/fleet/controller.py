@@ -244,15 +244,18 @@ class FleetController:
                     shares[nid].append(self._order(p, i, nid, sent.setdefault(nid, set())))
                 else:
                     keep.append(replica_name(name, i))
+        asked = time.monotonic()
         answers = await asyncio.gather(*(self._ask(nid, orders, keep) for nid, orders in shares.items()))
+        waited = time.monotonic() - asked >= self.d.fleet_busy_tick
         for nid, ans in zip(shares, answers, strict=True):
             if isinstance(ans, dict):
                 self.seen[nid], self.answering[nid] = ans, None
                 self._claim_seen(nid, ans.get("claim"))
             else:
-                if self.answering.get(nid, "") is None:
-                    # It answered the look before: an agent that ends (its node lost) fails this ask
-                    # only once Ray knows, and this look's placement was read before: look again now.
+                if self.answering.get(nid, "") is None or waited:
+                    # It answered the look before, or its ask hung: an agent that ends (its node lost)
+                    # fails its ask at once, or only once Ray knows, and this look's placement was
+                    # read before either: look again now.
                     self.poke.set()
                 self.answering[nid] = ans
         self.watches.renew([n for n, why in self.answering.items() if why is None], self.agents,
