@@ -63,6 +63,11 @@ async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_a
     p = await fleet.wait("echo", running=3, timeout=UP_S)
     nodes = by_node(rig)
     assert sorted(nodes[r.node] for r in p.replicas) == ["n0", "n1", "n2"], "SPREAD: a replica on each node"
+    one, st = await fleet.program("echo"), await fleet.status("echo")
+    assert [(r.index, r.node, r.state) for r in one.replicas] == \
+        [(r.index, r.node, r.state) for r in st.programs[0].replicas], "program(name): status(name)'s view alone"
+    with pytest.raises(NoSuchProgram):
+        await fleet.program("not-declared")
     seen = set()
     for i in range(9):
         reply = await fleet.call("echo", b"hello %d" % i)

@@ -38,6 +38,7 @@ from meshd_mps.bench.measure import pct, vmrss_mib
 from meshd_mps.bench.report import Row, as_json, describe, table
 from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
 from meshd_mps.fleet.local import LocalFleet, Node
+from meshd_mps.fleet.spec import FleetProgram
 
 EXAMPLE = "echo"
 #: The longest the bench waits for the fleet to run what it was asked (a deadline; the figure is the
@@ -92,8 +93,9 @@ class Echo:
 # ---- the rows -----------------------------------------------------------------------------------------
 
 
-def per_node(st: Any, name: str) -> collections.Counter[str]:
-    return collections.Counter(r.node for p in st.programs if p.name == name for r in p.replicas if r.state == "running")
+def per_node(p: FleetProgram) -> collections.Counter[str]:
+    """The program's running replicas on each node."""
+    return collections.Counter(r.node for r in p.replicas if r.state == "running" and r.node)
 
 
 ROWS = ("l1", "l2", "l3", "l4")
@@ -112,7 +114,7 @@ async def rows(local: LocalFleet, replicas: int, calls: int, only: frozenset[str
         await fleet.deploy(ProgramSpec(name=EXAMPLE, source=source, replicas=replicas, strategy="SPREAD"))
         await fleet.wait(EXAMPLE, running=replicas, timeout=SETTLE_S)
         took = time.perf_counter() - t0
-        placed = per_node(await fleet.status(EXAMPLE), EXAMPLE)
+        placed = per_node(await fleet.program(EXAMPLE))
         where = ", ".join(f"{by_id[k].name}:{v}" for k, v in sorted(placed.items(), key=lambda kv: by_id[kv[0]].name))
         if "l1" in only:
             out.append(Row("l1", f"{replicas} replicas placed and running ({len(local.nodes)} nodes)", "s", took, base,
@@ -230,7 +232,7 @@ async def node_death_row(fleet: Fleet, local: LocalFleet, source: ProgramSource,
         await asyncio.sleep(0.05)
     t0 = time.perf_counter()
     while True:
-        now = per_node(await fleet.status(EXAMPLE), EXAMPLE)
+        now = per_node(await fleet.program(EXAMPLE))
         if sum(now.values()) >= replicas and dead.node_id not in now:
             break
         if time.monotonic() > end:

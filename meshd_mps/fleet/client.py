@@ -139,12 +139,17 @@ class Fleet:
     async def status(self, name: str | None = None) -> FleetStatus:
         return await self._ask(self.controller.status.remote(name))
 
+    async def program(self, name: str) -> FleetProgram:
+        """One program's view (its replicas), as ``status(name)`` shows it, without the events and
+        nodes: what a caller that polls one program asks for."""
+        return await self._ask(self.controller.program.remote(name))
+
     async def wait(self, name: str, *, running: int, timeout: float) -> FleetProgram:  # noqa: ASYNC109
         """The program once ``running`` of its replicas run its declared image; FleetTimeout after
         ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while True:
-            p: FleetProgram = await self._ask(self.controller.program.remote(name))
+            p = await self.program(name)
             if p.running >= running:
                 return p
             if time.monotonic() > deadline:
