@@ -121,6 +121,8 @@ class FleetController:
             if pg is not None:
                 await asyncio.to_thread(remove_placement_group, pg)
             self.views.pop(name, None)
+            if self.last_look is not None:
+                self.last_look[0].pop(name, None)  # a program declared again under its name is placed anew
             self.event("removed", f"{name}: removed; its replicas are unloaded", name)
             self.poke.set()
 
