@@ -32,7 +32,8 @@ POLL_S = 0.002
 #: 6.5 % of a core against 3 % at 0.5 ms and 10 % at 50 us.  At 0.5 ms a request waited ~0.3 ms for
 #: the next poll, past the daemon's Calls.YIELDS (0.2 ms) of a call's wait, which then backs off
 #: to 1 ms sleeps: most calls paid 1.3 ms for a ring the GPU answers in microseconds
-#: (docs/benchmarks.md, "Issue 34: (l3) the call path").  An idle kernel polls at POLL_S.
+#: (docs/benchmarks.md, "Issue 34: (l3) the call path").  An idle kernel polls at POLL_S.  Only
+#: where no doorbell rings (``MeshRing.rung``): a kernel whose slot is rung parks at once.
 HOT_POLL_S = 100e-6
 HOT_S = 0.02
 HOT_NS = int(HOT_S * 1e9)

@@ -86,19 +86,19 @@ def wake(word: int, private: bool = False) -> None:
                  ctypes.c_int(0))
 
 
-def wait(words: Sequence[tuple[int, int, bool]], timeout: float) -> int:
+def wait(words: Sequence[tuple[int, int, bool]], timeout: float) -> None:
     """Until one of ``words`` ((address, expected u32, private)) is rung, or holds another value
-    than expected (at once), or ``timeout`` seconds pass: the index of the word rung, else -1 (any
-    word may have changed).  A sleep of ``timeout`` where the doorbell does not work or ``words``
-    are more than MOST."""
+    than expected (at once), or ``timeout`` seconds pass; the caller then looks at every word.  A
+    sleep of ``timeout`` where the doorbell does not work or ``words`` are more than MOST."""
     if not SUPPORTED or not words or len(words) > MOST:
         time.sleep(timeout)
-        return -1
+        return
     ws = (_Waiter * len(words))()
     for w, (at, expected, private) in zip(ws, words, strict=True):
         w.val, w.uaddr, w.flags = expected, at, _FUTEX2_SIZE_U32 | (_FUTEX2_PRIVATE if private else 0)
     end = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(timeout * 1e9)
     ts = _Timespec(end // 1_000_000_000, end % 1_000_000_000)
-    # -1 when timed out, a word changed already (EAGAIN) or a signal came (EINTR): the caller looks at all.
-    return int(_syscall(ctypes.c_long(_WAITV), ws, ctypes.c_uint(len(words)), ctypes.c_uint(0), ctypes.byref(ts),
-                        ctypes.c_int(_CLOCK_MONOTONIC)))
+    # Its answer is not read: rung, timed out, a word changed already (EAGAIN) or a signal (EINTR)
+    # all send the caller to its look.
+    _syscall(ctypes.c_long(_WAITV), ws, ctypes.c_uint(len(words)), ctypes.c_uint(0), ctypes.byref(ts),
+             ctypes.c_int(_CLOCK_MONOTONIC))
