@@ -193,22 +193,14 @@ class FleetController:
                        any(why is not None for why in self.answering.values()), self._loading())
 
     def _loading(self) -> frozenset[tuple[str, int]]:
-        """The replicas (program, index) whose node's agent is to load or upgrade them (its daemon
-        does not run them with their image yet, the agent refused neither) and holds a watch."""
-        out = set()
-        for name, v in self.views.items():
-            p = self.programs.get(name)
-            if p is None:
-                continue
-            for r in v.replicas:
-                seen = self.seen.get(r.node or "") or {}
-                if r.node not in self.watches.calls or self.watches.calls[r.node].done() or seen.get("programs") is None:
-                    continue
-                runs = {d.get("name"): d.get("hash") for d in seen["programs"]}
-                want = p.assigned[r.index]
-                if runs.get(replica_name(name, r.index)) != want and self._error_of(r.node, r.name) is None:
-                    out.add((name, r.index))
-        return frozenset(out)
+        """The replicas (program, index) their node's agent is to load or upgrade (starting, not on
+        their node's daemon with their image yet, the agent refused neither: ``_replica``'s view)
+        while that agent's watch is out."""
+        out = self.watches.out()
+        return frozenset((name, r.index) for name, v in self.views.items() if name in self.programs
+                         for r in v.replicas
+                         if r.state == "starting" and r.node in out and r.hash != self.programs[name].assigned[r.index]
+                         and self._error_of(r.node, r.name) is None)
 
     async def _tick(self) -> None:
         nodes = await asyncio.to_thread(ray.nodes)

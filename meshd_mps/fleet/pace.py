@@ -69,6 +69,10 @@ class Watches:
                 f.add_done_callback(_taken)
                 self.calls[nid] = f
 
+    def out(self) -> frozenset[str]:
+        """The nodes whose agent's watch is still out."""
+        return frozenset(nid for nid, f in self.calls.items() if not f.done())
+
     def answers(self) -> dict[str, Any]:
         """The answers of the watches that answered (an agent's report) and are not renewed yet."""
         return {nid: f.result() for nid, f in self.calls.items()
