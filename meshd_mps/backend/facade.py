@@ -40,6 +40,7 @@ from meshd_mps.isolation.base import Admit, BlinkStats, Evidence, Found, Image, 
 from meshd_mps.isolation.blink import Blink, last_blink_ms
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.isolation.mps import Mps
+from meshd_mps.isolation.preflight import preflight
 from meshd_mps.log import setup_logging
 from meshd_mps.mps.clients import MAX_CLIENTS
 from meshd_mps.mps.control import ControlDaemon
@@ -284,6 +285,7 @@ class Backend(NativeClients):
             raise Unavailable("backend closed")
         d = self.least_loaded() if device is None else self.device_or_first(device)
         p = await self._compiler(d).prepare(manifest, ptx, hash)
+        preflight(p, self.gpu, self.infos[d])  # before any worker sees it: in blink mode a load halts them all
         return await self.isolations[d].prepare(p, new)
 
     def admit(self, device: int, name: str, nodes: int, used: float, new: bool = True) -> None:

@@ -253,8 +253,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "check":
         from meshd_mps.serving import check
+        from meshd_mps.serving.client import ClientError
 
-        return check.main(args)
+        try:  # the daemon asked for its GPU is the one every client command asks (--gpu sim's too)
+            socket = _socket_of(args)
+        except ClientError as e:
+            print(f"meshd-mps: {e}", file=sys.stderr)
+            return 2
+        return check.main(args, socket)
     return _client(args)
 
 
