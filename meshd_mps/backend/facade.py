@@ -34,7 +34,7 @@ from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import ConfigError, MailboxError, NotServedHere, Unavailable
 from meshd_mps.faults import Stray
 from meshd_mps.gpu.compiler import Compiler, Manifest
-from meshd_mps.gpu.device import Caps, DeviceInfo, check_unique, ordinals_text
+from meshd_mps.gpu.device import Caps, DeviceInfo, check_driver, check_unique, ordinals_text
 from meshd_mps.isolation import limits
 from meshd_mps.isolation.base import Admit, BlinkStats, Evidence, Found, Image, Isolation, Kernel, Mode
 from meshd_mps.isolation.blink import Blink, last_blink_ms
@@ -179,6 +179,8 @@ class Backend(NativeClients):
         return Blink(self.sup, self.mailbox, self.sms, self.gpu, listen)
 
     async def _open(self) -> None:
+        if self.gpu == "cuda":  # first, whatever the isolation: no MPS daemon started for a machine without one
+            check_driver()
         if self._clear is not None:
             await leftovers.clear_left(self.sup, self._clear)
         self.mode = self._choose()

@@ -176,6 +176,22 @@ def _driver_errors(what: str) -> Iterator[None]:
         raise DeviceError(f"{what}: {type(e).__name__}: {e}") from e
 
 
+#: The CUDA driver's library, as cuda.bindings loads it.
+DRIVER_LIBRARY = "libcuda.so.1"
+
+
+def check_driver() -> None:
+    """NoDriver where the CUDA driver's library cannot be loaded.  It initialises nothing (no cuInit:
+    in MPS mode that waits until the daemon's own pipe directory is set), so a start checks it before
+    it makes anything (a socket, a state directory, the MPS daemon), whatever the isolation."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(DRIVER_LIBRARY)
+    except OSError as e:
+        raise NoDriver(str(e)) from e
+
+
 def device_count() -> int:
     """GPUs the driver shows this process (cuInit, cuDeviceGetCount), without a context.
 
