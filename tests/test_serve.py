@@ -18,6 +18,7 @@ import warnings
 
 import pytest
 
+from meshd_mps.defaults import POOL_BY_ISOLATION
 from meshd_mps.mps import standin
 from meshd_mps.serving.client import MAX_BODY, Client, ClientError, NoDaemon, program_body
 
@@ -60,7 +61,8 @@ def test_serve_end_to_end(serve, tmp, isolation):
     assert set(status["versions"]) >= {"meshd-mps", "python", "cuda-bindings", "nvjitlink"}
     mps_dir = status["mps_dir"]
     if isolation == "mps":
-        assert len(status["pool"]["idle"]) == 2 and status["pool"]["capacity"] == 2
+        pool = POOL_BY_ISOLATION["mps"]  # serve's default
+        assert len(status["pool"]["idle"]) == pool and status["pool"]["capacity"] == pool
         assert status["server_pid"] and sorted(status["clients"]) == sorted(status["pool"]["idle"])
         assert status["daemon_pid"] and os.path.isdir(mps_dir)
     else:
@@ -132,7 +134,7 @@ def test_serve_end_to_end(serve, tmp, isolation):
         assert m["meshd_mps_blinks_total"] >= 1 and "meshd_mps_last_blink_seconds" in m
         assert m["meshd_mps_pool_idle"] == 0
     else:
-        assert "meshd_mps_blinks_total" not in m and m["meshd_mps_pool_capacity"] == 2
+        assert "meshd_mps_blinks_total" not in m and m["meshd_mps_pool_capacity"] == POOL_BY_ISOLATION["mps"]
 
     before = {p["name"]: (p["slot"], p["hash"], p["pid"], p["upgrades"]) for p in c.programs()}
     check_errors(s, c, isolation)

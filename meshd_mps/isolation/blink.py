@@ -92,16 +92,21 @@ class BlinkIsolation(Isolation):
         self.last_blink_at = 0.0
 
     async def open(self, adopted: Sequence[WorkerProc] = ()) -> None:
-        """The context: the adopted one that holds modules (live restore), else a new one."""
+        """The context: the adopted one that holds modules (live restore), else a new one: the
+        standby's (``_stand_by``), which has its imports done, else a fresh worker's.  Then the next
+        standby is started."""
         ctx = next((p for p in adopted if p.hello is not None and p.hello.modules), None)
         for p in adopted:
             if p is not ctx:  # no module of ours in it, or a second context of this GPU
                 self.sup.retire(p, before_exit=False)
-        self.proc = ctx or self._held or await self._spawn()
-        if ctx is None:
-            self._held = None
+        held, self._held = self._held, None
+        if held is not None and (ctx is not None or not held.idle()):
+            self.sup.retire(held)  # not needed, or it died while it stood by
+            held = None
+        self.proc = ctx or held or await self._spawn()
         await self.proc.ask(Op.READY)
         self.first_context_at = time.perf_counter()
+        self._stand_by()
         if ctx is not None:
             self.found = self.found_in(ctx, self._adopted_module)
             self._next = max(self.modules) + 1
@@ -113,6 +118,14 @@ class BlinkIsolation(Isolation):
         m = self.modules[hm.id] = BlinkModule(hm.name, self.proc, hm.id, hm.info)
         self.dev = hm.info.dev
         return m
+
+    def _stand_by(self) -> None:
+        """The next context's worker started now, held (imported, no context: nothing of the GPU is
+        touched), for a fault's recovery: its imports are most of a worker's start, and a blink
+        context's teardown (one process) is over long before a worker started at the fault has
+        done them.  So the recovery's new context waits only for the context itself."""
+        if self._held is None:
+            self.hold_ahead(1, functools.partial(self._spawn, hold=True), self._keep_held)
 
     async def _spawn(self, hold: bool = False) -> WorkerProc:
         """The context's worker (``hold``: imported, its context created at READY)."""
@@ -312,7 +325,7 @@ class BlinkIsolation(Isolation):
     def status(self) -> dict[str, Any]:
         pid = self.proc.pid if self.proc else None
         return {"workers": [pid] if pid else [], "blinks": self.blinks, "last_blink_ms": self.last_blink_ms,
-                "context_pid": pid}
+                "context_pid": pid, "standby_pid": self._held.pid if self._held is not None else None}
 
     # ---- a fault of the context -------------------------------------------------------------
     async def teardown(self, ahead: int = 0) -> list[WorkerProc]:
@@ -327,10 +340,25 @@ class BlinkIsolation(Isolation):
             return []
         log.info(f"blink: GPU {self.device}: retiring its context after a fault", device=self.device, pid=p.pid)
         self.sup.retire(p, before_exit=False, at_once=True)
+        if self._held is not None and not self._held.idle():  # the standby died meanwhile
+            self.sup.retire(self._held)
+            self._held = None
         self.hold_ahead(0 if self._held else 1, functools.partial(self._spawn, hold=True), self._keep_held)
         with anyio.move_on_after(self.sup.deadlines.recover):
             await p.process.wait()
         return [p]
+
+    @property
+    def standby(self) -> WorkerProc | None:
+        """The next context's worker, started held (``_stand_by``), if it is up."""
+        return self._held
+
+    def detach(self) -> None:
+        """Live restore's stop: the standby is retired, not left for the next daemon (which would
+        retire it: it holds no module)."""
+        held, self._held = self._held, None
+        if held is not None:
+            self.sup.retire(held)
 
     def _keep_held(self, p: WorkerProc) -> None:
         """The next context's worker, started ahead of the refill; retired if one came meanwhile."""
@@ -402,7 +430,8 @@ class Blink(Mode):
             return {}
         first = self.gpus[min(self.gpus)]
         return {"blinks": sum(c.blinks for c in self.gpus.values()), "last_blink_ms": last_blink_ms(self.gpus.values()),
-                "context_pid": first.proc.pid if first.proc else None}
+                "context_pid": first.proc.pid if first.proc else None,
+                "standby_pid": first.standby.pid if first.standby is not None else None}
 
 
 def last_blink_ms(contexts: Iterable[Isolation]) -> float | None:

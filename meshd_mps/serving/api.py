@@ -316,7 +316,8 @@ class Api:
             except MeshError as e:
                 out["clients_error"] = str(e)
         else:
-            out.update(blinks=s.get("blinks", 0), last_blink_ms=s.get("last_blink_ms"), context_pid=s.get("context_pid"))
+            out.update(blinks=s.get("blinks", 0), last_blink_ms=s.get("last_blink_ms"), context_pid=s.get("context_pid"),
+                       standby_pid=s.get("standby_pid"))
         return answer(200, out)
 
     async def get_programs(self, request: web.Request) -> web.Response:
