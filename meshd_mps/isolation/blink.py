@@ -83,7 +83,8 @@ class BlinkIsolation(Isolation):
         self.dev = 0
         #: Hardware work queues the context's worker asks for; a module gets a stream of its own queue.
         self.queues = BLINK_QUEUES
-        self._held: WorkerProc | None = None  # the next context's worker, started during a teardown
+        self._held: WorkerProc | None = None  # the next context's worker, standing by (``_stand_by``)
+        self._opened = False
         self._torn: WorkerProc | None = None  # the context the last teardown retired
         #: Blinks: module changes that halted and relaunched every running program of the GPU, the
         #: last one's length (ms) and its monotonic end.
@@ -93,8 +94,9 @@ class BlinkIsolation(Isolation):
 
     async def open(self, adopted: Sequence[WorkerProc] = ()) -> None:
         """The context: the adopted one that holds modules (live restore), else a new one: the
-        standby's (``_stand_by``), which has its imports done, else a fresh worker's.  Then the next
-        standby is started."""
+        standby's (``_stand_by``), whose context is made already, else a fresh worker's.  Then the
+        next standby is started."""
+        first, self._opened = not self._opened, True
         ctx = next((p for p in adopted if p.hello is not None and p.hello.modules), None)
         for p in adopted:
             if p is not ctx:  # no module of ours in it, or a second context of this GPU
@@ -104,14 +106,24 @@ class BlinkIsolation(Isolation):
             self.sup.retire(held)  # not needed, or it died while it stood by
             held = None
         self.proc = ctx or held or await self._spawn()
+        if first and ctx is None:
+            self._stand_by(context=True)  # its context made beside this one's, before any program runs
         await self.proc.ask(Op.READY)
         self.first_context_at = time.perf_counter()
-        self._stand_by()
         if ctx is not None:
+            # Adopted programs run: a context made now would stall them once (as a new MPS client
+            # does); the standby waits without one, and a recovery then makes it.
+            self._stand_by(context=False)
             self.found = self.found_in(ctx, self._adopted_module)
             self._next = max(self.modules) + 1
             log.info(f"blink: GPU {self.device}: context {ctx.pid} adopted with {len(self.found)} modules",
                      device=self.device, pid=ctx.pid, found=[f.name for f in self.found])
+        elif first:
+            await self.held_started()  # the start's two contexts made before anything runs
+        else:
+            # After a fault's recovery, beside the relaunched programs: its context stalls them once,
+            # as the MPS pool's refill after a recovery does.
+            self._stand_by(context=True)
 
     def _adopted_module(self, hm: frames.HelloModule) -> BlinkModule:
         assert self.proc is not None
@@ -119,13 +131,30 @@ class BlinkIsolation(Isolation):
         self.dev = hm.info.dev
         return m
 
-    def _stand_by(self) -> None:
-        """The next context's worker started now, held (imported, no context: nothing of the GPU is
-        touched), for a fault's recovery: its imports are most of a worker's start, and a blink
-        context's teardown (one process) is over long before a worker started at the fault has
-        done them.  So the recovery's new context waits only for the context itself."""
+    def _stand_by(self, context: bool) -> None:
+        """The next context's worker, started now for a fault's recovery.  With ``context`` its CUDA
+        context is made now too: a blink context (32 hardware queues) takes ~0.6 s to make on an
+        H100, cuInit included, most of a recovery, and another process's idle context costs the
+        running ones nothing (plain contexts are isolated from each other's faults).  Without, it is
+        held (imported only: nothing of the GPU touched), and saves the recovery the imports."""
         if self._held is None:
-            self.hold_ahead(1, functools.partial(self._spawn, hold=True), self._keep_held)
+            self.hold_ahead(1, functools.partial(self._standby_worker, context), self._keep_held)
+
+    async def _standby_worker(self, context: bool) -> WorkerProc:
+        p = await self._spawn(hold=not context)
+        if context:
+            try:
+                await p.ask(Op.READY)
+            except MeshError as e:
+                # A GPU that takes one context at a time (compute mode EXCLUSIVE_PROCESS): held, then.
+                self.sup.retire(p)
+                log.info(f"blink: GPU {self.device}: no second context for the standby ({e}); it waits held",
+                         device=self.device)
+                return await self._spawn(hold=True)
+            except BaseException:
+                self.sup.retire(p)
+                raise
+        return p
 
     async def _spawn(self, hold: bool = False) -> WorkerProc:
         """The context's worker (``hold``: imported, its context created at READY)."""
@@ -350,7 +379,7 @@ class BlinkIsolation(Isolation):
 
     @property
     def standby(self) -> WorkerProc | None:
-        """The next context's worker, started held (``_stand_by``), if it is up."""
+        """The next context's worker (``_stand_by``), if it is up."""
         return self._held
 
     def detach(self) -> None:
