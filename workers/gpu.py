@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from meshd_mps.protocol import frames
-from meshd_mps.protocol.frames import Done, Load, Loaded
+from meshd_mps.protocol.frames import DataReq, Done, Load, Loaded, WriteReq
 
 from .warm import MAX_QUEUES, QUEUES_ENV
 
@@ -73,6 +73,17 @@ class Gpu(Protocol):
         ...
 
     def unload(self, module: int) -> None: ...
+
+    def data(self, req: DataReq) -> int:
+        """Slot ``req.slot``'s program data: ``req.alloc`` bytes of device memory, the first
+        ``req.length`` copied in from ``req.path`` (the rest zeroed), on a stream of the worker's
+        own; the slot's earlier region freed first (``alloc`` 0: only that).  Its device address."""
+        ...
+
+    def write(self, req: WriteReq) -> None:
+        """``req.data`` copied into slot ``req.slot``'s data at ``req.offset``, complete on the
+        device when this returns; the kernels run on meanwhile."""
+        ...
 
     def stack_limit(self, set_to: int | None) -> int:
         """The context's per-thread stack limit (CU_LIMIT_STACK_SIZE), set first if asked."""

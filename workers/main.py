@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 from meshd_mps.deadlines import DEFAULT
 from meshd_mps.protocol import frames
-from meshd_mps.protocol.frames import Done, FrameError, LaunchReq, Load, Op
+from meshd_mps.protocol.frames import DataReq, Done, FrameError, LaunchReq, Load, Op, WriteReq
 from meshd_mps.protocol.mailbox import Mailbox
 
 from . import live, wlog
@@ -208,9 +208,8 @@ def _serve(ch: Channel, opened: Opened, inject: dict[str, str], link: live.Link 
                 continue
             return 0
         if gpu is None:
-            if op in (Op.READY, Op.LOAD, Op.LAUNCH, Op.LIMIT):
-                reply_op = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT}[op]
-                ch.write(reply_op, frames.error_reply(opened.error or "no GPU"))
+            if op in frames.REPLY:
+                ch.write(frames.REPLY[op], frames.error_reply(opened.error or "no GPU"))
             continue
         try:
             if op == Op.READY:
@@ -256,6 +255,25 @@ def _serve(ch: Channel, opened: Opened, inject: dict[str, str], link: live.Link 
                 except GpuError as e:
                     reply = frames.error_reply(str(e))
                 ch.write(Op.LIMIT, reply)
+            elif op == Op.DATA:
+                req = DataReq.decode(body)
+                try:
+                    t0 = time.monotonic()
+                    dev = gpu.data(req)
+                    log.info("program data placed" if req.alloc else "program data freed", slot=req.slot, bytes=req.alloc,
+                             copied=req.length, ms=round((time.monotonic() - t0) * 1e3, 2))
+                    reply = frames.data_reply(dev, req.alloc)
+                except GpuError as e:
+                    reply = frames.error_reply(str(e))
+                ch.write(Op.DATA, reply)
+            elif op == Op.WRITE:
+                w = WriteReq.decode(body)
+                try:
+                    gpu.write(w)
+                    reply = frames.ok_reply()
+                except GpuError as e:
+                    reply = frames.error_reply(str(e))
+                ch.write(Op.WRITE, reply)
             elif op == Op.UNLOAD:
                 module = frames.unload_module(body)
                 try:
