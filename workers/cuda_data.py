@@ -164,7 +164,8 @@ class Regions:
         for i, ptr in enumerate((at, size_at)):
             if ptr is not None:
                 # Synchronous on the host's side (pageable source), ordered before the kernel on its stream.
-                self.check(cu.cuMemcpyHtoDAsync(ptr, ctypes.addressof(vals) + 8 * i, 8, stream), f"cuMemcpyHtoDAsync({abi.DATA_SYMBOL})")
+                self.check(cu.cuMemcpyHtoDAsync(ptr, ctypes.addressof(vals) + 8 * i, 8, stream),
+                           f"cuMemcpyHtoDAsync({abi.DATA_SYMBOL})")
 
     def close(self) -> list[str]:
         """Everything freed (no kernel runs: CudaGpu.close); the failures' texts."""

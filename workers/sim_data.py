@@ -12,6 +12,7 @@ cuda_data.py).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -83,10 +84,8 @@ class SimRegions:
     def close(self) -> None:
         with self._lock:
             for r in self.by_slot.values():
-                try:
+                with contextlib.suppress(BufferError):  # a kernel's view is still out: the process's exit frees it
                     r.mem.close()
-                except BufferError:  # a kernel's view is still out: the process's exit frees it
-                    pass
             self.by_slot.clear()
 
 
