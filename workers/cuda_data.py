@@ -21,6 +21,7 @@ ahead of its kernel.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -172,12 +173,12 @@ class Regions:
         errors: list[str] = []
         steps: list[tuple[str, Callable[[], Any]]] = []
         for r in self.by_slot.values():
-            steps.append(("cuMemFreeAsync(data)", lambda r=r: cu.cuMemFreeAsync(r.dev, self._stream)))
+            steps.append(("cuMemFreeAsync(data)", functools.partial(cu.cuMemFreeAsync, r.dev, self._stream)))
         self.by_slot.clear()
         if self._stream is not None:
             steps.append(("cuStreamSynchronize(data)", lambda: cu.cuStreamSynchronize(self._stream)))
         for ev in self._events:
-            steps.append(("cuEventDestroy(data)", lambda ev=ev: cu.cuEventDestroy(ev)))
+            steps.append(("cuEventDestroy(data)", functools.partial(cu.cuEventDestroy, ev)))
         if self._host:
             steps.append(("cuMemFreeHost(data)", lambda: cu.cuMemFreeHost(self._host)))
         if self._stream is not None:

@@ -27,6 +27,7 @@ import structlog
 
 from meshd_mps import defaults
 from meshd_mps.backend import leftovers
+from meshd_mps.backend.data import DataRegions
 from meshd_mps.backend.inventory import inventory
 from meshd_mps.backend.leftovers import live_mailbox, live_paths
 from meshd_mps.backend.native import NativeClients
@@ -101,7 +102,7 @@ class Opening:
         return await self._b.sup.__aexit__(typ, exc, tb)
 
 
-class Backend(NativeClients):
+class Backend(NativeClients, DataRegions):
     def __init__(self, isolation: IsolationName, sms: int, mps_dir: str | None, pool: int, gpu: str,
                  cache_dir: str | None, deadlines: Deadlines, max_clients: int, devices: Sequence[int] | None = None,
                  live: str | None = None, clear: str | None = None):
@@ -318,7 +319,10 @@ class Backend(NativeClients):
         return k.isolation.query(k)
 
     async def unload(self, k: Kernel) -> None:
-        """MPS: the worker back to the pool (UNLOAD) or retired; blink: the module unloaded (a blink)."""
+        """MPS: the worker back to the pool (UNLOAD, its program data freed) or retired; blink: the
+        module unloaded (a blink; the slot's data stays: backend/data.py)."""
+        if self._mps is not None and not k.unloaded:
+            await self.free(k.proc)
         await k.isolation.unload(k)
 
     async def abandon(self, k: Kernel, slot: int) -> None:
@@ -327,6 +331,8 @@ class Backend(NativeClients):
         is retired (the server ends its context first); blink: in one blink, which halts the
         kernels it may be queued behind."""
         self.mailbox.halt(slot)
+        if self._mps is not None and not k.unloaded:
+            await self.free(k.proc)
         await k.isolation.abandon(k, slot)
 
     async def drop(self, img: Image) -> None:

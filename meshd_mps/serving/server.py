@@ -53,6 +53,7 @@ from meshd_mps.log import setup_logging
 from meshd_mps.mps.control import become_subreaper
 from meshd_mps.neighbours import NeighbourWatch, classify, look
 from meshd_mps.programs import Programs
+from meshd_mps.programs.datastore import DataStore
 from meshd_mps.serving import reaper, sdnotify
 from meshd_mps.serving.api import Api
 from meshd_mps.serving.client import default_socket, program_body
@@ -60,6 +61,7 @@ from meshd_mps.serving.metrics import Metrics
 from meshd_mps.serving.unix_socket import BACKLOG, ControlSocket
 from meshd_mps.state.config import SERVE_DEFAULTS, DeclaredProgram, pool_of
 from meshd_mps.state.desired import Recorder, Restored, restore
+from meshd_mps.state.statedir import DATA_DIR
 from meshd_mps.state.store import Store
 from meshd_mps.supervision import cpus
 from meshd_mps.version import version
@@ -243,7 +245,8 @@ class Daemon:
                                clear=None if c.live_restore else self.store.dir)
         self.backend = b
         # stall_after only when given: Programs' own default (Deadlines.stall) otherwise.
-        self.programs = Programs(b) if c.stall_after is None else Programs(b, stall_after=c.stall_after)
+        data = await anyio.to_thread.run_sync(DataStore, os.path.join(self.store.dir, DATA_DIR))
+        self.programs = Programs(b, stall_after=c.stall_after, data=data)
         self.metrics = Metrics(b, self.programs, self.versions.get("meshd-mps", ""), self.t0)
         await self._restore()
 
