@@ -3,15 +3,14 @@ runs (its launch time and restarts carried over when they were kept), or discard
 
 from __future__ import annotations
 
-import os
 import time
 from typing import TYPE_CHECKING
 
-import anyio
 import structlog
 
 from meshd_mps.errors import AlreadyLoaded
-from meshd_mps.programs.datastore import DataSpec, ProgramData
+from meshd_mps.programs.data import Recorded
+from meshd_mps.programs.datastore import ProgramData
 from meshd_mps.programs.program import Program
 from meshd_mps.protocol import frames
 from meshd_mps.restart import Policy
@@ -33,7 +32,7 @@ class Adoption:
 
     async def adopt(self, f: Found, manifest: Manifest, ptx: bytes, hash: int, nodes: int,
                     restart: Policy | str | None = None, *, started_wall: float | None = None,
-                    restarts: int = 0, restore: Restore | str = Restore.RELOAD, data: DataSpec | None = None) -> Program:
+                    restarts: int = 0, restore: Restore | str = Restore.RELOAD, data: Recorded | None = None) -> Program:
         """A program an earlier meshd-mps left running (live restore, ``Backend.found``), taken
         over as it runs: its worker, kernel and launch unchanged, nothing halted, its heartbeat
         counted on from the mailbox.  The caller (state/desired.py) matched it to its record.
@@ -46,8 +45,7 @@ class Adoption:
         assert f.launch is not None, "adopt: a module with no launch runs nothing"
         pd = None
         if data is not None:
-            written = await anyio.to_thread.run_sync(os.path.exists, reg.data.own(f.name))
-            pd = ProgramData(data, written=written)
+            pd = ProgramData(data.spec, written=data.written)
         async with reg.lock:
             if f.name in reg.by_name:
                 raise AlreadyLoaded(f.name)

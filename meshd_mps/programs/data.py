@@ -39,9 +39,22 @@ class DataRef:
     key: str
 
 
+@dataclass(frozen=True)
+class Recorded:
+    """A program's data as its record says (a restore's): the spec, and whether it was written
+    (then its own file holds it, and a restore without that file fails)."""
+
+    spec: DataSpec
+    written: bool = False
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Recorded:
+        return cls(DataSpec.from_dict(d), bool(d.get("written", False)))
+
+
 #: What a load or an upgrade may be given as its data: a path (read as the caller), bytes, a
-#: binary file, data held already (``DataRef``), or a record's spec (a restore's).
-DataSource = str | os.PathLike[str] | bytes | bytearray | memoryview | IO[bytes] | DataRef | DataSpec
+#: binary file, data held already (``DataRef``), or a record's (a restore's).
+DataSource = str | os.PathLike[str] | bytes | bytearray | memoryview | IO[bytes] | DataRef | Recorded
 
 
 @dataclass(frozen=True)
@@ -75,9 +88,8 @@ class Data:
                     return old
                 return ProgramData(DataSpec(old.spec.key, old.spec.size, m.data_bytes))
             return ProgramData(DataSpec(None, 0, m.data_bytes)) if m.data_bytes else None
-        if isinstance(given, DataSpec):  # a record's: its own file, if it has one, holds its writes
-            written = await anyio.to_thread.run_sync(os.path.exists, store.own(m.name))
-            return ProgramData(given, written=written)
+        if isinstance(given, Recorded):  # a record's: once written, its own file holds its writes
+            return ProgramData(given.spec, written=given.written)
         if isinstance(given, DataRef):
             spec = await anyio.to_thread.run_sync(store.spec, given.key)
         else:
@@ -134,9 +146,11 @@ class Data:
                 raise NoData(name) if p.data is None else WriteOutOfRange(
                     f"program {name}: its data changed (an upgrade) while the write waited", program=name, offset=offset,
                     bytes=len(data), size=p.data.spec.alloc)
-            before = d.token
+            before, first = d.token, not d.written
             await anyio.to_thread.run_sync(reg.data.write, name, d, offset, data)
             d.writes += 1
+            if first:  # its data is its own file from now on: recorded, so that a restore looks for it there
+                await reg.record(p)
             proc = p.kernel.proc
             if not reg.b.holds(proc, p.slot, before) or proc.dead:
                 return Written(name, offset, len(data), None)

@@ -63,9 +63,11 @@ class DataSpec:
 
     @classmethod
     def from_dict(cls, d: Any) -> DataSpec:
-        """A record's ``data``, checked; ValueError says what is wrong."""
-        if not isinstance(d, dict) or set(d) != {"key", "size", "alloc"}:
-            raise ValueError(f"data {d!r}: an object of key, size and alloc expected")
+        """A record's ``data`` (its ``written`` aside), checked; ValueError says what is wrong."""
+        if not isinstance(d, dict) or set(d) - {"written"} != {"key", "size", "alloc"}:
+            raise ValueError(f"data {d!r}: an object of key, size, alloc (and written) expected")
+        if not isinstance(d.get("written", False), bool):
+            raise ValueError(f"data written {d['written']!r}: true or false expected")
         key, size, alloc = d["key"], d["size"], d["alloc"]
         if key is not None and (not isinstance(key, str) or not KEY.fullmatch(key)):
             raise ValueError(f"data key {key!r}: 64 hex digits (a SHA-256) or null expected")

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from meshd_mps.errors import ConfigError, MeshError
 from meshd_mps.programs.adoption import Adoption
 from meshd_mps.programs.calls import Calls
-from meshd_mps.programs.data import DataSource, Written
-from meshd_mps.programs.datastore import DataSpec, DataStore
+from meshd_mps.programs.data import DataSource, Recorded, Written
+from meshd_mps.programs.datastore import DataStore
 from meshd_mps.programs.heartbeats import Heartbeats
 from meshd_mps.programs.launching import Launching
 from meshd_mps.programs.lifecycle import Lifecycle
@@ -211,7 +211,7 @@ class Programs:
     async def adopt(self, f: Found, manifest: Manifest, ptx: bytes, hash: int, nodes: int,
                     restart: Policy | str | None = None, *, started_wall: float | None = None, restarts: int = 0,
                     policy: Policy | str | None = None, restore: Restore | str = Restore.RELOAD,
-                    data: DataSpec | None = None) -> Program:
+                    data: Recorded | None = None) -> Program:
         return await self.adoption.adopt(f, manifest, ptx, hash, nodes, _either(restart, policy, "restart or policy"),
                                          started_wall=started_wall, restarts=restarts, restore=restore, data=data)
 

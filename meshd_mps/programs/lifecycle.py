@@ -17,7 +17,7 @@ import structlog
 
 from meshd_mps.errors import AlreadyLoaded, ManifestError, MeshError, Unavailable, UpgradeMismatch
 from meshd_mps.gpu.compiler import Manifest
-from meshd_mps.programs.datastore import DataSpec
+from meshd_mps.programs.data import Recorded
 from meshd_mps.programs.program import Program, ProgramState, Run
 from meshd_mps.restart import Policy
 from meshd_mps.restore import Restore
@@ -58,7 +58,7 @@ class Lifecycle:
         if m.name in reg.by_name:  # at once, not behind a load that holds the lock (checked again under it)
             raise AlreadyLoaded(m.name)
         ops = self.launching.data
-        if data is None or not isinstance(data, DataSpec):  # a new program's: no own file of an earlier one
+        if not isinstance(data, Recorded):  # a new program's: no own file of an earlier one
             await anyio.to_thread.run_sync(reg.data.forget, m.name)
         pd = await ops.resolve(m, data)  # stored (or found) before the lock: a large file takes a while
         async with reg.lock:

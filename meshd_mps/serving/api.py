@@ -300,6 +300,7 @@ class Api:
             "mps_dir": s.get("mps_dir"),
             "cpus": cpus.status(),  # serve --daemon-cpus: the daemon's CPUs and its children's
             "programs": len(ps.by_name),
+            "data_bytes": sum(p.data.spec.alloc for p in ps.by_name.values() if p.data),  # the programs' data, together
             "stalled": sum(1 for p in ps.by_name.values() if ps.describe(p)["state"] == "stalled"),
             "devices": [{**d, "programs": len(ps.on_device(d["device"]))} for d in s["devices"]],
             "loads": ps.loads,

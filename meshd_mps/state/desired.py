@@ -27,8 +27,7 @@ from meshd_mps.errors import MeshError
 from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.isolation.base import Found
 from meshd_mps.programs import FaultReport, Program, Programs
-from meshd_mps.programs.data import Kept
-from meshd_mps.programs.datastore import DataSpec
+from meshd_mps.programs.data import Kept, Recorded
 from meshd_mps.protocol import abi
 from meshd_mps.restore import LEFT, Restore
 from meshd_mps.state.config import DeclaredProgram
@@ -50,7 +49,7 @@ class Recorder:
         assert p.manifest is not None
         rec = ProgramRecord.of(p.name, dataclasses.asdict(p.manifest), p.ptx, slot=p.slot, nodes=p.nodes,
                                device=p.device, hash=p.hash, restart=p.restart.value, restore=p.restore.value,
-                               data=p.data.spec.as_dict() if p.data else None)
+                               data={**p.data.spec.as_dict(), "written": p.data.written} if p.data else None)
         await anyio.to_thread.run_sync(self.store.record, rec, p.ptx)
 
     async def unloaded(self, name: str) -> None:
@@ -229,8 +228,8 @@ async def _load_all(programs: Programs, store: Store, declared: Sequence[Declare
             log.warning(f"restore: declared program {d.name} (config line {d.line}) not loaded: {e}", program=d.name)
 
 
-def _data(rec: ProgramRecord) -> DataSpec | None:
-    return None if rec.data is None else DataSpec.from_dict(rec.data)
+def _data(rec: ProgramRecord) -> Recorded | None:
+    return None if rec.data is None else Recorded.from_dict(rec.data)
 
 
 def _reports(h: History) -> list[FaultReport]:
