@@ -45,11 +45,11 @@ class NoData(Conflict):
 
 class DataNotFound(NotFound):
     """Data a load names that this daemon does not hold (``data``: its SHA-256), or a program's data
-    whose file is gone from the state directory (``file``; a restore of it fails that program alone)."""
+    whose file is gone from the state directory (``file``, "" for none; a restore of it fails that program alone)."""
 
     FIELDS = ("data", "file")
 
-    def __init__(self, message: str, *, data: str, file: str | None = None):
+    def __init__(self, message: str, *, data: str, file: str = ""):
         super().__init__(message)
         self.data = data
         self.file = file

@@ -13,7 +13,6 @@ rest at its next launch.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
@@ -184,10 +183,3 @@ class Data:
         if gone:
             log.debug(f"data: removed {len(gone)} files no program holds", files=gone)
 
-
-@dataclass(frozen=True)
-class Kept:
-    """The data the desired state names: the files (``keys``) and the programs' own files (``names``)."""
-
-    keys: Iterable[str] = ()
-    names: Iterable[str] = ()

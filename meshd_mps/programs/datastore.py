@@ -97,6 +97,14 @@ class ProgramData:
         return self.epoch, self.writes
 
 
+@dataclass(frozen=True)
+class Kept:
+    """The data the desired state names: the files (``keys``) and the programs' own files (``names``)."""
+
+    keys: Iterable[str] = ()
+    names: Iterable[str] = ()
+
+
 class DataStore:
     """The data files under ``dir`` (made 0700); ``temporary``: removed by ``remove``."""
 

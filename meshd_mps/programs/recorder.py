@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from meshd_mps.programs.data import Kept
+    from meshd_mps.programs.datastore import Kept
     from meshd_mps.programs.program import Program
     from meshd_mps.programs.report import FaultReport
 

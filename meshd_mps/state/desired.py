@@ -27,7 +27,8 @@ from meshd_mps.errors import MeshError
 from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.isolation.base import Found
 from meshd_mps.programs import FaultReport, Program, Programs
-from meshd_mps.programs.data import Kept, Recorded
+from meshd_mps.programs.data import Recorded
+from meshd_mps.programs.datastore import Kept
 from meshd_mps.protocol import abi
 from meshd_mps.restore import LEFT, Restore
 from meshd_mps.state.config import DeclaredProgram
