@@ -918,7 +918,7 @@ def test_ps_shows_the_beat_age_and_stalled():
     ]
     lines = ps_table(rows).splitlines()
     assert lines[0].split() == ["NAME", "SLOT", "STATE", "PID", "GPU", "HEARTBEAT", "BEAT-AGE", "UPTIME", "UPGRADES",
-                                "RESTARTS", "HASH"]
+                                "RESTARTS", "HASH", "DATA"]
     got = {ln.split()[0]: ln.split() for ln in lines[1:]}
     assert [got[n][2] for n in ("hb", "quiet", "never", "old", "loop")] == ["running", "stalled", "running", "running",
                                                                           "crash-loop"]
