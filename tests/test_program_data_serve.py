@@ -14,8 +14,8 @@ import threading
 
 import pytest
 
-from meshd_mps.serving.client import ClientError, program_body
 from meshd_mps.bench.measure import vmrss_mib
+from meshd_mps.serving.client import ClientError, program_body
 
 from .cases.live_restore import nothing_left
 from .rigs.serve import EXAMPLES, Serve, cli, parse_metrics
