@@ -20,7 +20,7 @@ import time
 
 os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "4"
 
-from cuda.bindings import driver as cu, nvrtc  # noqa: E402
+from cuda.bindings import driver as cu, nvrtc
 
 BLOCKED_S = 2.0
 SRC = b"""

@@ -82,6 +82,19 @@ async def test_data_is_read_written_and_kept_across_relaunches_upgrades_and_deat
         got = await until(ps, "peek", 4096, b"\xff" * 8)
         assert got[0] == len(table) and p.kernel.pid != pid
 
+        # A GPU fault (another program's): every program of the GPU torn down and brought back, with its data.
+        blinks = b.status().get("blinks", 0)
+        await ps.write("peek", 0, b"fault")
+        if isolation == "blink":
+            assert b.status().get("blinks", 0) == blinks, "a write blinked the context"
+        await ps.load(*example("fault"), restart="never")
+        with anyio.fail_after(30):
+            while not (ps.faults and ps.faults[-1].ms > 0):
+                await anyio.sleep(0.02)
+        assert "peek" in ps.faults[-1].relaunched or isolation == "blink"
+        assert (await until(ps, "peek", 0, b"fault"))[0] == len(table)
+        await ps.unload("fault")
+
         # An upgrade to other data: the new data, the old writes gone with the old data.
         other = b"\x07" * 1000
         await ps.upgrade("peek", m, ptx, data=other)
