@@ -304,9 +304,14 @@ class Client:
             size = os.fstat(f.fileno()).st_size
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise ClientError(f"data {path}: not a regular file")
-            status, _h, data = self.raw("POST", "/v1/data", f, {"Content-Type": "application/octet-stream",  # type: ignore[arg-type]
-                                                               "Content-Length": str(size)})
-        return str(self._answer(status, data)["data"])
+            return self.upload_bytes(f, size)  # type: ignore[arg-type]
+
+    def upload_bytes(self, data: bytes | memoryview, size: int | None = None) -> str:
+        """Data in memory (or a file object of ``size`` bytes) sent as ``upload`` sends a file: its key."""
+        n = len(data) if size is None else size
+        status, _h, ans = self.raw("POST", "/v1/data", data, {"Content-Type": "application/octet-stream",  # type: ignore[arg-type]
+                                                             "Content-Length": str(n)})
+        return str(self._answer(status, ans)["data"])
 
     def with_data(self, body: dict[str, Any], data: str | None, dir: str | None = None,
                   manifest: str | None = None) -> dict[str, Any]:
