@@ -8,7 +8,7 @@ finish, fail, hang, die or break the protocol where a test wants it.
 
 The image ("cubin") is either a script, ``MESHSIM1`` then a JSON object, or a
 real cubin (an ELF from nvJitLink).  The simulation does not run GPU code, and
-says so: a real cubin that is a shipped example's (heartbeat, echo, spin, fault;
+says so: a real cubin that is a shipped example's (heartbeat, echo, spin, fault, peek;
 recognised by the cubin's own bytes, never by the program's name nor LOAD's ``tag``:
 meshd_mps/gpu/examples.py) runs as that example, with a warning at load; any
 other is refused at load (sim_images.py, pointing to ``meshd-mps check``), as

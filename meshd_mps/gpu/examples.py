@@ -1,4 +1,4 @@
-"""The shipped example programs (examples/heartbeat, echo, spin, fault) and their images.
+"""The shipped example programs (examples/heartbeat, echo, spin, fault, peek) and their images.
 
 The simulated GPU (``--gpu sim``) runs no GPU code: it runs these examples' device code as
 Python (workers/sim_kernels.py), so it must know that a cubin *is* one of them.  It knows by the
