@@ -980,7 +980,8 @@ async def test_stall_after_reaches_programs(monkeypatch, tmp):
         d = server.Daemon(cfg)
         try:
             await d._open()
-            assert seen[-1] == kw
+            data = seen[-1].pop("data")  # the programs' data files: the state dir's data/
+            assert seen[-1] == kw and data.dir == os.path.join(cfg.state_dir, "data")
         finally:
             await d._close_backend()
     assert len(seen) == 2

@@ -166,9 +166,11 @@ class Data:
 
     # ---- gone ---------------------------------------------------------------------------------------
     async def forget(self, name: str, d: ProgramData | None) -> None:
-        """An unloaded program's own file removed, and what no program or record holds collected."""
-        if d is not None:
-            await anyio.to_thread.run_sync(self.reg.data.forget, name)
+        """An unloaded (or upgraded) program's own file removed, and what no program or record holds
+        collected; nothing to do for a program without data."""
+        if d is None:
+            return
+        await anyio.to_thread.run_sync(self.reg.data.forget, name)
         await self.collect()
 
     async def collect(self) -> None:

@@ -120,6 +120,8 @@ class DataStore:
         for n in os.listdir(self.dir):  # a dead daemon's uploads, never finished
             if n.startswith(INCOMING):
                 _unlink(os.path.join(self.dir, n))
+        #: The programs that have an own file (known here, so that a load asks the disk nothing).
+        self.owners = {n for n in os.listdir(self.programs_dir) if not n.endswith(".tmp")}
 
     @classmethod
     def temp(cls) -> DataStore:
@@ -203,6 +205,7 @@ class DataStore:
             src, n = self.source(name, d)
             _copy(src, n, own, d.spec.alloc)
             d.written = True
+            self.owners.add(name)
         try:
             fd = os.open(own, os.O_WRONLY | os.O_CLOEXEC)
             try:
@@ -214,6 +217,7 @@ class DataStore:
 
     def forget(self, name: str) -> None:
         """The program's own file removed (an unload, or an upgrade to other data)."""
+        self.owners.discard(name)
         _unlink(self.own(name))
 
     def gc(self, keep: Iterable[str], names: Iterable[str]) -> list[str]:
@@ -233,6 +237,7 @@ class DataStore:
                     pass
         for n in os.listdir(self.programs_dir):
             if n not in names:
+                self.owners.discard(n)
                 _unlink(os.path.join(self.programs_dir, n))
                 gone.append(f"{PROGRAMS}/{n}")
         return gone

@@ -58,7 +58,7 @@ class Lifecycle:
         if m.name in reg.by_name:  # at once, not behind a load that holds the lock (checked again under it)
             raise AlreadyLoaded(m.name)
         ops = self.launching.data
-        if not isinstance(data, Recorded):  # a new program's: no own file of an earlier one
+        if not isinstance(data, Recorded) and m.name in reg.data.owners:  # a new program's: none of an earlier one's
             await anyio.to_thread.run_sync(reg.data.forget, m.name)
         pd = await ops.resolve(m, data)  # stored (or found) before the lock: a large file takes a while
         async with reg.lock:

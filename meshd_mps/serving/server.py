@@ -246,7 +246,7 @@ class Daemon:
         self.backend = b
         # stall_after only when given: Programs' own default (Deadlines.stall) otherwise.
         data = await anyio.to_thread.run_sync(DataStore, os.path.join(self.store.dir, DATA_DIR))
-        self.programs = Programs(b, stall_after=c.stall_after, data=data)
+        self.programs = Programs(b, data=data) if c.stall_after is None else Programs(b, stall_after=c.stall_after, data=data)
         self.metrics = Metrics(b, self.programs, self.versions.get("meshd-mps", ""), self.t0)
         await self._restore()
 
