@@ -99,13 +99,21 @@ def test_cli_and_http_load_write_and_a_restart_restores_the_data_with_its_writes
         assert b.stop() == 0, b.log()[-3000:]
     finally:
         b.kill()
-    # peek's data gone from the state dir: it alone fails to come back, said in status.
+    # peek's data gone from the state dir: it alone fails to come back, said in status.  And a program
+    # the config file declares comes with the data file its manifest names.
     shutil.rmtree(os.path.join(state, "data", "programs"))
-    c = start(tmp, state, name="c")
+    conf = os.path.join(tmp, "meshd.toml")
+    with open(conf, "w") as f:
+        f.write(f'[program.peek2x]\ndir = "{d}"\n')
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        json.dump({"name": "peek2x", "backend": "cuda", "warps": 1, "abi": 1, "data": "t.bin"}, f)
+    c = start(tmp, state, "--config", conf, name="c")
     try:
-        skipped = c.client.status()["state"]["restore"]["skipped"]
+        st = c.client.status()["state"]
+        skipped = st["restore"]["skipped"]
         assert list(skipped) == ["peek"] and "is gone" in skipped["peek"], skipped
-        assert {p["name"] for p in c.client.programs()} == {"peek2", "peek3"}
+        assert st["restore"]["declared"] == ["peek2x"] and peek(c, "peek2x", 0, 6)[3] == b"beside"
+        assert {p["name"] for p in c.client.programs()} == {"peek2", "peek3", "peek2x"}
         assert c.stop() == 0
     finally:
         c.kill()

@@ -259,7 +259,11 @@ class Daemon:
         arch = b.info.compute
 
         def body(d: DeclaredProgram) -> dict[str, Any]:
-            return program_body(d.dir, d.manifest, d.ptx, d.cuda, d.hash, d.nodes, d.device, arch=arch, restart=d.restart)
+            out = program_body(d.dir, d.manifest, d.ptx, d.cuda, d.hash, d.nodes, d.device, arch=arch, restart=d.restart)
+            m = out["manifest"]
+            if isinstance(m, dict) and m.get("data"):  # its data file, beside the manifest (the operator's, as the PTX)
+                out["data_file"] = os.path.join(os.path.dirname(d.manifest), m["data"])
+            return out
 
         ps.recorder = Recorder(store)  # the declared programs loaded now are recorded too
         self.restored = await restore(ps, store, c.programs, body, b.found)

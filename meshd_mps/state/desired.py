@@ -218,7 +218,8 @@ async def _load_all(programs: Programs, store: Store, declared: Sequence[Declare
         try:
             b = await anyio.to_thread.run_sync(body, d)  # its files read, CUDA C compiled: ProgramFilesError
             want = None if d.hash is None else int(d.hash, 16)
-            await programs.load(b["manifest"], b["ptx"].encode(), want, d.nodes or 1, d.device, d.restart)
+            await programs.load(b["manifest"], b["ptx"].encode(), want, d.nodes or 1, d.device, d.restart,
+                                data=b.get("data_file"))
             out.declared.append(d.name)
             if unused is not None:
                 log.warning(f"restore: program {d.name} loaded from its declaration (config line {d.line}), not from its"
