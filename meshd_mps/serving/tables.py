@@ -106,7 +106,7 @@ def status_table(s: dict[str, Any]) -> str:
                  ["blinks", f"{s.get('blinks', 0)}" + (f", the last {last:.2f} ms" if last is not None else "")]]
     rows += [
         ["workers", f"{len(s.get('workers', []))} {_pids(s.get('workers', []))}, {s.get('retired', 0)} retired"],
-        ["programs", str(s.get("programs", 0))],
+        ["programs", str(s.get("programs", 0)) + (f" (their data: {size(s['data_bytes'])})" if s.get("data_bytes") else "")],
         ["stalled", str(s.get("stalled", 0))],
         ["loads", str(s.get("loads", 0))],
         ["uptime", duration(float(s.get("uptime_s", 0)))],
