@@ -31,7 +31,7 @@ from typing import Any
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.frames import DataReq, WriteReq
 
-from .gpu import GpuError
+from .gpu import GpuError, write_target
 
 try:
     from cuda.bindings import driver as cu
@@ -132,11 +132,7 @@ class Regions:
     def write(self, req: WriteReq) -> None:
         """WRITE: the bytes copied in at the offset, complete when this returns."""
         with self._lock:
-            r = self.by_slot.get(req.slot)
-            if r is None:
-                raise GpuError(f"slot {req.slot} has no program data")
-            if req.offset + len(req.data) > r.alloc:
-                raise GpuError(f"a write of {len(req.data)} bytes at {req.offset} is past slot {req.slot}'s {r.alloc} bytes")
+            r = write_target(self.by_slot, req)
             self._ready()
             done, half = 0, 0
             view = memoryview(req.data)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from meshd_mps.protocol import frames
@@ -12,6 +12,13 @@ from .warm import MAX_QUEUES, QUEUES_ENV
 
 DoneCallback = Callable[[Done], None]
 S = TypeVar("S")
+
+
+class Sized(Protocol):
+    alloc: int
+
+
+R = TypeVar("R", bound=Sized)
 
 
 class GpuError(Exception):
@@ -27,6 +34,16 @@ class GpuError(Exception):
     def refused(self) -> bool:
         """The image's fault, not the worker's."""
         return self.word in frames.LOADED_ONLY
+
+
+def write_target(by_slot: Mapping[int, R], req: WriteReq) -> R:
+    """The slot's data region a WRITE goes to: GpuError for a slot without data, or a write past its end."""
+    r = by_slot.get(req.slot)
+    if r is None:
+        raise GpuError(f"slot {req.slot} has no program data")
+    if req.offset + len(req.data) > r.alloc:
+        raise GpuError(f"a write of {len(req.data)} bytes at {req.offset} is past slot {req.slot}'s {r.alloc} bytes")
+    return r
 
 
 class Streams(Generic[S]):

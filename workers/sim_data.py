@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from meshd_mps.protocol.frames import DataReq, WriteReq
 
-from .gpu import GpuError
+from .gpu import GpuError, write_target
 
 CHUNK = 8 << 20
 _ZERO = memoryview(bytes(CHUNK))
@@ -70,11 +70,7 @@ class SimRegions:
 
     def write(self, req: WriteReq) -> None:
         with self._lock:
-            r = self.by_slot.get(req.slot)
-            if r is None:
-                raise GpuError(f"slot {req.slot} has no program data")
-            if req.offset + len(req.data) > r.alloc:
-                raise GpuError(f"a write of {len(req.data)} bytes at {req.offset} is past slot {req.slot}'s {r.alloc} bytes")
+            r = write_target(self.by_slot, req)
             r.mem[req.offset : req.offset + len(req.data)] = req.data
 
     def view(self, slot: int) -> memoryview | None:
