@@ -336,7 +336,9 @@ class Backend(NativeClients, DataRegions):
         await k.isolation.abandon(k, slot)
 
     async def drop(self, img: Image) -> None:
-        """An image prepared but never loaded: its worker goes back."""
+        """An image prepared but never loaded: its worker goes back (its program data freed first)."""
+        if img.preloaded is not None:
+            await self.free(img.preloaded.proc)
         await self._on(img.device).drop(img)
 
     def retire_stuck(self, k: Kernel) -> bool:

@@ -173,6 +173,20 @@ class Data:
         await anyio.to_thread.run_sync(self.reg.data.forget, name)
         await self.collect()
 
+    async def dropped(self, name: str, old: ProgramData | None, new: ProgramData | None) -> None:
+        """After an upgrade to other data: the old data's own file removed, unless the new data
+        has written its own there since (a write takes the new data's lock: held here meanwhile)."""
+        if old is None or old is new:
+            return
+        async with old.lock:
+            if new is None:
+                await self.forget(name, old)
+                return
+            async with new.lock:
+                if not new.written:
+                    await anyio.to_thread.run_sync(self.reg.data.forget, name)
+        await self.collect()
+
     async def collect(self) -> None:
         reg = self.reg
         keep: set[str] = {p.data.spec.key for p in reg.by_name.values() if p.data is not None and p.data.spec.key}

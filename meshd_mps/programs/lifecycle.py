@@ -130,8 +130,7 @@ class Lifecycle:
             reg.count_load(t0)
             log.info(f"program {name} upgraded on slot {p.slot}", program=name, pid=k.pid)
             await reg.record(p)
-        if old is not pd:  # other data: the old one's writes are no longer the program's
-            await ops.forget(name, old)
+        await ops.dropped(name, old, pd)
         return p
 
     async def _roll_back(self, old: Program) -> None:
