@@ -53,6 +53,7 @@ def test_data_placed_read_written_and_freed_beside_a_resident_kernel(tmp_path):
         hm, hc = cubin("heartbeat", info)
         pm, pc = cubin("peek", info)
         w.load(Load(1, hm.threads, 0, 0, "heartbeat", hc))
+        w.load(Load(2, pm.threads, 0, 0, "peek", pc))  # before any kernel runs: a module load in one context waits for them
         w.launch(1, 1, 0)
         poll(lambda: mb.heartbeat(0) > 100, 10, "the heartbeat beats")
         mb.set_u32(0, abi.GAP_RESET, 1)
@@ -63,7 +64,6 @@ def test_data_placed_read_written_and_freed_beside_a_resident_kernel(tmp_path):
         dev, alloc = frames.data_placed(payload)
         print(f"DATA of {N >> 20} MiB in {time.monotonic() - t0:.3f} s, at {dev:#x}")
         assert dev and alloc == N + 4096
-        w.load(Load(2, pm.threads, 0, 0, "peek", pc))
         w.launch(2, 1, 1)
         poll(lambda: mb.u32(1, abi.STATE) == abi.RUNNING, 10, "peek runs")
         ring = Ring(mb, 1)
