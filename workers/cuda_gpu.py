@@ -36,10 +36,11 @@ from typing import Any
 
 from meshd_mps.gpu.device import error_name, is_no_driver
 from meshd_mps.protocol import abi, frames
-from meshd_mps.protocol.frames import Done, Load, Loaded
+from meshd_mps.protocol.frames import DataReq, Done, Load, Loaded, WriteReq
 from meshd_mps.protocol.mailbox import Mailbox
 
 from . import wlog
+from .cuda_data import Regions
 from .gpu import DoneCallback, GpuError, Streams
 from .warm import Warm, driver_queues
 
@@ -139,6 +140,7 @@ class CudaGpu:
         self._params: dict[int, tuple[Any, ...]] = {}  # slot -> (its kernel parameters, kept alive, their address)
         self._modules: dict[int, _Module] = {}
         self._streams: Streams[Any] = Streams([])
+        self._data = Regions(check)  # the programs' data, by slot (workers/cuda_data.py)
         self._closed = False
         if cu is None:
             raise GpuError(f"cuda-python is not installed: {_IMPORT_ERROR}")
@@ -390,6 +392,7 @@ class CudaGpu:
             params = (ctypes.c_void_p * 2)(ctypes.addressof(a), ctypes.addressof(b))
             p = self._params[slot] = (a, b, params, ctypes.addressof(params))
         try:
+            self._data.bind(m.mod, m.stream, slot, self._global)
             check(cu.cuLaunchKernel(m.fn, nodes, 1, 1, m.threads, 1, 1, m.smem, m.stream, p[3], 0), "cuLaunchKernel")
         except GpuError:
             cu.cuEventDestroy(ev)
@@ -427,6 +430,14 @@ class CudaGpu:
                 except Exception as e:
                     log.error("DONE not delivered", module=m.id, gen=gen, error=str(e))
 
+    def data(self, req: DataReq) -> int:
+        self._current()
+        return self._data.place(req)
+
+    def write(self, req: WriteReq) -> None:
+        self._current()
+        self._data.write(req)
+
     def misbehaviour(self, phase: str) -> str | None:
         return None
 
@@ -454,6 +465,8 @@ class CudaGpu:
                 err = self._release(m)
                 if err:
                     log.warning("module not released", module=m.id, error=err)
+            for err in self._data.close():
+                log.warning("program data not released", error=err)
             failed = [_code(r) for r in (cu.cuStreamDestroy(st) for st in self._streams.streams) if _code(r)]
             if failed:
                 log.warning("streams not destroyed", streams=len(failed), error=_fmt(failed[0]))

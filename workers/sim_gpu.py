@@ -8,7 +8,7 @@ finish, fail, hang, die or break the protocol where a test wants it.
 
 The image ("cubin") is either a script, ``MESHSIM1`` then a JSON object, or a
 real cubin (an ELF from nvJitLink).  The simulation does not run GPU code, and
-says so: a real cubin that is a shipped example's (heartbeat, echo, spin, fault;
+says so: a real cubin that is a shipped example's (heartbeat, echo, spin, fault, peek;
 recognised by the cubin's own bytes, never by the program's name nor LOAD's ``tag``:
 meshd_mps/gpu/examples.py) runs as that example, with a warning at load; any
 other is refused at load (sim_images.py, pointing to ``meshd-mps check``), as
@@ -17,7 +17,7 @@ are the image's fault: GpuError(refused=True), or word=frames.NO_ENTRY
 (LOADED's ok word, as CudaGpu sends it); ImageRefused in the daemon.
 
 Script keys (all optional):
-  kernel: sleep | fail | hang | exit | heartbeat | echo | spin | fault
+  kernel: sleep | fail | hang | exit | heartbeat | echo | spin | fault | peek (reads its data: sim_data.py)
   ms: run time of sleep/fail (default 0); message: fail's error text
   start: false  (never write STATE = RUNNING; otherwise as its kernel)
   pause_after, pause_ms: heartbeat/echo stop beating after that many beats, for
@@ -76,11 +76,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from meshd_mps.protocol import abi, frames
-from meshd_mps.protocol.frames import Done, Load, Loaded
+from meshd_mps.protocol.frames import DataReq, Done, Load, Loaded, WriteReq
 from meshd_mps.protocol.mailbox import Mailbox
 
 from . import pipes, wlog
 from .gpu import DoneCallback, GpuError, Streams
+from .sim_data import SimRegions
 from .sim_images import Examples
 from .sim_kernels import POLLER, Script, resident
 from .warm import driver_queues
@@ -98,7 +99,7 @@ RPC_FAILURE = (
     " simulated)"
 )
 #: The kernels that write STATE = RUNNING themselves, after their set-up, as their sources do.
-RESIDENT = ("heartbeat", "echo")
+RESIDENT = ("heartbeat", "echo", "peek")
 #: cuModuleGetFunction's text on the H200 for an image without the entry.
 NO_ENTRY = f"cuModuleGetFunction({abi.ENTRY}): CUDA_ERROR_NOT_FOUND (named symbol not found)"
 
@@ -193,7 +194,7 @@ class SimGpu:
     def __init__(self, mailbox: Mailbox, sms: int, device: int = 0, examples: str | None = None):
         """``examples``: the known images as the daemon computed them (``--examples``); None: computed
         here, at the first real cubin."""
-        from meshd_mps.gpu.device import simulated_count, simulated_device
+        from meshd_mps.gpu.device import simulated_count, simulated_device, simulated_memory
 
         self.mailbox = mailbox
         self.startup = os.environ.get(STARTUP_ENV, "")
@@ -211,6 +212,7 @@ class SimGpu:
         self.sms = -(-sms // 8) * 8 if sms else SIM_SMS  # green contexts come in multiples of 8 SMs
         _check_registrable(mailbox)
         self._examples = Examples(examples, simulated_device(device))
+        self._data = SimRegions(simulated_memory(), device)  # the programs' data, by slot (sim_data.py)
         self._client: socket.socket | None = None
         self._modules: dict[int, _Module] = {}
         self._pending: list[threading.Thread] = []
@@ -456,9 +458,10 @@ class SimGpu:
             if not self._poison:  # as examples/spin: EXITED as it returns
                 mb.set_u32(slot, abi.STATE, abi.EXITED)
             return True, ""
-        if kind in ("heartbeat", "echo"):
+        if kind in RESIDENT:
+            peek = (lambda: self._data.view(slot)) if kind == "peek" else None
             resident(mb, slot, echo=kind == "echo", pause=m.script, poisoned=lambda: bool(self._poison),
-                     start=m.script.get("start", True) is not False)
+                     start=m.script.get("start", True) is not False, peek=peek)
             return True, ""
         return False, f"simulated kernel {kind!r} is unknown"
 
@@ -467,6 +470,14 @@ class SimGpu:
         if set_to is not None:
             self._stack = set_to
         return self._stack
+
+    def data(self, req: DataReq) -> int:
+        self._check("cuMemAllocAsync")
+        return self._data.place(req)
+
+    def write(self, req: WriteReq) -> None:
+        self._check("cuMemcpyHtoDAsync")
+        self._data.write(req)
 
     def unload(self, module: int) -> None:
         m = self._modules.pop(module, None)
@@ -482,6 +493,7 @@ class SimGpu:
             self._quit = None
 
     def close(self) -> None:
+        self._data.close()
         if self._client is not None:
             self._client.close()
             self._client = None

@@ -59,6 +59,10 @@ class Manifest:
     param: int = 0
     smem: int = 0
     scratch: int = 0
+    # The program's data (docs/program-abi.md, "Data"): a file beside the manifest, which the client
+    # that reads the directory sends with the load, and the device memory it needs if more than the file.
+    data: str = ""
+    data_bytes: int = 0
 
     @property
     def threads(self) -> int:
@@ -103,10 +107,22 @@ class Manifest:
             param=_int(obj, "param", 0, U64_MAX, 0),
             smem=_int(obj, "smem", 0, U32_MAX, 0),
             scratch=_int(obj, "scratch", 0, U32_MAX, 0),
+            data=_data_file(obj),
+            data_bytes=_int(obj, "data_bytes", 0, U64_MAX, 0),
         )
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+
+
+def _data_file(obj: Mapping[str, Any]) -> str:
+    """The manifest's ``data``: a file's name beside the manifest ("" for none)."""
+    v = obj.get("data", "")
+    if not isinstance(v, str):
+        raise ManifestError(f"manifest: field 'data' must be a string (a file beside the manifest), got {_tname(v)}")
+    if v and ("/" in v or v in (".", "..") or "\0" in v):
+        raise ManifestError(f"manifest: field 'data' {v[:80]!r}: the name of a file beside the manifest, without '/'")
+    return v
 
 
 def _tname(v: Any) -> str:

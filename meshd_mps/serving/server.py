@@ -55,6 +55,7 @@ from meshd_mps.log import setup_logging
 from meshd_mps.mps.control import become_subreaper
 from meshd_mps.neighbours import NeighbourWatch, classify, look
 from meshd_mps.programs import Programs
+from meshd_mps.programs.datastore import DataStore
 from meshd_mps.serving import reaper, sdnotify
 from meshd_mps.serving.api import Api
 from meshd_mps.serving.client import default_socket, program_body
@@ -62,7 +63,7 @@ from meshd_mps.serving.metrics import Metrics
 from meshd_mps.serving.unix_socket import BACKLOG, ControlSocket
 from meshd_mps.state.config import SERVE_DEFAULTS, DeclaredProgram, pool_of
 from meshd_mps.state.desired import Recorder, Restored, restore
-from meshd_mps.state.statedir import resolve_state_dir
+from meshd_mps.state.statedir import DATA_DIR, resolve_state_dir
 from meshd_mps.state.store import Store
 from meshd_mps.supervision import cpus
 from meshd_mps.version import version
@@ -275,7 +276,8 @@ class Daemon:
                                clear=None if c.live_restore else self.store.dir)
         self.backend = b
         # stall_after only when given: Programs' own default (Deadlines.stall) otherwise.
-        self.programs = Programs(b) if c.stall_after is None else Programs(b, stall_after=c.stall_after)
+        data = await anyio.to_thread.run_sync(DataStore, os.path.join(self.store.dir, DATA_DIR))
+        self.programs = Programs(b, data=data) if c.stall_after is None else Programs(b, stall_after=c.stall_after, data=data)
         self.metrics = Metrics(b, self.programs, self.versions.get("meshd-mps", ""), self.t0)
         await self._restore()
 
@@ -288,7 +290,11 @@ class Daemon:
         arch = b.info.compute
 
         def body(d: DeclaredProgram) -> dict[str, Any]:
-            return program_body(d.dir, d.manifest, d.ptx, d.cuda, d.hash, d.nodes, d.device, arch=arch, restart=d.restart)
+            out = program_body(d.dir, d.manifest, d.ptx, d.cuda, d.hash, d.nodes, d.device, arch=arch, restart=d.restart)
+            m = out["manifest"]
+            if isinstance(m, dict) and m.get("data"):  # its data file, beside the manifest (the operator's, as the PTX)
+                out["data_file"] = os.path.join(os.path.dirname(d.manifest), m["data"])
+            return out
 
         ps.recorder = Recorder(store)  # the declared programs loaded now are recorded too
         self.restored = await restore(ps, store, c.programs, body, b.found)
