@@ -242,7 +242,16 @@ class Programs:
             "restore": p.restore.value,
             "regs": p.kernel.regs,
             "nodes": p.nodes,
+            "faults": p.faults,
+            "data_bytes": getattr(p, "data_bytes", 0),  # its program data, where it has any
+            "calls": p.calls.as_dict(),
         }
+
+    def sm_share(self, device: int) -> float:
+        """The part of GPU ``device``'s resident blocks that its running programs hold (0..1): its
+        SMs' use by resident kernels, which is what an operator can still place there (NVML's
+        utilization reads 100 % while any resident kernel polls)."""
+        return min(1.0, sum(p.share() for p in self.reg.on_device(device)))
 
     def list(self) -> list[dict[str, Any]]:
         """Every program, by slot, as ``describe`` shows it."""

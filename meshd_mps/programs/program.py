@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from meshd_mps.callstats import CallStats
 from meshd_mps.errors import StateError
 from meshd_mps.isolation import limits
 from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
@@ -128,6 +129,9 @@ class Program:
     sampled_at: float = field(default_factory=time.monotonic)  # when ``beat`` was read (or its launch)
     stalled_at: float = 0.0  # monotonic time it was found stalled (0: not stalled)
     ring: Ring | None = field(default=None, repr=False)  # the host's end of its slot's ring (Calls.ring)
+    #: Its calls (calls.py records them): observations, as ``beat`` is, kept across its launches.
+    calls: CallStats = field(default_factory=CallStats, repr=False)
+    faults: int = 0  # its launches seen failing (``to`` with ``failed_at``), across its launches
     generation: int = field(default_factory=lambda: next(_GENERATIONS))  # its launch's (see the module's doc)
 
     @property
@@ -171,6 +175,8 @@ class Program:
                      ("settled", settled), ("failed_at", failed_at), ("stalled_at", stalled_at)):
             if v is not None:
                 setattr(self, k, v)
+        if failed_at:  # a launch seen failing: counted (the metrics' faults of this program)
+            self.faults += 1
         return moved or run is not None
 
     def _launched(self, run: Run, upgraded: bool) -> None:

@@ -168,6 +168,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--daemon-cpus", metavar="LIST",
                    help="host CPUs for the daemon alone (3, 2,3 or 0-3,8): its workers and the MPS daemon run on the"
                         " others, so that none takes the event loop's CPU (default: the scheduler places every thread)")
+    s.add_argument("--metrics-address", metavar="HOST:PORT",
+                   help="also serve GET /metrics over TCP there, for a Prometheus to scrape (PORT alone: 127.0.0.1's;"
+                        " [::1]:PORT for IPv6; default: off, /metrics on the control socket only)")
     s.add_argument("--orphan-timeout", type=float, metavar="S",
                    help="with --live-restore: how long the programs run on with no daemon before their workers halt"
                         " them and exit (default %(default)s)")
@@ -268,7 +271,7 @@ def serve_config(args: argparse.Namespace) -> Config:
     from meshd_mps.errors import ConfigError
     from meshd_mps.gpu.device import parse_devices
     from meshd_mps.serving import server
-    from meshd_mps.state.config import check_seconds, load_config, merge_serve
+    from meshd_mps.state.config import check_seconds, load_config, merge_serve, metrics_address
     from meshd_mps.supervision import cpus
 
     file = load_config(args.config) if args.config is not None else None
@@ -292,6 +295,8 @@ def serve_config(args: argparse.Namespace) -> Config:
                          stall_after=o["stall_after"], state_dir=o["state_dir"], live_restore=o["live_restore"],
                          orphan_timeout=o["orphan_timeout"],
                          daemon_cpus=daemon_cpus,
+                         metrics_address=None if o["metrics_address"] is None
+                         else metrics_address(o["metrics_address"], "--metrics-address"),
                          config_file=None if file is None else os.path.abspath(file.path),
                          programs=() if file is None else tuple(file.programs.values()))
 
