@@ -60,6 +60,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
            "meshd-mps ps\n  meshd-mps ps --json"),
     "status": ("the daemon's state: GPUs, isolation, pools, MPS server and clients, versions",
                "meshd-mps status\n  meshd-mps status --json"),
+    "top": ("a live view, refreshed every second: each program's state, heartbeat, calls per second and p50/p99,"
+            " each GPU's use, the latest events (keys: s sort, r reverse, / filter, q quit)",
+            "meshd-mps top\n  meshd-mps top --sort calls/s --filter echo"),
     "native": ("join a CUDA process of yours to our MPS server: print its environment, register its pid",
                'eval "$(meshd-mps native)"; python train.py &  meshd-mps native --add $!'),
     "call": ("send DATA to a program's request ring and print its response",
@@ -209,6 +212,14 @@ def parser() -> argparse.ArgumentParser:
     _client_opts(_sub(sub, "ps"))
     _client_opts(_sub(sub, "status"))
 
+    p = _sub(sub, "top")  # serving/top.py
+    p.add_argument("--sort", metavar="COLUMN", help="the column to sort by (default name; key s: the next one)")
+    p.add_argument("--reverse", action="store_true", help="sort the other way (key r)")
+    p.add_argument("--filter", metavar="TEXT", help="only the programs whose name holds TEXT (key /)")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between looks (default 1)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    _client_opts(p)
+
     p = _sub(sub, "native")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--add", type=int, metavar="PID", help="register PID (a client of our MPS server) as a native client")
@@ -247,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         return server.main(cfg)
     if args.cmd == "unit":
         from meshd_mps.errors import ConfigError
+        from meshd_mps.serving.unit import unit_text
 
         try:
             print(unit_text(args.executable), end="")
@@ -258,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         from meshd_mps.serving import check
 
         return check.main(args)
+    if args.cmd == "top":
+        from meshd_mps.serving import top
+
+        return top.main(args, _socket_of(args)) if args.interval > 0 else _usage("top --interval: seconds, more than 0")
     return _client(args)
 
 
@@ -301,7 +317,7 @@ def serve_config(args: argparse.Namespace) -> Config:
                          programs=() if file is None else tuple(file.programs.values()))
 
 
-# ---- --version and the unit file ----------------------------------------------------------------
+# ---- --version ----------------------------------------------------------------
 
 
 def version_line() -> str:
@@ -321,44 +337,6 @@ class _Version(argparse.Action):
                  option_string: str | None = None) -> None:
         print(version_line())
         parser.exit()
-
-
-UNIT = "data/meshd-mps.service"
-
-
-def unit_text(executable: str | None = None) -> str:
-    """The shipped unit file, ``executable`` (default: this installation's meshd-mps, where it is
-    found) in ExecStart= instead of the bare name systemd would look up in its own PATH."""
-    from importlib.resources import files
-
-    from meshd_mps.errors import ConfigError
-
-    if executable is not None and (not os.path.isabs(executable)
-                                   or any(not c.isprintable() or c in '"\\' for c in executable)):
-        # systemd wants an absolute path in ExecStart=; a line break would end the line there and
-        # start another directive, a quote or a backslash would change its quoting.
-        raise ConfigError(f"--exec {executable!r}: an absolute path without control characters, quotes or"
-                          " backslashes expected")
-    text = files("meshd_mps").joinpath(UNIT).read_text(encoding="utf-8")
-    exe = executable or own_executable()
-    if exe is not None:
-        quoted = f'"{exe}"' if any(c.isspace() for c in exe) else exe  # systemd splits ExecStart= at blanks
-        text = text.replace("\nExecStart=meshd-mps ", f"\nExecStart={quoted} ")
-    return text
-
-
-def own_executable() -> str | None:
-    """The meshd-mps script of this installation: the one running, else the one beside this
-    Python (a virtual environment's), else the one on PATH; None if none is found."""
-    import shutil
-
-    if os.path.basename(sys.argv[0]) == "meshd-mps" and os.access(sys.argv[0], os.X_OK):
-        return os.path.abspath(sys.argv[0])
-    beside = os.path.join(os.path.dirname(sys.executable), "meshd-mps")
-    if os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("meshd-mps")
-    return os.path.abspath(found) if found else None
 
 
 # ---- the client commands ------------------------------------------------------------------
@@ -475,6 +453,11 @@ def _sim_hint(args: argparse.Namespace, tried: str) -> str:
         return ""
     who = "a meshd-mps serve --gpu sim" if other == "sim" else "the daemon on the GPU"
     return f"; {who} has its socket at {there}: add --gpu {other} (or --socket {there})"
+
+
+def _usage(why: str) -> int:
+    print(f"meshd-mps: {why}", file=sys.stderr)
+    return 2
 
 
 def _json(ans: dict[str, Any]) -> int:
