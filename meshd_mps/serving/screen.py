@@ -80,7 +80,7 @@ class View:
         self.sort, self.reverse, self.filter = sort, reverse, filter
         self.typing: str | None = None  # the filter being typed after '/', until Enter or Esc
         self.events: list[str] = []
-        self._next_sort = False  # 's' pressed: the next column, once the frame's columns are known
+        self._next_sort = 0  # 's' pressed this often: the next column, once the frame's columns are known
 
     def key(self, ch: str) -> bool:
         if self.typing is not None:
@@ -98,16 +98,16 @@ class View:
         if ch == "/":
             self.typing = ""
         elif ch == "s":
-            self._next_sort = True
+            self._next_sort += 1
         elif ch == "r":
             self.reverse = not self.reverse
         return True
 
     def main_rows(self, s: Section) -> list[list[Cell]]:
         """The first section's rows, filtered by name and sorted as chosen."""
-        if self._next_sort:  # the column after the one sorted by (the first when none is)
-            i = s.head.index(self.sort) + 1 if self.sort in s.head else 1
-            self.sort, self._next_sort = s.head[i % len(s.head)], False
+        if self._next_sort:  # the column after the one sorted by (the first when none is), once per 's'
+            i = s.head.index(self.sort) if self.sort in s.head else 0
+            self.sort, self._next_sort = s.head[(i + self._next_sort) % len(s.head)], 0
         rows = [r for r in s.rows if self.filter.lower() in r[0].text.lower()]
         col = s.head.index(self.sort) if self.sort in s.head else 0
         present = [r for r in rows if r[col].key is not None]
