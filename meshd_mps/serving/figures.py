@@ -58,12 +58,15 @@ class Rates:
         if not self.looks or key not in self.looks[-1][1]:
             return Figures()
         t1, last = self.looks[-1][0], self.looks[-1][1][key]
-        # The oldest look of it whose counts the newest still holds: one from before an unload and
-        # a load again under the same name (its counters started again) is not compared with.
-        first = next(((t, c[key]) for t, c in self.looks if key in c and _total(c[key]) <= _total(last)), None)
-        if first is None or first[0] >= t1:
+        # The oldest look of it since its counters last started (an unload and a load again under
+        # the same name start them again): the looks before a count went down are not compared with.
+        t0, old = t1, last
+        for t, c in reversed(self.looks):
+            if key not in c or _total(c[key]) > _total(old):
+                break
+            t0, old = t, c[key]
+        if t0 >= t1:
             return Figures()
-        t0, old = first
         dt = t1 - t0
         new_counts = list(last.get("counts", ()))
         old_counts = list(old.get("counts", ())) or [0] * len(new_counts)
