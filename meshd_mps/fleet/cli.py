@@ -35,6 +35,7 @@ examples:
   meshd-mps fleet status --nodes            # a row per node: slots, replicas, free, why not usable
   meshd-mps fleet events                    # what happened: replicas moved, nodes lost, another fleet's daemon
   meshd-mps fleet metrics                   # the fleet's Prometheus metrics (text format)
+  meshd-mps fleet top                       # live: programs, replicas and nodes, their calls, the events
   meshd-mps fleet call echo hello           # by name, from anywhere in the cluster: the caller's node first
   meshd-mps fleet upgrade echo examples/echo   # rolling: at most one replica unavailable
   meshd-mps fleet remove echo
@@ -49,8 +50,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "meshd-mps fleet status\n  meshd-mps fleet status echo --watch\n  meshd-mps fleet status --json"),
     "events": ("what happened, oldest first: replicas placed, moved, failed; nodes joined, lost, held by another fleet",
                "meshd-mps fleet events\n  meshd-mps fleet events echo --json"),
-    "metrics": ("the fleet's metrics in Prometheus' text format: replicas per program and state, slots per node, moves",
+    "metrics": ("the fleet's metrics in Prometheus' text format: replicas per program and state, slots per node, moves,"
+                " each replica's state, heartbeat and calls",
                 "meshd-mps fleet metrics > /var/lib/node_exporter/textfile/meshd-mps-fleet.prom"),
+    "top": ("a live view, refreshed every second: programs, replicas and nodes across the fleet, their calls, the"
+            " latest events (keys: s sort, r reverse, / filter, q quit)", "meshd-mps fleet top --filter echo"),
     "upgrade": ("a new image for a declared program, replica by replica (at most one unavailable)",
                 "meshd-mps fleet upgrade echo examples/echo"),
     "remove": ("remove a program from the fleet: every replica halted and unloaded", "meshd-mps fleet remove echo"),
@@ -125,6 +129,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the events as JSON")
 
     _sub(sub, "metrics")
+
+    p = _sub(sub, "top")  # fleet/top.py, on the node's screen (serving/screen.py)
+    p.add_argument("--sort", metavar="COLUMN", help="the programs' column to sort by (default program; key s)")
+    p.add_argument("--reverse", action="store_true", help="sort the other way (key r)")
+    p.add_argument("--filter", metavar="TEXT", help="only the programs whose name holds TEXT (key /)")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between looks (default 1)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
 
     p = _sub(sub, "upgrade")
     p.add_argument("name", metavar="NAME", help="the declared program")
@@ -259,6 +270,8 @@ def _command(args: argparse.Namespace) -> Command:
             return 0
 
         return events
+    if args.cmd == "top":
+        return _top(args)
     if args.cmd == "metrics":
         async def metrics(fleet: Fleet) -> int:
             sys.stdout.buffer.write(exposition(await fleet.status()))
@@ -266,6 +279,26 @@ def _command(args: argparse.Namespace) -> Command:
 
         return metrics
     return _status(args)
+
+
+def _top(args: argparse.Namespace) -> Command:
+    """``fleet top``: its options checked (BadRequest, exit 2) before the cluster is asked."""
+    from meshd_mps.errors import ConfigError
+    from meshd_mps.fleet.top import PROGRAM_HEAD, FleetTop
+    from meshd_mps.serving.screen import View, rich_or_exit, run
+
+    rich_or_exit()
+    sort = args.sort.upper() if args.sort else None
+    if sort is not None and sort not in PROGRAM_HEAD:
+        raise ConfigError(f"top --sort {args.sort}: one of {', '.join(h.lower() for h in PROGRAM_HEAD)}")
+    if not args.interval > 0:
+        raise ConfigError("top --interval: seconds, more than 0")
+    view = View(sort=sort, reverse=args.reverse, filter=args.filter or "")
+
+    async def top(fleet: Fleet) -> int:
+        return await run(view, FleetTop(fleet, args.namespace).look, every=args.interval, once=args.once)
+
+    return top
 
 
 def _status(args: argparse.Namespace) -> Command:

@@ -53,6 +53,7 @@ class Section:
     rows: list[list[Cell]]
     right: frozenset[int] = frozenset()  # the columns of figures, right-aligned
     empty: str = "(none)"
+    filtered: bool = False  # the name filter applies to it (by its first column); the first section's always does
 
 
 @dataclass
@@ -103,12 +104,16 @@ class View:
             self.reverse = not self.reverse
         return True
 
+    def shown(self, s: Section) -> list[list[Cell]]:
+        """A section's rows that the name filter lets through."""
+        return [r for r in s.rows if self.filter.lower() in r[0].text.lower()]
+
     def main_rows(self, s: Section) -> list[list[Cell]]:
         """The first section's rows, filtered by name and sorted as chosen."""
         if self._next_sort:  # the column after the one sorted by (the first when none is), once per 's'
             i = s.head.index(self.sort) if self.sort in s.head else 0
             self.sort, self._next_sort = s.head[(i + self._next_sort) % len(s.head)], 0
-        rows = [r for r in s.rows if self.filter.lower() in r[0].text.lower()]
+        rows = self.shown(s)
         col = s.head.index(self.sort) if self.sort in s.head else 0
         present = [r for r in rows if r[col].key is not None]
         absent = [r for r in rows if r[col].key is None]
@@ -124,7 +129,7 @@ class View:
         if frame.error:
             parts.append(Text(f"! {frame.error}", style="bold red"))
         for n, s in enumerate(frame.sections):
-            rows = self.main_rows(s) if n == 0 else s.rows
+            rows = self.main_rows(s) if n == 0 else self.shown(s) if s.filtered else s.rows
             title = s.title
             if n == 0:
                 title += f"  sort {self.sort or s.head[0]} {'v' if self.reverse else '^'}"
@@ -140,16 +145,15 @@ class View:
                 t.add_row(*(c.text for c in r))
             parts += [Text(""), t]
             if not rows:
-                parts.append(Text(s.empty if not (n == 0 and s.rows) else "(none match the filter)", style="dim"))
+                parts.append(Text("(none match the filter)" if s.rows else s.empty, style="dim"))
         parts += [Text(""), Text("EVENTS", style="bold cyan")]
         parts += [Text(e) for e in self.events[-EVENTS:]] or [Text("(none yet)", style="dim")]
         parts += [Text(""), Text(HELP, style="dim")]
         return Group(*parts)
 
     def take(self, frame: Frame) -> None:
-        """The frame's new events, stamped with the local time, kept."""
-        stamp = time.strftime("%H:%M:%S")
-        self.events = (self.events + [f"{stamp} {e}" for e in frame.events])[-EVENTS:]
+        """The frame's new events (each with its time) kept, the latest EVENTS."""
+        self.events = (self.events + frame.events)[-EVENTS:]
 
 
 @contextlib.contextmanager

@@ -88,11 +88,12 @@ class NodeTop:
         events = changes(self.before[0] if self.before else None, status, self.before[1] if self.before else None,
                          by_name)
         self.before = (status, by_name)
+        stamp = time.strftime("%H:%M:%S")
         stalled = sum(p.get("state") == "stalled" for p in programs)
         header = (f"meshd-mps top  {self.where}  isolation {status.get('isolation')}, gpu {status.get('gpu')},"
                   f" up {duration(float(status.get('uptime_s', 0)))}  {len(programs)} programs"
                   f" ({stalled} stalled), {len(status.get('workers') or [])} workers  {time.strftime('%H:%M:%S')}")
-        return Frame(header, [self.programs(programs), self.gpus(status)], events)
+        return Frame(header, [self.programs(programs), self.gpus(status)], [f"{stamp} {e}" for e in events])
 
     def programs(self, programs: list[dict[str, Any]]) -> Section:
         rows = []
@@ -122,7 +123,7 @@ class NodeTop:
 
 
 def main(args: argparse.Namespace, socket: str) -> int:
-    """``meshd-mps top``: 0 at ``q`` or Ctrl-C, 1 if no daemon answers at the start, 2 without Rich."""
+    """``meshd-mps top``: 0 at ``q``, 1 if no daemon answers at the start, 2 without Rich."""
     from meshd_mps.errors import ConfigError
 
     try:
@@ -145,5 +146,5 @@ def main(args: argparse.Namespace, socket: str) -> int:
     except ClientError as e:
         print(f"meshd-mps: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 0
+    except KeyboardInterrupt:  # Ctrl-C: as every other command (q is the way out that says 0)
+        return 130
