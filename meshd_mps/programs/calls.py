@@ -36,7 +36,9 @@ class Calls:
         """The program, the generation whose ring this is, the ring."""
         p = self.reg.get(name)
         if p.launch.finished():
-            raise NotRunning(f"program {name} is not running ({p.state()[0]})", program=name, state=p.state()[0])
+            e = NotRunning(f"program {name} is not running ({p.state()[0]})", program=name, state=p.state()[0])
+            p.calls.failed(e, 0)
+            raise e
         if p.ring is None:
             p.ring = Ring(self.reg.b.mailbox, p.slot, name)
         return p, p.generation, p.ring
@@ -101,9 +103,8 @@ class Calls:
         at p99 (docs/benchmarks.md, Issue 18)."""
         timeout = self.reg.d.call if timeout is None else timeout
         t0 = time.perf_counter()
-        p = self.reg.get(name)
+        p, gen, ring = self._ring(name)
         try:
-            p, gen, ring = self._ring(name)
             if not ring.serving:
                 await self._serving(p, gen, ring, timeout, time.monotonic() + timeout)
             seq = ring.post(payload)
@@ -135,11 +136,10 @@ class Calls:
         window = max(1, min(window, abi.RING))
         half = (window + 1) // 2
         t0 = time.perf_counter()
-        p = self.reg.get(name)
+        p, gen, ring = self._ring(name)
         try:
             for x in payloads:
                 check_payload(x)
-            p, gen, ring = self._ring(name)
             if not ring.serving:
                 await self._serving(p, gen, ring, timeout, time.monotonic() + timeout)
         except BaseException as e:  # nothing posted
