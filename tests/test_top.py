@@ -13,7 +13,7 @@ import pytest
 from meshd_mps.serving.client import program_body
 from meshd_mps.serving.top import PROGRAM_HEAD
 
-from .rigs.serve import EXAMPLES
+from .rigs.serve import EXAMPLES, cli
 from .rigs.terminal import Tmux
 from .rigs.tools import need
 
@@ -94,3 +94,19 @@ def test_top_shows_programs_load_beat_answer_stall_and_fault(serve, standin_on_p
     term.keys("q")
     screen = term.wait_for(lambda t: "exited 0" in t, "top ended by q, with status 0")
     assert "PROGRAMS" not in screen, screen  # the terminal's own screen back (top drew on the alternate one)
+
+    r = cli("top", "--once", "--socket", s.sock, "--sort", "faults", "--reverse")  # one frame, into a pipe: not cut short
+    assert r.returncode == 0, r.stderr
+    shown = rows(r.stdout)
+    faults = [int(row["FAULTS"]) for row in shown.values()]
+    assert faults == sorted(faults, reverse=True) and shown["fault"]["STATE"] == "faulted", r.stdout
+    assert "simulated NVIDIA H200 (meshd-mps --gpu sim)" in r.stdout and "sort FAULTS v" in r.stdout, r.stdout
+
+
+def test_top_refuses_what_cannot_work(tmp):
+    r = cli("top", "--socket", f"{tmp}/none.sock")
+    assert r.returncode == 1 and r.stderr.startswith(f"meshd-mps: no daemon on {tmp}/none.sock"), r.stderr
+    r = cli("top", "--socket", f"{tmp}/none.sock", "--sort", "colour")
+    assert r.returncode == 2 and r.stderr.startswith("meshd-mps: top --sort colour: one of name, state, gpu,"), r.stderr
+    r = cli("top", "--interval", "0")
+    assert r.returncode == 2 and r.stderr == "meshd-mps: top --interval: seconds, more than 0\n", r.stderr

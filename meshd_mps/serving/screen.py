@@ -34,6 +34,8 @@ EVERY_S = 1.0
 #: The events kept on the screen, newest last.
 EVENTS = 8
 HELP = "s sort  r reverse  / filter  q quit"
+#: ``--once``'s width where its output is no terminal (a log, a pipe): no table cut short.
+WIDE = 250
 EXTRA_HINT = "pip install 'meshd-mps[top]' (Rich, the terminal view)"
 
 
@@ -180,8 +182,8 @@ async def run(view: View, look: Callable[[], Awaitable[Frame]], every: float = E
     console = Console()
     frame = await look()
     view.take(frame)
-    if once:
-        console.print(view.render(frame))
+    if once:  # into a file or a pipe: as wide as the tables are, not the 80 columns Rich assumes there
+        Console(width=None if console.is_terminal else WIDE).print(view.render(frame))
         return 0
     loop = asyncio.get_running_loop()
     keys: asyncio.Queue[str] = asyncio.Queue()
