@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import threading
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -27,9 +28,11 @@ from typing import Any
 import pytest
 import yaml
 
+from meshd_mps.errors import ConfigError, ConfigFileError
 from meshd_mps.serving.client import ClientError, program_body
+from meshd_mps.state.config import load_config, metrics_address
 
-from .rigs.serve import EXAMPLES, REPO
+from .rigs.serve import EXAMPLES, REPO, cli
 from .rigs.tools import need
 from .rigs.waits import poll
 
@@ -161,6 +164,44 @@ def rules_firing_at_once(dir: str) -> str:
     return path
 
 
+@pytest.mark.parametrize(("text", "got"), [("9464", ("127.0.0.1", 9464)), (":9464", ("127.0.0.1", 9464)),
+                                           ("0.0.0.0:9464", ("0.0.0.0", 9464)), ("[::1]:0", ("::1", 0)),
+                                           ("gpu-1.example:80", ("gpu-1.example", 80))])
+def test_a_metrics_address(text, got):
+    assert metrics_address(text) == got
+
+
+@pytest.mark.parametrize(("text", "why"), [("::1:9464", "an IPv6 address goes in brackets"), ("host:", "HOST:PORT or PORT"),
+                                          ("host:65536", "HOST:PORT or PORT expected, the port a number from 0 to 65535"),
+                                          ("9464x", "HOST:PORT or PORT"), ("a b:1", "the host is a name or an address"),
+                                          ("", "HOST:PORT or PORT")])
+def test_a_metrics_address_that_cannot_work_is_refused(text, why):
+    with pytest.raises(ConfigError, match=re.escape(f"--metrics-address {text!r}: {why}")):
+        metrics_address(text, "--metrics-address")
+
+
+def test_serve_and_its_config_file_refuse_a_metrics_address_that_cannot_work(tmp):
+    r = cli("serve", "--gpu", "sim", "--socket", f"{tmp}/s.sock", "--metrics-address", "::1:9464")
+    assert (r.returncode, r.stderr) == (2, "meshd-mps: --metrics-address '::1:9464': an IPv6 address goes in brackets:"
+                                           " [::1]:9400\n"), r
+    (Path(tmp) / "serve.toml").write_text('[serve]\nmetrics_address = "host:65536"\n')
+    with pytest.raises(ConfigFileError, match=re.escape("a number from 0 to 65535")) as e:
+        load_config(f"{tmp}/serve.toml")
+    assert e.value.key == "serve.metrics_address" and e.value.line == 2
+
+
+def test_a_metrics_port_in_use_stops_the_start_before_anything_runs(tmp):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = cli("serve", "--gpu", "sim", "--socket", f"{tmp}/s.sock", "--state-dir", f"{tmp}/state",
+                "--metrics-address", str(port))
+    assert r.returncode == 1, r
+    assert f"meshd-mps: --metrics-address 127.0.0.1:{port}: bind: Address already in use" in r.stderr, r.stderr
+    assert not os.path.exists(f"{tmp}/s.sock")
+
+
 def test_promtool_checks_the_rules_and_the_dashboard_is_grafanas():
     promtool = need("promtool")["promtool"]
     r = subprocess.run([promtool, "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
@@ -182,6 +223,11 @@ def test_every_panel_and_alert_on_a_real_prometheus(serve, standin_on_path, tmp)
     blink = serve("blink", "--metrics-address", "127.0.0.1:0", sock=os.path.join(tmp, "b.sock"))
     addresses = [s.wait_ready()["metrics_address"] for s in (mps, blink)]
     assert all(re.fullmatch(r"127\.0\.0\.1:\d+", a) for a in addresses), addresses
+    with urllib.request.urlopen(f"http://{addresses[0]}/", timeout=10) as r:  # where the metrics are, as exporters say
+        assert r.read() == b"meshd-mps: the daemon's metrics are at /metrics\n"
+    with pytest.raises(urllib.error.HTTPError) as e:  # the metrics only: no control route over TCP
+        urllib.request.urlopen(f"http://{addresses[0]}/v1/status", timeout=10)
+    assert e.value.code == 404
     fleet, fleet_at = fleet_exporter()
     prom = Prom(binary, tmp, {"meshd-mps": addresses, "meshd-mps-fleet": [fleet_at]}, rules_firing_at_once(tmp))
     try:
@@ -214,11 +260,16 @@ def test_every_panel_and_alert_on_a_real_prometheus(serve, standin_on_path, tmp)
         stalled = [a for a in prom.api("alerts")["alerts"] if a["labels"]["alertname"] == "MeshdMpsProgramStalled"]
         assert all(a["labels"]["program"] == "heartbeat" for a in stalled), stalled
 
-        for c in (m, b):  # calls in the last minute's window, for the latency panels
+        for c in (m, b):  # calls in the last minute's window, for the latency panels (their rates over it)
             for _ in range(5):
                 c.call("echo", "pong")
-        poll(lambda: prom.query("meshd_mps_gpu_faults_total > 0") and prom.query("meshd_mps_blinks_total > 0"), UP_S,
-             "the GPU fault and the blinks scraped")
+
+        def scraped() -> bool:
+            ok = prom.query('sum(meshd_mps_program_calls_total{program="echo",outcome="ok"})')
+            return bool(ok and float(ok[0]["value"][1]) == 50 and prom.query("meshd_mps_gpu_faults_total > 0")
+                        and prom.query("meshd_mps_blinks_total > 0"))
+
+        poll(scraped, UP_S, "the last calls, the GPU fault and the blinks scraped")
         empty = []
         for p in panels(json.loads(DASHBOARD.read_text())):
             values = []
