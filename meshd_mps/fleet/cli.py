@@ -285,9 +285,9 @@ def _top(args: argparse.Namespace) -> Command:
     """``fleet top``: its options checked (BadRequest, exit 2) before the cluster is asked."""
     from meshd_mps.errors import ConfigError
     from meshd_mps.fleet.top import PROGRAM_HEAD, FleetTop
-    from meshd_mps.serving.screen import View, rich_or_exit, run
+    from meshd_mps.serving.screen import View, need_rich, run
 
-    rich_or_exit()
+    need_rich()
     sort = args.sort.upper() if args.sort else None
     if sort is not None and sort not in PROGRAM_HEAD:
         raise ConfigError(f"top --sort {args.sort}: one of {', '.join(h.lower() for h in PROGRAM_HEAD)}")

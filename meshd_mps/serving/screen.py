@@ -66,7 +66,7 @@ class Frame:
     error: str | None = None  # why this look failed (the last good frame's tables stay)
 
 
-def rich_or_exit() -> Any:
+def need_rich() -> Any:
     """The ``rich`` package, or ConfigError saying how to install it (the ``top`` extra)."""
     try:
         import rich

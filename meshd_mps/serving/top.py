@@ -15,9 +15,9 @@ import sys
 import time
 from typing import Any
 
-from meshd_mps.serving.client import Client, ClientError, NoDaemon
+from meshd_mps.serving.client import Client, ClientError
 from meshd_mps.serving.figures import Figures, Rates, changes
-from meshd_mps.serving.screen import Cell, Frame, Section, View, rich_or_exit, run
+from meshd_mps.serving.screen import Cell, Frame, Section, View, need_rich, run
 from meshd_mps.serving.tables import duration
 
 #: A poll's deadline (s): a daemon that does not answer in time is said so on the screen.
@@ -127,7 +127,7 @@ def main(args: argparse.Namespace, socket: str) -> int:
     from meshd_mps.errors import ConfigError
 
     try:
-        rich_or_exit()
+        need_rich()
         client = Client(socket, timeout=LOOK_S, gpu=args.gpu)
     except (ConfigError, ClientError) as e:
         print(f"meshd-mps: {e}", file=sys.stderr)
@@ -140,10 +140,7 @@ def main(args: argparse.Namespace, socket: str) -> int:
     top = NodeTop(client, client.socket)
     try:
         return asyncio.run(run(view, top.look, every=args.interval, once=args.once))
-    except NoDaemon as e:
-        print(f"meshd-mps: {e}", file=sys.stderr)
-        return 1
-    except ClientError as e:
+    except ClientError as e:  # NoDaemon too: no daemon answers on the socket at the first look
         print(f"meshd-mps: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: as every other command (q is the way out that says 0)
