@@ -40,7 +40,7 @@ pytestmark = pytest.mark.timeout(240)
 
 DASHBOARD = REPO / "deploy" / "grafana" / "meshd-mps.json"
 ALERTS = REPO / "deploy" / "prometheus" / "alerts.yml"
-#: What Grafana puts in a panel's query: every daemon, and a rate window over the whole test (1 s scrapes).
+#: What Grafana puts in a panel's query: every daemon, and a rate window over the whole test (scrapes every 0.5 s).
 VARIABLES = {"$__rate_interval": "1m", "$instance": ".*"}
 UP_S = 60.0
 
@@ -70,7 +70,7 @@ class Prom:
     def __init__(self, binary: str, dir: str, targets: dict[str, list[str]], rules: str):
         self.url = f"http://127.0.0.1:{free_port()}"
         self.fired: set[str] = set()
-        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "900ms"},
+        config = {"global": {"scrape_interval": "500ms", "evaluation_interval": "500ms", "scrape_timeout": "450ms"},
                   "rule_files": [rules],
                   "scrape_configs": [{"job_name": job, "static_configs": [{"targets": t}]} for job, t in targets.items()]}
         path = os.path.join(dir, "prometheus.yml")
@@ -219,7 +219,7 @@ def test_promtool_checks_the_rules_and_the_dashboard_is_grafanas():
 
 def test_every_panel_and_alert_on_a_real_prometheus(serve, standin_on_path, tmp):
     binary = need("prometheus")["prometheus"]
-    mps = serve("mps", "--pool", "2", "--stall-after", "1", "--metrics-address", "0", sock=os.path.join(tmp, "m.sock"))
+    mps = serve("mps", "--pool", "2", "--stall-after", "0.5", "--metrics-address", "0", sock=os.path.join(tmp, "m.sock"))
     blink = serve("blink", "--metrics-address", "127.0.0.1:0", sock=os.path.join(tmp, "b.sock"))
     addresses = [s.wait_ready()["metrics_address"] for s in (mps, blink)]
     assert all(re.fullmatch(r"127\.0\.0\.1:\d+", a) for a in addresses), addresses

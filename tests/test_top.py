@@ -47,10 +47,10 @@ def term(tmp):
 
 
 def test_top_shows_programs_load_beat_answer_stall_and_fault(serve, standin_on_path, term):
-    s = serve("mps", "--pool", "2", "--stall-after", "1")
+    s = serve("mps", "--pool", "2", "--stall-after", "0.5")
     s.wait_ready()
     c = s.client
-    term.start([sys.executable, "-m", "meshd_mps", "top", "--socket", s.sock])
+    term.start([sys.executable, "-m", "meshd_mps", "top", "--socket", s.sock, "--interval", "0.5"])
     term.wait_for(lambda t: "(no programs loaded)" in t and "simulated NVIDIA H200" in t, "an empty daemon's screen")
 
     c.load(program_body(str(EXAMPLES / "heartbeat")))
