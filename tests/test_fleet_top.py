@@ -18,6 +18,7 @@ from meshd_mps.fleet.top import NODE_HEAD, PROGRAM_HEAD, REPLICA_HEAD
 
 from .rigs import fleet as shared
 from .rigs.fleet import NAMESPACE
+from .rigs.serve import cli
 from .rigs.terminal import Tmux
 from .rigs.tools import need
 
@@ -94,3 +95,9 @@ async def test_fleet_top_shows_programs_replicas_nodes_and_their_calls(rig, flee
         assert got[("meshd_mps_fleet_replica_state", tuple(sorted({*labels, ("state", "running")})))] == 1
         assert got[("meshd_mps_fleet_replica_call_seconds_count", labels)] == r.calls["outcomes"]["ok"]
         assert got[("meshd_mps_fleet_replica_bytes_in_total", labels)] == 4 * r.calls["outcomes"]["ok"]
+
+
+def test_fleet_top_refuses_what_cannot_work():
+    """Refused before the cluster is asked anything (exit 2, one line)."""
+    r = cli("fleet", "top", "--sort", "colour", "--address", "127.0.0.1:1")
+    assert r.returncode == 2 and r.stderr.startswith("meshd-mps: top --sort colour: one of program, wanted,"), r.stderr
