@@ -27,6 +27,7 @@ examples:
   meshd-mps load examples/heartbeat        # a program directory: manifest.json + one .cu or .ptx
   meshd-mps check my_prog                  # a program checked without a GPU (the simulation runs only the examples)
   meshd-mps ps                             # the loaded programs
+  meshd-mps top                            # live: programs, calls, GPUs, events (pip install 'meshd-mps[top]')
   meshd-mps call echo hello                # a request through a program's ring
   meshd-mps upgrade echo examples/echo     # a new image on the same slot
   meshd-mps unload echo
@@ -92,14 +93,15 @@ class _ServeHelp(argparse.RawDescriptionHelpFormatter):
         return super()._expand_help(action)
 
 
-def _client_opts(p: argparse.ArgumentParser) -> None:
+def _client_opts(p: argparse.ArgumentParser, json: bool = True) -> None:
     p.add_argument("--socket", metavar="PATH", help="the daemon's socket (default: $MESHD_MPS_SOCKET, else --config's"
                    " socket, else $XDG_RUNTIME_DIR/meshd-mps.sock, /run/meshd-mps/meshd-mps.sock for root, else"
                    " /tmp/meshd-mps-$UID/meshd-mps.sock); refused if another user owns it")
     p.add_argument("--config", metavar="FILE", help="the file serve reads (serve --config): its socket is used")
     p.add_argument("--gpu", choices=("cuda", "sim"), help="whose default socket: the daemon on the GPU (cuda, the"
                    " default) or a serve --gpu sim (meshd-mps-sim.sock beside it)")
-    p.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
+    if json:
+        p.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
 
 
 def _image_opts(p: argparse.ArgumentParser, nodes: bool) -> None:
@@ -218,7 +220,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--filter", metavar="TEXT", help="only the programs whose name holds TEXT (key /)")
     p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between looks (default 1)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
-    _client_opts(p)
+    _client_opts(p, json=False)
 
     p = _sub(sub, "native")
     g = p.add_mutually_exclusive_group()
