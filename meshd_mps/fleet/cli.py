@@ -283,17 +283,11 @@ def _command(args: argparse.Namespace) -> Command:
 
 def _top(args: argparse.Namespace) -> Command:
     """``fleet top``: its options checked (BadRequest, exit 2) before the cluster is asked."""
-    from meshd_mps.errors import ConfigError
     from meshd_mps.fleet.top import PROGRAM_HEAD, FleetTop
-    from meshd_mps.serving.screen import View, need_rich, run
+    from meshd_mps.serving.screen import need_rich, run, view_of
 
     need_rich()
-    sort = args.sort.upper() if args.sort else None
-    if sort is not None and sort not in PROGRAM_HEAD:
-        raise ConfigError(f"top --sort {args.sort}: one of {', '.join(h.lower() for h in PROGRAM_HEAD)}")
-    if not args.interval > 0:
-        raise ConfigError("top --interval: seconds, more than 0")
-    view = View(sort=sort, reverse=args.reverse, filter=args.filter or "")
+    view = view_of(args.sort, args.reverse, args.filter, args.interval, PROGRAM_HEAD)
 
     async def top(fleet: Fleet) -> int:
         return await run(view, FleetTop(fleet, args.namespace).look, every=args.interval, once=args.once)

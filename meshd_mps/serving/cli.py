@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "top":
         from meshd_mps.serving import top
 
-        return top.main(args, _socket_of(args)) if args.interval > 0 else _usage("top --interval: seconds, more than 0")
+        return top.main(args, lambda: _socket_of(args))  # its ClientError (a bad --config) said by top
     return _client(args)
 
 
@@ -455,11 +455,6 @@ def _sim_hint(args: argparse.Namespace, tried: str) -> str:
         return ""
     who = "a meshd-mps serve --gpu sim" if other == "sim" else "the daemon on the GPU"
     return f"; {who} has its socket at {there}: add --gpu {other} (or --socket {there})"
-
-
-def _usage(why: str) -> int:
-    print(f"meshd-mps: {why}", file=sys.stderr)
-    return 2
 
 
 def _json(ans: dict[str, Any]) -> int:

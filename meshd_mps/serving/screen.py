@@ -75,6 +75,17 @@ def need_rich() -> Any:
     return rich
 
 
+def view_of(sort: str | None, reverse: bool, filter: str | None, interval: float, head: list[str]) -> View:
+    """The view ``top --sort --reverse --filter --interval`` asks for, its first section's columns
+    ``head``; ConfigError (exit 2) for a column it does not have or an interval that is not one."""
+    column = sort.upper() if sort else None
+    if column is not None and column not in head:
+        raise ConfigError(f"top --sort {sort}: one of {', '.join(h.lower() for h in head)}")
+    if not interval > 0:
+        raise ConfigError("top --interval: seconds, more than 0")
+    return View(sort=column, reverse=reverse, filter=filter or "")
+
+
 class View:
     """What the keys choose (the column sorted by, its direction, the name filter) and the
     rendering of a frame with them.  ``view.key(ch)`` takes a key; False means quit."""

@@ -13,11 +13,12 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from meshd_mps.serving.client import Client, ClientError
 from meshd_mps.serving.figures import Figures, Rates, changes
-from meshd_mps.serving.screen import Cell, Frame, Section, View, need_rich, run
+from meshd_mps.serving.screen import Cell, Frame, Section, need_rich, run, view_of
 from meshd_mps.serving.tables import duration
 
 #: A poll's deadline (s): a daemon that does not answer in time is said so on the screen.
@@ -122,21 +123,17 @@ class NodeTop:
         return Section("GPUS", GPU_HEAD, rows, right=frozenset({2, 4, 5}))
 
 
-def main(args: argparse.Namespace, socket: str) -> int:
+def main(args: argparse.Namespace, socket: Callable[[], str]) -> int:
     """``meshd-mps top``: 0 at ``q``, 1 if no daemon answers at the start, 2 without Rich."""
     from meshd_mps.errors import ConfigError
 
     try:
         need_rich()
-        client = Client(socket, timeout=LOOK_S, gpu=args.gpu)
+        view = view_of(args.sort, args.reverse, args.filter, args.interval, PROGRAM_HEAD)
+        client = Client(socket(), timeout=LOOK_S, gpu=args.gpu)
     except (ConfigError, ClientError) as e:
         print(f"meshd-mps: {e}", file=sys.stderr)
         return 2
-    sort = args.sort.upper() if args.sort else None
-    if sort is not None and sort not in PROGRAM_HEAD:
-        print(f"meshd-mps: top --sort {args.sort}: one of {', '.join(h.lower() for h in PROGRAM_HEAD)}", file=sys.stderr)
-        return 2
-    view = View(sort=sort, reverse=args.reverse, filter=args.filter or "")
     top = NodeTop(client, client.socket)
     try:
         return asyncio.run(run(view, top.look, every=args.interval, once=args.once))
