@@ -123,8 +123,10 @@ LONGEST_FIRST = (
     "tests/test_bench.py::test_bench_sim_quick",  # 77
     "tests/test_fleet_bench.py::test_fleet_bench_smoke",  # 27 (its own cluster of 2 nodes, one killed)
     "tests/test_scripts.py::test_issue18_probes_run",  # 33
+    "tests/test_prometheus.py::test_every_panel_and_alert_on_a_real_prometheus",  # 15 (two daemons and a Prometheus)
     "tests/test_live_restore.py::test_reconcile_",  # 18
     "tests/test_serve.py::test_serve_end_to_end",  # 13 + 8
+    "tests/test_top.py::",  # 10 (top in tmux, beside a daemon)
     "tests/test_soak.py::",  # 13
     "tests/test_restore.py::",  # 12 + 8 + 6
     "tests/test_live_restore.py::",  # 11 + 11 + 11 + 10 + 4

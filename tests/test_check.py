@@ -80,10 +80,10 @@ def test_not_ptx(capsys, tmp):
     d = program_dir(tmp, "notptx", "# a README, not PTX\n", file="notptx.ptx")
     rc, out, _ = check(capsys, tmp, str(d))
     assert rc == 1
-    assert line(out, "compile").startswith("FAIL compile: jit: not PTX text"), out
-    # --ptx FILE, as load takes it, the same.
+    assert line(out, "files").startswith(f"FAIL files: {d / 'notptx.ptx'}: not PTX (no .version directive"), out
+    # --ptx FILE, as load takes it, the same: the file named.
     rc, out, _ = check(capsys, tmp, "--manifest", str(d / "manifest.json"), "--ptx", str(d / "notptx.ptx"))
-    assert rc == 1 and line(out, "compile").startswith("FAIL compile: jit: not PTX text"), out
+    assert rc == 1 and line(out, "files").startswith(f"FAIL files: {d / 'notptx.ptx'}: not PTX"), out
 
 
 def test_a_missing_directory_and_no_directory(capsys, tmp):

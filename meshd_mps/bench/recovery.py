@@ -111,5 +111,6 @@ async def sec_recovery(bench: Bench) -> list[Row]:
         target = f"<= {TARGET_S:g} s" if c.n == 8 and c.mode == "mps" else "-"
         rows.append(Row("i", c.name, "ms", total * 1e3, floor * 1e3, "floor: detect + teardown + bare contexts", target,
                         total <= TARGET_S if target != "-" else None,
-                        f"steps (ms): {parts}; bare contexts {ctx * 1e3:.0f} ms for {c.n if c.mode == 'mps' else 1}"))
+                        f"steps (ms): {parts}; bare contexts {ctx * 1e3:.0f} ms for {c.n if c.mode == 'mps' else 1}",
+                        parts=dict(steps)))
     return rows

@@ -35,6 +35,7 @@ examples:
   meshd-mps fleet status --nodes            # a row per node: slots, replicas, free, why not usable
   meshd-mps fleet events                    # what happened: replicas moved, nodes lost, another fleet's daemon
   meshd-mps fleet metrics                   # the fleet's Prometheus metrics (text format)
+  meshd-mps fleet top                       # live: programs, replicas and nodes, their calls, the events
   meshd-mps fleet call echo hello           # by name, from anywhere in the cluster: the caller's node first
   meshd-mps fleet upgrade echo examples/echo   # rolling: at most one replica unavailable
   meshd-mps fleet remove echo
@@ -49,8 +50,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "meshd-mps fleet status\n  meshd-mps fleet status echo --watch\n  meshd-mps fleet status --json"),
     "events": ("what happened, oldest first: replicas placed, moved, failed; nodes joined, lost, held by another fleet",
                "meshd-mps fleet events\n  meshd-mps fleet events echo --json"),
-    "metrics": ("the fleet's metrics in Prometheus' text format: replicas per program and state, slots per node, moves",
+    "metrics": ("the fleet's metrics in Prometheus' text format: replicas per program and state, slots per node, moves,"
+                " each replica's state, heartbeat and calls",
                 "meshd-mps fleet metrics > /var/lib/node_exporter/textfile/meshd-mps-fleet.prom"),
+    "top": ("a live view, refreshed every second: programs, replicas and nodes across the fleet, their calls, the"
+            " latest events (keys: s sort, r reverse, / filter, q quit)", "meshd-mps fleet top --filter echo"),
     "upgrade": ("a new image for a declared program, replica by replica (at most one unavailable)",
                 "meshd-mps fleet upgrade echo examples/echo"),
     "remove": ("remove a program from the fleet: every replica halted and unloaded", "meshd-mps fleet remove echo"),
@@ -127,6 +131,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the events as JSON")
 
     _sub(sub, "metrics")
+
+    p = _sub(sub, "top")  # fleet/top.py, on the node's screen (serving/screen.py)
+    p.add_argument("--sort", metavar="COLUMN", help="the programs' column to sort by (default program; key s)")
+    p.add_argument("--reverse", action="store_true", help="sort the other way (key r)")
+    p.add_argument("--filter", metavar="TEXT", help="only the programs whose name holds TEXT (key /)")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between looks (default 1)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
 
     p = _sub(sub, "upgrade")
     p.add_argument("name", metavar="NAME", help="the declared program")
@@ -262,6 +273,8 @@ def _command(args: argparse.Namespace) -> Command:
             return 0
 
         return events
+    if args.cmd == "top":
+        return _top(args)
     if args.cmd == "metrics":
         async def metrics(fleet: Fleet) -> int:
             sys.stdout.buffer.write(exposition(await fleet.status()))
@@ -269,6 +282,20 @@ def _command(args: argparse.Namespace) -> Command:
 
         return metrics
     return _status(args)
+
+
+def _top(args: argparse.Namespace) -> Command:
+    """``fleet top``: its options checked (BadRequest, exit 2) before the cluster is asked."""
+    from meshd_mps.fleet.top import PROGRAM_HEAD, FleetTop
+    from meshd_mps.serving.screen import need_rich, run, view_of
+
+    need_rich()
+    view = view_of(args.sort, args.reverse, args.filter, args.interval, PROGRAM_HEAD)
+
+    async def top(fleet: Fleet) -> int:
+        return await run(view, FleetTop(fleet, args.namespace).look, every=args.interval, once=args.once)
+
+    return top
 
 
 def _status(args: argparse.Namespace) -> Command:

@@ -352,7 +352,8 @@ class FleetController:
             return ReplicaView(p.name, i, "starting", "loading on its node", **base, generation=p.generation_of(want))
         info = {**base, "gpu": d.get("device"), "slot": d.get("slot"), "pid": d.get("pid"), "hash": d.get("hash"),
                 "heartbeat_age": d.get("beat_age_s"), "heartbeat": d.get("heartbeat"),
-                "generation": p.generation_of(d.get("hash"))}
+                "generation": p.generation_of(d.get("hash")), "calls": d.get("calls"),
+                "restarts": d.get("restarts", 0), "faults": d.get("faults", 0)}
         if (seen.get("busy") or {}).get(name) == "unloading":
             # An earlier share's (the program removed, then declared again): gone in a moment, then
             # loaded again; no call goes to it meanwhile.

@@ -135,8 +135,8 @@ def resource_key(name: str) -> str:
 class ReplicaView:
     """One replica as the controller sees it: where Ray placed its bundle (``node``: the Ray node
     id, ``node_name``), and what that node's daemon says of it (``gpu``, ``slot``, ``pid``, ``hash``,
-    ``heartbeat_age``); ``reason`` says why it is pending or failed.  ``generation``: the program's
-    generation whose image it runs (or is starting)."""
+    ``heartbeat_age``, ``calls``, ``restarts``, ``faults``); ``reason`` says why it is pending or failed.
+    ``generation``: the program's generation whose image it runs (or is starting)."""
 
     program: str
     index: int
@@ -151,6 +151,11 @@ class ReplicaView:
     heartbeat_age: float | None = None
     heartbeat: int | None = None
     generation: int = 0
+    #: Its program's figures on its node's daemon: calls (callstats.CallStats.as_dict: outcomes,
+    #: latency counts, bytes), relaunches since its last load or upgrade, launches failed.
+    calls: dict[str, Any] | None = None
+    restarts: int = 0
+    faults: int = 0
 
     @property
     def name(self) -> str:

@@ -1,5 +1,6 @@
 """Requests through a program's ring, and their responses: one (``call``) or many pipelined
-(``call_many``)."""
+(``call_many``).  Each is counted in its program's ``calls`` (meshd_mps/callstats.py): its outcome,
+its time from the call to the response, its bytes."""
 
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ class Calls:
         """The program, the generation whose ring this is, the ring."""
         p = self.reg.get(name)
         if p.launch.finished():
-            raise NotRunning(f"program {name} is not running ({p.state()[0]})", program=name, state=p.state()[0])
+            e = NotRunning(f"program {name} is not running ({p.state()[0]})", program=name, state=p.state()[0])
+            p.calls.failed(e, 0)
+            raise e
         if p.ring is None:
             p.ring = Ring(self.reg.b.mailbox, p.slot, name)
         return p, p.generation, p.ring
@@ -99,16 +102,24 @@ class Calls:
         while nothing is asked.  Spinning at once instead measured no faster on the H200, and slower
         at p99 (docs/benchmarks.md, Issue 18)."""
         timeout = self.reg.d.call if timeout is None else timeout
+        t0 = time.perf_counter()
         p, gen, ring = self._ring(name)
-        if not ring.serving:
-            await self._serving(p, gen, ring, timeout, time.monotonic() + timeout)
-        seq = ring.post(payload)
+        try:
+            if not ring.serving:
+                await self._serving(p, gen, ring, timeout, time.monotonic() + timeout)
+            seq = ring.post(payload)
+        except BaseException as e:  # nothing posted
+            p.calls.failed(e, 0)
+            raise
         try:
             await asyncio.sleep(0)
-            return await self._answer(p, gen, ring, seq, timeout, time.monotonic() + timeout)
-        except BaseException:
+            got = await self._answer(p, gen, ring, seq, timeout, time.monotonic() + timeout)
+        except BaseException as e:
             ring.forget(seq)
+            p.calls.failed(e, len(payload))
             raise
+        p.calls.answered(len(payload), len(got), time.perf_counter() - t0)
+        return got
 
     async def call_many(self, name: str, payloads: Sequence[bytes], timeout: float | None = None,  # noqa: ASYNC109
                         window: int = abi.RING) -> list[bytes]:
@@ -124,11 +135,16 @@ class Calls:
         timeout = self.reg.d.call if timeout is None else timeout
         window = max(1, min(window, abi.RING))
         half = (window + 1) // 2
-        for x in payloads:
-            check_payload(x)
+        t0 = time.perf_counter()
         p, gen, ring = self._ring(name)
-        if not ring.serving:
-            await self._serving(p, gen, ring, timeout, time.monotonic() + timeout)
+        try:
+            for x in payloads:
+                check_payload(x)
+            if not ring.serving:
+                await self._serving(p, gen, ring, timeout, time.monotonic() + timeout)
+        except BaseException as e:  # nothing posted
+            p.calls.failed(e, 0, len(payloads))
+            raise
         total = len(payloads)
         out: list[bytes] = []
         sent = done = 0
@@ -164,10 +180,16 @@ class Calls:
                 if (now := clock()) - held > self.HOLD:
                     await asyncio.sleep(0)
                     held = now
-        except BaseException:
+        except BaseException as e:
             for first, at, k in batches:  # the requests posted and not read: this caller's own
                 for i in range(max(len(out), at), at + k):
                     ring.forget((first + i - at) & MASK)
+            n = len(out)
+            if n:
+                p.calls.answered(sum(map(len, payloads[:n])), sum(map(len, out)), (time.perf_counter() - t0) / n, n)
+            p.calls.failed(e, sum(map(len, payloads[n:sent])), total - n)
             raise
+        if total:  # each request at the batch's time over its count: a pipeline has no time per request
+            p.calls.answered(sum(map(len, payloads)), sum(map(len, out)), (time.perf_counter() - t0) / total, total)
         return out
 

@@ -263,10 +263,18 @@ class Programs:
             "nodes": p.nodes,
             # Its data (docs/program-abi.md, "Data"): the device memory it owns, the file it was
             # loaded with (its SHA-256), the writes since.
-            "data_bytes": p.data.spec.alloc if p.data else 0,
+            "data_bytes": p.data_bytes,
             "data": p.data.spec.key if p.data else None,
             "data_writes": p.data.writes if p.data else 0,
+            "faults": p.faults,
+            "calls": p.calls.as_dict(),
         }
+
+    def sm_share(self, device: int) -> float:
+        """The part of GPU ``device``'s resident blocks that its running programs hold (0..1): its
+        SMs' use by resident kernels, which is what an operator can still place there (NVML's
+        utilization reads 100 % while any resident kernel polls)."""
+        return min(1.0, sum(p.share() for p in self.reg.on_device(device)))
 
     def list(self) -> list[dict[str, Any]]:
         """Every program, by slot, as ``describe`` shows it."""

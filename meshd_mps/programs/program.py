@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from meshd_mps.callstats import CallStats
 from meshd_mps.errors import StateError
 from meshd_mps.isolation import limits
 from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
@@ -130,7 +131,15 @@ class Program:
     stalled_at: float = 0.0  # monotonic time it was found stalled (0: not stalled)
     ring: Ring | None = field(default=None, repr=False)  # the host's end of its slot's ring (Calls.ring)
     data: ProgramData | None = None  # its data (programs/data.py): set at load, replaced by an upgrade to other data
+    #: Its calls (calls.py records them): observations, as ``beat`` is, kept across its launches.
+    calls: CallStats = field(default_factory=CallStats, repr=False)
+    faults: int = 0  # its launches seen failing (``to`` with ``failed_at``), across its launches
     generation: int = field(default_factory=lambda: next(_GENERATIONS))  # its launch's (see the module's doc)
+
+    @property
+    def data_bytes(self) -> int:
+        """The device memory its data holds (0: it has none)."""
+        return self.data.spec.alloc if self.data is not None else 0
 
     @property
     def device(self) -> int:
@@ -175,6 +184,8 @@ class Program:
                      ("settled", settled), ("failed_at", failed_at), ("stalled_at", stalled_at)):
             if v is not None:
                 setattr(self, k, v)
+        if failed_at:  # a launch seen failing: counted (the metrics' faults of this program)
+            self.faults += 1
         return moved or run is not None
 
     def _launched(self, run: Run, upgraded: bool) -> None:

@@ -121,6 +121,8 @@ class Api:
         self.stopping = False
         #: The desired state's dir and what the start restored from it (serving/server.py).
         self.state: dict[str, Any] | None = None
+        #: Where serve --metrics-address serves /metrics over TCP (None: off).
+        self.metrics_address: str | None = None
         self.busy: set[asyncio.Task[Any]] = set()
         self.data = DataRoutes(programs, deadlines, answer)  # POST /v1/data, .../write (data_api.py)
         self._idle = asyncio.Event()
@@ -277,6 +279,14 @@ class Api:
         d["cached"] = p.cached
         return d
 
+    def _device(self, d: dict[str, Any]) -> dict[str, Any]:
+        """A GPU as status shows it: the backend's view, its programs, the part of its resident
+        blocks they hold, and its memory as NVML last saw it (None before its first look)."""
+        n = self.metrics.watch.latest.get(d["device"]) if self.metrics.watch is not None else None
+        used, total = n.memory if n is not None and n.memory is not None else (None, None)
+        return {**d, "programs": len(self.ps.on_device(d["device"])), "sm_share": round(self.ps.sm_share(d["device"]), 4),
+                "memory_used": used, "memory_total": total}
+
     async def get_status(self, request: web.Request) -> web.Response:
         b, ps = self.b, self.ps
         s = b.status()
@@ -300,11 +310,12 @@ class Api:
             "mps_dir": s.get("mps_dir"),
             "cpus": cpus.status(),  # serve --daemon-cpus: the daemon's CPUs and its children's
             "programs": len(ps.by_name),
-            "data_bytes": sum(p.data.spec.alloc for p in ps.by_name.values() if p.data),  # the programs' data, together
+            "data_bytes": sum(p.data_bytes for p in ps.by_name.values()),  # the programs' data, together
             "stalled": sum(1 for p in ps.by_name.values() if ps.describe(p)["state"] == "stalled"),
-            "devices": [{**d, "programs": len(ps.on_device(d["device"]))} for d in s["devices"]],
+            "devices": [self._device(d) for d in s["devices"]],
             "loads": ps.loads,
             "requests_in_flight": len(self.busy),  # this one included
+            "metrics_address": self.metrics_address,
             "faults": [_fault(f) for f in getattr(ps, "faults", [])[-10:]],
             "state": self.state,
             "uptime_s": round(time.monotonic() - self.t0, 3),

@@ -27,6 +27,7 @@ examples:
   meshd-mps load examples/heartbeat        # a program directory: manifest.json + one .cu or .ptx
   meshd-mps check my_prog                  # a program checked without a GPU (the simulation runs only the examples)
   meshd-mps ps                             # the loaded programs
+  meshd-mps top                            # live: programs, calls, GPUs, events (pip install 'meshd-mps[top]')
   meshd-mps call echo hello                # a request through a program's ring
   meshd-mps upgrade echo examples/echo     # a new image on the same slot
   meshd-mps unload echo
@@ -60,6 +61,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
            "meshd-mps ps\n  meshd-mps ps --json"),
     "status": ("the daemon's state: GPUs, isolation, pools, MPS server and clients, versions",
                "meshd-mps status\n  meshd-mps status --json"),
+    "top": ("a live view, refreshed every second: each program's state, heartbeat, calls per second and p50/p99,"
+            " each GPU's use, the latest events (keys: s sort, r reverse, / filter, q quit)",
+            "meshd-mps top\n  meshd-mps top --sort calls/s --filter echo"),
     "native": ("join a CUDA process of yours to our MPS server: print its environment, register its pid",
                'eval "$(meshd-mps native)"; python train.py &  meshd-mps native --add $!'),
     "write": ("write FILE (- for stdin) into a running program's data at OFFSET, while it runs",
@@ -91,14 +95,15 @@ class _ServeHelp(argparse.RawDescriptionHelpFormatter):
         return super()._expand_help(action)
 
 
-def _client_opts(p: argparse.ArgumentParser) -> None:
+def _client_opts(p: argparse.ArgumentParser, json: bool = True) -> None:
     p.add_argument("--socket", metavar="PATH", help="the daemon's socket (default: $MESHD_MPS_SOCKET, else --config's"
                    " socket, else $XDG_RUNTIME_DIR/meshd-mps.sock, /run/meshd-mps/meshd-mps.sock for root, else"
                    " /tmp/meshd-mps-$UID/meshd-mps.sock); refused if another user owns it")
     p.add_argument("--config", metavar="FILE", help="the file serve reads (serve --config): its socket is used")
     p.add_argument("--gpu", choices=("cuda", "sim"), help="whose default socket: the daemon on the GPU (cuda, the"
                    " default) or a serve --gpu sim (meshd-mps-sim.sock beside it)")
-    p.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
+    if json:
+        p.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
 
 
 def _image_opts(p: argparse.ArgumentParser, nodes: bool) -> None:
@@ -172,6 +177,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--daemon-cpus", metavar="LIST",
                    help="host CPUs for the daemon alone (3, 2,3 or 0-3,8): its workers and the MPS daemon run on the"
                         " others, so that none takes the event loop's CPU (default: the scheduler places every thread)")
+    s.add_argument("--metrics-address", metavar="HOST:PORT",
+                   help="also serve GET /metrics over TCP there, for a Prometheus to scrape (PORT alone: 127.0.0.1's;"
+                        " [::1]:PORT for IPv6; default: off, /metrics on the control socket only)")
     s.add_argument("--orphan-timeout", type=float, metavar="S",
                    help="with --live-restore: how long the programs run on with no daemon before their workers halt"
                         " them and exit (default %(default)s)")
@@ -209,6 +217,14 @@ def parser() -> argparse.ArgumentParser:
 
     _client_opts(_sub(sub, "ps"))
     _client_opts(_sub(sub, "status"))
+
+    p = _sub(sub, "top")  # serving/top.py
+    p.add_argument("--sort", metavar="COLUMN", help="the column to sort by (default name; key s: the next one)")
+    p.add_argument("--reverse", action="store_true", help="sort the other way (key r)")
+    p.add_argument("--filter", metavar="TEXT", help="only the programs whose name holds TEXT (key /)")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between looks (default 1)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    _client_opts(p, json=False)
 
     p = _sub(sub, "native")
     g = p.add_mutually_exclusive_group()
@@ -254,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         return server.main(cfg)
     if args.cmd == "unit":
         from meshd_mps.errors import ConfigError
+        from meshd_mps.serving.unit import unit_text
 
         try:
             print(unit_text(args.executable), end="")
@@ -271,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"meshd-mps: {e}", file=sys.stderr)
             return 2
         return check.main(args, socket)
+    if args.cmd == "top":
+        from meshd_mps.serving import top
+
+        return top.main(args, lambda: _socket_of(args))  # its ClientError (a bad --config) said by top
     return _client(args)
 
 
@@ -284,7 +305,7 @@ def serve_config(args: argparse.Namespace) -> Config:
     from meshd_mps.errors import ConfigError
     from meshd_mps.gpu.device import parse_devices
     from meshd_mps.serving import server
-    from meshd_mps.state.config import check_seconds, load_config, merge_serve
+    from meshd_mps.state.config import check_seconds, load_config, merge_serve, metrics_address
     from meshd_mps.supervision import cpus
 
     file = load_config(args.config) if args.config is not None else None
@@ -308,11 +329,13 @@ def serve_config(args: argparse.Namespace) -> Config:
                          stall_after=o["stall_after"], state_dir=o["state_dir"], live_restore=o["live_restore"],
                          orphan_timeout=o["orphan_timeout"],
                          daemon_cpus=daemon_cpus,
+                         metrics_address=None if o["metrics_address"] is None
+                         else metrics_address(o["metrics_address"], "--metrics-address"),
                          config_file=None if file is None else os.path.abspath(file.path),
                          programs=() if file is None else tuple(file.programs.values()))
 
 
-# ---- --version and the unit file ----------------------------------------------------------------
+# ---- --version ----------------------------------------------------------------
 
 
 def version_line() -> str:
@@ -332,44 +355,6 @@ class _Version(argparse.Action):
                  option_string: str | None = None) -> None:
         print(version_line())
         parser.exit()
-
-
-UNIT = "data/meshd-mps.service"
-
-
-def unit_text(executable: str | None = None) -> str:
-    """The shipped unit file, ``executable`` (default: this installation's meshd-mps, where it is
-    found) in ExecStart= instead of the bare name systemd would look up in its own PATH."""
-    from importlib.resources import files
-
-    from meshd_mps.errors import ConfigError
-
-    if executable is not None and (not os.path.isabs(executable)
-                                   or any(not c.isprintable() or c in '"\\' for c in executable)):
-        # systemd wants an absolute path in ExecStart=; a line break would end the line there and
-        # start another directive, a quote or a backslash would change its quoting.
-        raise ConfigError(f"--exec {executable!r}: an absolute path without control characters, quotes or"
-                          " backslashes expected")
-    text = files("meshd_mps").joinpath(UNIT).read_text(encoding="utf-8")
-    exe = executable or own_executable()
-    if exe is not None:
-        quoted = f'"{exe}"' if any(c.isspace() for c in exe) else exe  # systemd splits ExecStart= at blanks
-        text = text.replace("\nExecStart=meshd-mps ", f"\nExecStart={quoted} ")
-    return text
-
-
-def own_executable() -> str | None:
-    """The meshd-mps script of this installation: the one running, else the one beside this
-    Python (a virtual environment's), else the one on PATH; None if none is found."""
-    import shutil
-
-    if os.path.basename(sys.argv[0]) == "meshd-mps" and os.access(sys.argv[0], os.X_OK):
-        return os.path.abspath(sys.argv[0])
-    beside = os.path.join(os.path.dirname(sys.executable), "meshd-mps")
-    if os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("meshd-mps")
-    return os.path.abspath(found) if found else None
 
 
 # ---- the client commands ------------------------------------------------------------------

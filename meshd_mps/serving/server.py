@@ -59,6 +59,7 @@ from meshd_mps.programs.datastore import DataStore
 from meshd_mps.serving import reaper, sdnotify
 from meshd_mps.serving.api import Api
 from meshd_mps.serving.client import default_socket, program_body
+from meshd_mps.serving.exporter import Exporter
 from meshd_mps.serving.metrics import Metrics
 from meshd_mps.serving.unix_socket import BACKLOG, ControlSocket
 from meshd_mps.state.config import SERVE_DEFAULTS, DeclaredProgram, pool_of
@@ -106,6 +107,7 @@ class Config:
     config_file: str | None = None
     programs: tuple[DeclaredProgram, ...] = ()
     daemon_cpus: frozenset[int] | None = None  # --daemon-cpus (supervision/cpus.py); None: unplaced
+    metrics_address: tuple[str, int] | None = None  # --metrics-address (exporter.py); None: off
 
 
 def main(cfg: Config) -> int:
@@ -182,6 +184,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._starting: anyio.CancelScope | None = None  # the start-up's scope, cancelled by the first signal
         self.sock = ControlSocket(self.socket_path)
+        self.exporter = Exporter(cfg.metrics_address) if cfg.metrics_address is not None else None
         self.t0 = time.monotonic()
         self.started = datetime.now(UTC)
         self.versions: dict[str, str] = {}
@@ -220,6 +223,8 @@ class Daemon:
             self._unmake(fresh)
             raise
         try:
+            if self.exporter is not None:
+                self.exporter.bind()  # a port in use stops the start before anything runs
             with anyio.CancelScope() as starting:
                 self._starting = starting
                 if self._stop.is_set():  # the signal came before this scope did
@@ -238,6 +243,8 @@ class Daemon:
         finally:
             with anyio.CancelScope(shield=True):
                 sock.close()  # closing it twice is nothing
+                if self.exporter is not None:
+                    await self.exporter.close()
                 await self._close_backend()
                 self._remove_socket()
             if served:
@@ -328,6 +335,10 @@ class Daemon:
                 f" gpu {b.gpu}, {where}",
                 socket=self.socket_path, isolation=b.isolation, gpu=b.gpu, device=b.caps.name, devices=list(b.devices),
             )
+            if self.exporter is not None:
+                await self.exporter.serve(metrics)
+                api.metrics_address = self.exporter.where
+                log.info(f"the metrics at http://{self.exporter.where}/metrics", metrics_address=self.exporter.where)
             sdnotify.notify("READY=1", f"STATUS=serving on {self.socket_path}")  # systemd's Type=notify
             watch: anyio.CancelScope = await tg.start(self._neighbours, name="neighbours")
             try:
