@@ -15,6 +15,12 @@ from .waits import poll
 SESSION = "see"
 
 
+def _env() -> dict[str, str]:
+    """The serve rig's environment less COLUMNS and LINES, which a pytest-xdist worker sets (80, 24)
+    and a program on Rich takes over its terminal's size: the window's size is the terminal's."""
+    return {k: v for k, v in env().items() if k not in ("COLUMNS", "LINES")}
+
+
 class Tmux:
     def __init__(self, tmux: str, dir: str, cols: int = 200, rows: int = 50):
         self.tmux, self.cols, self.rows = tmux, cols, rows
@@ -22,7 +28,7 @@ class Tmux:
         self.started = False
 
     def _run(self, *args: str) -> str:
-        r = subprocess.run([self.tmux, "-S", self.sock, *args], capture_output=True, text=True, timeout=30, env=env())
+        r = subprocess.run([self.tmux, "-S", self.sock, *args], capture_output=True, text=True, timeout=30, env=_env())
         assert r.returncode == 0, f"tmux {' '.join(args)}: {r.stderr}"
         return r.stdout
 
@@ -56,6 +62,6 @@ class Tmux:
             return
         self.started = False
         got = subprocess.run([self.tmux, "-S", self.sock, "display-message", "-p", "-t", SESSION, "#{pid} #{pane_pid}"],
-                             capture_output=True, text=True, timeout=30, env=env())
-        subprocess.run([self.tmux, "-S", self.sock, "kill-server"], capture_output=True, timeout=30, env=env())
+                             capture_output=True, text=True, timeout=30, env=_env())
+        subprocess.run([self.tmux, "-S", self.sock, "kill-server"], capture_output=True, timeout=30, env=_env())
         reap([int(p) for p in got.stdout.split()])  # none where the server never started
