@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 #: Each request op whose reply is awaited (by its name: the op table is the protocol's, a layer up),
 #: and the field of :class:`Deadlines` that bounds the wait.
-_REPLY = {"LAUNCH": "launch", "READY": "ready", "LOAD": "load", "LIMIT": "load"}
+_REPLY = {"LAUNCH": "launch", "READY": "ready", "LOAD": "load", "LIMIT": "load", "PAYLOADS": "load"}
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ async def test_refusals_say_the_daemons_status_and_are_not_lost(echo_daemon):
         missing = await nc.call("no-such-program", b"x")
         assert (missing.ok, missing.status, missing.lost) == (False, 404, False) and "no-such-program" in missing.error
         big = await nc.call("echo", b"x" * (abi.ENTRY_PAYLOAD + 1))
-        assert (big.ok, big.status, big.lost) == (False, status_of(PayloadTooLarge("", size=0, limit=0)), False)
+        assert (big.ok, big.status, big.lost) == (False, status_of(PayloadTooLarge("", size=0, limit=0, program="echo")), False)
         bad = await nc.call("echo", b"x", timeout=-1)
         assert (bad.ok, bad.status, bad.lost) == (False, 400, False)
         assert (await nc.call("echo", b"still")).data == b"still"  # the connection is still good

@@ -96,15 +96,19 @@ def test_every_pending_request_is_served_in_one_batch(mb):
     assert [host.response(first + k) for k in range(abi.RING)] == msgs
 
 
-def test_the_device_clamps_a_length_and_writes_only_the_words_it_needs(mb):
+def test_a_length_no_entry_holds_is_answered_in_place_and_the_host_reads_no_further(mb):
+    """Over 188 bytes a payload lies in the program's region: echo answers with the request's own
+    length and offset words.  A ring without a region (its program declared none, so its host never
+    posts one) reads such a response clamped to its entry; the device writes only the words it needs."""
     host, dev = Ring(mb, SLOT), device(mb)
     resp = SLOT * abi.SLOT_BYTES + abi.RESP_BASE
     mb.mm[resp : resp + abi.RING * abi.ENTRY_BYTES] = b"\xee" * (abi.RING * abi.ENTRY_BYTES)
     seq = host.post(b"x" * 10)
     mb.set_u32(SLOT, abi.REQ_BASE, 1000)  # a length no entry holds
     serve(dev)
-    assert mb.u32(SLOT, abi.RESP_BASE) == abi.ENTRY_PAYLOAD
-    assert host.response(seq) == b"x" * 10 + bytes(abi.ENTRY_PAYLOAD - 10)  # the whole entry, as it is
+    assert mb.u32(SLOT, abi.RESP_BASE) == 1000 and mb.mm[resp + 4 : resp + 8] == b"xxxx"  # length, "offset": as asked
+    assert mb.mm[resp + 8 : resp + abi.ENTRY_BYTES] == b"\xee" * (abi.ENTRY_BYTES - 8)  # nothing else written
+    assert host.response(seq) == mb.mm[resp + 4 : resp + 4 + abi.ENTRY_PAYLOAD]  # clamped: never past the entry
     seq = host.post(b"abcde")  # 5 bytes: the length word and two payload words
     serve(dev)
     at = resp + abi.ENTRY_BYTES

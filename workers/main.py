@@ -35,8 +35,9 @@ from collections.abc import Callable
 
 from meshd_mps.deadlines import DEFAULT
 from meshd_mps.protocol import frames
-from meshd_mps.protocol.frames import Done, FrameError, LaunchReq, Load, Op
+from meshd_mps.protocol.frames import Done, FrameError, LaunchReq, Load, Op, PayloadsReq
 from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.protocol.payloads import Layout
 
 from . import live, wlog
 from .gpu import Gpu, GpuError
@@ -208,9 +209,8 @@ def _serve(ch: Channel, opened: Opened, inject: dict[str, str], link: live.Link 
                 continue
             return 0
         if gpu is None:
-            if op in (Op.READY, Op.LOAD, Op.LAUNCH, Op.LIMIT):
-                reply_op = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT}[op]
-                ch.write(reply_op, frames.error_reply(opened.error or "no GPU"))
+            if op in frames.REPLY:
+                ch.write(frames.REPLY[op], frames.error_reply(opened.error or "no GPU"))
             continue
         try:
             if op == Op.READY:
@@ -256,6 +256,16 @@ def _serve(ch: Channel, opened: Opened, inject: dict[str, str], link: live.Link 
                 except GpuError as e:
                     reply = frames.error_reply(str(e))
                 ch.write(Op.LIMIT, reply)
+            elif op == Op.PAYLOADS:
+                req = PayloadsReq.decode(body)
+                try:
+                    dev = gpu.payloads(req.module, req.path, Layout(req.max_request, req.max_response))
+                    reply = frames.ok_reply(struct.pack("<Q", dev))
+                    log.info("payload region mapped", module=req.module, path=req.path, max_request=req.max_request,
+                             max_response=req.max_response)
+                except GpuError as e:
+                    reply = frames.error_reply(str(e))
+                ch.write(Op.PAYLOADS, reply)
             elif op == Op.UNLOAD:
                 module = frames.unload_module(body)
                 try:

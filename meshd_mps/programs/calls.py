@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from meshd_mps.errors import CallTimeout, NotRunning, NotServing
 from meshd_mps.protocol import abi
-from meshd_mps.protocol.ring import MASK, SPIN, Ring, check_payload
+from meshd_mps.protocol.payloads import Layout
+from meshd_mps.protocol.ring import MASK, SPIN, Ring
 
 if TYPE_CHECKING:
     from meshd_mps.programs.program import Program
@@ -37,8 +38,18 @@ class Calls:
         if p.launch.finished():
             raise NotRunning(f"program {name} is not running ({p.state()[0]})", program=name, state=p.state()[0])
         if p.ring is None:
-            p.ring = Ring(self.reg.b.mailbox, p.slot, name)
+            p.ring = self.ring(p)
         return p, p.generation, p.ring
+
+    def ring(self, p: Program) -> Ring:
+        """The host's end of ``p``'s ring as its launch runs: its payload sizes and region."""
+        layout = p.manifest.layout if p.manifest is not None else Layout()
+        return Ring(self.reg.b.mailbox, p.slot, p.name, layout, p.kernel.payloads)
+
+    def check(self, name: str, size: int) -> None:
+        """PayloadTooLarge if a request of ``size`` bytes is over the most program ``name`` takes
+        (before its body is read: the API's); NotLoaded, NotRunning as a call."""
+        self._ring(name)[2].check(size)
 
     def _current_ring(self, p: Program, generation: int) -> None:
         """A response read from ``p``'s slot is its own only while ``p`` still runs the launch of
@@ -124,9 +135,9 @@ class Calls:
         timeout = self.reg.d.call if timeout is None else timeout
         window = max(1, min(window, abi.RING))
         half = (window + 1) // 2
-        for x in payloads:
-            check_payload(x)
         p, gen, ring = self._ring(name)
+        for x in payloads:  # every one before any is posted
+            ring.check(len(x))
         if not ring.serving:
             await self._serving(p, gen, ring, timeout, time.monotonic() + timeout)
         total = len(payloads)

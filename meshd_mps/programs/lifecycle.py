@@ -64,12 +64,18 @@ class Lifecycle:
             used = reg.used(gpu)
             b.admit(gpu, m.name, nodes, used)  # every limit, before anything changes
             t0 = time.perf_counter()
-            img = await b.prepare(m, ptx, hash, device=gpu, new=True)
+            region = reg.payloads(m)
             try:
-                k, run = await self.launching.start(img, slot, nodes, used)
+                img = await b.prepare(m, ptx, hash, device=gpu, new=True, payloads=region)
+                try:
+                    k, run = await self.launching.start(img, slot, nodes, used)
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await b.drop(img)
+                    raise
             except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await b.drop(img)
+                if region is not None:
+                    region.close(forget=True)
                 raise
             p = Program(m.name, slot, k, run, img.prepared.hash, nodes, compile_ms=img.prepared.compile_ms,
                         cached=img.prepared.cached, manifest=m, ptx=ptx, restart=pol, restore=mode)
@@ -95,22 +101,34 @@ class Lifecycle:
             used = reg.used(p.device, without=p)
             b.admit(p.device, name, p.nodes, used, new=False)
             t0 = time.perf_counter()
-            # MPS: loaded in a worker of the program's GPU while the old one runs.
-            img = await b.prepare(m, ptx, hash, device=p.device)
-            stopped = False
+            # Its payload region kept where the sizes are the same; else a new one beside it, which
+            # the new version maps while the old one runs on its own.
+            old = p.kernel.payloads
+            same = (old.layout if old is not None else None) == (m.layout if m.layout.size else None)
+            region = old if same else reg.payloads(m)
             try:
-                await self.launching.halt(p)
-                stopped = True
-                await b.unload(p.kernel)
-                k, run = await self.launching.start(img, p.slot, p.nodes, used)
+                # MPS: loaded in a worker of the program's GPU while the old one runs.
+                img = await b.prepare(m, ptx, hash, device=p.device, payloads=region)
+                stopped = False
+                try:
+                    await self.launching.halt(p)
+                    stopped = True
+                    await b.unload(p.kernel)
+                    k, run = await self.launching.start(img, p.slot, p.nodes, used)
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await b.drop(img)
+                        if stopped:
+                            await self._roll_back(p)
+                    raise
             except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await b.drop(img)
-                    if stopped:
-                        await self._roll_back(p)
+                if region is not None and not same:
+                    region.close(forget=True)
                 raise
             p.to(ProgramState.RUNNING, run=Run(k, run, img.prepared.hash, img.prepared.compile_ms, img.prepared.cached,
                                                m, ptx), upgraded=True, restart=pol)
+            if old is not None and not same:  # its old kernel is unloaded: nobody maps it any more
+                old.close(forget=True)
             self.recovery.install(p)
             reg.count_load(t0)
             log.info(f"program {name} upgraded on slot {p.slot}", program=name, pid=k.pid)
@@ -139,6 +157,8 @@ class Lifecycle:
             # EXITED), so a next meshd-mps adopting this mailbox (live restore) finds nothing running
             # there to halt and wait 5 s for.
             reg.b.mailbox.reset_slot(p.slot)
+            if p.kernel.payloads is not None:
+                p.kernel.payloads.close(forget=True)
             log.info(f"program {name} unloaded from slot {p.slot}", program=name)
             await reg.forget(name)
 
@@ -160,6 +180,8 @@ class Lifecycle:
                     await b.unload(p.kernel)
                 except MeshError as e:
                     log.error(f"program {p.name}: {e}")
+                if p.kernel.payloads is not None:  # unmapped here; a worker that still maps it keeps its pages
+                    p.kernel.payloads.close(forget=True)
             reg.by_name.clear()
 
     async def detach(self) -> None:
@@ -167,6 +189,9 @@ class Lifecycle:
         for the next meshd-mps (Backend.detach)."""
         async with self._last():
             n = len(self.reg.by_name)
+            for p in self.reg.by_name.values():  # unmapped here; the file stays for the next meshd-mps
+                if p.kernel.payloads is not None:
+                    p.kernel.payloads.close()
             self.reg.by_name.clear()
         log.info(f"{n} programs left running for the next meshd-mps")
 

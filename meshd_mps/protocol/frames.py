@@ -29,7 +29,9 @@ PROTOCOL_VERSION = 3
 #: another version is told to QUIT (it halts its kernels first) and its programs are reloaded:
 #: what stays readable across every version is the frame header, the op numbers of HELLO and
 #: QUIT, and HELLO's first two words (version, pid).
-ADOPTS = frozenset({2, 3})  # a worker of 2 is answered as before: it never sends ok word 3
+ADOPTS = frozenset({2, 3, 4})  # a worker of 2 is answered as before: it never sends ok word 3
+#: The first version whose workers take PAYLOADS: an older one (adopted) is never sent it.
+PAYLOADS_SINCE = 4
 #: Largest ``length`` accepted (op + body): a cubin travels in one LOAD frame.
 MAX_FRAME = 64 << 20
 
@@ -45,16 +47,17 @@ class Op(enum.IntEnum):
     QUIT = 8
     LIMIT = 9  # the context's stack limit: get, or set then get
     HELLO = 10  # a --listen worker's first frame on each connection: who it is, what it runs
+    PAYLOADS = 16  # a module's payload region: mapped and registered by its worker, get its device address
 
 
 #: LIMIT's body: set (u32 0/1), bytes (u64); its reply: ok, bytes (u64)
 LIMIT_BODY = struct.Struct("<IQ")
 
 
-#: Ops a worker sends only in answer to a request.
-REPLIES = {Op.READY, Op.LOADED, Op.LAUNCHED}  # and LIMIT, answered with LIMIT
 #: The reply each request is answered with (UNLOAD and QUIT are not answered; DONE comes on its own).
-REPLY = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT}
+REPLY = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT, Op.PAYLOADS: Op.PAYLOADS}
+#: Ops a worker sends only in answer to a request (LIMIT and PAYLOADS answer themselves).
+REPLIES = frozenset(REPLY.values())
 
 
 _HEAD_OP = struct.Struct("<IB")  # a frame's length and op: one pack on every ask's path
@@ -109,6 +112,7 @@ LOAD_HEAD = struct.Struct("<IIIIQI")  # module, threads, smem, scratch, tag, nam
 LOADED_BODY = struct.Struct("<IIIIIIQQ")  # ok, rt_abi, regs, per_sm, local, sms, dev, scratch
 LAUNCH_BODY = struct.Struct("<IIII")  # module, gen, slot, nodes
 UNLOAD_BODY = struct.Struct("<I")  # module
+PAYLOADS_HEAD = struct.Struct("<III")  # module, max_request, max_response; then the region's path
 DONE_HEAD = struct.Struct("<III")  # module, gen, ok
 MAX_NAME = 255
 
@@ -191,6 +195,36 @@ class LaunchReq:
     @classmethod
     def decode(cls, body: bytes) -> LaunchReq:
         return cls(*_exact("LAUNCH", LAUNCH_BODY, body))
+
+
+@dataclass(frozen=True)
+class PayloadsReq:
+    """A PAYLOADS request's body: module ``module``'s payload region, the file at ``path`` laid out
+    for requests of ``max_request`` and responses of ``max_response`` bytes (protocol/payloads.py);
+    answered with its device address (``ok_reply`` of a u64), which the worker also writes into the
+    slot at each launch of the module."""
+
+    module: int
+    max_request: int
+    max_response: int
+    path: str
+
+    def encode(self) -> bytes:
+        return PAYLOADS_HEAD.pack(self.module, self.max_request, self.max_response) + self.path.encode()
+
+    @classmethod
+    def decode(cls, body: bytes) -> PayloadsReq:
+        if len(body) <= PAYLOADS_HEAD.size:
+            raise FrameError(f"PAYLOADS body of {len(body)} bytes: its {PAYLOADS_HEAD.size}-byte head and a path expected")
+        module, req, resp = PAYLOADS_HEAD.unpack_from(body)
+        return cls(module, req, resp, _text(body[PAYLOADS_HEAD.size :]))
+
+
+def payloads_dev(payload: bytes) -> int:
+    """A PAYLOADS reply's device address (the payload after its ok word)."""
+    if len(payload) != 8:
+        raise FrameError(f"PAYLOADS reply payload of {len(payload)} bytes, expected a u64")
+    return struct.unpack("<Q", payload)[0]
 
 
 @dataclass(slots=True)
