@@ -23,8 +23,8 @@ HEADER = struct.Struct("<I")
 #: The frame protocol's version, sent in HELLO.  Bumped at any change of a frame's layout or meaning
 #: (1: the ops below, HELLO included; 2: LOAD carries the program's tag, HELLO each module's tag and
 #: LOADED report, so that a daemon that did not load a module can adopt it; 3: LOADED's ok word 3,
-#: an image without ``mesh_main``).
-PROTOCOL_VERSION = 3
+#: an image without ``mesh_main``; 4: PAYLOADS, a module's payload region, never sent to an older one).
+PROTOCOL_VERSION = 4
 #: The versions whose workers this daemon adopts (docs/protocol.md, "Versions").  A worker of
 #: another version is told to QUIT (it halts its kernels first) and its programs are reloaded:
 #: what stays readable across every version is the frame header, the op numbers of HELLO and
