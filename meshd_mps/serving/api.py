@@ -385,12 +385,24 @@ class Api:
                 " start unless removed from there")
 
     async def post_call(self, request: web.Request) -> web.Response:
+        """A call: the JSON form (``data`` or ``hex``, answered in JSON), or the binary one (the body
+        is the payload, ``Content-Type: application/octet-stream``, ``?timeout=S``; answered with the
+        response's bytes, the call's time in ``Server-Timing``).  A payload over its program's most is
+        refused (413) before its body is read."""
         name = _name(request)
-        c = schemas.call(await self._json(request), self.deadlines)
+        if not schemas.binary(request):
+            c = schemas.call(await self._json(request), self.deadlines, request.query)
+            t0 = time.perf_counter()
+            got = await self.ps.call(name, c.payload, c.timeout)
+            return answer(200, {"ok": True, "program": name, "data": got.decode("utf-8", "replace"), "hex": got.hex(),
+                                "bytes": len(got), "ms": round((time.perf_counter() - t0) * 1e3, 3)})
+        timeout = schemas.call_timeout(request.query, self.deadlines)
+        self.ps.check_request(name, request.content_length or 0)
+        payload = await schemas.binary_body(request, self.deadlines.http_body)
         t0 = time.perf_counter()
-        got = await self.ps.call(name, c.payload, c.timeout)
-        return answer(200, {"ok": True, "program": name, "data": got.decode("utf-8", "replace"), "hex": got.hex(),
-                            "bytes": len(got), "ms": round((time.perf_counter() - t0) * 1e3, 3)})
+        got = await self.ps.call(name, payload, timeout)
+        return web.Response(body=got, content_type=schemas.BINARY,
+                            headers={**SERVER, "Server-Timing": f"call;dur={(time.perf_counter() - t0) * 1e3:.3f}"})
 
     async def get_native(self, request: web.Request) -> web.Response:
         """What a CUDA process needs to join our MPS server, and the native clients registered."""

@@ -62,8 +62,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "meshd-mps status\n  meshd-mps status --json"),
     "native": ("join a CUDA process of yours to our MPS server: print its environment, register its pid",
                'eval "$(meshd-mps native)"; python train.py &  meshd-mps native --add $!'),
-    "call": ("send DATA to a program's request ring and print its response",
-             "meshd-mps call echo hello\n  meshd-mps call echo --hex 00ff10 --timeout 2"),
+    "call": ("send DATA (or a file's bytes) to a program's request ring and print its response (or write it)",
+             "meshd-mps call echo hello\n  meshd-mps call echo --hex 00ff10 --timeout 2\n"
+             "  meshd-mps call echo --in query.bin --out answer.bin"),
 }
 
 
@@ -214,8 +215,9 @@ def parser() -> argparse.ArgumentParser:
 
     p = _sub(sub, "call")
     p.add_argument("name", metavar="NAME", help="the loaded program")
-    p.add_argument("data", metavar="DATA", help="the request: text (UTF-8), or hex digits with --hex")
-    p.add_argument("--hex", action="store_true", help="DATA is hex; the response is printed in hex")
+    from meshd_mps.serving import callio
+
+    callio.add_options(p)
     p.add_argument("--timeout", type=float, metavar="S", help="seconds to wait for the response (default 5)")
     _client_opts(p)
     return ap
@@ -416,13 +418,13 @@ def _client(args: argparse.Namespace) -> int:
                     print(f"export {k}={shlex.quote(v)}")
             print(f"# native clients: {' '.join(map(str, ans['clients'])) or 'none'}")
         elif args.cmd == "call":
-            if args.hex:
-                try:
-                    data: bytes | str = bytes.fromhex(args.data)
-                except ValueError as e:
-                    raise ClientError(f"DATA: not hex: {e}") from e
-            else:
-                data = args.data
+            from meshd_mps.serving import callio
+
+            data = callio.request(args)
+            if callio.binary(args):
+                callio.respond(c.call_bytes(args.name, data if isinstance(data, bytes) else data.encode(), args.timeout),
+                               args)
+                return 0
             ans = c.call(args.name, data, args.timeout)
             if args.json:
                 return _json(ans)
