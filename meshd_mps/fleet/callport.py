@@ -73,8 +73,9 @@ class CallPortServer:
         """Listen on ``host``:``port`` (OSError if it is taken); the address and token to call it."""
         loop = asyncio.get_running_loop()
 
-        def request(*a: Any) -> web.BaseRequest:  # a body up to the daemon's own limit: a payload's most
-            return web.BaseRequest(*a, loop, client_max_size=MAX_BODY)
+        def request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
+            # a body up to the daemon's own limit (a payload's most): aiohttp's default is 1 MiB
+            return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=MAX_BODY)
 
         handler = web.Server(self._handle, request_factory=request)
         self.server = await loop.create_server(handler, host, port, reuse_address=True)
