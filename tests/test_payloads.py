@@ -8,6 +8,7 @@ left behind.  The layout itself is checked first, without a program."""
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import pytest
@@ -51,6 +52,7 @@ def test_the_layout_gives_each_entry_its_own_areas_and_a_response_only_its_own()
     lay = Layout(1000, 5000)
     assert (lay.request_stride, lay.response_stride) == (1024, 5120) and lay.request_stride % ALIGN == 0
     assert lay.size == abi.RING * (1024 + 5120) and lay.responses_at == abi.RING * 1024
+    assert Layout(200).size == mmap.PAGESIZE, "whole pages: 8 areas of 256 bytes take one"
     assert [lay.request_at(s) for s in (0, 1, 9)] == [0, 1024, 1024]  # entry seq % RING
     assert lay.response_fits(9, 5000, lay.response_at(9)) and lay.response_fits(9, 1000, lay.request_at(9))  # in place
     assert not lay.response_fits(9, 5001, lay.response_at(9))  # over max_response

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mps-dir", metavar="DIR", help="where the private MPS daemons' directories go (default: a temporary one)")
     ap.add_argument("--loop", choices=eventloop.CHOICES, default="auto",
                     help="the event loop (default auto: uvloop where installed; (b) then runs once more on asyncio)")
-    ap.add_argument("--only", metavar="a,b,...", help="run only these sections (letters a-j, comma-separated)")
+    ap.add_argument("--only", metavar="a,b,...", help="run only these sections (letters a-j and p, comma-separated)")
     ap.add_argument("--cpu", default="auto", metavar="N|auto|off",
                     help="the host CPU that (f)'s floor and ring spin on (default auto: the fastest floor of a survey)")
     args = ap.parse_args(argv)
@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshd-mps bench: {e}", file=sys.stderr)
         return 2
     if args.only and not set(args.only.split(",")) <= {sec[0] for sec in SECTIONS}:
-        print(f"meshd-mps bench: --only {args.only}: expected letters a-j, comma-separated", file=sys.stderr)
+        letters = ", ".join(sec[0] for sec in SECTIONS)
+        print(f"meshd-mps bench: --only {args.only}: expected some of the letters {letters}, comma-separated", file=sys.stderr)
         return 2
     bench = Bench(args.gpu, args.quick, args.mps_dir, args.loop, args.cpu)
     try:

@@ -71,8 +71,10 @@ class Layout:
 
     @property
     def size(self) -> int:
-        """The region's bytes (0: no region: every payload fits a ring entry)."""
-        return abi.RING * (self.request_stride + self.response_stride)
+        """The region's bytes (0: no region: every payload fits a ring entry): its areas, in whole
+        host pages (what cuMemHostRegister takes)."""
+        areas = abi.RING * (self.request_stride + self.response_stride)
+        return -(-areas // mmap.PAGESIZE) * mmap.PAGESIZE
 
     def request_at(self, seq: int) -> int:
         """The offset of request ``seq``'s area."""
@@ -128,7 +130,10 @@ class Region:
         if layout.size <= 0:
             raise ValueError("a region of no bytes")
         if path is None:
-            fd = os.memfd_create("meshd-mps-payloads", os.MFD_CLOEXEC)
+            try:
+                fd = os.memfd_create("meshd-mps-payloads", os.MFD_CLOEXEC)
+            except OSError as e:
+                raise MailboxError(f"payload region: memfd_create: {e.strerror}") from e
             path = f"/proc/{os.getpid()}/fd/{fd}"
         else:
             with contextlib.suppress(FileNotFoundError):
