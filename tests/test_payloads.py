@@ -14,12 +14,11 @@ import os
 import pytest
 
 from meshd_mps.errors import BadResponse, PayloadTooLarge
-from meshd_mps.programs import Programs
 from meshd_mps.programs.program import ProgramState
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.payloads import ALIGN, Layout
 
-from .rigs.backend import ScriptCompiler, example, open_sim
+from .rigs.backend import example, sim_programs
 from .rigs.deadlines import QUICK_RESTARTS
 from .rigs.sim import sim
 from .rigs.waits import until
@@ -38,14 +37,8 @@ def echo(**sizes: int) -> tuple[dict, bytes]:
 
 @pytest.fixture(params=["blink", "mps"])
 async def progs(request, standin_on_path):
-    b = await open_sim(request.param, pool=1, deadlines=QUICK_RESTARTS)
-    b.compiler = ScriptCompiler(b.infos[b.devices[0]])
-    ps = Programs(b)
-    try:
+    async with sim_programs(request.param, QUICK_RESTARTS) as ps:
         yield ps
-    finally:
-        await ps.close()
-        await b.close()
 
 
 def test_the_layout_gives_each_entry_its_own_areas_and_a_response_only_its_own():

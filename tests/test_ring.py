@@ -22,8 +22,7 @@ from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.protocol.ring import Ring
 from workers.sim_kernels import MeshBeat, MeshRing, echo_turn
 
-from .rigs.backend import example, open_sim
-from .rigs.deadlines import TEST_DEADLINES
+from .rigs.backend import example, sim_programs
 
 pytestmark = pytest.mark.timeout(90)
 SLOT = 3
@@ -236,13 +235,8 @@ def test_sequence_numbers_wrap(mb):
 
 @pytest.fixture
 async def progs(standin_on_path):
-    b = await open_sim("mps", pool=1, deadlines=TEST_DEADLINES)
-    ps = Programs(b)
-    try:
+    async with sim_programs("mps") as ps:
         yield ps
-    finally:
-        await ps.close()
-        await b.close()
 
 
 async def test_call_many_answers_in_order_and_concurrent_callers_share_the_ring(progs):

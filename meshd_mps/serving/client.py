@@ -184,6 +184,19 @@ def oldest_arch(status: dict[str, Any]) -> str:
     return f"compute_{major}{minor}"
 
 
+def _answer(status: int, data: bytes) -> dict[str, Any]:
+    """An answer's JSON object if it is ``ok``; else ClientError with the daemon's error."""
+    try:
+        ans = parse_json(data, strict=False)
+    except ValueError as e:
+        raise ClientError(f"HTTP {status}: not JSON ({e}): {data[:200]!r}", status) from e
+    if not isinstance(ans, dict):
+        raise ClientError(f"HTTP {status}: a JSON object expected", status)
+    if not ans.get("ok") or status >= 400:
+        raise ClientError(str(ans.get("error") or f"HTTP {status}"), status, ans)
+    return ans
+
+
 class Client:
     def __init__(self, socket_path: str | None = None, timeout: float = 120.0, gpu: str | None = None):
         """``gpu``: the kind of daemon meant (``"sim"``), for the advice when none answers."""
@@ -224,15 +237,7 @@ class Client:
         """A JSON request; the JSON answer if ``ok``, else ClientError with the daemon's error."""
         body = None if obj is None else json.dumps(obj).encode()
         status, _headers, data = self.raw(method, path, body, timeout=timeout)
-        try:
-            ans = parse_json(data, strict=False)
-        except ValueError as e:
-            raise ClientError(f"HTTP {status}: not JSON ({e}): {data[:200]!r}", status) from e
-        if not isinstance(ans, dict):
-            raise ClientError(f"HTTP {status}: a JSON object expected", status)
-        if not ans.get("ok") or status >= 400:
-            raise ClientError(str(ans.get("error") or f"HTTP {status}"), status, ans)
-        return ans
+        return _answer(status, data)
 
     # ---- the API --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -315,13 +320,8 @@ class Client:
         status, headers, data = self.raw("POST", path, payload, {"Content-Type": BINARY}, timeout=wait)
         if status == 200 and headers.get("content-type", "").split(";")[0].strip() == BINARY:
             return data
-        try:
-            ans = parse_json(data, strict=False)
-        except ValueError as e:
-            raise ClientError(f"HTTP {status}: neither the response's bytes nor JSON ({e}): {data[:200]!r}", status) from e
-        if not isinstance(ans, dict):
-            raise ClientError(f"HTTP {status}: a JSON object expected", status)
-        raise ClientError(str(ans.get("error") or f"HTTP {status}"), status, ans)
+        ans = _answer(status, data)  # a refusal (raised here), or not the binary form's answer
+        raise ClientError(f"HTTP {status}: JSON where the response's bytes were expected", status, ans)
 
     def metrics(self) -> str:
         status, _h, data = self.raw("GET", "/metrics")

@@ -80,9 +80,15 @@ MESH_MAIN {
 """
 
 
-@pytest.fixture(autouse=True)
-def gpu_and_mps_here():
+@pytest.fixture(params=["blink", "mps"])
+async def progs(request):
     skip_without_real_gpu_and_mps("the payload tests")
+    async with await Backend.open(isolation=request.param, gpu="cuda", pool=1) as b:
+        ps = Programs(b)
+        try:
+            yield ps
+        finally:
+            await ps.close()
 
 
 def manifest(name: str, most: int) -> dict:
@@ -93,68 +99,56 @@ def xored(x: bytes) -> bytes:
     return bytes(c ^ 0xA5 for c in x)
 
 
-@pytest.mark.parametrize("isolation", ["blink", "mps"])
-async def test_payloads_of_any_size_through_the_real_ring(isolation):
-    async with await Backend.open(isolation=isolation, gpu="cuda", pool=1) as b:
-        progs = Programs(b)
-        try:
-            arch = b.infos[b.devices[0]].compute
-            m, ptx = example("echo")
-            echo = await progs.load({**m, "max_request": MIB, "max_response": MIB}, ptx)
-            assert b.mailbox.u64(echo.slot, abi.PAYLOADS) != 0, "the worker wrote the region's device address"
-            for n in (0, 188, 189, 4096, 65537, MIB):
-                x = os.urandom(n)
-                assert await progs.call("echo", x) == x, n
-            xs = [os.urandom(n) for n in (189, MIB, 5, 70_000, 188, MIB - 1, 3, 4096)] * 3
-            assert await progs.call_many("echo", xs) == xs
-            with pytest.raises(PayloadTooLarge):
-                await progs.call("echo", bytes(MIB + 1))
-            # The GPU reads the request from the region and writes its answer into its own area.
-            await progs.load(manifest("xform", 256 << 10), cuda_to_ptx(XFORM, "xform", arch=arch))
-            for n in (189, 1000, 4097, 65536, 256 << 10):
-                x = os.urandom(n)
-                assert await progs.call("xform", x) == xored(x), n
-            xs = [os.urandom(n) for n in range(189, 189 + 20 * 997, 997)]
-            assert await progs.call_many("xform", xs) == [xored(x) for x in xs]
-            big = [os.urandom(MIB) for _ in range(16)]
-            t0 = time.perf_counter()
-            assert await progs.call_many("echo", big) == big
-            print(f"{isolation}: 16 x 1 MiB in and out through echo: {16 * MIB / (time.perf_counter() - t0) / 1e9:.2f} GB/s")
-        finally:
-            await progs.close()
+async def test_payloads_of_any_size_through_the_real_ring(progs):
+    b = progs.b
+    arch = b.infos[b.devices[0]].compute
+    m, ptx = example("echo")
+    echo = await progs.load({**m, "max_request": MIB, "max_response": MIB}, ptx)
+    assert b.mailbox.u64(echo.slot, abi.PAYLOADS) != 0, "the worker wrote the region's device address"
+    for n in (0, 188, 189, 4096, 65537, MIB):
+        x = os.urandom(n)
+        assert await progs.call("echo", x) == x, n
+    xs = [os.urandom(n) for n in (189, MIB, 5, 70_000, 188, MIB - 1, 3, 4096)] * 3
+    assert await progs.call_many("echo", xs) == xs
+    with pytest.raises(PayloadTooLarge):
+        await progs.call("echo", bytes(MIB + 1))
+    # The GPU reads the request from the region and writes its answer into its own area.
+    await progs.load(manifest("xform", 256 << 10), cuda_to_ptx(XFORM, "xform", arch=arch))
+    for n in (189, 1000, 4097, 65536, 256 << 10):
+        x = os.urandom(n)
+        assert await progs.call("xform", x) == xored(x), n
+    xs = [os.urandom(n) for n in range(189, 189 + 20 * 997, 997)]
+    assert await progs.call_many("xform", xs) == [xored(x) for x in xs]
+    big = [os.urandom(MIB) for _ in range(16)]
+    t0 = time.perf_counter()
+    assert await progs.call_many("echo", big) == big
+    print(f"{b.isolation}: 16 x 1 MiB in and out through echo: {16 * MIB / (time.perf_counter() - t0) / 1e9:.2f} GB/s")
 
 
-@pytest.mark.parametrize("isolation", ["blink", "mps"])
-async def test_a_response_past_the_region_is_refused_and_the_region_lives_through_a_relaunch(isolation):
-    async with await Backend.open(isolation=isolation, gpu="cuda", pool=1) as b:
-        progs = Programs(b)
-        try:
-            arch = b.infos[b.devices[0]].compute
-            most = 64 << 10
-            lay = Layout(most, most)
-            ptx = cuda_to_ptx(b"#define XFORM_LIAR\n" + XFORM, "liar", arch=arch)
-            liar = await progs.load(manifest("liar", most), ptx)
-            for length, at, why in ((most + 1, lay.response_at(0), "over its manifest's max_response"),
-                                    (1000, lay.size - 100, "not in its own entry's areas"),
-                                    (1000, lay.response_at(3), "not in its own entry's areas")):
-                req = length.to_bytes(4, "little") + at.to_bytes(4, "little") + bytes(300)
-                with pytest.raises(BadResponse) as e:
-                    await progs.call("liar", req)
-                assert (e.value.size, e.value.offset) == (length, at) and why in str(e.value), str(e.value)
-            assert await progs.call("liar", b"small, inline") == b"small, inline"  # it serves on
-            ok = (500).to_bytes(4, "little")
-            seq = b.mailbox.u32(liar.slot, abi.REQ_HEAD)
-            good = await progs.call("liar", ok + lay.response_at(seq).to_bytes(4, "little") + bytes(300))
-            assert len(good) == 500, "a length and offset in its own area are read as they are"
-            # echo relaunched (blink: another load; MPS: an upgrade onto a fresh worker), then upgraded to other sizes.
-            m, eptx = example("echo")
-            echo = await progs.load(m, eptx)
-            x = os.urandom(50_000)
-            assert await progs.call("echo", x) == x
-            await progs.upgrade("echo", m, eptx)
-            assert await progs.call("echo", x[::-1]) == x[::-1]
-            await progs.upgrade("echo", {**m, "max_request": MIB, "max_response": MIB}, eptx)
-            y = os.urandom(MIB)
-            assert await progs.call("echo", y) == y and echo.kernel.payloads is not None
-        finally:
-            await progs.close()
+async def test_a_response_past_the_region_is_refused_and_the_region_lives_through_a_relaunch(progs):
+    b = progs.b
+    most = 64 << 10
+    lay = Layout(most, most)
+    ptx = cuda_to_ptx(b"#define XFORM_LIAR\n" + XFORM, "liar", arch=b.infos[b.devices[0]].compute)
+    liar = await progs.load(manifest("liar", most), ptx)
+    for length, at, why in ((most + 1, lay.response_at(0), "over its manifest's max_response"),
+                            (1000, lay.size - 100, "not in its own entry's areas"),
+                            (1000, lay.response_at(3), "not in its own entry's areas")):
+        req = length.to_bytes(4, "little") + at.to_bytes(4, "little") + bytes(300)
+        with pytest.raises(BadResponse) as e:
+            await progs.call("liar", req)
+        assert (e.value.size, e.value.offset) == (length, at) and why in str(e.value), str(e.value)
+    assert await progs.call("liar", b"small, inline") == b"small, inline"  # it serves on
+    seq = b.mailbox.u32(liar.slot, abi.REQ_HEAD)
+    good = await progs.call("liar", (500).to_bytes(4, "little") + lay.response_at(seq).to_bytes(4, "little") + bytes(300))
+    assert len(good) == 500, "a length and offset in its own area are read as they are"
+    # echo upgraded onto the same region, then to other sizes: a new region the new worker maps.
+    m, eptx = example("echo")
+    echo = await progs.load(m, eptx)
+    x = os.urandom(50_000)
+    assert await progs.call("echo", x) == x
+    await progs.upgrade("echo", m, eptx)
+    assert await progs.call("echo", x[::-1]) == x[::-1]
+    await progs.upgrade("echo", {**m, "max_request": MIB, "max_response": MIB}, eptx)
+    y = os.urandom(MIB)
+    assert await progs.call("echo", y) == y and echo.kernel.payloads is not None
