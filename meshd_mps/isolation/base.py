@@ -78,7 +78,7 @@ class Image:
     device: int | None = None  # the GPU it is for (None: the backend's first)
     preloaded: Module | None = None  # MPS: its worker's module, until load takes it or drop gives it back
     #: Its program's payload region (None: none declared), which ``load`` has its worker map: the
-    #: program's, made and closed by whoever owns the program (Backend.payload_region).
+    #: program's, made and closed by whoever owns the program (Registry.payloads, backend/payloads.py).
     payloads: Region | None = None
 
     @property

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshd_mps.errors import MailboxError
 from meshd_mps.protocol import abi
@@ -42,39 +42,30 @@ def _stride(n: int) -> int:
 @dataclass(frozen=True)
 class Layout:
     """A region's layout, from the manifest's ``max_request`` and ``max_response`` (0: not
-    declared, a ring entry's 188 bytes)."""
+    declared, a ring entry's 188 bytes); the rest is computed once (a call's path reads it)."""
 
     max_request: int = 0
     max_response: int = 0
+    #: The most bytes a request and a response may have.
+    request_limit: int = field(init=False)
+    response_limit: int = field(init=False)
+    #: An area's bytes, each direction (0: none, its payloads are inline).
+    request_stride: int = field(init=False)
+    response_stride: int = field(init=False)
+    #: Where the first response area starts.
+    responses_at: int = field(init=False)
+    #: The region's bytes (0: no region: every payload fits a ring entry): its areas, in whole host
+    #: pages (what cuMemHostRegister takes).
+    size: int = field(init=False)
 
-    @property
-    def request_limit(self) -> int:
-        """The most bytes a request may have."""
-        return self.max_request or abi.ENTRY_PAYLOAD
-
-    @property
-    def response_limit(self) -> int:
-        return self.max_response or abi.ENTRY_PAYLOAD
-
-    @property
-    def request_stride(self) -> int:
-        return _stride(self.max_request)
-
-    @property
-    def response_stride(self) -> int:
-        return _stride(self.max_response)
-
-    @property
-    def responses_at(self) -> int:
-        """Where the first response area starts."""
-        return abi.RING * self.request_stride
-
-    @property
-    def size(self) -> int:
-        """The region's bytes (0: no region: every payload fits a ring entry): its areas, in whole
-        host pages (what cuMemHostRegister takes)."""
-        areas = abi.RING * (self.request_stride + self.response_stride)
-        return -(-areas // mmap.PAGESIZE) * mmap.PAGESIZE
+    def __post_init__(self) -> None:
+        q, r = _stride(self.max_request), _stride(self.max_response)
+        areas = abi.RING * (q + r)
+        for k, v in (("request_limit", self.max_request or abi.ENTRY_PAYLOAD),
+                     ("response_limit", self.max_response or abi.ENTRY_PAYLOAD), ("request_stride", q),
+                     ("response_stride", r), ("responses_at", abi.RING * q),
+                     ("size", -(-areas // mmap.PAGESIZE) * mmap.PAGESIZE)):
+            object.__setattr__(self, k, v)
 
     def request_at(self, seq: int) -> int:
         """The offset of request ``seq``'s area."""
@@ -88,10 +79,9 @@ class Layout:
         (its response's, or its request's: an answer made in place) and is no longer than declared."""
         if n > self.response_limit or at < 0:
             return False
-        for start, size in ((self.response_at(seq), self.response_stride), (self.request_at(seq), self.request_stride)):
-            if start <= at and at + n <= start + size:
-                return True
-        return False
+        i = seq % abi.RING
+        r, q = self.responses_at + i * self.response_stride, i * self.request_stride
+        return (r <= at and at + n <= r + self.response_stride) or (q <= at and at + n <= q + self.request_stride)
 
     def name(self) -> str:
         """The sizes, as a file name says them."""
