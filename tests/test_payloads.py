@@ -35,6 +35,19 @@ def echo(**sizes: int) -> tuple[dict, bytes]:
     return m, ptx
 
 
+def regions_open() -> list[str]:
+    """This process's open payload regions: its memfds of that name (protocol/payloads.py)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own fd, closed by now
+            continue
+        if "meshd-mps-payloads" in link:
+            out.append(link)
+    return out
+
+
 @pytest.fixture(params=["blink", "mps"])
 async def progs(request, standin_on_path):
     async with sim_programs(request.param, QUICK_RESTARTS) as ps:
@@ -76,6 +89,9 @@ async def test_every_size_to_the_most_declared_and_one_more_refused_before_anyth
     assert await progs.call_many("echo", xs) == xs
     assert await progs.call_many("echo", xs, window=3) == xs
     assert await progs.call("echo", b"small again") == b"small again"
+    assert regions_open(), "its memfd (and its map's own copy of the fd)"
+    await progs.unload("echo")
+    assert regions_open() == [], "an unload leaves no region behind"
 
 
 async def test_a_response_past_its_region_is_refused_and_never_read(progs):
@@ -122,25 +138,3 @@ async def test_the_region_lives_through_a_relaunch_and_an_upgrade_takes_the_new_
     with pytest.raises(PayloadTooLarge) as e:
         await progs.call("echo", bytes(65))
     assert e.value.limit == 64 and "its manifest's max_request is 64" in str(e.value)
-
-
-def regions_open() -> list[str]:
-    """This process's open payload regions: its memfds of that name (protocol/payloads.py)."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # the listing's own fd, closed by now
-            continue
-        if "meshd-mps-payloads" in link:
-            out.append(link)
-    return out
-
-
-async def test_an_unload_leaves_no_region_behind(progs):
-    await progs.load(*echo())
-    x = os.urandom(10_000)
-    assert await progs.call("echo", x) == x
-    assert regions_open(), "its memfd (and its map's own copy of the fd)"
-    await progs.unload("echo")
-    assert regions_open() == []
