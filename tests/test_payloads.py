@@ -1,4 +1,4 @@
-"""Requests and responses of any size (issue 43, section 2) through ``Programs`` on the simulated GPU,
+"""Requests and responses of any size through ``Programs`` on the simulated GPU,
 in both isolation modes: a program's manifest declares how large its requests and responses may be,
 the host writes a payload over a ring entry's 188 bytes into the program's payload region and the
 entry says where; sizes at the boundaries, a payload over the most refused before anything is

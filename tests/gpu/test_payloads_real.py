@@ -1,4 +1,4 @@
-"""Requests and responses of any size on the REAL GPU (issue 43, section 2): echo's answers made in
+"""Requests and responses of any size on the REAL GPU: echo's answers made in
 place, a program that reads its request from its payload region and writes its response into its
 own area (the region registered with its context, its device address in the slot), a program that
 writes a response length or offset past its region refused on the host, and the region kept
