@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 #: Each request op whose reply is awaited (by its name: the op table is the protocol's, a layer up),
 #: and the field of :class:`Deadlines` that bounds the wait.
-_REPLY = {"LAUNCH": "launch", "READY": "ready", "LOAD": "load", "LIMIT": "load", "PAYLOADS": "load"}
+_REPLY = {"LAUNCH": "launch", "READY": "ready", "LOAD": "load", "LIMIT": "load", "DATA": "data", "WRITE": "write",
+          "PAYLOADS": "load"}
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class Deadlines:
     ready: float = 30.0  # READY -> READY: imported, context created
     launch: float = 2.0  # LAUNCH -> LAUNCHED
     start: float = 2.0  # LAUNCHED -> the program's STATE = RUNNING (the start check)
+    data: float = 300.0  # DATA -> DATA: a program's data allocated and copied in from its file (up to the GPU's memory)
+    write: float = 30.0  # WRITE -> WRITE: a write of up to a frame (64 MiB) copied into a program's data
     # ---- retiring workers (the seed's) ----
     retire_quit: float = 2.0  # QUIT -> exit
     retire_kill: float = 2.0  # SIGKILL -> reaped

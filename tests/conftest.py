@@ -209,6 +209,21 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         rigs.close_shared()
 
 
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line per reason a test was skipped, with the count and the folders (``-rs`` repeats a long
+    reason for every test: the GPU tests' "no NVIDIA driver" forty times over)."""
+    by: dict[str, tuple[int, set[str]]] = {}
+    for r in terminalreporter.stats.get("skipped", []):
+        path, _line, reason = r.longrepr if isinstance(r.longrepr, tuple) else ("?", 0, str(r.longrepr))
+        reason = reason.removeprefix("Skipped: ")
+        n, where = by.get(reason, (0, set()))
+        by[reason] = (n + 1, where | {os.path.dirname(os.path.relpath(path)) or "."})
+    if by:
+        terminalreporter.section("skipped, by reason", sep="-")
+        for reason, (n, where) in sorted(by.items(), key=lambda kv: -kv[1][0]):
+            terminalreporter.line(f"{n} skipped ({', '.join(sorted(where))}): {reason}")
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """A session cut short (-x, Ctrl-C) leaves no cluster running either.  And no state directory
     of root's defaults that was not there before it (``ROOT_DEFAULTS``): one found is a failure of

@@ -994,7 +994,7 @@ def test_ps_shows_the_beat_age_and_stalled():
     ]
     lines = ps_table(rows).splitlines()
     assert lines[0].split() == ["NAME", "SLOT", "STATE", "PID", "GPU", "HEARTBEAT", "BEAT-AGE", "UPTIME", "UPGRADES",
-                                "RESTARTS", "HASH"]
+                                "RESTARTS", "HASH", "DATA"]
     got = {ln.split()[0]: ln.split() for ln in lines[1:]}
     assert [got[n][2] for n in ("hb", "quiet", "never", "old", "loop")] == ["running", "stalled", "running", "running",
                                                                           "crash-loop"]
@@ -1056,7 +1056,8 @@ async def test_stall_after_reaches_programs(monkeypatch, tmp):
         d = server.Daemon(cfg)
         try:
             await d._open()
-            assert seen[-1] == kw
+            data = seen[-1].pop("data")  # the programs' data files: the state dir's data/
+            assert seen[-1] == kw and data.dir == os.path.join(cfg.state_dir, "data")
         finally:
             await d._close_backend()
     assert len(seen) == 2

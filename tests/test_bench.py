@@ -1,4 +1,4 @@
-"""``python -m meshd_mps.bench --gpu sim --quick``: every row (a)-(h) with a figure and its
+"""``python -m meshd_mps.bench --gpu sim --quick``: every row (a)-(k) and (m) with a figure and its
 baseline, no ERROR row, and nothing left running afterwards."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_bench_sim_quick(standin_on_path, tmp_path):
         rows = data["rows"]
         assert not [x for x in rows if x["result"] == "ERROR"], r.stdout
         assert data["left_behind"] == []
-        for rid in "abcdefghijkp":
+        for rid in "abcdefghijkmp":
             mine = [x for x in rows if x["id"] == rid]
             assert mine, f"no row ({rid})\n{r.stdout}"
             for x in mine:

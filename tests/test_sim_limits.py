@@ -257,8 +257,9 @@ def test_images_the_simulation_cannot_run_are_refused(worker, cubins):
     w = worker()
     cubin, tag = cubins["capped"]  # heartbeat's code and tag, compiled for another manifest's register cap
     text = w.load_error(image(1, cubin, "mything", tag), frames.REFUSED)
-    assert text.startswith(f"simulated GPU: mything (image {tag:016x}) is not one of the shipped examples"), text
-    assert f"sha256 starts {cubin_id(cubin):016x}" in text, text  # what the simulation compared
+    # The two words check, load and ps use: the PTX's hash, and the cubin the simulation compared.
+    assert text.startswith(f"simulated GPU: mything (hash {tag:016x}, cubin {cubin_id(cubin):016x}) is not one of"
+                           " the shipped examples"), text
     cubin, tag = cubins["no-entry"]
     assert w.load_error(image(2, cubin, "heartbeat", tag), frames.NO_ENTRY) == DRIVER_NO_ENTRY
     assert w.load_error(image(3, sim(kernel="heartbeat", entry=False)), frames.NO_ENTRY) == DRIVER_NO_ENTRY
@@ -288,7 +289,7 @@ def test_the_examples_known_are_the_daemons(worker, mailbox, cubins):
     c = cubin_id(cubin)
     w = worker("--examples", f"heartbeat={c ^ 1:016x}")
     text = w.load_error(image(1, cubin, "heartbeat", tag), frames.REFUSED)
-    assert f"(heartbeat {c ^ 1:016x})" in text, text
+    assert f"(the examples' cubins: heartbeat {c ^ 1:016x})" in text, text
     w.close()
     w = worker("--examples", f"heartbeat={c:016x}")
     w.load(image(2, cubin, "anything", tag ^ 1))

@@ -36,13 +36,14 @@ from typing import Any
 
 from meshd_mps.gpu.device import error_name, is_no_driver
 from meshd_mps.protocol import abi, frames
-from meshd_mps.protocol.frames import Done, Load, Loaded
+from meshd_mps.protocol.frames import DataReq, Done, Load, Loaded, WriteReq
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.protocol.payloads import Layout
 
 from . import wlog
+from .cuda_data import Regions
 from .gpu import DoneCallback, GpuError, Streams
-from .hostmem import Regions
+from .hostmem import PayloadRegions, cuda_register, cuda_unregister
 from .warm import Warm, driver_queues
 
 try:
@@ -102,26 +103,6 @@ def _code(result: Any) -> int:
     return int(result[0] if isinstance(result, tuple) else result)
 
 
-def _unregister(anchor: Any) -> str | None:
-    """``_register``'s undone; the driver's error in words (None: none)."""
-    return _fmt(_code(r)) if _code(r := cu.cuMemHostUnregister(ctypes.addressof(anchor))) else None
-
-
-def _register(mm: Any, size: int, what: str) -> tuple[Any, int]:
-    """``size`` bytes of the map ``mm`` registered as host-mapped memory (DEVICEMAP | PORTABLE): (the
-    view that keeps its buffer exported meanwhile, the device address); ``what``: a note for errors."""
-    anchor = (ctypes.c_char * size).from_buffer(mm)
-    host = ctypes.addressof(anchor)
-    note = f"({what})" if what else ""
-    check(cu.cuMemHostRegister(host, size, cu.CU_MEMHOSTREGISTER_DEVICEMAP | cu.CU_MEMHOSTREGISTER_PORTABLE),
-          f"cuMemHostRegister{note}")
-    try:
-        return anchor, int(check(cu.cuMemHostGetDevicePointer(host, 0), f"cuMemHostGetDevicePointer{note}"))
-    except GpuError:
-        cu.cuMemHostUnregister(host)
-        raise
-
-
 @dataclass
 class _Module:
     id: int
@@ -161,7 +142,9 @@ class CudaGpu:
         self._params: dict[int, tuple[Any, ...]] = {}  # slot -> (its kernel parameters, kept alive, their address)
         self._modules: dict[int, _Module] = {}
         self._streams: Streams[Any] = Streams([])
-        self._regions = Regions(mailbox, lambda _fd, mm, size, path: _register(mm, size, f"payload region {path}"), _unregister)
+        self._data = Regions(check)  # the programs' data, by slot (workers/cuda_data.py)
+        self._regions = PayloadRegions(mailbox, lambda _fd, mm, size, path: cuda_register(
+            check, mm, size, f"payload region {path}"), cuda_unregister)
         self._closed = False
         if cu is None:
             raise GpuError(f"cuda-python is not installed: {_IMPORT_ERROR}")
@@ -213,7 +196,7 @@ class CudaGpu:
                 log.warning("primary context keeps its scheduling flags", error=_fmt(flags_error))
             check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
             self.sms = total
-        self._anchor, self.dev = _register(self.mailbox.mm, self.mailbox.size, "")
+        self._anchor, self.dev = cuda_register(check, self.mailbox.mm, self.mailbox.size, "")
         self._host = ctypes.addressof(self._anchor)
         self._registered = True
         made: list[Any] = []
@@ -414,6 +397,7 @@ class CudaGpu:
             params = (ctypes.c_void_p * 2)(ctypes.addressof(a), ctypes.addressof(b))
             p = self._params[slot] = (a, b, params, ctypes.addressof(params))
         try:
+            self._data.bind(m.mod, m.stream, slot, self._global)
             check(cu.cuLaunchKernel(m.fn, nodes, 1, 1, m.threads, 1, 1, m.smem, m.stream, p[3], 0), "cuLaunchKernel")
         except GpuError:
             cu.cuEventDestroy(ev)
@@ -451,6 +435,14 @@ class CudaGpu:
                 except Exception as e:
                     log.error("DONE not delivered", module=m.id, gen=gen, error=str(e))
 
+    def data(self, req: DataReq) -> int:
+        self._current()
+        return self._data.place(req)
+
+    def write(self, req: WriteReq) -> None:
+        self._current()
+        self._data.write(req)
+
     def misbehaviour(self, phase: str) -> str | None:
         return None
 
@@ -478,6 +470,8 @@ class CudaGpu:
                 err = self._release(m)
                 if err:
                     log.warning("module not released", module=m.id, error=err)
+            for err in self._data.close():
+                log.warning("program data not released", error=err)
             failed = [_code(r) for r in (cu.cuStreamDestroy(st) for st in self._streams.streams) if _code(r)]
             if failed:
                 log.warning("streams not destroyed", streams=len(failed), error=_fmt(failed[0]))

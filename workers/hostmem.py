@@ -1,13 +1,14 @@
-"""Host memory a worker registers with its GPU beyond the mailbox: its payload regions, one per
+"""Host memory a worker registers with its GPU: the mailbox, and its payload regions, one per
 module that has one (PAYLOADS; protocol/payloads.py), each mapped by the path its daemon names,
-registered by the GPU's own means (the real one's cuMemHostRegister, the simulation's
-``check_shared``), written into the program's slot at each launch of its module, and unregistered
-and unmapped at its unload.  The real GPU and the simulation share ``Regions``; they differ only in
-``Register``."""
+registered by the GPU's own means (the real one's cuMemHostRegister, ``cuda_register``; the
+simulation's ``check_shared``), written into the program's slot at each launch of its module, and
+unregistered and unmapped at its unload.  The real GPU and the simulation share ``PayloadRegions``;
+they differ only in ``Register``."""
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import os
 import sys
@@ -24,9 +25,11 @@ from .gpu import GpuError
 Register = Callable[[int, mmap.mmap, int, str], tuple[Any, int]]
 #: How it unregisters one: what ``Register`` kept; the error's text, or None.
 Unregister = Callable[[Any], "str | None"]
+#: cuda_gpu.check: a driver call's values, or GpuError naming the call.
+Check = Callable[..., Any]
 
 
-class Regions:
+class PayloadRegions:
     def __init__(self, mailbox: Mailbox, register: Register, unregister: Unregister):
         self.mailbox = mailbox
         self._register, self._unregister = register, unregister
@@ -64,6 +67,23 @@ class Regions:
         return err
 
 
+#: The simulated "device addresses" of payload regions, from here on, per GPU: each a 2 GiB span of
+#: its own (a region has at most 1 GiB).
+SIM_REGION_DEV = 0x7E00_0000_0000
+
+
+def sim_register(device: int) -> Register:
+    """The simulation's ``Register`` on GPU ``device``: shared memory only, as the driver takes it
+    (``check_shared``); each region a device address span of its own."""
+    count = itertools.count()
+
+    def register(fd: int, _mm: mmap.mmap, _size: int, path: str) -> tuple[Any, int]:
+        check_shared(fd, f"the payload region {path}")
+        return None, SIM_REGION_DEV + (device << 40) + (next(count) << 31)
+
+    return register
+
+
 #: statfs's f_type of tmpfs, and of shmem (a memfd, /dev/shm).
 TMPFS_MAGIC = 0x01021994
 
@@ -81,3 +101,36 @@ def check_shared(fd: int, what: str) -> None:
         raise GpuError(f"cuMemHostRegister: CUDA_ERROR_INVALID_VALUE (invalid argument) (simulated: {what} is on a"
                        f" filesystem of type 0x{kind:x}, not shared memory; the H200's driver refuses a regular file's"
                        " pages)")
+
+
+def cuda_register(check: Check, mm: mmap.mmap, size: int, what: str) -> tuple[Any, int]:
+    """``size`` bytes of the map ``mm`` registered with the current context as host-mapped memory
+    (DEVICEMAP | PORTABLE): (the view that keeps its buffer exported meanwhile, the device address);
+    ``what``: a note for the calls' errors ("": the mailbox).  The driver is imported here, not by
+    the module: the simulation's workers, which share it, import no CUDA at their start."""
+    from cuda.bindings import driver as cu
+
+    anchor = (ctypes.c_char * size).from_buffer(mm)
+    host = ctypes.addressof(anchor)
+    note = f"({what})" if what else ""
+    check(cu.cuMemHostRegister(host, size, cu.CU_MEMHOSTREGISTER_DEVICEMAP | cu.CU_MEMHOSTREGISTER_PORTABLE),
+          f"cuMemHostRegister{note}")
+    try:
+        return anchor, int(check(cu.cuMemHostGetDevicePointer(host, 0), f"cuMemHostGetDevicePointer{note}"))
+    except GpuError:
+        cu.cuMemHostUnregister(host)
+        raise
+
+
+def cuda_unregister(anchor: Any) -> str | None:
+    """``cuda_register`` undone; the driver's error in words (None: none)."""
+    from cuda.bindings import driver as cu
+
+    r = cu.cuMemHostUnregister(ctypes.addressof(anchor))
+    err = r[0] if isinstance(r, tuple) else r
+    if not int(err):
+        return None
+    from meshd_mps.gpu.device import error_name
+
+    name, text = error_name(err)
+    return f"{name} ({text})" if text else name

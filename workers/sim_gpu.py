@@ -8,7 +8,7 @@ finish, fail, hang, die or break the protocol where a test wants it.
 
 The image ("cubin") is either a script, ``MESHSIM1`` then a JSON object, or a
 real cubin (an ELF from nvJitLink).  The simulation does not run GPU code, and
-says so: a real cubin that is a shipped example's (heartbeat, echo, spin, fault;
+says so: a real cubin that is a shipped example's (heartbeat, echo, spin, fault, peek;
 recognised by the cubin's own bytes, never by the program's name nor LOAD's ``tag``:
 meshd_mps/gpu/examples.py) runs as that example, with a warning at load; any
 other is refused at load (sim_images.py, pointing to ``meshd-mps check``), as
@@ -17,7 +17,7 @@ are the image's fault: GpuError(refused=True), or word=frames.NO_ENTRY
 (LOADED's ok word, as CudaGpu sends it); ImageRefused in the daemon.
 
 Script keys (all optional):
-  kernel: sleep | fail | hang | exit | heartbeat | echo | spin | fault
+  kernel: sleep | fail | hang | exit | heartbeat | echo | spin | fault | peek (reads its data: sim_data.py)
   ms: run time of sleep/fail (default 0); message: fail's error text
   start: false  (never write STATE = RUNNING; otherwise as its kernel)
   pause_after, pause_ms: heartbeat/echo stop beating after that many beats, for
@@ -76,13 +76,14 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from meshd_mps.protocol import abi, frames
-from meshd_mps.protocol.frames import Done, Load, Loaded
+from meshd_mps.protocol.frames import DataReq, Done, Load, Loaded, WriteReq
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.protocol.payloads import Layout
 
 from . import pipes, wlog
 from .gpu import DoneCallback, GpuError, Streams
-from .hostmem import Regions, check_shared
+from .hostmem import PayloadRegions, check_shared, sim_register
+from .sim_data import SimRegions
 from .sim_images import Examples
 from .sim_kernels import POLLER, Script, resident
 from .warm import driver_queues
@@ -92,9 +93,6 @@ log = wlog.log
 MAGIC = b"MESHSIM1"
 SIM_SMS = 132
 FAKE_DEV = 0x7F00_0000_0000  # a recognisable "device address" of the mailbox
-#: The simulated "device addresses" of payload regions, from here on, per GPU: each a 2 GiB span of
-#: its own (a region has at most 1 GiB).
-REGION_DEV = 0x7E00_0000_0000
 STARTUP_ENV = "MESHD_MPS_SIM_STARTUP"
 EXIT_LINGER_ENV = "MESHD_MPS_SIM_EXIT_LINGER"
 #: What the H200's driver said to an idle client's call once its control daemon was killed.
@@ -103,7 +101,7 @@ RPC_FAILURE = (
     " simulated)"
 )
 #: The kernels that write STATE = RUNNING themselves, after their set-up, as their sources do.
-RESIDENT = ("heartbeat", "echo")
+RESIDENT = ("heartbeat", "echo", "peek")
 #: cuModuleGetFunction's text on the H200 for an image without the entry.
 NO_ENTRY = f"cuModuleGetFunction({abi.ENTRY}): CUDA_ERROR_NOT_FOUND (named symbol not found)"
 
@@ -179,7 +177,7 @@ class SimGpu:
     def __init__(self, mailbox: Mailbox, sms: int, device: int = 0, examples: str | None = None):
         """``examples``: the known images as the daemon computed them (``--examples``); None: computed
         here, at the first real cubin."""
-        from meshd_mps.gpu.device import simulated_count, simulated_device
+        from meshd_mps.gpu.device import simulated_count, simulated_device, simulated_memory
 
         self.mailbox = mailbox
         self.startup = os.environ.get(STARTUP_ENV, "")
@@ -197,6 +195,7 @@ class SimGpu:
         self.sms = -(-sms // 8) * 8 if sms else SIM_SMS  # green contexts come in multiples of 8 SMs
         check_shared(mailbox.fd, f"the mailbox {mailbox.path}")
         self._examples = Examples(examples, simulated_device(device))
+        self._data = SimRegions(simulated_memory(), device)  # the programs' data, by slot (sim_data.py)
         self._client: socket.socket | None = None
         self._modules: dict[int, _Module] = {}
         self._pending: list[threading.Thread] = []
@@ -213,8 +212,7 @@ class SimGpu:
         self._used = Fraction(0)
         self._cv = threading.Condition()
         self._pong = threading.Event()
-        self._regions = Regions(mailbox, self._register, lambda _kept: None)
-        self._region_devs = 0  # payload regions mapped so far: each gets a device address span of its own
+        self._regions = PayloadRegions(mailbox, sim_register(device), lambda _kept: None)
         self._connect()
         if self._client is not None:
             threading.Thread(target=self._listen, args=(self._client,), name="sim mps client", daemon=True).start()
@@ -346,12 +344,6 @@ class SimGpu:
             raise GpuError(f"module {module} is not loaded")
         return self._regions.map(module, m.name, path, layout)
 
-    def _register(self, fd: int, _mm: object, _size: int, path: str) -> tuple[None, int]:
-        """Shared memory only, as the driver takes it; a device address span of its own."""
-        check_shared(fd, f"the payload region {path}")
-        self._region_devs += 1
-        return None, REGION_DEV + (self.device << 40) + ((self._region_devs - 1) << 31)
-
     def launch(self, module: int, gen: int, slot: int, nodes: int, on_done: DoneCallback) -> None:
         self._check("cuLaunchKernel")
         m = self._modules.get(module)
@@ -460,9 +452,10 @@ class SimGpu:
             if not self._poison:  # as examples/spin: EXITED as it returns
                 mb.set_u32(slot, abi.STATE, abi.EXITED)
             return True, ""
-        if kind in ("heartbeat", "echo"):
+        if kind in RESIDENT:
+            peek = (lambda: self._data.view(slot)) if kind == "peek" else None
             resident(mb, slot, echo=kind == "echo", pause=m.script, poisoned=lambda: bool(self._poison),
-                     start=m.script.get("start", True) is not False)
+                     start=m.script.get("start", True) is not False, peek=peek)
             return True, ""
         return False, f"simulated kernel {kind!r} is unknown"
 
@@ -471,6 +464,14 @@ class SimGpu:
         if set_to is not None:
             self._stack = set_to
         return self._stack
+
+    def data(self, req: DataReq) -> int:
+        self._check("cuMemAllocAsync")
+        return self._data.place(req)
+
+    def write(self, req: WriteReq) -> None:
+        self._check("cuMemcpyHtoDAsync")
+        self._data.write(req)
 
     def unload(self, module: int) -> None:
         m = self._modules.pop(module, None)
@@ -487,6 +488,7 @@ class SimGpu:
             self._quit = None
 
     def close(self) -> None:
+        self._data.close()
         if self._client is not None:
             self._client.close()
             self._client = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -284,7 +285,40 @@ def echo_turn(r: MeshRing, poisoned: Callable[[], bool]) -> int:
     return n
 
 
-def resident(mb: Mailbox, slot: int, echo: bool, pause: Script, poisoned: Callable[[], bool], start: bool = True) -> None:
+#: peek's request: the offset (u64) and length (u32) of a range of its data; its response: the data's
+#: size (u64), DATA_SEQ as read before the data (u32), the range's byte sum (u32), then its first bytes.
+PEEK_REQ = struct.Struct("<QI")
+PEEK_HEAD = struct.Struct("<QII")
+PEEK_BYTES = abi.ENTRY_PAYLOAD - PEEK_HEAD.size  # 172
+
+
+def peek_answer(mb: Mailbox, slot: int, data: memoryview | None, req: bytes) -> bytes:
+    """examples/peek/peek.cu's answer to one request, line for line: the range clamped to the
+    data, DATA_SEQ read (an acquire) before any of the data."""
+    off = int.from_bytes(req[0:8], "little") if len(req) >= 8 else 0
+    n = int.from_bytes(req[8:12], "little") if len(req) >= 12 else 0
+    seq = mb.u32(slot, abi.DATA_SEQ)
+    size = 0 if data is None else len(data)
+    m = min(n, size - off) if off < size else 0
+    part = b"" if data is None or m == 0 else data[off : off + m]
+    total = sum(part) & 0xFFFFFFFF if m else 0
+    return PEEK_HEAD.pack(size, seq, total) + bytes(part[:PEEK_BYTES])
+
+
+def peek_turn(r: MeshRing, poisoned: Callable[[], bool], data: Callable[[], memoryview | None]) -> int:
+    """One turn of examples/peek/peek.cu's loop: each pending request answered from the data."""
+    n = r.wait(poisoned)
+    for k in range(n):
+        e = r.load(r.next + k)
+        out = peek_answer(r.mb, r.slot, data(), e[4 : 4 + mesh_entry_len(e)])
+        r.store(r.next + k, len(out).to_bytes(4, "little") + out + bytes(-len(out) % 4), len(out))
+    if n:
+        r.post(n)
+    return n
+
+
+def resident(mb: Mailbox, slot: int, echo: bool, pause: Script, poisoned: Callable[[], bool], start: bool = True,
+             peek: Callable[[], memoryview | None] | None = None) -> None:
     """A resident program: beat (and serve the ring) until the host writes HALT.  A stall, on
     script: after ``pause_after`` beats no beat for ``pause_ms`` (0: until HALT), HALT still seen.
     heartbeat beats every poll (``mesh_beat``) and never polls its ring (its slot's SERVES stays 0);
@@ -292,10 +326,13 @@ def resident(mb: Mailbox, slot: int, echo: bool, pause: Script, poisoned: Callab
     and beats on their timer.  STATE = RUNNING where the example's source writes it (``start``:
     at all).  ``poisoned``: the context's sticky error is set (the kernel ends with the rest, unheard)."""
     b = MeshBeat(mb, slot, pause, poisoned)
-    ring = MeshRing(mb, slot, b, abi.BEAT_EVERY, POLLER, wrong=pause) if echo else None
+    ring = MeshRing(mb, slot, b, abi.BEAT_EVERY, POLLER, wrong=pause) if echo or peek is not None else None
     if start:
         mb.set_u32(slot, abi.STATE, abi.RUNNING)
-    if ring is not None:
+    if ring is not None and peek is not None:
+        while peek_turn(ring, poisoned, peek):
+            pass
+    elif ring is not None:
         while echo_turn(ring, poisoned):
             pass
     else:

@@ -327,6 +327,33 @@ static __device__ __forceinline__ void mesh_ring_post(mesh_ring_t *r, unsigned i
         mesh_store_release(mesh_u32(r->s, MESH_RESP_HEAD), r->next);
 }
 
+/* ---- the program's data (section "Data" of docs/program-abi.md) ------------------------------ */
+/* Device memory the program owns: loaded with it (`meshd-mps load DIR --data FILE`, or the
+ * manifest's `data`/`data_bytes`), kept across its halts, relaunches and upgrades, and written by
+ * the host while it runs (`meshd-mps write`).  The worker sets `mesh_data` and `mesh_data_bytes`
+ * before each launch (0 and 0 without data).  The host adds 1 to the slot's DATA_SEQ once a
+ * write's copy is complete on the device (zeroed at each launch): read it with mesh_data_seq(),
+ * an acquire, before the data that a write may have changed, and compare it with the value you
+ * last read, never with 0. */
+
+#define MESH_DATA_SEQ 76u /* u32, host increments after each write to the program's data is complete */
+
+/* Defines the u64 globals `mesh_data` (the data's device address) and `mesh_data_bytes` (its size). */
+#define MESH_DEFINE_DATA()                                         \
+    extern "C" __device__ unsigned long long mesh_data = 0;        \
+    extern "C" __device__ unsigned long long mesh_data_bytes = 0
+
+/* DATA_SEQ, as an acquire: the data read after it includes every write it counts. */
+static __device__ __forceinline__ unsigned int mesh_data_seq(mesh_slot_t s) {
+#if MESH_RING_ACQREL
+    return mesh_load_acquire(mesh_u32(s, MESH_DATA_SEQ));
+#else
+    const unsigned int v = *mesh_u32(s, MESH_DATA_SEQ);
+    __threadfence_system();
+    return v;
+#endif
+}
+
 /* ==== payloads of any size (docs/program-abi.md, section 6.2) ================================= */
 /* A program whose manifest declares max_request or max_response over MESH_ENTRY_PAYLOAD (188 bytes)
  * has a payload region: host memory mapped into the GPU (as the mailbox is), with an area per ring

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mps-dir", metavar="DIR", help="where the private MPS daemons' directories go (default: a temporary one)")
     ap.add_argument("--loop", choices=eventloop.CHOICES, default="auto",
                     help="the event loop (default auto: uvloop where installed; (b) then runs once more on asyncio)")
-    ap.add_argument("--only", metavar="a,b,...", help="run only these sections (letters a-j and p, comma-separated)")
+    ap.add_argument("--only", metavar="a,b,...", help="run only these sections (letters a-j, m and p, comma-separated)")
     ap.add_argument("--cpu", default="auto", metavar="N|auto|off",
                     help="the host CPU that (f)'s floor and ring spin on (default auto: the fastest floor of a survey)")
     args = ap.parse_args(argv)

@@ -12,6 +12,7 @@ import anyio
 
 from meshd_mps import eventloop
 from meshd_mps.bench.ask import sec_ask
+from meshd_mps.bench.data import sec_data
 from meshd_mps.bench.done import sec_done
 from meshd_mps.bench.idle import sec_idle
 from meshd_mps.bench.limits import sec_limits
@@ -28,7 +29,7 @@ from meshd_mps.bench.stall import sec_stall
 SECTIONS = [("a", "stall", sec_stall), ("b", "ask", sec_ask), ("c", "done", sec_done), ("d", "pool", sec_pool),
             ("e", "load", sec_load), ("f", "ring", sec_ring), ("g", "idle", sec_idle),
             ("h", "limits", sec_limits), ("i", "recovery", sec_recovery), ("j", "restart", sec_restart),  # (k): sec_restart
-            ("p", "payloads", sec_payloads)]
+            ("m", "data", sec_data), ("p", "payloads", sec_payloads)]
 
 
 async def run_all(bench: Bench, sections: list[tuple[str, str, Any]] | None = None) -> list[Row]:

@@ -64,6 +64,7 @@ class NodeAgent:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.threads = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="meshd-agent")
         self.images: dict[str, dict[str, Any]] = {}
+        self.data_keys: dict[str, str] = {}  # image hash -> the key its data has in this node's daemon
         self.want: dict[str, dict[str, Any]] | None = None  # None: no share yet: touch nothing
         self.keep: set[str] = set()
         self.errors: dict[str, tuple[str, str]] = {}  # replica -> (hash, why) of its last failed load/upgrade
@@ -98,6 +99,7 @@ class NodeAgent:
         self.want = {o["name"]: o for o in orders}
         used = {o["hash"] for o in orders}  # what no order names is forgotten: an upgrade's old image, a removed program's
         self.images = {h: im for h, im in self.images.items() if h in used}
+        self.data_keys = {h: k for h, k in self.data_keys.items() if h in used}
         self.errors = {n: e for n, e in self.errors.items() if n in self.want}
         if self.task is None or self.task.done():
             self.task = asyncio.get_running_loop().create_task(self._run())
@@ -202,6 +204,18 @@ class NodeAgent:
             if image is None:
                 continue  # the controller sends it with the next share (this agent's "have" lacks it)
             body = {"manifest": {**image["manifest"], "name": name}, "ptx": image["ptx"], "hash": o["hash"]}
+            if image.get("data_bytes") and image.get("data") is None:
+                self.errors[name] = (o["hash"], "its data is no longer in Ray's object store (the fleet's controller"
+                                                " restarted since its deploy): deploy the program again with its data")
+                self.retry_at[name] = now + RETRY_S
+                continue
+            if image.get("data") is not None:
+                try:
+                    body["data"] = await self._data(o["hash"], image["data"])
+                except (ray.exceptions.RayError, ClientError) as e:
+                    self.errors[name] = (o["hash"], f"its data not had from Ray's object store: {type(e).__name__}: {e}")
+                    self.retry_at[name] = time.monotonic() + RETRY_S
+                    continue
             if p is None and o.get("gpu") is not None:
                 device = await self._device(o["gpu"])
                 if device is not None:
@@ -222,6 +236,8 @@ class NodeAgent:
                 if e.status == 0:
                     raise
                 verb = "load" if p is None else "upgrade"
+                if e.status == 404:  # its data gone from the daemon since it was sent: sent again next time
+                    self.data_keys.pop(o["hash"], None)
                 self.errors[name] = (o["hash"], f"{verb} refused by the node's daemon (HTTP {e.status}): {e}")
                 self.retry_at[name] = time.monotonic() + RETRY_S
             finally:
@@ -257,6 +273,19 @@ class NodeAgent:
         self.foreign = None if seen is None else {"fleet": None if held is None else held.fleet.to_json(),
                                                   "why": seen[1]}
         return seen is None
+
+    async def _data(self, image: str, ref: Any) -> str:
+        """An image's data in this node's daemon (docs/program-abi.md, "Data"): taken from Ray's
+        object store (a view of the object in this node's shared memory, read-only: no copy) and
+        streamed to the daemon, which keeps it by its SHA-256; once per image while the agent lives
+        (a daemon that dropped it since refuses the load, and the next round sends it again)."""
+        key = self.data_keys.get(image)
+        if key is None:
+            arr = await ref
+            view = memoryview(arr).cast("B")
+            key = await self._blocking(functools.partial(Client.upload_bytes, data=view), self.d.fleet_node)
+            self.data_keys[image] = key
+        return key
 
     async def _device(self, model: str) -> int | None:
         """The GPU of ``model`` with the fewest programs on this node (a ``gpu`` constraint: Ray

@@ -111,6 +111,8 @@ def parser() -> argparse.ArgumentParser:
                    help="how Ray places the replicas: SPREAD (default), PACK or STRICT_SPREAD (one node each)")
     p.add_argument("--gpu", metavar="MODEL", help="only on GPUs of this model (as `meshd-mps fleet resources` names it)")
     p.add_argument("--node", metavar="NAME", help="only on the node of this name (`meshd-mps fleet resources --node NAME`)")
+    p.add_argument("--data", metavar="FILE", help="the program's data (default: the manifest's data file): put once into"
+                   " Ray's object store, each node's daemon gets it from there")
     p.add_argument("--wait", action="store_true", help="wait until every replica runs")
     p.add_argument("--timeout", type=float, metavar="S", default=Deadlines().fleet_node,
                    help="with --wait: at most S seconds (default %(default)s)")
@@ -194,7 +196,8 @@ async def _with_fleet(address: str | None, namespace: str, ask: Command) -> int:
 def source(args: argparse.Namespace) -> ProgramSource:
     """The program's files as ``meshd-mps load`` reads them; ProgramFilesError (a BadRequest) names
     the file at fault."""
-    return ProgramSource.read(args.dir, manifest=args.manifest, ptx=args.ptx, cuda=args.cuda)
+    return ProgramSource.read(args.dir, manifest=args.manifest, ptx=args.ptx, cuda=args.cuda,
+                              data=getattr(args, "data", None))
 
 
 def _command(args: argparse.Namespace) -> Command:

@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import AlreadyDeclared, NoSuchProgram
+from meshd_mps.fleet import data as fleet_data
 from meshd_mps.fleet.agent import NodeAgent, agent_name
 from meshd_mps.fleet.capacity import SLOT, gpu_models, node_name, why_pending
 from meshd_mps.fleet.checkpoint import Checkpoint, fleet_state_dir
@@ -88,6 +89,7 @@ class FleetController:
 
     async def deploy(self, spec: dict[str, Any], image: dict[str, Any]) -> FleetProgram:
         self._start()
+        image = await fleet_data.owned(image)  # its data, if any, the controller's (fleet/data.py)
         async with self.lock:
             name = spec["name"]
             if name in self.programs:
@@ -441,7 +443,8 @@ class FleetController:
         h = p.assigned[i]
         have = (self.seen.get(nid) or {}).get("have") or ()
         im = p.image_of(h)
-        image = None if h in have or h in sent or im is None else {"manifest": im.manifest, "ptx": im.ptx}
+        image = None if h in have or h in sent or im is None else {"manifest": im.manifest, "ptx": im.ptx, "data": im.data,
+                                                                   "data_bytes": im.data_bytes}
         sent.add(h)
         return {"name": replica_name(p.name, i), "hash": h, "restart": p.restart, "image": image,
                 "gpu": None if p.gpu is None else resource_key(p.gpu)}

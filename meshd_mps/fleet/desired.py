@@ -20,16 +20,28 @@ from meshd_mps.fleet.capacity import bundle
 
 @dataclass
 class Image:
+    """A declared program's image, and its data: ``data`` a Ray ObjectRef that the controller owns
+    (the bytes are in the object store, never here), ``data_bytes`` its size for the events.  The
+    checkpoint keeps neither: an ObjectRef does not outlive its owner, so after the head's restart
+    a replica placed anew has no data (its load is refused, said in its reason) until the program
+    is deployed again with it."""
+
     manifest: dict[str, Any]
     ptx: str
     hash: str
+    data: Any = None
+    data_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"manifest": self.manifest, "ptx": self.ptx, "hash": self.hash}
+        """For the checkpoint: the data's size, not the data (a replica placed anew without it is
+        refused, with the reason)."""
+        out = {"manifest": self.manifest, "ptx": self.ptx, "hash": self.hash}
+        return {**out, "data_bytes": self.data_bytes} if self.data_bytes else out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Image:
-        return cls(manifest=d["manifest"], ptx=d["ptx"], hash=d["hash"])
+        return cls(manifest=d["manifest"], ptx=d["ptx"], hash=d["hash"], data=d.get("data"),
+                   data_bytes=int(d.get("data_bytes") or 0))
 
 
 @dataclass
@@ -106,6 +118,8 @@ class Declared:
         """Declare ``image``: the rollout starts at the next step."""
         if image.hash != self.image.hash:
             self.old = self.image
+        if image.data is None:  # an upgrade keeps the program's data (each node's daemon keeps it too)
+            image.data, image.data_bytes = self.image.data, self.image.data_bytes
         self.image = image
         self.generation += 1
         self.upgrade_error = None

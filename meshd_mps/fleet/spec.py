@@ -5,6 +5,7 @@ the controller and the CLI share one definition of each word."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -56,14 +57,19 @@ class ProgramSource:
 
     manifest: dict[str, Any]
     ptx: str
+    #: Its data file (docs/program-abi.md, "Data"), read by ``Fleet.deploy`` into Ray's object store.
+    data: str | None = None
 
     @classmethod
     def read(cls, dir: str | None = None, *, manifest: str | None = None, ptx: str | None = None,
-             cuda: str | None = None, arch: str | None = None) -> ProgramSource:
+             cuda: str | None = None, arch: str | None = None, data: str | None = None) -> ProgramSource:
         """From files, exactly as ``meshd-mps load`` reads them (ProgramFilesError, a BadRequest,
-        says what is wrong); CUDA C is compiled for ``arch`` (default compute_90)."""
+        says what is wrong); CUDA C is compiled for ``arch`` (default compute_90); ``data``: its data
+        file (default: the manifest's ``data``, beside it)."""
         body = program_body(dir, manifest, ptx, cuda, arch=arch)
-        return cls(manifest=body["manifest"], ptx=body["ptx"])
+        if data is None and isinstance(body["manifest"], dict) and body["manifest"].get("data"):
+            data = os.path.join(os.path.dirname(manifest) if manifest else (dir or "."), body["manifest"]["data"])
+        return cls(manifest=body["manifest"], ptx=body["ptx"], data=data)
 
     def check(self) -> Manifest:
         """The manifest parsed (ManifestError, as the node API says it)."""

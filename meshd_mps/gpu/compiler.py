@@ -60,6 +60,10 @@ class Manifest:
     param: int = 0
     smem: int = 0
     scratch: int = 0
+    # The program's data (docs/program-abi.md, "Data"): a file beside the manifest, which the client
+    # that reads the directory sends with the load, and the device memory it needs if more than the file.
+    data: str = ""
+    data_bytes: int = 0
     #: The most bytes a request and a response may have (0: not declared, a ring entry's 188);
     #: beyond 188 they travel through the program's payload region (protocol/payloads.py).
     max_request: int = 0
@@ -113,6 +117,8 @@ class Manifest:
             param=_int(obj, "param", 0, U64_MAX, 0),
             smem=_int(obj, "smem", 0, U32_MAX, 0),
             scratch=_int(obj, "scratch", 0, U32_MAX, 0),
+            data=_data_file(obj),
+            data_bytes=_int(obj, "data_bytes", 0, U64_MAX, 0),
             max_request=_int(obj, "max_request", 0, MAX_PAYLOAD, 0),
             max_response=_int(obj, "max_response", 0, MAX_PAYLOAD, 0),
         )
@@ -128,6 +134,16 @@ class Manifest:
 
 #: Manifest fields written by ``to_json`` only where they are not 0 (newer than some readers).
 OPTIONAL = ("max_request", "max_response")
+
+
+def _data_file(obj: Mapping[str, Any]) -> str:
+    """The manifest's ``data``: a file's name beside the manifest ("" for none)."""
+    v = obj.get("data", "")
+    if not isinstance(v, str):
+        raise ManifestError(f"manifest: field 'data' must be a string (a file beside the manifest), got {_tname(v)}")
+    if v and ("/" in v or v in (".", "..") or "\0" in v):
+        raise ManifestError(f"manifest: field 'data' {v[:80]!r}: the name of a file beside the manifest, without '/'")
+    return v
 
 
 def _tname(v: Any) -> str:

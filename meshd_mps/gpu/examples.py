@@ -1,4 +1,4 @@
-"""The shipped example programs (examples/heartbeat, echo, spin, fault) and their images.
+"""The shipped example programs (examples/heartbeat, echo, spin, fault, peek) and their images.
 
 The simulated GPU (``--gpu sim``) runs no GPU code: it runs these examples' device code as
 Python (workers/sim_kernels.py), so it must know that a cubin *is* one of them.  It knows by the
@@ -28,7 +28,7 @@ from meshd_mps.gpu.device import DeviceInfo
 #: The examples folder of a source checkout (the wheel ships none: then nothing is recognised).
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 #: The examples the simulation runs, by name (each is a kernel of workers/sim_gpu.py).
-NAMES = ("heartbeat", "echo", "spin", "fault")
+NAMES = ("heartbeat", "echo", "spin", "fault", "peek")
 
 
 def cubin_id(cubin: bytes) -> int:

@@ -236,6 +236,14 @@ class Nvml:
         mps = self._list("nvmlDeviceGetMPSComputeRunningProcesses", h, device, optional=True)
         return DeviceView(device, mode, merge(compute, graphics, mps, self._process_name))
 
+    def memory(self, device: int) -> tuple[int, int]:
+        """GPU ``device``'s memory, (total, free) bytes, every process's use counted; DeviceError."""
+        try:
+            m = self._n.nvmlDeviceGetMemoryInfo(self._handle(device))
+        except self._n.NVMLError as e:
+            raise DeviceError(f"GPU {device}: nvmlDeviceGetMemoryInfo: {e}") from e
+        return int(m.total), int(m.free)
+
     def _process_name(self, pid: int) -> str:
         """/proc's name where we see the pid, else NVML's (nvmlSystemGetProcessName), else "?".
         A 15-character comm is cut short (``nvidia-cuda-mps``): NVML's name completes it."""

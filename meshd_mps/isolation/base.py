@@ -21,10 +21,11 @@ from typing import Any
 import anyio
 import structlog
 
-from meshd_mps.errors import AbiMismatch, FrameError, MeshError, OldWorker, WorkerError
+from meshd_mps.errors import FrameError, MeshError, OldWorker, WorkerError
 from meshd_mps.faults import Stray
 from meshd_mps.gpu.compiler import Manifest, Prepared
 from meshd_mps.isolation.launch import Launch
+from meshd_mps.isolation.preflight import abi_mismatch
 from meshd_mps.mps.clients import NewClient
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Done, HelloModule, Loaded, Op, PayloadsReq
@@ -431,8 +432,7 @@ class Isolation(ABC):
         """A module built for another program ABI is unloaded and refused."""
         if k.rt_abi != abi.RT_ABI:
             await self.unload(k)
-            raise AbiMismatch(f"{k.name}: {abi.RT_ABI_SYMBOL} is {k.rt_abi}, this meshd-mps runs program ABI {abi.RT_ABI}",
-                              program=k.name, abi=k.rt_abi, expected=abi.RT_ABI)
+            raise abi_mismatch(k.name, k.rt_abi)
 
 
 class Mode(ABC):

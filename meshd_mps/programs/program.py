@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from meshd_mps.backend import Kernel
     from meshd_mps.gpu.compiler import Manifest
     from meshd_mps.isolation.launch import Launch
+    from meshd_mps.programs.datastore import ProgramData
     from meshd_mps.protocol.frames import Done
     from meshd_mps.protocol.ring import Ring
 
@@ -128,6 +129,7 @@ class Program:
     sampled_at: float = field(default_factory=time.monotonic)  # when ``beat`` was read (or its launch)
     stalled_at: float = 0.0  # monotonic time it was found stalled (0: not stalled)
     ring: Ring | None = field(default=None, repr=False)  # the host's end of its slot's ring (Calls.ring)
+    data: ProgramData | None = None  # its data (programs/data.py): set at load, replaced by an upgrade to other data
     generation: int = field(default_factory=lambda: next(_GENERATIONS))  # its launch's (see the module's doc)
 
     @property
@@ -143,7 +145,7 @@ class Program:
     def to(self, state: ProgramState | None, error: str = "", *, run: Run | None = None, upgraded: bool = False,
            restart: Policy | None = None, lost_to: str | None = None, failures: tuple[float, ...] | None = None,
            restart_at: float | None = None, settled: bool | None = None, failed_at: float | None = None,
-           stalled_at: float | None = None) -> bool:
+           stalled_at: float | None = None, data: ProgramData | object | None = _KEEP) -> bool:
         """The one writer of a program's state: its phase, and the fields that go with a move (each
         keyword not None is written, whether the phase moves or not; ``state`` None: it stays
         where it is, only the fields are written).  A move PROGRAM_MOVES does
@@ -167,6 +169,8 @@ class Program:
             self.phase = state
         if error:
             self.error = error
+        if data is not _KEEP:
+            self.data = data  # type: ignore[assignment]
         for k, v in (("restart", restart), ("lost_to", lost_to), ("failures", failures), ("restart_at", restart_at),
                      ("settled", settled), ("failed_at", failed_at), ("stalled_at", stalled_at)):
             if v is not None:

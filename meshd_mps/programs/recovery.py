@@ -282,7 +282,7 @@ class Recovery:
                             program=q.name)
         for q, k, img in loaded:
             try:
-                run = await self.launching.launch(k, q.slot, q.nodes)
+                run = await self.launching.launch(k, q.slot, q.nodes, data=q.data)
             except MeshError as e:
                 failed[q.name] = e
                 continue

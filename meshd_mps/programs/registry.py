@@ -19,6 +19,7 @@ from meshd_mps.restart import Policy
 if TYPE_CHECKING:
     from meshd_mps.backend import Backend
     from meshd_mps.gpu.compiler import Manifest
+    from meshd_mps.programs.datastore import DataStore
     from meshd_mps.programs.program import Program
     from meshd_mps.programs.recorder import Recorder
     from meshd_mps.programs.report import FaultReport
@@ -34,12 +35,13 @@ class Registry:
     """``restart``: the restart policy of a program loaded without one; ``stall_after``: seconds
     without a heartbeat before a running program is stalled."""
 
-    def __init__(self, backend: Backend, restart: Policy, stall_after: float):
+    def __init__(self, backend: Backend, restart: Policy, stall_after: float, data: DataStore):
         self.b = backend
         self.d = backend.deadlines
         self.restart = restart
         self.stall_after = stall_after
         self.by_name: dict[str, Program] = {}
+        self.data = data  # the programs' data files (datastore.py)
         self.lock = anyio.Lock()  # one load/upgrade/unload/recovery at a time
         self.closing = False  # set by the close or detach: nothing starts from then on
         #: Where successful loads, upgrades and unloads are recorded (state/desired.py); None: nowhere.

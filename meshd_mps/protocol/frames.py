@@ -23,13 +23,16 @@ HEADER = struct.Struct("<I")
 #: The frame protocol's version, sent in HELLO.  Bumped at any change of a frame's layout or meaning
 #: (1: the ops below, HELLO included; 2: LOAD carries the program's tag, HELLO each module's tag and
 #: LOADED report, so that a daemon that did not load a module can adopt it; 3: LOADED's ok word 3,
-#: an image without ``mesh_main``; 4: PAYLOADS, a module's payload region, never sent to an older one).
+#: an image without ``mesh_main``; 4: DATA and WRITE, a program's data in device memory, and PAYLOADS,
+#: a module's payload region).
 PROTOCOL_VERSION = 4
 #: The versions whose workers this daemon adopts (docs/protocol.md, "Versions").  A worker of
 #: another version is told to QUIT (it halts its kernels first) and its programs are reloaded:
 #: what stays readable across every version is the frame header, the op numbers of HELLO and
 #: QUIT, and HELLO's first two words (version, pid).
 ADOPTS = frozenset({2, 3, 4})  # a worker of 2 is answered as before: it never sends ok word 3
+#: The first version whose workers take DATA and WRITE: an older one adopted is never sent them.
+DATA_SINCE = 4
 #: The first version whose workers take PAYLOADS: an older one (adopted) is never sent it.
 PAYLOADS_SINCE = 4
 #: Largest ``length`` accepted (op + body): a cubin travels in one LOAD frame.
@@ -47,7 +50,9 @@ class Op(enum.IntEnum):
     QUIT = 8
     LIMIT = 9  # the context's stack limit: get, or set then get
     HELLO = 10  # a --listen worker's first frame on each connection: who it is, what it runs
-    PAYLOADS = 16  # a module's payload region: mapped and registered by its worker, get its device address
+    DATA = 11  # a slot's program data: allocated and copied in from a file (alloc 0: freed)
+    WRITE = 12  # bytes copied into a slot's program data at an offset, on the worker's own stream
+    PAYLOADS = 13  # a module's payload region: mapped and registered by its worker, get its device address
 
 
 #: LIMIT's body: set (u32 0/1), bytes (u64); its reply: ok, bytes (u64)
@@ -55,8 +60,9 @@ LIMIT_BODY = struct.Struct("<IQ")
 
 
 #: The reply each request is answered with (UNLOAD and QUIT are not answered; DONE comes on its own).
-REPLY = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT, Op.PAYLOADS: Op.PAYLOADS}
-#: Ops a worker sends only in answer to a request (LIMIT and PAYLOADS answer themselves).
+REPLY = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT, Op.DATA: Op.DATA,
+         Op.WRITE: Op.WRITE, Op.PAYLOADS: Op.PAYLOADS}
+#: Ops a worker sends only in answer to a request (LIMIT, DATA, WRITE and PAYLOADS answer themselves).
 REPLIES = frozenset(REPLY.values())
 
 
@@ -339,6 +345,64 @@ class Hello:
                 raise FrameError(f"HELLO: launch {module}/{gen} running word {running}, expected 0 or 1")
             launches.append(HelloLaunch(module, gen, slot, nodes, running == 1))
         return cls(version, pid, device, tuple(modules), tuple(launches), _text(body[at:]))
+
+
+DATA_HEAD = struct.Struct("<IQQ")  # slot, alloc, length; then the file's path (UTF-8)
+DATA_REPLY = struct.Struct("<QQ")  # dev (the data's device address), alloc
+WRITE_HEAD = struct.Struct("<IQ")  # slot, offset; then the bytes
+
+
+@dataclass(frozen=True)
+class DataReq:
+    """DATA's body: slot ``slot``'s program data, ``alloc`` bytes of device memory holding the first
+    ``length`` bytes of the file ``path`` (the rest zeroed); a region the slot had is freed first.
+    ``alloc`` 0: the slot's region freed, nothing else (``length`` 0, no path)."""
+
+    slot: int
+    alloc: int
+    length: int = 0
+    path: str = ""
+
+    def encode(self) -> bytes:
+        return DATA_HEAD.pack(self.slot, self.alloc, self.length) + self.path.encode()
+
+    @classmethod
+    def decode(cls, body: bytes) -> DataReq:
+        if len(body) < DATA_HEAD.size:
+            raise FrameError(f"DATA body of {len(body)} bytes, shorter than its {DATA_HEAD.size}-byte head")
+        slot, alloc, length = DATA_HEAD.unpack_from(body)
+        if length > alloc:
+            raise FrameError(f"DATA length {length} is over its allocation of {alloc} bytes")
+        return cls(slot, alloc, length, _text(body[DATA_HEAD.size :]))
+
+
+@dataclass(frozen=True)
+class WriteReq:
+    """WRITE's body: ``data`` copied into slot ``slot``'s program data at ``offset``; answered once
+    the copy is complete on the device."""
+
+    slot: int
+    offset: int
+    data: bytes
+
+    def encode(self) -> bytes:
+        return WRITE_HEAD.pack(self.slot, self.offset) + self.data
+
+    @classmethod
+    def decode(cls, body: bytes) -> WriteReq:
+        if len(body) < WRITE_HEAD.size:
+            raise FrameError(f"WRITE body of {len(body)} bytes, shorter than its {WRITE_HEAD.size}-byte head")
+        slot, offset = WRITE_HEAD.unpack_from(body)
+        return cls(slot, offset, bytes(body[WRITE_HEAD.size :]))
+
+
+def data_reply(dev: int, alloc: int) -> bytes:
+    return ok_reply(DATA_REPLY.pack(dev, alloc))
+
+
+def data_placed(payload: bytes) -> tuple[int, int]:
+    """A DATA reply's payload: (the data's device address, its allocation)."""
+    return _exact("DATA reply", DATA_REPLY, payload)  # type: ignore[return-value]
 
 
 #: AF_UNIX paths stop at 107 bytes (sun_path is 108, with its NUL); a pid has at most 7 digits

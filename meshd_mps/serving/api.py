@@ -40,9 +40,11 @@ from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import MeshError, NotNative, NotServedHere, Unavailable, UpgradeMismatch
 from meshd_mps.names import check_name
 from meshd_mps.programs import Program, Programs
+from meshd_mps.programs.data import DataRef
 from meshd_mps.restore import Restore
 from meshd_mps.serving import schemas
 from meshd_mps.serving.client import MAX_BODY
+from meshd_mps.serving.data_api import MAX_DATA, DataRoutes
 from meshd_mps.serving.heads import MAX_HEAD, MAX_HEADERS, check_path, head_size, path_of
 from meshd_mps.serving.metrics import CONTENT_TYPE as METRICS_TYPE, Metrics
 from meshd_mps.serving.status import (
@@ -120,6 +122,7 @@ class Api:
         #: The desired state's dir and what the start restored from it (serving/server.py).
         self.state: dict[str, Any] | None = None
         self.busy: set[asyncio.Task[Any]] = set()
+        self.data = DataRoutes(programs, deadlines, answer)  # POST /v1/data, .../write (data_api.py)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -130,6 +133,8 @@ class Api:
             ("/v1/programs", {"GET": self.get_programs, "POST": self.post_program}),
             ("/v1/programs/{name}", {"GET": self.get_program, "PUT": self.put_program, "DELETE": self.delete_program}),
             ("/v1/programs/{name}/call", {"POST": self.post_call}),
+            ("/v1/programs/{name}/write", {"POST": self.data.post_write}),
+            ("/v1/data", {"POST": self.data.post_data}),
             ("/v1/native", {"GET": self.get_native, "POST": self.post_native}),
             ("/v1/native/{pid}", {"DELETE": self.delete_native}),
             ("/metrics", {"GET": self.get_metrics}),
@@ -203,7 +208,7 @@ class Api:
             v = request.version
             raise VersionNotSupported(f"HTTP/{v.major}.{v.minor}: only HTTP/1.x is served")
         check_path(request)
-        schemas.check_framing(request)
+        schemas.check_framing(request, MAX_DATA if request.match_info.handler == self.data.post_data else MAX_BODY)
         if self.stopping:
             raise Unavailable("meshd-mps is shutting down")
         try:
@@ -295,6 +300,7 @@ class Api:
             "mps_dir": s.get("mps_dir"),
             "cpus": cpus.status(),  # serve --daemon-cpus: the daemon's CPUs and its children's
             "programs": len(ps.by_name),
+            "data_bytes": sum(p.data.spec.alloc for p in ps.by_name.values() if p.data),  # the programs' data, together
             "stalled": sum(1 for p in ps.by_name.values() if ps.describe(p)["state"] == "stalled"),
             "devices": [{**d, "programs": len(ps.on_device(d["device"]))} for d in s["devices"]],
             "loads": ps.loads,
@@ -316,7 +322,8 @@ class Api:
             except MeshError as e:
                 out["clients_error"] = str(e)
         else:
-            out.update(blinks=s.get("blinks", 0), last_blink_ms=s.get("last_blink_ms"), context_pid=s.get("context_pid"))
+            out.update(blinks=s.get("blinks", 0), last_blink_ms=s.get("last_blink_ms"), context_pid=s.get("context_pid"),
+                       standby_pid=s.get("standby_pid"))
         return answer(200, out)
 
     async def get_programs(self, request: web.Request) -> web.Response:
@@ -340,7 +347,7 @@ class Api:
         request[PROGRAM] = body.manifest.name  # for the log of a refusal
         try:
             p = await self.ps.load(body.manifest, body.text.encode(), body.hash, body.nodes or 1, body.device, body.restart,
-                                   restore=body.restore or Restore.RELOAD)
+                                   restore=body.restore or Restore.RELOAD, data=body.data and DataRef(body.data))
         except NotServedHere as e:  # Backend's check, said in the body's terms
             raise NotServedHere(f"field 'device' {e.device}: this daemon serves GPU {', '.join(map(str, e.devices))}"
                                 " (--devices)", device=e.device, devices=e.devices) from e
@@ -361,7 +368,8 @@ class Api:
             if body.restore is not None and body.restore is not old.restore:
                 raise UpgradeMismatch(f"field 'restore' {body.restore.value!r}: an upgrade keeps the program's"
                                       f" {old.restore.value!r} (unload and load to change it)", program=name, field="restore")
-        p = await self.ps.upgrade(name, body.manifest, body.text.encode(), body.hash, body.restart)
+        p = await self.ps.upgrade(name, body.manifest, body.text.encode(), body.hash, body.restart,
+                                  data=body.data and DataRef(body.data))
         return self._loaded(p, 200, "upgraded")
 
     async def delete_program(self, request: web.Request) -> web.Response:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
-from meshd_mps.serving.client import MAX_BODY, ClientError
+from meshd_mps.serving.client import MAX_BODY, Client, ClientError
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -68,3 +69,17 @@ def respond(data: bytes, args: argparse.Namespace) -> None:
                 f.write(data)
     except OSError as e:
         raise ClientError(f"--out {args.outfile}: {e.strerror or e}") from e
+
+
+def call(client: Client, args: argparse.Namespace) -> dict[str, Any] | None:
+    """``meshd-mps call``: the request sent in the form its options ask for; the JSON form's answer
+    where ``--json`` asks for it, else None (the response printed or written already)."""
+    data = request(args)
+    if binary(args):
+        respond(client.call_bytes(args.name, data if isinstance(data, bytes) else data.encode(), args.timeout), args)
+        return None
+    ans = client.call(args.name, data, args.timeout)
+    if args.json:
+        return ans
+    print(ans["hex"] if args.hex else ans["data"])
+    return None

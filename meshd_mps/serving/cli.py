@@ -62,6 +62,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "meshd-mps status\n  meshd-mps status --json"),
     "native": ("join a CUDA process of yours to our MPS server: print its environment, register its pid",
                'eval "$(meshd-mps native)"; python train.py &  meshd-mps native --add $!'),
+    "write": ("write FILE (- for stdin) into a running program's data at OFFSET, while it runs",
+              "meshd-mps write table 4096 rows.bin"),
     "call": ("send DATA (or a file's bytes) to a program's request ring and print its response (or write it)",
              "meshd-mps call echo hello\n  meshd-mps call echo --hex 00ff10 --timeout 2\n"
              "  meshd-mps call echo --in query.bin --out answer.bin"),
@@ -108,6 +110,8 @@ def _image_opts(p: argparse.ArgumentParser, nodes: bool) -> None:
     src.add_argument("--cuda", metavar="FILE", help="the program's CUDA C source: compiled here, as you, with NVRTC for"
                      " the daemon's oldest GPU, and sent as PTX (the daemon takes PTX only)")
     p.add_argument("--hash", metavar="H", help="the image hash expected (16 hex digits); another image is refused")
+    p.add_argument("--data", metavar="FILE", help="the program's data: device memory it owns, FILE copied in (default: the"
+                   " manifest's data file; an upgrade keeps the program's data unless given)")
     p.add_argument("--restart", choices=("on-failure", "always", "never"),
                    help="when it comes back by itself: on-failure (when it fails or faults; the default), always (also"
                         " when it returns), never; with backoff, and not after 5 failures within 60 s (crash-loop)"
@@ -213,6 +217,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--drop", type=int, metavar="PID", help="no longer count PID as a native client")
     _client_opts(p)
 
+    p = _sub(sub, "write")
+    p.add_argument("name", metavar="NAME", help="the loaded program")
+    p.add_argument("offset", type=int, metavar="OFFSET", help="where in its data, in bytes")
+    p.add_argument("file", metavar="FILE", help="the bytes to write (at most 64 MiB; - for stdin)")
+    _client_opts(p)
+
     p = _sub(sub, "call")
     p.add_argument("name", metavar="NAME", help="the loaded program")
     from meshd_mps.serving import callio
@@ -255,8 +265,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "check":
         from meshd_mps.serving import check
+        from meshd_mps.serving.client import ClientError
 
-        return check.main(args)
+        try:  # the daemon asked for its GPU is the one every client command asks (--gpu sim's too)
+            socket = _socket_of(args)
+        except ClientError as e:
+            print(f"meshd-mps: {e}", file=sys.stderr)
+            return 2
+        return check.main(args, socket)
     return _client(args)
 
 
@@ -362,7 +378,7 @@ def own_executable() -> str | None:
 
 
 def _client(args: argparse.Namespace) -> int:
-    from meshd_mps.serving.client import Client, ClientError, NoDaemon
+    from meshd_mps.serving.client import Client, ClientError, NoDaemon, read_input
 
     try:
         c = Client(_socket_of(args), gpu=args.gpu)
@@ -376,6 +392,7 @@ def _client(args: argparse.Namespace) -> int:
                                   getattr(args, "device", None), restart=args.restart, loading=args.cmd == "load")
             if getattr(args, "restore", None) is not None:
                 body["restore"] = args.restore
+            c.with_data(body, args.data, args.dir, args.manifest)
             ans = c.load(body) if args.cmd == "load" else c.upgrade(args.name, body)
             if args.json:
                 return _json(ans)
@@ -417,18 +434,17 @@ def _client(args: argparse.Namespace) -> int:
                 for k, v in ans["env"].items():
                     print(f"export {k}={shlex.quote(v)}")
             print(f"# native clients: {' '.join(map(str, ans['clients'])) or 'none'}")
+        elif args.cmd == "write":
+            ans = c.write(args.name, args.offset, read_input(args.file))
+            if args.json:
+                return _json(ans)
+            print(f"{args.name}: {ans['bytes']} bytes written at {ans['offset']}"
+                  + (f" (DATA_SEQ {ans['seq']})" if ans.get("seq") is not None else " (placed at its next launch)"))
         elif args.cmd == "call":
             from meshd_mps.serving import callio
 
-            data = callio.request(args)
-            if callio.binary(args):
-                callio.respond(c.call_bytes(args.name, data if isinstance(data, bytes) else data.encode(), args.timeout),
-                               args)
-                return 0
-            ans = c.call(args.name, data, args.timeout)
-            if args.json:
-                return _json(ans)
-            print(ans["hex"] if args.hex else ans["data"])
+            if (answer := callio.call(c, args)) is not None:  # --json
+                return _json(answer)
         else:  # pragma: no cover - argparse knows the commands
             raise ClientError(f"unknown command {args.cmd}")
     except NoDaemon as e:

@@ -30,7 +30,8 @@ from meshd_mps.serving.client import BINARY, MAX_BODY
 from meshd_mps.serving.status import BadBody, BodyTooLarge, EncodingRefused, LengthRequired, RequestTimeout
 from meshd_mps.strictjson import parse_json
 
-LOAD_FIELDS = ("manifest", "ptx", "hash", "nodes", "device", "restart", "restore")
+LOAD_FIELDS = ("manifest", "ptx", "hash", "nodes", "device", "restart", "restore", "data")
+_KEY = re.compile(r"[0-9a-f]{64}")
 CALL_FIELDS = ("data", "hex", "timeout")
 #: The answer to a body with CUDA C: the daemon never compiles it (an ``#include`` would read any
 #: file the daemon can read, and the compile log would echo it to the client).
@@ -39,8 +40,9 @@ PTX_ONLY = ("field 'cuda': this daemon takes PTX only; it does not compile CUDA 
             " .cu file), or meshd-mps load --manifest FILE --cuda FILE")
 
 
-def check_framing(request: web.BaseRequest) -> None:
-    """Before the route: a body the daemon can refuse by its size before reading any of it."""
+def check_framing(request: web.BaseRequest, limit: int = MAX_BODY) -> None:
+    """Before the route: a body the daemon can refuse by its size before reading any of it
+    (``limit``: the route's; a data file's is larger, serving/data_api.py)."""
     if "Transfer-Encoding" in request.headers:
         raise LengthRequired("chunked bodies are not supported: send Content-Length")
     coding = request.headers.get("Content-Encoding", "identity")
@@ -48,8 +50,8 @@ def check_framing(request: web.BaseRequest) -> None:
         raise EncodingRefused(f"Content-Encoding {coding[:40]!r} is not supported: send the body as it is",
                               encoding=coding[:40])
     n = request.content_length  # the parser took only digits
-    if n is not None and n > MAX_BODY:
-        raise BodyTooLarge(f"body of {n} bytes is over the limit of {MAX_BODY} bytes (64 MiB)", size=n, limit=MAX_BODY)
+    if n is not None and n > limit:
+        raise BodyTooLarge(f"body of {n} bytes is over the limit of {limit} bytes ({limit >> 20} MiB)", size=n, limit=limit)
 
 
 _HEX = re.compile(r"(?:[0-9a-fA-F]{2})*")
@@ -123,6 +125,7 @@ class LoadBody:
     device: int | None = None
     restart: Policy | None = None  # None: the daemon's default (a load), the program's own (an upgrade)
     restore: Restore | None = None  # None: reload (a load), the program's own (an upgrade, which keeps it)
+    data: str | None = None  # the SHA-256 of data the daemon holds (POST /v1/data); None: none (an upgrade: kept)
 
 
 def load_body(obj: dict[str, Any]) -> LoadBody:
@@ -168,7 +171,13 @@ def load_body(obj: dict[str, Any]) -> LoadBody:
             restore = Restore.parse(obj["restore"])
         except BadRestoreMode as e:
             raise e.prefixed("field 'restore'") from e
-    return LoadBody(m, text, required, nodes, _int_field(obj, "device"), restart, restore)
+    data = None
+    if obj.get("data") is not None:
+        data = obj["data"]
+        if not isinstance(data, str) or not _KEY.fullmatch(data):
+            raise BadBody(f"field 'data' {_show(data)}: the SHA-256 (64 lowercase hex digits) that POST /v1/data answered",
+                          field="data")
+    return LoadBody(m, text, required, nodes, _int_field(obj, "device"), restart, restore, data)
 
 
 @dataclass

@@ -22,6 +22,7 @@ Every task of the daemon (the signal watcher, the NVML watch) lives in the one t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
@@ -48,11 +49,13 @@ from meshd_mps.backend import Backend
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import MeshError, NoDriver
 from meshd_mps.gpu.compiler import nvjitlink_version
+from meshd_mps.gpu.device import check_driver
 from meshd_mps.gpu.nvml import Nvml, NvmlLike, SimNvml
 from meshd_mps.log import setup_logging
 from meshd_mps.mps.control import become_subreaper
 from meshd_mps.neighbours import NeighbourWatch, classify, look
 from meshd_mps.programs import Programs
+from meshd_mps.programs.datastore import DataStore
 from meshd_mps.serving import reaper, sdnotify
 from meshd_mps.serving.api import Api
 from meshd_mps.serving.client import default_socket, program_body
@@ -60,6 +63,7 @@ from meshd_mps.serving.metrics import Metrics
 from meshd_mps.serving.unix_socket import BACKLOG, ControlSocket
 from meshd_mps.state.config import SERVE_DEFAULTS, DeclaredProgram, pool_of
 from meshd_mps.state.desired import Recorder, Restored, restore
+from meshd_mps.state.statedir import DATA_DIR, resolve_state_dir
 from meshd_mps.state.store import Store
 from meshd_mps.supervision import cpus
 from meshd_mps.version import version
@@ -167,6 +171,7 @@ class Daemon:
         self.cfg = cfg
         self.deadlines = deadlines
         self.socket_path = os.path.abspath(cfg.socket or default_socket(cfg.gpu))
+        self.state_path = resolve_state_dir(cfg.state_dir, gpu=cfg.gpu)
         self.backend: Backend | None = None
         self.programs: Programs | None = None
         self.metrics: Metrics | None = None
@@ -201,12 +206,19 @@ class Daemon:
         return status
 
     async def _run(self, tg: anyio.abc.TaskGroup) -> int:
+        if self.cfg.gpu == "cuda":
+            check_driver()  # before anything is made, whatever the isolation
         try:
             become_subreaper()  # orphans of ours (the MPS daemon's) are ours to reap
         except MeshError as e:
             log.warning(str(e))
-        sock = self._bind()
-        served = False
+        fresh = self._fresh()
+        served = refused = False
+        try:
+            sock = self._bind()
+        except BaseException:
+            self._unmake(fresh)
+            raise
         try:
             with anyio.CancelScope() as starting:
                 self._starting = starting
@@ -220,6 +232,9 @@ class Daemon:
             served = True
             await self._serve(sock, tg)
             return 0
+        except Exception:
+            refused = not served
+            raise
         finally:
             with anyio.CancelScope(shield=True):
                 sock.close()  # closing it twice is nothing
@@ -227,6 +242,24 @@ class Daemon:
                 self._remove_socket()
             if served:
                 log.info("meshd-mps stopped")
+            if refused:
+                self._unmake(fresh)
+
+    def _fresh(self) -> list[str]:
+        """What this start would make (the socket's directory, the state dir), for a refusal to remove."""
+        return [d for d in (os.path.dirname(self.socket_path), self.state_path) if not os.path.lexists(d)]
+
+    def _unmake(self, fresh: list[str]) -> None:
+        """A refused start leaves nothing of its own: the state dir, if it was not there before and
+        this start held it (its lock: no other daemon used it), goes with what the start put in it
+        (the lock, ptx/); the socket's directory, if it was not there before, goes if it is empty
+        (another daemon's socket in it stays)."""
+        if self.state_path in fresh and self.store is not None:
+            shutil.rmtree(self.state_path, ignore_errors=True)
+        sock_dir = os.path.dirname(self.socket_path)
+        if sock_dir in fresh:
+            with contextlib.suppress(OSError):
+                os.rmdir(sock_dir)
 
     async def _open(self) -> None:
         c = self.cfg
@@ -234,7 +267,7 @@ class Daemon:
         self.versions = await anyio.to_thread.run_sync(versions)
         # First: its lock makes the state dir ours alone, and with it (live restore) the mailbox file, the MPS
         # directory and the workers' sockets under it.  Refused: another user's dir, another daemon on it.
-        self.store = await anyio.to_thread.run_sync(functools.partial(Store.open, c.state_dir, gpu=c.gpu,
+        self.store = await anyio.to_thread.run_sync(functools.partial(Store.open, self.state_path, gpu=c.gpu,
                                                                       socket=self.socket_path))
         d = self.deadlines if c.orphan_timeout is None else dataclasses.replace(self.deadlines, orphan=c.orphan_timeout)
         b = await Backend.open(isolation=c.isolation, sms=c.sms, mps_dir=c.mps_dir, pool=pool,  # type: ignore[arg-type]
@@ -243,7 +276,8 @@ class Daemon:
                                clear=None if c.live_restore else self.store.dir)
         self.backend = b
         # stall_after only when given: Programs' own default (Deadlines.stall) otherwise.
-        self.programs = Programs(b) if c.stall_after is None else Programs(b, stall_after=c.stall_after)
+        data = await anyio.to_thread.run_sync(DataStore, os.path.join(self.store.dir, DATA_DIR))
+        self.programs = Programs(b, data=data) if c.stall_after is None else Programs(b, stall_after=c.stall_after, data=data)
         self.metrics = Metrics(b, self.programs, self.versions.get("meshd-mps", ""), self.t0)
         await self._restore()
 
@@ -256,7 +290,11 @@ class Daemon:
         arch = b.info.compute
 
         def body(d: DeclaredProgram) -> dict[str, Any]:
-            return program_body(d.dir, d.manifest, d.ptx, d.cuda, d.hash, d.nodes, d.device, arch=arch, restart=d.restart)
+            out = program_body(d.dir, d.manifest, d.ptx, d.cuda, d.hash, d.nodes, d.device, arch=arch, restart=d.restart)
+            m = out["manifest"]
+            if isinstance(m, dict) and m.get("data"):  # its data file, beside the manifest (the operator's, as the PTX)
+                out["data_file"] = os.path.join(os.path.dirname(d.manifest), m["data"])
+            return out
 
         ps.recorder = Recorder(store)  # the declared programs loaded now are recorded too
         self.restored = await restore(ps, store, c.programs, body, b.found)

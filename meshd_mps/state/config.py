@@ -42,7 +42,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "isolation": defaults.ISOLATION,
     "sms": defaults.SMS,
     "mps_dir": None,  # a temporary directory, removed at exit
-    "pool": None,  # POOL_BY_ISOLATION: 2 in MPS mode, 0 in blink mode
+    "pool": None,  # POOL_BY_ISOLATION: 4 in MPS mode, 0 in blink mode
     "devices": "all",
     "gpu": defaults.GPU,
     "socket": None,  # client.default_socket(gpu): meshd-mps-sim.sock for --gpu sim (defaults.named)

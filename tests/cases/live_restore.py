@@ -85,6 +85,9 @@ def adopt_case(tmp: str, isolation: str, how: int, gpu: str = "sim") -> None:
         a.client.load(program_body(str(EXAMPLES / "heartbeat")))
         a.client.load(program_body(str(EXAMPLES / "echo")))
         pool = pooled(a) if isolation == "mps" else []
+        # Blink: the next context's worker stands by (no context); a stop retires it, a SIGKILL leaves it
+        # for the next daemon, which adopts it and retires it (it holds no module).
+        standby = poll(lambda: a.client.status()["standby_pid"], 20.0, "the standby") if isolation == "blink" else None
         before = rows(a)
         mb = Mailbox.open(live_paths(state).mailbox)  # the file the kernels beat in: it outlives the daemon
         try:
@@ -101,6 +104,8 @@ def adopt_case(tmp: str, isolation: str, how: int, gpu: str = "sim") -> None:
             assert len(regions(state)) == 1, "echo's payload region outlives its daemon, as the mailbox does"
             pids = {p["pid"] for p in before.values()} | set(pool)
             assert all(alive(p) for p in pids), "the workers run on with no daemon"
+            if how == signal.SIGKILL and standby is not None:
+                pids.add(standby)
             last = wait_beats(mb, slot, last + 2)  # and the kernel beats meanwhile
             b = serve(tmp, state, isolation, name="b", gpu=gpu)
             try:
