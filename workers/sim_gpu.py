@@ -103,7 +103,7 @@ RPC_FAILURE = (
 #: The kernels that write STATE = RUNNING themselves, after their set-up, as their sources do.
 RESIDENT = ("heartbeat", "echo", "peek")
 #: cuModuleGetFunction's text on the H200 for an image without the entry.
-NO_ENTRY = f"cuModuleGetFunction({abi.ENTRY}): CUDA_ERROR_NOT_FOUND (named symbol not found)"
+NO_ENTRY = frames.DRIVER_NO_ENTRY
 
 
 @dataclass

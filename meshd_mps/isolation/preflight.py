@@ -16,10 +16,7 @@ from meshd_mps.gpu.compiler import Prepared
 from meshd_mps.gpu.cubin import STT_FUNC, STT_OBJECT, Cubin, CubinError
 from meshd_mps.gpu.device import DeviceInfo
 from meshd_mps.protocol import abi
-from meshd_mps.protocol.frames import NoEntry
-
-#: What the driver's refusal would have named: here nothing was loaded, the cubin was read.
-READ_NOT_LOADED = "nothing (read from the cubin before any load: it has no such symbol)"
+from meshd_mps.protocol.frames import DRIVER_NO_ENTRY, NoEntry
 
 
 def abi_mismatch(name: str, got: int) -> AbiMismatch:
@@ -37,7 +34,7 @@ def preflight(prepared: Prepared, gpu: str, info: DeviceInfo) -> None:
     except CubinError:
         return
     if cubin.symbol(abi.ENTRY, STT_FUNC) is None:
-        raise NoEntry(driver=READ_NOT_LOADED)
+        raise NoEntry(driver=DRIVER_NO_ENTRY, read=True).prefixed(f"load {name}")
     sym = cubin.symbol(abi.RT_ABI_SYMBOL, STT_OBJECT)
     got = 0 if sym is None else cubin.u32(sym)
     if got is not None and got != abi.RT_ABI:

@@ -461,13 +461,20 @@ LOADED_ONLY = (REFUSED, NO_ENTRY)
 ENTRY_DECL = f'extern "C" __global__ void {ENTRY}(unsigned long long mailbox, unsigned int slot)'
 
 
+#: The driver's words for an image without the entry (cuModuleGetFunction), as a worker reports them.
+DRIVER_NO_ENTRY = f"cuModuleGetFunction({ENTRY}): CUDA_ERROR_NOT_FOUND (named symbol not found)"
+
+
 class NoEntry(ImageRefused):
     """LOADED's ok word NO_ENTRY as the daemon says it: an image without ``mesh_main``, most often
-    declared without ``extern "C"``, so that its name is mangled.  ``driver``: the driver's words."""
+    declared without ``extern "C"``, so that its name is mangled.  ``driver``: the driver's words;
+    ``read``: found in the cubin before any load (the driver's words are then what it would say)."""
 
-    def __init__(self, *, driver: str):
+    def __init__(self, *, driver: str, read: bool = False):
+        said = (f"read from the cubin before it was loaded (the driver would say {driver})" if read
+                else f"the driver said {driver}")
         super().__init__(f"no `{ENTRY_DECL}` in the program: declare the entry so, with extern \"C\" (without it the"
-                         f" name is mangled; docs/program-abi.md); the driver said {driver}", driver=driver)
+                         f" name is mangled; docs/program-abi.md); {said}", driver=driver)
 
 
 def error_reply(message: str, refused: bool = False, *, word: int | None = None) -> bytes:
