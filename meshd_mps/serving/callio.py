@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any
 
-from meshd_mps.serving.client import MAX_BODY, Client, ClientError
+from meshd_mps.serving.client import Client, ClientError, read_input
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -37,16 +37,9 @@ def request(args: argparse.Namespace) -> bytes | str:
         raise ClientError("--json prints the JSON form's answer; --in and --out make the call binary: drop one")
     if args.infile is not None:
         try:
-            if args.infile == "-":
-                data = sys.stdin.buffer.read(MAX_BODY + 1)
-            else:
-                with open(args.infile, "rb") as f:
-                    data = f.read(MAX_BODY + 1)
-        except OSError as e:
-            raise ClientError(f"--in {args.infile}: {e.strerror or e}") from e
-        if len(data) > MAX_BODY:
-            raise ClientError(f"--in {args.infile}: over the daemon's {MAX_BODY} bytes (64 MiB) a request")
-        return data
+            return read_input(args.infile)
+        except ClientError as e:
+            raise ClientError(f"--in {e}") from e
     if args.hex:
         try:
             return bytes.fromhex(args.data)

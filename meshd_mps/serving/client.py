@@ -384,5 +384,5 @@ def read_input(path: str) -> bytes:
     except OSError as e:
         raise ClientError(f"{path}: {e.strerror or e}") from e
     if len(data) > MAX_BODY:
-        raise ClientError(f"{path}: over the limit of {MAX_BODY} bytes (64 MiB) a write takes")
+        raise ClientError(f"{path}: over the limit of {MAX_BODY} bytes (64 MiB) a body may have")
     return data
