@@ -421,10 +421,9 @@ class Isolation(ABC):
                             f" started (frame protocol {version}; PAYLOADS needs {frames.PAYLOADS_SINCE}): start"
                             " meshd-mps without live restore once, or load it where no such worker is",
                             program=name, pid=p.pid, version=version, needs=frames.PAYLOADS_SINCE)
-        lay = region.layout
+        req = PayloadsReq(module, region.layout.max_request, region.layout.max_response, region.path)
         try:
-            frames.payloads_dev(await p.ask(Op.PAYLOADS, PayloadsReq(module, lay.max_request, lay.max_response,
-                                                                       region.path).encode()))
+            frames.u64_value(Op.PAYLOADS, await p.ask(Op.PAYLOADS, req.encode()))
         except (WorkerError, FrameError) as e:
             raise e.prefixed(f"{name}: payload region") from e
 

@@ -340,7 +340,7 @@ class BlinkIsolation(Isolation):
         async def ask() -> int:
             try:
                 payload = await p.ask(Op.LIMIT, frames.limit_body(set_to))
-                return frames.limit_value(payload)
+                return frames.u64_value(Op.LIMIT, payload)
             except frames.FrameError as e:
                 raise e.prefixed(f"stack limit: worker {p.pid}") from e
 

@@ -205,10 +205,9 @@ class LaunchReq:
 
 @dataclass(frozen=True)
 class PayloadsReq:
-    """A PAYLOADS request's body: module ``module``'s payload region, the file at ``path`` laid out
-    for requests of ``max_request`` and responses of ``max_response`` bytes (protocol/payloads.py);
-    answered with its device address (``ok_reply`` of a u64), which the worker also writes into the
-    slot at each launch of the module."""
+    """A PAYLOADS request's body: module ``module``'s payload region, the file at ``path`` laid out for
+    requests of ``max_request`` and responses of ``max_response`` bytes (protocol/payloads.py);
+    answered with its device address (``u64_value``), which the worker writes into the slot too."""
 
     module: int
     max_request: int
@@ -224,13 +223,6 @@ class PayloadsReq:
             raise FrameError(f"PAYLOADS body of {len(body)} bytes: its {PAYLOADS_HEAD.size}-byte head and a path expected")
         module, req, resp = PAYLOADS_HEAD.unpack_from(body)
         return cls(module, req, resp, _text(body[PAYLOADS_HEAD.size :]))
-
-
-def payloads_dev(payload: bytes) -> int:
-    """A PAYLOADS reply's device address (the payload after its ok word)."""
-    if len(payload) != 8:
-        raise FrameError(f"PAYLOADS reply payload of {len(payload)} bytes, expected a u64")
-    return struct.unpack("<Q", payload)[0]
 
 
 @dataclass(slots=True)
@@ -439,9 +431,10 @@ def limit_request(body: bytes) -> int | None:
     return value if set_ else None
 
 
-def limit_value(payload: bytes) -> int:
+def u64_value(op: Op, payload: bytes) -> int:
+    """The u64 of an ok reply that carries one (LIMIT's bytes, PAYLOADS' device address)."""
     if len(payload) != 8:
-        raise FrameError(f"LIMIT reply payload of {len(payload)} bytes, expected a u64")
+        raise FrameError(f"{op.name} reply payload of {len(payload)} bytes, expected a u64")
     return struct.unpack("<Q", payload)[0]
 
 
