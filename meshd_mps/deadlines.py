@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 #: Each request op whose reply is awaited (by its name: the op table is the protocol's, a layer up),
 #: and the field of :class:`Deadlines` that bounds the wait.
-_REPLY = {"LAUNCH": "launch", "READY": "ready", "LOAD": "load", "LIMIT": "load", "DATA": "data", "WRITE": "write"}
+_REPLY = {"LAUNCH": "launch", "READY": "ready", "LOAD": "load", "LIMIT": "load", "DATA": "data", "WRITE": "write",
+          "PAYLOADS": "load"}
 
 
 @dataclass(frozen=True)

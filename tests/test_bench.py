@@ -49,7 +49,7 @@ def test_bench_sim_quick(standin_on_path, tmp_path):
         rows = data["rows"]
         assert not [x for x in rows if x["result"] == "ERROR"], r.stdout
         assert data["left_behind"] == []
-        for rid in "abcdefghijkm":
+        for rid in "abcdefghijkmp":
             mine = [x for x in rows if x["id"] == rid]
             assert mine, f"no row ({rid})\n{r.stdout}"
             for x in mine:

@@ -213,7 +213,8 @@ def check_errors(s: Serve, c: Client, isolation: str) -> None:
     refused(lambda: c.load({"manifest": manifest("spin"), "ptx": ptx, "extra": 1}), 400, "unknown field 'extra'")
     refused(lambda: c.request("POST", "/v1/programs/echo/call", {"data": "x", "when": 1}), 400, "unknown field 'when'")
     refused(lambda: c.request("POST", "/v1/programs/echo/call", {"data": "x", "hex": "00"}), 400)
-    refused(lambda: c.request("POST", "/v1/programs/echo/call", {"data": "x" * 189}), 400, "at most 188")
+    refused(lambda: c.request("POST", "/v1/programs/echo/call", {"data": "x" * 65537}), 413,
+            "request of 65537 bytes is over its most, 65536 bytes")
     refused(lambda: c.request("POST", "/v1/programs/echo/call", {"data": "x", "timeout": -1}), 400, "'timeout'")
     refused(lambda: c.request("POST", "/v1/programs", None), 400, "empty body")
     refused(lambda: c.load({"ptx": ptx}), 400, "'manifest' is missing")

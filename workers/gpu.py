@@ -7,6 +7,7 @@ from typing import Generic, Protocol, TypeVar
 
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import DataReq, Done, Load, Loaded, WriteReq
+from meshd_mps.protocol.payloads import Layout
 
 from .warm import MAX_QUEUES, QUEUES_ENV
 
@@ -84,9 +85,16 @@ class Gpu(Protocol):
         """Load ``req.cubin`` as module ``req.module``; its entry is ``mesh_main``."""
         ...
 
+    def payloads(self, module: int, path: str, layout: Layout) -> int:
+        """Module ``module``'s payload region: the file at ``path`` mapped and registered with the
+        context as host-mapped memory; its device address, which each launch of the module writes
+        into its slot (``protocol.payloads.write_slot``) before the kernel starts."""
+        ...
+
     def launch(self, module: int, gen: int, slot: int, nodes: int, on_done: DoneCallback) -> None:
-        """Start ``mesh_main(mailbox_dev, slot)`` on ``nodes`` blocks; ``on_done`` runs once
-        from another thread when the launch's stream finishes (or fails)."""
+        """Start ``mesh_main(mailbox_dev, slot)`` on ``nodes`` blocks, the module's payload region
+        (if it has one) written into the slot first; ``on_done`` runs once from another thread when
+        the launch's stream finishes (or fails)."""
         ...
 
     def unload(self, module: int) -> None: ...

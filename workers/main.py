@@ -36,8 +36,9 @@ from collections.abc import Callable
 
 from meshd_mps.deadlines import DEFAULT
 from meshd_mps.protocol import frames
-from meshd_mps.protocol.frames import DataReq, Done, FrameError, LaunchReq, Load, Op, WriteReq
+from meshd_mps.protocol.frames import DataReq, Done, FrameError, LaunchReq, Load, Op, PayloadsReq, WriteReq
 from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.protocol.payloads import Layout
 
 from . import live, wlog
 from .gpu import Gpu, GpuError
@@ -255,6 +256,8 @@ def _serve(ch: Channel, opened: Opened, inject: dict[str, str], link: live.Link 
                 _answer(ch, op, functools.partial(_data, gpu, DataReq.decode(body)))
             elif op == Op.WRITE:
                 _answer(ch, op, functools.partial(_write, gpu, WriteReq.decode(body)))
+            elif op == Op.PAYLOADS:
+                _answer(ch, op, functools.partial(_payloads, gpu, PayloadsReq.decode(body)))
             elif op == Op.UNLOAD:
                 module = frames.unload_module(body)
                 try:
@@ -292,6 +295,14 @@ def _data(gpu: Gpu, req: DataReq) -> bytes:
 def _limit(gpu: Gpu, set_to: int | None) -> bytes:
     """LIMIT: the context's stack limit, set first if asked."""
     return frames.ok_reply(struct.pack("<Q", gpu.stack_limit(set_to)))
+
+
+def _payloads(gpu: Gpu, req: PayloadsReq) -> bytes:
+    """PAYLOADS: the module's payload region mapped and registered, logged; its device address."""
+    dev = gpu.payloads(req.module, req.path, Layout(req.max_request, req.max_response))
+    log.info("payload region mapped", module=req.module, path=req.path, max_request=req.max_request,
+             max_response=req.max_response)
+    return frames.ok_reply(struct.pack("<Q", dev))
 
 
 def _write(gpu: Gpu, req: WriteReq) -> bytes:

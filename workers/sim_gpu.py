@@ -22,6 +22,8 @@ Script keys (all optional):
   start: false  (never write STATE = RUNNING; otherwise as its kernel)
   pause_after, pause_ms: heartbeat/echo stop beating after that many beats, for
       pause_ms (0: until HALT), still seeing HALT: a stalled program
+  answer_bytes, answer_at: echo answers every request over 188 bytes with that
+      length at that offset of its payload region (a misbehaving program)
   entry: false  (the image has no mesh_main: refused at load)
   load, launch, ready: a protocol fault in that reply: hang | exit | garbage |
       wrong-op | short | close-stdout | unsolicited | error:<text>
@@ -64,11 +66,9 @@ what runs on the GPU, not the GPU.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections import deque
@@ -78,9 +78,11 @@ from fractions import Fraction
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import DataReq, Done, Load, Loaded, WriteReq
 from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.protocol.payloads import Layout
 
 from . import pipes, wlog
 from .gpu import DoneCallback, GpuError, Streams
+from .hostmem import PayloadRegions, check_shared, sim_register
 from .sim_data import SimRegions
 from .sim_images import Examples
 from .sim_kernels import POLLER, Script, resident
@@ -150,25 +152,6 @@ def _script_of(req: Load, examples: Examples) -> tuple[Script, str | None]:
     return {"kernel": kind}, kind
 
 
-#: statfs's f_type of tmpfs, and of shmem (a memfd, /dev/shm).
-TMPFS_MAGIC = 0x01021994
-
-
-def _check_registrable(mailbox: Mailbox) -> None:
-    """The mailbox registered as host memory, as CudaGpu does (cuMemHostRegister): the H200's
-    driver refused a regular file's pages with CUDA_ERROR_INVALID_VALUE and took shared memory's
-    (2026-12-03, docs/reliability.md, "Live restore"), so the simulation refuses every mailbox not
-    on tmpfs or shmem the same way."""
-    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type (a long) first
-    if ctypes.CDLL(None, use_errno=True).fstatfs(mailbox.fd, buf) != 0:
-        raise GpuError(f"cuMemHostRegister: CUDA_ERROR_INVALID_VALUE (simulated: fstatfs: {os.strerror(ctypes.get_errno())})")
-    kind = int.from_bytes(buf.raw[:8], sys.byteorder, signed=True) & 0xFFFFFFFF
-    if kind != TMPFS_MAGIC:
-        raise GpuError(f"cuMemHostRegister: CUDA_ERROR_INVALID_VALUE (invalid argument) (simulated: the mailbox"
-                       f" {mailbox.path} is on a filesystem of type 0x{kind:x}, not shared memory; the H200's driver"
-                       " refuses a regular file's pages)")
-
-
 def _linger_at_exit(seconds: float) -> None:
     """A child that holds this process's frame pipe to the daemon (its stdout, workers/pipes.py),
     and nothing else, open until ``seconds`` after this process has died (``EXIT_LINGER_ENV``);
@@ -210,7 +193,7 @@ class SimGpu:
                 f"cuDevSmResourceSplitByCount: CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION ({sms} of {SIM_SMS} SMs)"
             )
         self.sms = -(-sms // 8) * 8 if sms else SIM_SMS  # green contexts come in multiples of 8 SMs
-        _check_registrable(mailbox)
+        check_shared(mailbox.fd, f"the mailbox {mailbox.path}")
         self._examples = Examples(examples, simulated_device(device))
         self._data = SimRegions(simulated_memory(), device)  # the programs' data, by slot (sim_data.py)
         self._client: socket.socket | None = None
@@ -229,6 +212,7 @@ class SimGpu:
         self._used = Fraction(0)
         self._cv = threading.Condition()
         self._pong = threading.Event()
+        self._regions = PayloadRegions(mailbox, sim_register(device), lambda _kept: None)
         self._connect()
         if self._client is not None:
             threading.Thread(target=self._listen, args=(self._client,), name="sim mps client", daemon=True).start()
@@ -351,6 +335,15 @@ class SimGpu:
             scratch=req.scratch,
         )
 
+    def payloads(self, module: int, path: str, layout: Layout) -> int:
+        """The region mapped and "registered" at a simulated device address of its own; the kernels
+        find it through their slot's words."""
+        self._check("cuMemHostRegister")
+        m = self._modules.get(module)
+        if m is None:
+            raise GpuError(f"module {module} is not loaded")
+        return self._regions.map(module, m.name, path, layout)
+
     def launch(self, module: int, gen: int, slot: int, nodes: int, on_done: DoneCallback) -> None:
         self._check("cuLaunchKernel")
         m = self._modules.get(module)
@@ -368,6 +361,7 @@ class SimGpu:
                 "cuLaunchKernel: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (too many resources requested for launch;"
                 f" simulated: {m.name} reports {m.per_sm} blocks per SM)"
             )
+        self._regions.launching(module, slot)  # its payload region in the slot's words, before the kernel reads them
         k = _Kernel(m, Fraction(nodes, m.per_sm * self.sms))
         with self._cv:
             m.launched += 1
@@ -489,6 +483,7 @@ class SimGpu:
             self._modules[module] = m
             raise GpuError(f"cuModuleUnload: module {module} ({m.name}) still runs")
         self._streams.give(m.queue)
+        self._regions.unmap(module)
         if m.script.get("quit") == "ignore" and self.startup != "ignore-quit":
             self._quit = None
 

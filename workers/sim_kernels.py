@@ -181,8 +181,12 @@ class MeshRing:
     from the one rung (one daemon's calls to its 30 replicas in turn, p50: 1.38 ms with hot polls,
     0.065 ms parked at once on the bell; the 2-core machine, 2026-12-07)."""
 
-    def __init__(self, mb: Mailbox, slot: int, beat: MeshBeat, every: int, poller: Poller | None = None):
+    def __init__(self, mb: Mailbox, slot: int, beat: MeshBeat, every: int, poller: Poller | None = None,
+                 wrong: Script | None = None):
         self.mb, self.slot, self.b, self.every = mb, slot, beat, every
+        #: A misbehaving program, on script: every answer over 188 bytes says this length
+        #: (``answer_bytes``) at this offset of the region (``answer_at``), for the host's checks.
+        self.wrong = {k: v for k, v in (wrong or {}).items() if k in ("answer_bytes", "answer_at") and isinstance(v, int)}
         self.poller = poller  # idle: parked on it (a worker's kernels), else a sleep of POLL_S between polls
         self.base = slot * abi.SLOT_BYTES
         self.next = mb.u32(slot, abi.RESP_HEAD)
@@ -238,6 +242,12 @@ class MeshRing:
         words = 1 + (n + 3) // 4
         self.mb.mm[at : at + 4 * words] = n.to_bytes(4, "little") + entry[4 : 4 * words]
 
+    def store_region(self, seq: int, n: int, at: int) -> None:
+        """``mesh_ring_store_region``: the response to ``seq`` is ``n`` bytes at offset ``at`` of the
+        payload region (written there already)."""
+        at_entry = self.base + abi.RESP_BASE + (seq % abi.RING) * abi.ENTRY_BYTES
+        self.mb.mm[at_entry : at_entry + 8] = n.to_bytes(4, "little") + at.to_bytes(4, "little")
+
     def post(self, n: int) -> None:
         self.next = (self.next + n) & 0xFFFFFFFF
         self.mb.set_u32(self.slot, abi.RESP_HEAD, self.next)
@@ -248,13 +258,28 @@ def mesh_entry_len(entry: bytes) -> int:
     return min(int.from_bytes(entry[:4], "little"), abi.ENTRY_PAYLOAD)
 
 
+def mesh_entry_size(entry: bytes) -> int:
+    """``mesh_entry_size``: the length word as it is (over 188: the payload is in the region)."""
+    return int.from_bytes(entry[:4], "little")
+
+
+def mesh_entry_offset(entry: bytes) -> int:
+    """``mesh_entry_offset``: a payload's offset in the region (word 1, for a size over 188)."""
+    return int.from_bytes(entry[4:8], "little")
+
+
 def echo_turn(r: MeshRing, poisoned: Callable[[], bool]) -> int:
     """One turn of examples/echo/echo.cu's loop, line for line: how many requests it answered
-    (0: HALT)."""
+    (0: HALT).  A request over 188 bytes is answered in place: its response names the request's own
+    bytes in the region (its length and offset), nothing copied."""
     n = r.wait(poisoned)
     e = [r.load(r.next + k) for k in range(n)]
     for k in range(n):
-        r.store(r.next + k, e[k], mesh_entry_len(e[k]))
+        size = mesh_entry_size(e[k])
+        if size <= abi.ENTRY_PAYLOAD:
+            r.store(r.next + k, e[k], size)
+        else:
+            r.store_region(r.next + k, r.wrong.get("answer_bytes", size), r.wrong.get("answer_at", mesh_entry_offset(e[k])))
     if n:
         r.post(n)
     return n
@@ -301,7 +326,7 @@ def resident(mb: Mailbox, slot: int, echo: bool, pause: Script, poisoned: Callab
     and beats on their timer.  STATE = RUNNING where the example's source writes it (``start``:
     at all).  ``poisoned``: the context's sticky error is set (the kernel ends with the rest, unheard)."""
     b = MeshBeat(mb, slot, pause, poisoned)
-    ring = MeshRing(mb, slot, b, abi.BEAT_EVERY, POLLER) if echo or peek is not None else None
+    ring = MeshRing(mb, slot, b, abi.BEAT_EVERY, POLLER, wrong=pause) if echo or peek is not None else None
     if start:
         mb.set_u32(slot, abi.STATE, abi.RUNNING)
     if ring is not None and peek is not None:

@@ -48,6 +48,7 @@ from meshd_mps.mps.clients import MAX_CLIENTS
 from meshd_mps.mps.control import ControlDaemon
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.protocol.payloads import Region
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
 
@@ -232,17 +233,20 @@ class Backend(NativeClients, DataRegions):
         return c
 
     async def prepare(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, hash: int | None = None,
-                      device: int | None = None, new: bool = False) -> Image:
+                      device: int | None = None, new: bool = False, payloads: Region | None = None) -> Image:
         """Checks, PTX -> cubin (cached), and in MPS mode the preload into a worker; on GPU
         ``device``, else on the least loaded one (``least_loaded``).  ``hash``: the image hash the
         caller requires (HashMismatch otherwise).  ``new``: a new program's (MPS: not into the
-        pool's reserve, which upgrades and relaunches take)."""
+        pool's reserve, which upgrades and relaunches take).  ``payloads``: the program's payload
+        region (backend/payloads.py), which ``load`` has its worker map."""
         if self._closed or not self.devices:
             raise Unavailable("backend closed")
         d = self.least_loaded() if device is None else self.device_or_first(device)
         p = await self._compiler(d).prepare(manifest, ptx, hash)
         preflight(p, self.gpu, self.infos[d])  # before any worker sees it: in blink mode a load halts them all
-        return await self.isolations[d].prepare(p, new)
+        img = await self.isolations[d].prepare(p, new)
+        img.payloads = payloads
+        return img
 
     def admit(self, device: int, name: str, nodes: int, used: float, new: bool = True) -> None:
         """Before anything changes: CapacityError if GPU ``device`` cannot take a program of

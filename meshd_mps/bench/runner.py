@@ -17,6 +17,7 @@ from meshd_mps.bench.done import sec_done
 from meshd_mps.bench.idle import sec_idle
 from meshd_mps.bench.limits import sec_limits
 from meshd_mps.bench.load import sec_load
+from meshd_mps.bench.payloads import sec_payloads
 from meshd_mps.bench.pool import sec_pool
 from meshd_mps.bench.recovery import sec_recovery
 from meshd_mps.bench.report import Row, describe
@@ -28,7 +29,7 @@ from meshd_mps.bench.stall import sec_stall
 SECTIONS = [("a", "stall", sec_stall), ("b", "ask", sec_ask), ("c", "done", sec_done), ("d", "pool", sec_pool),
             ("e", "load", sec_load), ("f", "ring", sec_ring), ("g", "idle", sec_idle),
             ("h", "limits", sec_limits), ("i", "recovery", sec_recovery), ("j", "restart", sec_restart),  # (k): sec_restart
-            ("m", "data", sec_data)]
+            ("m", "data", sec_data), ("p", "payloads", sec_payloads)]
 
 
 async def run_all(bench: Bench, sections: list[tuple[str, str, Any]] | None = None) -> list[Row]:

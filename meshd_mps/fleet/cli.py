@@ -23,6 +23,8 @@ from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
 from meshd_mps.fleet.checkpoint import NAMESPACE
 from meshd_mps.fleet.metrics import exposition
 from meshd_mps.fleet.tables import Watch, as_json, events_table, node, node_table, replicas, status_table
+from meshd_mps.serving import callio
+from meshd_mps.serving.client import ClientError
 
 PROG = "meshd-mps fleet"
 DESCRIPTION = "Many meshd-mps nodes run as one, on Ray: programs declared once, placed by Ray, kept by each node's daemon."
@@ -149,8 +151,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = _sub(sub, "call")
     p.add_argument("name", metavar="NAME", help="the declared program")
-    p.add_argument("data", metavar="DATA", help="the request: text (UTF-8), or hex digits with --hex")
-    p.add_argument("--hex", action="store_true", help="DATA is hex; the response is printed in hex")
+    callio.add_options(p)
     p.add_argument("--timeout", type=float, metavar="S", help="seconds to wait for the response")
     p.add_argument("--idempotent", action="store_true",
                    help="the request may run twice: retried on another replica if the one asked is lost")
@@ -250,7 +251,11 @@ def _command(args: argparse.Namespace) -> Command:
 
         return remove
     if args.cmd == "call":
-        data = _data(args.data, args.hex)
+        try:
+            asked = callio.request(args)
+        except ClientError as e:
+            raise BadRequest(str(e)) from e
+        data = asked.encode("utf-8") if isinstance(asked, str) else asked
 
         async def call(fleet: Fleet) -> int:
             reply = await fleet.call(args.name, data, timeout=args.timeout, idempotent=args.idempotent)
@@ -258,7 +263,10 @@ def _command(args: argparse.Namespace) -> Command:
             if args.json:
                 return _print_json({"hex": reply.data.hex(), "data": reply.data.decode("utf-8", "replace"),
                                     "replica": r, "via": reply.via})
-            print(reply.data.hex() if args.hex else reply.data.decode("utf-8", "replace"))
+            try:
+                callio.respond(reply.data, args)
+            except ClientError as e:
+                raise BadRequest(str(e)) from e
             print(f"# {r.program}[{r.index}] on node {node(r)}, GPU {r.gpu}, slot {r.slot}, via {reply.via}",
                   file=sys.stderr)
             return 0
@@ -322,15 +330,6 @@ def _status(args: argparse.Namespace) -> Command:
     return status
 
 
-def _data(text: str, hex: bool) -> bytes:
-    if not hex:
-        return text.encode("utf-8")
-    try:
-        return bytes.fromhex(text)
-    except ValueError as e:
-        raise BadRequest(f"DATA: not hex: {e}") from e
-
-
 def _print_json(obj: Any) -> int:
     print(json.dumps(as_json(obj), indent=2))
     return 0
@@ -340,7 +339,7 @@ def resources(socket: str | None, node: str | None = None, slots: int | None = N
     """This node's capacity as Ray resources, read from its running daemon's status: the JSON that
     ``ray start --resources`` takes."""
     from meshd_mps.fleet.capacity import node_resources
-    from meshd_mps.serving.client import Client, ClientError
+    from meshd_mps.serving.client import Client
 
     try:
         status = Client(socket).status()

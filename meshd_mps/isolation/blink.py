@@ -269,17 +269,20 @@ class BlinkIsolation(Isolation):
                     await p.send(Op.UNLOAD, frames.unload_body(module))
                 raise
             self.dev = info.dev
-            if admit is not None:
-                try:
+            try:
+                if admit is not None:
                     admit(info)
-                except BaseException:
+                if img.payloads is not None:  # registered here, with every kernel of the context halted
+                    await self._map_payloads(m.name, p, module, img.payloads)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
                     await p.send(Op.UNLOAD, frames.unload_body(module))
-                    raise
+                raise
             mod = self.modules[module] = BlinkModule(m.name, p, module, info)
             return mod
 
         mod = await self._blink(f"load {m.name}", work)
-        k = Kernel(m.name, m, mod, self)
+        k = Kernel(m.name, m, mod, self, payloads=img.payloads)
         await self._check_abi(k)
         if self.sms and mod.info.sms != self.sms:
             await self.unload(k)
@@ -337,7 +340,7 @@ class BlinkIsolation(Isolation):
         async def ask() -> int:
             try:
                 payload = await p.ask(Op.LIMIT, frames.limit_body(set_to))
-                return frames.limit_value(payload)
+                return frames.u64_value(Op.LIMIT, payload)
             except frames.FrameError as e:
                 raise e.prefixed(f"stack limit: worker {p.pid}") from e
 

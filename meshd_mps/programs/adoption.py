@@ -50,7 +50,11 @@ class Adoption:
             if f.name in reg.by_name:
                 raise AlreadyLoaded(f.name)
             slot = reg.free_slot(f.launch.slot)
+            # The region its worker maps still, opened again (MailboxError where it is gone: then the
+            # module is discarded and the program loaded again from its record), before it is taken.
+            region = reg.payloads(manifest, existing=True)
             k = reg.b.take(f, manifest)
+            k.payloads = region
             assert k.launch is not None
             now, wall = time.monotonic(), time.time()
             since = wall if started_wall is None or started_wall > wall else started_wall

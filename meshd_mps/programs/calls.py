@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from meshd_mps.errors import CallTimeout, NotRunning, NotServing
 from meshd_mps.protocol import abi
-from meshd_mps.protocol.ring import MASK, SPIN, Ring, check_payload
+from meshd_mps.protocol.payloads import Layout
+from meshd_mps.protocol.ring import MASK, SPIN, Ring
 
 if TYPE_CHECKING:
     from meshd_mps.programs.program import Program
@@ -40,8 +41,18 @@ class Calls:
             p.calls.failed(e, 0)
             raise e
         if p.ring is None:
-            p.ring = Ring(self.reg.b.mailbox, p.slot, name)
+            p.ring = self.ring(p)
         return p, p.generation, p.ring
+
+    def ring(self, p: Program) -> Ring:
+        """The host's end of ``p``'s ring as its launch runs: its payload sizes and region."""
+        layout = p.manifest.layout if p.manifest is not None else Layout()
+        return Ring(self.reg.b.mailbox, p.slot, p.name, layout, p.kernel.payloads)
+
+    def check(self, name: str, size: int) -> None:
+        """PayloadTooLarge if a request of ``size`` bytes is over the most program ``name`` takes
+        (before its body is read: the API's); NotLoaded, NotRunning as a call."""
+        self._ring(name)[2].check(size)
 
     def _current_ring(self, p: Program, generation: int) -> None:
         """A response read from ``p``'s slot is its own only while ``p`` still runs the launch of
@@ -138,8 +149,8 @@ class Calls:
         t0 = time.perf_counter()
         p, gen, ring = self._ring(name)
         try:
-            for x in payloads:
-                check_payload(x)
+            for x in payloads:  # every one before any is posted
+                ring.check(len(x))
             if not ring.serving:
                 await self._serving(p, gen, ring, timeout, time.monotonic() + timeout)
         except BaseException as e:  # nothing posted

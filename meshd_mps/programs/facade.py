@@ -156,8 +156,10 @@ class Programs:
         await self.reg.b.ahead(loads)
 
     def settled(self) -> None:
-        """The start's loads are done: what ``ahead`` made and they did not take goes to the pools."""
+        """The start's loads are done: what ``ahead`` made and they did not take goes to the pools,
+        and (live restore) the payload regions no program holds are removed."""
         self.reg.b.settled()
+        self.reg.sweep_payloads()
 
     def _free_slot(self, want: int | None = None) -> int:
         return self.reg.free_slot(want)
@@ -229,6 +231,11 @@ class Programs:
         name of ``timeout``, for one release."""
         return await self.calls.call(name, payload, _either(timeout, within, "timeout or within"))
 
+    def check_request(self, name: str, size: int) -> None:
+        """PayloadTooLarge if a request of ``size`` bytes is over the most program ``name`` takes,
+        before anything of it is read (Calls.check)."""
+        self.calls.check(name, size)
+
     async def call_many(self, name: str, payloads: Sequence[bytes], timeout: float | None = None,  # noqa: ASYNC109
                         window: int = abi.RING, *, within: float | None = None) -> list[bytes]:
         """Requests through the program's ring, pipelined (Calls.call_many)."""
@@ -268,6 +275,10 @@ class Programs:
             "data_writes": p.data.writes if p.data else 0,
             "faults": p.faults,
             "calls": p.calls.as_dict(),
+            # The most bytes a request and a response may have (its manifest's; a ring entry's 188
+            # where it declares none): larger ones travel through its payload region.
+            "max_request": p.manifest.layout.request_limit if p.manifest else None,
+            "max_response": p.manifest.layout.response_limit if p.manifest else None,
         }
 
     def sm_share(self, device: int) -> float:

@@ -72,12 +72,18 @@ class Lifecycle:
             b.admit(gpu, m.name, nodes, used)  # every limit, before anything changes
             await ops.check_fits(gpu, m.name, pd)
             t0 = time.perf_counter()
-            img = await b.prepare(m, ptx, hash, device=gpu, new=True)
+            region = reg.payloads(m)
             try:
-                k, run = await self.launching.start(img, slot, nodes, used, pd)
+                img = await b.prepare(m, ptx, hash, device=gpu, new=True, payloads=region)
+                try:
+                    k, run = await self.launching.start(img, slot, nodes, used, pd)
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await b.drop(img)
+                    raise
             except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await b.drop(img)
+                if region is not None:
+                    region.close(forget=True)
                 raise
             p = Program(m.name, slot, k, run, img.prepared.hash, nodes, compile_ms=img.prepared.compile_ms,
                         cached=img.prepared.cached, manifest=m, ptx=ptx, restart=pol, restore=mode, data=pd)
@@ -107,25 +113,37 @@ class Lifecycle:
             b.admit(p.device, name, p.nodes, used, new=False)
             await ops.check_fits(p.device, name, pd, placed=pd is p.data and b.isolation == "blink")
             t0 = time.perf_counter()
-            # MPS: loaded in a worker of the program's GPU while the old one runs, its data placed there too.
-            img = await b.prepare(m, ptx, hash, device=p.device)
-            stopped = False
+            # Its payload region kept where the sizes are the same; else a new one beside it, which
+            # the new version maps while the old one runs on its own.
+            old_region = p.kernel.payloads
+            same = (old_region.layout if old_region is not None else None) == (m.layout if m.layout.size else None)
+            region = old_region if same else reg.payloads(m)
             try:
-                if img.preloaded is not None:
-                    await ops.place(img.preloaded.proc, name, p.slot, pd)
-                await self.launching.halt(p)
-                stopped = True
-                await b.unload(p.kernel)
-                k, run = await self.launching.start(img, p.slot, p.nodes, used, pd)
+                # MPS: loaded in a worker of the program's GPU while the old one runs, its data placed there too.
+                img = await b.prepare(m, ptx, hash, device=p.device, payloads=region)
+                stopped = False
+                try:
+                    if img.preloaded is not None:
+                        await ops.place(img.preloaded.proc, name, p.slot, pd)
+                    await self.launching.halt(p)
+                    stopped = True
+                    await b.unload(p.kernel)
+                    k, run = await self.launching.start(img, p.slot, p.nodes, used, pd)
+                except BaseException:
+                    with anyio.CancelScope(shield=True):
+                        await b.drop(img)
+                        if stopped:
+                            await self._roll_back(p)
+                    raise
             except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await b.drop(img)
-                    if stopped:
-                        await self._roll_back(p)
+                if region is not None and not same:
+                    region.close(forget=True)
                 raise
             old = p.data
             p.to(ProgramState.RUNNING, run=Run(k, run, img.prepared.hash, img.prepared.compile_ms, img.prepared.cached,
                                                m, ptx), upgraded=True, restart=pol, data=pd)
+            if old_region is not None and not same:  # its old kernel is unloaded: nobody maps it any more
+                old_region.close(forget=True)
             self.recovery.install(p)
             reg.count_load(t0)
             log.info(f"program {name} upgraded on slot {p.slot}", program=name, pid=k.pid)
@@ -156,6 +174,8 @@ class Lifecycle:
             # there to halt and wait 5 s for.
             reg.b.mailbox.reset_slot(p.slot)
             await reg.b.free(p.kernel.proc, p.slot)  # blink: the context keeps a slot's data until now
+            if p.kernel.payloads is not None:
+                p.kernel.payloads.close(forget=True)
             log.info(f"program {name} unloaded from slot {p.slot}", program=name)
             await reg.forget(name)
         await self.launching.data.forget(name, p.data)
@@ -178,6 +198,8 @@ class Lifecycle:
                     await b.unload(p.kernel)
                 except MeshError as e:
                     log.error(f"program {p.name}: {e}")
+                if p.kernel.payloads is not None:  # unmapped here; a worker that still maps it keeps its pages
+                    p.kernel.payloads.close(forget=True)
             reg.by_name.clear()
 
     async def detach(self) -> None:
@@ -185,6 +207,9 @@ class Lifecycle:
         for the next meshd-mps (Backend.detach)."""
         async with self._last():
             n = len(self.reg.by_name)
+            for p in self.reg.by_name.values():  # unmapped here; the file stays for the next meshd-mps
+                if p.kernel.payloads is not None:
+                    p.kernel.payloads.close()
             self.reg.by_name.clear()
         log.info(f"{n} programs left running for the next meshd-mps")
 

@@ -258,7 +258,7 @@ class Recovery:
                 shares[q.device] += limits.share(q.nodes, info.per_sm, info.sms)
 
             try:
-                img = await b.prepare(q.manifest, q.ptx, device=q.device)
+                img = await b.prepare(q.manifest, q.ptx, device=q.device, payloads=q.kernel.payloads)
                 try:
                     loaded.append((q, await b.load(img, admit), img))
                 except BaseException:

@@ -23,7 +23,8 @@ HEADER = struct.Struct("<I")
 #: The frame protocol's version, sent in HELLO.  Bumped at any change of a frame's layout or meaning
 #: (1: the ops below, HELLO included; 2: LOAD carries the program's tag, HELLO each module's tag and
 #: LOADED report, so that a daemon that did not load a module can adopt it; 3: LOADED's ok word 3,
-#: an image without ``mesh_main``; 4: DATA and WRITE, a program's data in device memory).
+#: an image without ``mesh_main``; 4: DATA and WRITE, a program's data in device memory, and PAYLOADS,
+#: a module's payload region).
 PROTOCOL_VERSION = 4
 #: The versions whose workers this daemon adopts (docs/protocol.md, "Versions").  A worker of
 #: another version is told to QUIT (it halts its kernels first) and its programs are reloaded:
@@ -32,6 +33,8 @@ PROTOCOL_VERSION = 4
 ADOPTS = frozenset({2, 3, 4})  # a worker of 2 is answered as before: it never sends ok word 3
 #: The first version whose workers take DATA and WRITE: an older one adopted is never sent them.
 DATA_SINCE = 4
+#: The first version whose workers take PAYLOADS: an older one (adopted) is never sent it.
+PAYLOADS_SINCE = 4
 #: Largest ``length`` accepted (op + body): a cubin travels in one LOAD frame.
 MAX_FRAME = 64 << 20
 
@@ -49,17 +52,18 @@ class Op(enum.IntEnum):
     HELLO = 10  # a --listen worker's first frame on each connection: who it is, what it runs
     DATA = 11  # a slot's program data: allocated and copied in from a file (alloc 0: freed)
     WRITE = 12  # bytes copied into a slot's program data at an offset, on the worker's own stream
+    PAYLOADS = 13  # a module's payload region: mapped and registered by its worker, get its device address
 
 
 #: LIMIT's body: set (u32 0/1), bytes (u64); its reply: ok, bytes (u64)
 LIMIT_BODY = struct.Struct("<IQ")
 
 
-#: Ops a worker sends only in answer to a request.
-REPLIES = {Op.READY, Op.LOADED, Op.LAUNCHED}  # and LIMIT, DATA and WRITE, each answered with its own op
 #: The reply each request is answered with (UNLOAD and QUIT are not answered; DONE comes on its own).
 REPLY = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT, Op.DATA: Op.DATA,
-         Op.WRITE: Op.WRITE}
+         Op.WRITE: Op.WRITE, Op.PAYLOADS: Op.PAYLOADS}
+#: Ops a worker sends only in answer to a request (LIMIT, DATA, WRITE and PAYLOADS answer themselves).
+REPLIES = frozenset(REPLY.values())
 
 
 _HEAD_OP = struct.Struct("<IB")  # a frame's length and op: one pack on every ask's path
@@ -114,6 +118,7 @@ LOAD_HEAD = struct.Struct("<IIIIQI")  # module, threads, smem, scratch, tag, nam
 LOADED_BODY = struct.Struct("<IIIIIIQQ")  # ok, rt_abi, regs, per_sm, local, sms, dev, scratch
 LAUNCH_BODY = struct.Struct("<IIII")  # module, gen, slot, nodes
 UNLOAD_BODY = struct.Struct("<I")  # module
+PAYLOADS_HEAD = struct.Struct("<III")  # module, max_request, max_response; then the region's path
 DONE_HEAD = struct.Struct("<III")  # module, gen, ok
 MAX_NAME = 255
 
@@ -196,6 +201,28 @@ class LaunchReq:
     @classmethod
     def decode(cls, body: bytes) -> LaunchReq:
         return cls(*_exact("LAUNCH", LAUNCH_BODY, body))
+
+
+@dataclass(frozen=True)
+class PayloadsReq:
+    """A PAYLOADS request's body: module ``module``'s payload region, the file at ``path`` laid out for
+    requests of ``max_request`` and responses of ``max_response`` bytes (protocol/payloads.py);
+    answered with its device address (``u64_value``), which the worker writes into the slot too."""
+
+    module: int
+    max_request: int
+    max_response: int
+    path: str
+
+    def encode(self) -> bytes:
+        return PAYLOADS_HEAD.pack(self.module, self.max_request, self.max_response) + self.path.encode()
+
+    @classmethod
+    def decode(cls, body: bytes) -> PayloadsReq:
+        if len(body) <= PAYLOADS_HEAD.size:
+            raise FrameError(f"PAYLOADS body of {len(body)} bytes: its {PAYLOADS_HEAD.size}-byte head and a path expected")
+        module, req, resp = PAYLOADS_HEAD.unpack_from(body)
+        return cls(module, req, resp, _text(body[PAYLOADS_HEAD.size :]))
 
 
 @dataclass(slots=True)
@@ -404,9 +431,10 @@ def limit_request(body: bytes) -> int | None:
     return value if set_ else None
 
 
-def limit_value(payload: bytes) -> int:
+def u64_value(op: Op, payload: bytes) -> int:
+    """The u64 of an ok reply that carries one (LIMIT's bytes, PAYLOADS' device address)."""
     if len(payload) != 8:
-        raise FrameError(f"LIMIT reply payload of {len(payload)} bytes, expected a u64")
+        raise FrameError(f"{op.name} reply payload of {len(payload)} bytes, expected a u64")
     return struct.unpack("<Q", payload)[0]
 
 

@@ -68,8 +68,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                'eval "$(meshd-mps native)"; python train.py &  meshd-mps native --add $!'),
     "write": ("write FILE (- for stdin) into a running program's data at OFFSET, while it runs",
               "meshd-mps write table 4096 rows.bin"),
-    "call": ("send DATA to a program's request ring and print its response",
-             "meshd-mps call echo hello\n  meshd-mps call echo --hex 00ff10 --timeout 2"),
+    "call": ("send DATA (or a file's bytes) to a program's request ring and print its response (or write it)",
+             "meshd-mps call echo hello\n  meshd-mps call echo --hex 00ff10 --timeout 2\n"
+             "  meshd-mps call echo --in query.bin --out answer.bin"),
 }
 
 
@@ -240,8 +241,9 @@ def parser() -> argparse.ArgumentParser:
 
     p = _sub(sub, "call")
     p.add_argument("name", metavar="NAME", help="the loaded program")
-    p.add_argument("data", metavar="DATA", help="the request: text (UTF-8), or hex digits with --hex")
-    p.add_argument("--hex", action="store_true", help="DATA is hex; the response is printed in hex")
+    from meshd_mps.serving import callio
+
+    callio.add_options(p)
     p.add_argument("--timeout", type=float, metavar="S", help="seconds to wait for the response (default 5)")
     _client_opts(p)
     return ap
@@ -424,17 +426,10 @@ def _client(args: argparse.Namespace) -> int:
             print(f"{args.name}: {ans['bytes']} bytes written at {ans['offset']}"
                   + (f" (DATA_SEQ {ans['seq']})" if ans.get("seq") is not None else " (placed at its next launch)"))
         elif args.cmd == "call":
-            if args.hex:
-                try:
-                    data: bytes | str = bytes.fromhex(args.data)
-                except ValueError as e:
-                    raise ClientError(f"DATA: not hex: {e}") from e
-            else:
-                data = args.data
-            ans = c.call(args.name, data, args.timeout)
-            if args.json:
-                return _json(ans)
-            print(ans["hex"] if args.hex else ans["data"])
+            from meshd_mps.serving import callio
+
+            if (answer := callio.call(c, args)) is not None:  # --json
+                return _json(answer)
         else:  # pragma: no cover - argparse knows the commands
             raise ClientError(f"unknown command {args.cmd}")
     except NoDaemon as e:

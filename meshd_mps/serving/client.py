@@ -53,6 +53,8 @@ from meshd_mps.strictjson import (
 SOCKET_ENV = defaults.SOCKET_ENV
 #: The daemon refuses bodies over this (413); the client does not send them.
 MAX_BODY = 64 << 20
+#: The content type of a call in the binary form, and of its answer (serving/schemas.py says it too).
+BINARY = "application/octet-stream"
 #: The default socket's directory for root (without $XDG_RUNTIME_DIR); the daemon creates it 0700.
 RUN_DIR = "/run/meshd-mps"
 #: Where other users' default socket directory, ``meshd-mps-$UID``, is made (0700, by the daemon).
@@ -292,6 +294,23 @@ class Client:
         wait = None if timeout is None else max(self.timeout, timeout + 10)
         return self.request("POST", f"/v1/programs/{quote(name)}/call", body, timeout=wait)
 
+    def call_bytes(self, name: str, payload: bytes, timeout: float | None = None) -> bytes:
+        """A request through the program's ring in the binary form (the body is the payload, the
+        answer the response's bytes): any size the program declares, up to ``MAX_BODY``."""
+        path = f"/v1/programs/{quote(name)}/call"
+        if timeout is not None:
+            if not 0 < timeout < math.inf:
+                raise ClientError(f"timeout {timeout:g}: seconds, a finite number more than 0")
+            path += f"?timeout={timeout!r}"
+        if len(payload) > MAX_BODY:
+            raise ClientError(f"request of {len(payload)} bytes: the daemon takes bodies of at most {MAX_BODY} (64 MiB)")
+        wait = None if timeout is None else max(self.timeout, timeout + 10)
+        status, headers, data = self.raw("POST", path, payload, {"Content-Type": BINARY}, timeout=wait)
+        if status == 200 and headers.get("content-type", "").split(";")[0].strip() == BINARY:
+            return data
+        ans = self._answer(status, data)  # a refusal (raised here), or not the binary form's answer
+        raise ClientError(f"HTTP {status}: JSON where the response's bytes were expected", status, ans)
+
     # ---- a program's data (docs/program-abi.md, "Data"; docs/api.md) ----------------------------------
     def upload(self, path: str) -> str:
         """The file ``path`` sent to the daemon (read here, as you, and streamed: neither side holds
@@ -365,5 +384,5 @@ def read_input(path: str) -> bytes:
     except OSError as e:
         raise ClientError(f"{path}: {e.strerror or e}") from e
     if len(data) > MAX_BODY:
-        raise ClientError(f"{path}: over the limit of {MAX_BODY} bytes (64 MiB) a write takes")
+        raise ClientError(f"{path}: over the limit of {MAX_BODY} bytes (64 MiB) a body may have")
     return data

@@ -48,7 +48,7 @@ class Recorder:
     async def loaded(self, p: Program) -> None:
         """A load or an upgrade: the program as it runs now."""
         assert p.manifest is not None
-        rec = ProgramRecord.of(p.name, dataclasses.asdict(p.manifest), p.ptx, slot=p.slot, nodes=p.nodes,
+        rec = ProgramRecord.of(p.name, p.manifest.as_dict(), p.ptx, slot=p.slot, nodes=p.nodes,
                                device=p.device, hash=p.hash, restart=p.restart.value, restore=p.restore.value,
                                data={**p.data.spec.as_dict(), "written": p.data.written} if p.data else None)
         await anyio.to_thread.run_sync(self.store.record, rec, p.ptx)

@@ -181,7 +181,7 @@ class WorkerProc:
             if waiter is not None and not waiter.done():
                 waiter.set_result(d)
             return
-        if op not in frames.REPLIES and op not in (Op.LIMIT, Op.DATA, Op.WRITE):
+        if op not in frames.REPLIES:
             raise FrameError(f"op {op.name} is not a worker's frame")
         asked = self._asked
         if not asked:
