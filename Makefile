@@ -15,7 +15,7 @@ STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 4
 
 # What make lint and make test check, with zero findings (the rules: pyproject's [tool.ruff], [tool.mypy]).
-RUFF_PATHS ?= meshd_mps workers tests scripts
+RUFF_PATHS ?= meshd_mps workers tests scripts examples
 MYPY_PATHS ?= meshd_mps workers
 
 .PHONY: install lint test test-gpu serve bench clean

@@ -46,6 +46,13 @@ os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMP
 os.environ["XDG_STATE_HOME"] = os.path.join(SESSION_TMP, "xdg-state")
 os.environ.pop("STATE_DIRECTORY", None)
 atexit.register(shutil.rmtree, SESSION_TMP, ignore_errors=True)
+# The examples' compiled images (gpu/examples.py) are kept in the user's cache directory: the run
+# keeps its own, made by its first process, shared by its workers and every daemon they start (one
+# compile for the run, not one per daemon), and removed at its end.
+if "MESHD_TESTS_CACHE" not in os.environ:
+    os.environ["MESHD_TESTS_CACHE"] = tempfile.mkdtemp(prefix="meshd-cache.", dir=TMPDIR_BASE)
+    atexit.register(shutil.rmtree, os.environ["MESHD_TESTS_CACHE"], ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = os.environ["MESHD_TESTS_CACHE"]
 #: Root's default state directories, which $XDG_STATE_HOME does not move (state/statedir.py, and
 #: the fleet's checkpoint beside them): a daemon a test starts as root without --state-dir would
 #: make them (CI runs as root), and a refused start leaves them made.  None may appear in a run.

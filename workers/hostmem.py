@@ -56,6 +56,11 @@ class PayloadRegions:
         if (r := self._by_module.get(module)) is not None:
             write_slot(self.mailbox, slot, r[2], r[0].layout)
 
+    def view(self, module: int) -> memoryview | None:
+        """Module ``module``'s region as its kernels read and write it (the simulated GPU's); None without."""
+        r = self._by_module.get(module)
+        return None if r is None else memoryview(r[0].mm)
+
     def unmap(self, module: int) -> str | None:
         """Module ``module``'s region (if any) unregistered and unmapped; the unregistration's error."""
         region, kept, _dev = self._by_module.pop(module, (None, None, 0))

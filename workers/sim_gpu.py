@@ -66,6 +66,7 @@ what runs on the GPU, not the GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -86,6 +87,7 @@ from .hostmem import PayloadRegions, check_shared, sim_register
 from .sim_data import SimRegions
 from .sim_images import Examples
 from .sim_kernels import POLLER, Script, resident
+from .sim_turns import turn_of
 from .warm import driver_queues
 
 log = wlog.log
@@ -101,13 +103,14 @@ RPC_FAILURE = (
     " simulated)"
 )
 #: The kernels that write STATE = RUNNING themselves, after their set-up, as their sources do.
-RESIDENT = ("heartbeat", "echo", "peek")
+RESIDENT = ("heartbeat", "echo", "peek", "knn")
 #: cuModuleGetFunction's text on the H200 for an image without the entry.
 NO_ENTRY = frames.DRIVER_NO_ENTRY
 
 
 @dataclass
 class _Module:
+    id: int  # the worker's module number
     name: str
     script: Script
     threads: int
@@ -123,6 +126,7 @@ class _Kernel:
 
     module: _Module
     share: Fraction  # of the context's resident blocks
+    nodes: int  # its blocks
     started: bool = False
 
 
@@ -321,7 +325,7 @@ class SimGpu:
 
         queue, _ = self._streams.take()
         per_sm = num("per_sm", 8)
-        self._modules[req.module] = _Module(req.name, script, req.threads, req.scratch, queue, per_sm)
+        self._modules[req.module] = _Module(req.module, req.name, script, req.threads, req.scratch, queue, per_sm)
         if script.get("quit") == "ignore":
             self._quit = "ignore"
         log.debug("simulated module", program=req.name, module=req.module, queue=queue)
@@ -362,7 +366,7 @@ class SimGpu:
                 f" simulated: {m.name} reports {m.per_sm} blocks per SM)"
             )
         self._regions.launching(module, slot)  # its payload region in the slot's words, before the kernel reads them
-        k = _Kernel(m, Fraction(nodes, m.per_sm * self.sms))
+        k = _Kernel(m, Fraction(nodes, m.per_sm * self.sms), nodes)
         with self._cv:
             m.launched += 1
             self._hw[m.queue].append(k)  # in launch order: its queue runs them in that order
@@ -374,7 +378,7 @@ class SimGpu:
                 if self._admit(k):
                     if m.script.get("start", True) is not False and m.script.get("kernel") not in RESIDENT:
                         self.mailbox.set_u32(slot, abi.STATE, abi.RUNNING)  # the resident examples write their own
-                    ok, msg = self._kernel(m, slot)
+                    ok, msg = self._kernel(k, slot)
                 if self._poison:
                     ok, msg = False, self._poison
             finally:
@@ -421,7 +425,8 @@ class SimGpu:
         for t in pending:
             t.start()
 
-    def _kernel(self, m: _Module, slot: int) -> tuple[bool, str]:
+    def _kernel(self, k: _Kernel, slot: int) -> tuple[bool, str]:
+        m = k.module
         kind = m.script.get("kernel", "sleep")
         mb = self.mailbox
         if kind in ("sleep", "fail"):
@@ -453,9 +458,9 @@ class SimGpu:
                 mb.set_u32(slot, abi.STATE, abi.EXITED)
             return True, ""
         if kind in RESIDENT:
-            peek = (lambda: self._data.view(slot)) if kind == "peek" else None
-            resident(mb, slot, echo=kind == "echo", pause=m.script, poisoned=lambda: bool(self._poison),
-                     start=m.script.get("start", True) is not False, peek=peek)
+            resident(mb, slot, pause=m.script, poisoned=lambda: bool(self._poison),
+                     start=m.script.get("start", True) is not False, turn=turn_of(kind, functools.partial(self._data.view, slot),
+                                                           functools.partial(self._regions.view, m.id), k.nodes))
             return True, ""
         return False, f"simulated kernel {kind!r} is unknown"
 

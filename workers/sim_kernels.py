@@ -42,6 +42,8 @@ HOT_NS = int(HOT_S * 1e9)
 #: poke lost costs this, never a hang); the poller's looks beat for it meanwhile.
 BELL_WAIT_S = 1.0
 
+#: A view of a kernel's memory (its data, its payload region); None where it has none.
+View = Callable[[], "memoryview | None"]
 #: A kernel's look at its slot while it waits: True when it has something to do (a request, HALT,
 #: its context poisoned); else it beats, if its beat is due.
 Look = Callable[[], bool]
@@ -305,7 +307,7 @@ def peek_answer(mb: Mailbox, slot: int, data: memoryview | None, req: bytes) -> 
     return PEEK_HEAD.pack(size, seq, total) + bytes(part[:PEEK_BYTES])
 
 
-def peek_turn(r: MeshRing, poisoned: Callable[[], bool], data: Callable[[], memoryview | None]) -> int:
+def peek_turn(r: MeshRing, poisoned: Callable[[], bool], data: View) -> int:
     """One turn of examples/peek/peek.cu's loop: each pending request answered from the data."""
     n = r.wait(poisoned)
     for k in range(n):
@@ -317,23 +319,26 @@ def peek_turn(r: MeshRing, poisoned: Callable[[], bool], data: Callable[[], memo
     return n
 
 
-def resident(mb: Mailbox, slot: int, echo: bool, pause: Script, poisoned: Callable[[], bool], start: bool = True,
-             peek: Callable[[], memoryview | None] | None = None) -> None:
+#: One turn of a serving example's loop over its ring (echo_turn, or peek's, knn's with their memory
+#: bound): how many requests it answered, 0 at HALT.
+Turn = Callable[[MeshRing, Callable[[], bool]], int]
+
+
+def resident(mb: Mailbox, slot: int, pause: Script, poisoned: Callable[[], bool], start: bool = True,
+             turn: Turn | None = None) -> None:
     """A resident program: beat (and serve the ring) until the host writes HALT.  A stall, on
     script: after ``pause_after`` beats no beat for ``pause_ms`` (0: until HALT), HALT still seen.
     heartbeat beats every poll (``mesh_beat``) and never polls its ring (its slot's SERVES stays 0);
-    echo serves the ring as the header's warp-wide helpers do (``MeshRing``: SERVES before RUNNING)
-    and beats on their timer.  STATE = RUNNING where the example's source writes it (``start``:
-    at all).  ``poisoned``: the context's sticky error is set (the kernel ends with the rest, unheard)."""
+    a serving example (``turn``: echo, peek, knn) serves the ring as the header's warp-wide helpers
+    do (``MeshRing``: SERVES before RUNNING) and beats on their timer.  STATE = RUNNING where the
+    example's source writes it (``start``: at all).  ``poisoned``: the context's sticky error is set
+    (the kernel ends with the rest, unheard)."""
     b = MeshBeat(mb, slot, pause, poisoned)
-    ring = MeshRing(mb, slot, b, abi.BEAT_EVERY, POLLER, wrong=pause) if echo or peek is not None else None
+    ring = MeshRing(mb, slot, b, abi.BEAT_EVERY, POLLER, wrong=pause) if turn is not None else None
     if start:
         mb.set_u32(slot, abi.STATE, abi.RUNNING)
-    if ring is not None and peek is not None:
-        while peek_turn(ring, poisoned, peek):
-            pass
-    elif ring is not None:
-        while echo_turn(ring, poisoned):
+    if ring is not None and turn is not None:
+        while turn(ring, poisoned):
             pass
     else:
         def look() -> bool:  # heartbeat's poll, made by the process's poller: a beat each time

@@ -21,7 +21,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from client import DTYPES, header  # noqa: E402  (a sibling module, examples/knn/client.py)
+from knn_client import DTYPES, header  # a sibling module: examples/knn/knn_client.py
 
 
 def table(rows: int, dim: int, dtype: str = "f16", seed: int = 0, integers: bool = False) -> np.ndarray:
