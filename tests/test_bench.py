@@ -34,13 +34,17 @@ def _procs_mentioning(text: str) -> list[str]:
     return found
 
 
+#: The sections whose every row has a figure and its baseline on the simulated GPU ((k) is (j)'s).
+EVERY_ROW = "abcdefghijmp"
+
+
 def test_bench_sim_quick(standin_on_path, tmp_path):
     mps_dir = tempfile.mkdtemp(prefix="mb-")  # short: MPS's sockets live under it (AF_UNIX: 108 bytes)
     out = tmp_path / "bench.json"
     try:
         r = subprocess.run(
             [sys.executable, "-m", "meshd_mps.bench", "--gpu", "sim", "--quick", "--json", str(out), "--mps-dir", mps_dir,
-             "--plot", str(tmp_path / "plots")],
+             "--plot", str(tmp_path / "plots"), "--only", ",".join(EVERY_ROW)],
             # ~30 s alone on 2 cores; make test runs it beside three other xdist workers (~100 s seen on a loaded machine)
             capture_output=True, text=True, timeout=140, env=dict(os.environ),
         )
@@ -49,7 +53,7 @@ def test_bench_sim_quick(standin_on_path, tmp_path):
         rows = data["rows"]
         assert not [x for x in rows if x["result"] == "ERROR"], r.stdout
         assert data["left_behind"] == []
-        for rid in "abcdefghijkmp":
+        for rid in EVERY_ROW + "k":
             mine = [x for x in rows if x["id"] == rid]
             assert mine, f"no row ({rid})\n{r.stdout}"
             for x in mine:
@@ -87,6 +91,27 @@ def test_bench_sim_quick(standin_on_path, tmp_path):
         assert not _procs_mentioning(mps_dir), f"processes of the bench still there: {_procs_mentioning(mps_dir)}"
     finally:
         shutil.rmtree(mps_dir, ignore_errors=True)
+
+
+def test_versus_runs_every_contender_it_can_and_says_why_not_the_others(standin_on_path, tmp_path):
+    """Row (v) on the simulated GPU (N = 100,000): knn resident in both modes, in-process and through a
+    daemon's socket, each answer numpy's; the GPU's contenders (PyTorch, a launch per batch) skipped
+    with their reason; nothing left."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "meshd_mps.bench", "--gpu", "sim", "--quick", "--json", str(out),
+                        "--only", "versus"], capture_output=True, text=True, timeout=140, env=dict(os.environ))
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr[-4000:]}"
+    data = json.loads(out.read_text())
+    rows = {x["name"]: x for x in data["rows"]}
+    assert data["left_behind"] == [] and all(x["id"] == "v" and x["result"] != "ERROR" for x in rows.values()), r.stdout
+    for mode in ("blink", "mps"):
+        assert rows[f"versus: meshd-mps ({mode})'s answer is numpy's"]["result"] == "PASS"
+        for nq in (1, 8, 64):
+            for how in ("in-process", "through its socket"):
+                x = rows[f"versus: meshd-mps resident ({mode}, {how}), batch {nq}, p50"]
+                assert isinstance(x["value"], float) and x["value"] > 0, x
+    for who in ("PyTorch eager and its CUDA graph", "a launch per batch"):
+        assert rows[f"versus: {who}"]["note"].startswith("skipped: the simulated GPU"), rows[f"versus: {who}"]
 
 
 #: The bench's plots (bench/plots.py) of a run of every section; the fleet's, fleet.svg, are its own bench's.

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mps-dir", metavar="DIR", help="where the private MPS daemons' directories go (default: a temporary one)")
     ap.add_argument("--loop", choices=eventloop.CHOICES, default="auto",
                     help="the event loop (default auto: uvloop where installed; (b) then runs once more on asyncio)")
-    ap.add_argument("--only", metavar="a,b,...", help="run only these sections (letters a-j, m and p, comma-separated)")
+    ap.add_argument("--only", metavar="a,b,...", help="run only these sections (letters a-j, m, p and v, or their names,"
+                    " e.g. versus; comma-separated)")
     ap.add_argument("--cpu", default="auto", metavar="N|auto|off",
                     help="the host CPU that (f)'s floor and ring spin on (default auto: the fastest floor of a survey)")
     ap.add_argument("--plot", metavar="DIR", help="also draw the figures as SVG plots into DIR (matplotlib: the plot"
@@ -65,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     except eventloop.LoopError as e:
         print(f"meshd-mps bench: {e}", file=sys.stderr)
         return 2
-    if args.only and not set(args.only.split(",")) <= {sec[0] for sec in SECTIONS}:
-        letters = ", ".join(sec[0] for sec in SECTIONS)
-        print(f"meshd-mps bench: --only {args.only}: expected some of the letters {letters}, comma-separated", file=sys.stderr)
+    if args.only and not set(args.only.split(",")) <= {x for sec in SECTIONS for x in sec[:2]}:
+        letters = ", ".join(f"{sec[0]} ({sec[1]})" for sec in SECTIONS)
+        print(f"meshd-mps bench: --only {args.only}: expected some of the letters (or names) {letters}, comma-separated",
+              file=sys.stderr)
         return 2
     bench = Bench(args.gpu, args.quick, args.mps_dir, args.loop, args.cpu)
     try:
