@@ -111,7 +111,7 @@ def _once(spec: dict[str, Any], x: np.ndarray, batches: dict[int, np.ndarray], c
     ck(cu.cuMemcpyHtoD(table, x.ctypes.data, x.nbytes))
     scratch = ck(cu.cuMemAlloc(spec["scratch"]))
     ck(cu.cuMemsetD8(scratch, 0, spec["scratch"]))
-    k, nodes = spec["k"], spec["nodes_per_sm"] * sms
+    k, nodes = spec["k"], spec["nodes_per_sm"] * (sms - 1)  # as the resident one is launched
     qcap = max(batches) * x.shape[1] * 4
     qdev, odev = ck(cu.cuMemAlloc(qcap)), ck(cu.cuMemAlloc(16 + max(batches) * k * 8))
     stream = ck(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))

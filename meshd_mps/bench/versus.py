@@ -39,8 +39,13 @@ from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 
 K, DIM, BATCHES = 10, 128, (1, 8, 64)
-#: Blocks of knn a launch: two an SM, as many as its registers and shared memory let be resident.
+#: Blocks of knn a launch: two an SM (as many as its registers and shared memory let be resident), on
+#: every SM but one, which is left for the heartbeat beside it.
 NODES_PER_SM = 2
+
+
+def nodes_for(sms: int) -> int:
+    return NODES_PER_SM * (sms - 1)
 
 
 def _example(name: str) -> ModuleType:
@@ -77,7 +82,7 @@ async def resident(bench: Bench, mode: str, path: str, qs: np.ndarray, check: np
         try:
             hb = await ps.load(*await bench.src(b, "heartbeat"))
             assert b.info is not None
-            await ps.load(*await bench.src(b, "knn"), nodes=NODES_PER_SM * b.info.sms_total, data=path)
+            await ps.load(*await bench.src(b, "knn"), nodes=nodes_for(b.info.sms_total), data=path)
             await until(lambda: b.mailbox.heartbeat(hb.slot) > 0, 10, "the heartbeat's first beat")
             lat: dict[int, list[float]] = {}
             rate: dict[int, float] = {}
@@ -126,7 +131,7 @@ def through_socket(bench: Bench, mode: str, path: str, qs: np.ndarray, reps: int
             if time.monotonic() > end or proc.poll() is not None:
                 raise RuntimeError(f"the daemon at {sock} did not answer (exit status {proc.poll()})")
             time.sleep(0.05)
-        nodes = NODES_PER_SM * int(c.status()["caps"]["sms_total"])
+        nodes = nodes_for(int(c.status()["caps"]["sms_total"]))
         c.load(c.with_data(c.program_body(str(EXAMPLES / "knn"), nodes=nodes, loading=True), path))
         out: dict[int, list[float]] = {}
         for nq in BATCHES:
