@@ -9,7 +9,7 @@ equal scores by row id.  Used by the example's README, the tutorial, the tests a
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -87,3 +87,76 @@ def search(x: np.ndarray, queries: np.ndarray, k: int, metric: str = "ip") -> An
         ids[i] = order
     scores = np.take_along_axis(s, ids.astype(np.int64), 1).astype(np.float32)
     return Answer(ids, scores, x.shape[0])
+
+
+# ---- the command line: a request from a table's rows, an answer shown, rows appended -----------
+
+
+def read_table(path: str) -> np.ndarray:
+    """The rows a table file (make_table.py's) holds, as its header counts them."""
+    with open(path, "rb") as f:
+        magic, code, dim, _, rows = struct.unpack("<IIIIQ", f.read(24))
+    if magic != MAGIC:
+        raise SystemExit(f"{path}: not a knn table (no KNN1 header)")
+    dtype = np.float16 if code == 1 else np.float32
+    return np.fromfile(path, dtype, rows * dim, offset=HEADER).reshape(rows, dim)
+
+
+def _client(args: Any) -> Any:
+    from meshd_mps.serving.client import Client
+
+    return Client(args.socket, gpu=args.gpu)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="knn_client.py", description="examples/knn's requests, answers and rows")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("request", help="a request of the table's rows ROWS as queries, to a file (or stdout)")
+    p.add_argument("table")
+    p.add_argument("--rows", default="0", help="the rows to ask about, comma-separated (default 0)")
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--metric", choices=sorted(METRICS), default="ip")
+    p.add_argument("--out", help="the file to write (default stdout)")
+    p = sub.add_parser("show", help="an answer file (meshd-mps call --out) as a table")
+    p.add_argument("answer")
+    p = sub.add_parser("append", help="rows of one value appended to the running program's table")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="f16")
+    p.add_argument("--value", type=float, required=True)
+    p.add_argument("--count", type=int, default=1)
+    for p in sub.choices.values():
+        p.add_argument("--name", default="knn", help="the program (default knn)")
+        p.add_argument("--socket")
+        p.add_argument("--gpu", choices=("cuda", "sim"))
+    args = ap.parse_args(argv)
+    if args.cmd == "request":
+        x = read_table(args.table)
+        data = request(x[[int(r) for r in args.rows.split(",")]].astype(np.float32), args.k, args.metric)
+        if args.out:
+            with open(args.out, "wb") as f:
+                f.write(data)
+        else:
+            import sys
+
+            sys.stdout.buffer.write(data)
+    elif args.cmd == "show":
+        with open(args.answer, "rb") as f:
+            a = answer(f.read())
+        for i in range(a.ids.shape[0]):
+            print(f"query {i}: " + ", ".join(f"{r} ({s:g})" for r, s in zip(a.ids[i].tolist(), a.scores[i].tolist(),
+                                                                              strict=True)))
+        print(f"({a.rows} rows searched)")
+    else:  # append: the rows first, then the count that makes them searched
+        c = _client(args)
+        rows = answer(c.call_bytes(args.name, request(np.zeros((1, args.dim), np.float32), 1))).rows
+        new = np.full((args.count, args.dim), args.value, DTYPES[args.dtype])
+        c.write(args.name, rows_offset(rows, args.dim, args.dtype), new.tobytes())
+        c.write(args.name, ROWS_AT, (rows + args.count).to_bytes(8, "little"))
+        print(f"{args.count} rows appended as rows {rows}..{rows + args.count - 1}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
