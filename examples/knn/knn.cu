@@ -147,7 +147,7 @@ static __device__ unsigned int knn_select(float *key, unsigned int *id, unsigned
 
 struct knn_smem {
     float *qs;        /* the queries, nq * dim */
-    float *bkey;      /* per query KNN_CB candidates: keys ... */
+    float *bkey;      /* per query knn_room(nq) candidates: keys ... */
     unsigned int *bid; /* ... and row ids */
     float *tkey;      /* per query: the threshold's key ... */
     unsigned int *tid; /* ... and row id */
@@ -170,16 +170,17 @@ static __device__ knn_smem knn_layout(unsigned char *base) {
     return m;
 }
 
-/* Warp-wide: query q's buffer cut to its best k, and its threshold raised to the k-th. */
-static __device__ void knn_compact(const knn_smem &m, unsigned int q, unsigned int k) {
+/* Warp-wide: query q's buffer (``cbq`` entries a query) cut to its best k, and its threshold raised
+ * to the k-th. */
+static __device__ void knn_compact(const knn_smem &m, unsigned int q, unsigned int k, unsigned int cbq) {
     const unsigned int lane = threadIdx.x & 31u, w = threadIdx.x >> 5;
     float *wk = m.wkey + w * KNN_K_MAX;
     unsigned int *wi = m.wid + w * KNN_K_MAX;
-    const unsigned int got = knn_select(m.bkey + q * KNN_CB, m.bid + q * KNN_CB, m.cnt[q], k, wk, wi);
+    const unsigned int got = knn_select(m.bkey + q * cbq, m.bid + q * cbq, m.cnt[q], k, wk, wi);
     __syncwarp();
     for (unsigned int j = lane; j < got; j += 32u) {
-        m.bkey[q * KNN_CB + j] = wk[j];
-        m.bid[q * KNN_CB + j] = wi[j];
+        m.bkey[q * cbq + j] = wk[j];
+        m.bid[q * cbq + j] = wi[j];
     }
     if (lane == 0) {
         m.cnt[q] = got;
@@ -192,12 +193,20 @@ static __device__ void knn_compact(const knn_smem &m, unsigned int q, unsigned i
 }
 
 /* One candidate offered to query q's buffer: kept if it beats the threshold. */
-static __device__ __forceinline__ void knn_offer(const knn_smem &m, unsigned int q, float key, unsigned int id) {
+static __device__ __forceinline__ void knn_offer(const knn_smem &m, unsigned int q, float key, unsigned int id,
+                                                 unsigned int cbq) {
     if (knn_better(key, id, m.tkey[q], m.tid[q])) {
         const unsigned int at = atomicAdd(&m.cnt[q], 1u);
-        m.bkey[q * KNN_CB + at] = key;
-        m.bid[q * KNN_CB + at] = id;
+        m.bkey[q * cbq + at] = key;
+        m.bid[q * cbq + at] = id;
     }
+}
+
+/* Candidate entries a query's buffer holds: the buffers' room shared by the batch's queries, so that
+ * a small batch looks at its buffers (a barrier of the block) seldom, and its warps stream the rows
+ * without waiting for each other. */
+static __device__ __forceinline__ unsigned int knn_room(unsigned int nq) {
+    return KNN_NQ_MAX * KNN_CB / nq;
 }
 
 /* The block's rows [lo, hi) scored against every query; each query's best k left in its buffer. */
@@ -213,6 +222,11 @@ static __device__ void knn_scan(const knn_smem &m, const unsigned char *table, u
     const unsigned int chunk = lane % C;
     const unsigned int d0 = chunk * per;
     const unsigned int steps = 8u / G;         /* loads a lane makes for its warp's 8 rows */
+    const unsigned int cbq = knn_room(nq);
+    /* Rounds between two looks at the buffers: at least 1, at most 4, so that the thresholds rise early
+     * (until the first look every row is a candidate) and a look selects from a few hundred at most. */
+    const unsigned int every = min((cbq - k) / KNN_ROUND, 4u);
+    unsigned int since = 0;
     for (unsigned long long base = lo; base < hi; base += KNN_ROUND) {
         const unsigned long long wrow = base + w * 8u;
         uint4 v[8];
@@ -259,17 +273,21 @@ static __device__ void knn_scan(const knn_smem &m, const unsigned char *table, u
                 for (unsigned int o = C >> 1; o; o >>= 1u)
                     s += __shfl_xor_sync(MESH_WARP, s, o);
                 if (chunk == 0 && row < hi)
-                    knn_offer(m, q, metric == KNN_IP ? s : -s, (unsigned int)row);
+                    knn_offer(m, q, metric == KNN_IP ? s : -s, (unsigned int)row, cbq);
             }
         }
-        __syncthreads();
-        for (unsigned int q = w; q < nq; q += KNN_WARPS)
-            if (m.cnt[q] > KNN_CB - KNN_ROUND)
-                knn_compact(m, q, k);
-        __syncthreads();
+        if (++since == every) { /* the buffers looked at: each may take `every` rounds' rows more */
+            since = 0;
+            __syncthreads();
+            for (unsigned int q = w; q < nq; q += KNN_WARPS)
+                if (m.cnt[q] > cbq - every * KNN_ROUND)
+                    knn_compact(m, q, k, cbq);
+            __syncthreads();
+        }
     }
+    __syncthreads();
     for (unsigned int q = w; q < nq; q += KNN_WARPS)
-        knn_compact(m, q, k);
+        knn_compact(m, q, k, cbq);
     __syncthreads();
 }
 
@@ -300,8 +318,9 @@ static __device__ void knn_run(const knn_smem &m, volatile knn_job *job, const f
     for (unsigned int i = threadIdx.x; i < nq * k; i += KNN_THREADS) {
         const unsigned int q = i / k, j = i % k;
         const bool have = j < m.cnt[q];
-        cand[((unsigned long long)blockIdx.x * nq + q) * k + j] = make_float2(
-            have ? m.bkey[q * KNN_CB + j] : KNN_NEG_INF, __uint_as_float(have ? m.bid[q * KNN_CB + j] : 0xffffffffu));
+        const unsigned int at = q * knn_room(nq) + j;
+        cand[((unsigned long long)blockIdx.x * nq + q) * k + j] =
+            make_float2(have ? m.bkey[at] : KNN_NEG_INF, __uint_as_float(have ? m.bid[at] : 0xffffffffu));
     }
     knn_grid_sync(job);
     /* ---- the merge: block q takes query q's candidates from every block and writes its answer */

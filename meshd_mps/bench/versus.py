@@ -201,7 +201,8 @@ async def sec_versus(bench: Bench) -> list[Row]:
     want = kc.search(x, check, K)
     table_bytes = x.nbytes
     files = [os.path.join(d, f"{name}.npy") for name in ("x", "qs", "check")]
-    other = await anyio.to_thread.run_sync(functools.partial(contenders, bench, *files, reps))
+    x_path, qs_path, check_path = files
+    other = await anyio.to_thread.run_sync(functools.partial(contenders, bench, x_path, qs_path, check_path, reps))
     copy_gbs = other.get("torch", {}).get("copy_gbs")
     skipped = {k: v["skipped"] for k, v in other.items() if "skipped" in v}
     base: dict[str, dict[int, list[float]]] = {}

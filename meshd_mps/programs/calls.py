@@ -24,6 +24,10 @@ class Calls:
     #: After the spin (ring.SPIN), a wait yields to the loop for this long, then sleeps BACKOFF.
     YIELDS = 200e-6
     BACKOFF = 1e-3
+    #: A program whose calls take longer (a search over a table) has its waits yield up to 1.5 times
+    #: its typical answer (``Program.answer_s``), at most this long: a 1 ms sleep past a 0.2 ms answer
+    #: would be most of the call.
+    YIELD_MOST = 2e-3
     #: How long ``call_many`` holds the loop between yields while its responses keep coming (s):
     #: a yield each ring.SPIN (20 us) cost ~5 % of its throughput at 8 outstanding against one each
     #: 50 or 100 us (the 2-core CPU machine, uvloop, a process answering; on the H200:
@@ -91,6 +95,7 @@ class Calls:
         then yields to the loop for YIELDS, then BACKOFF sleeps, until ``deadline`` (monotonic)."""
         got = ring.spin(seq, SPIN)
         t0 = time.monotonic()
+        yields = max(self.YIELDS, min(self.YIELD_MOST, 1.5 * p.answer_s))
         while got is None:
             if p.generation != gen or p.launch.finished():  # its launch of ``gen`` ended
                 raise NotRunning(f"program {p.name} ended before answering ({p.state()[1] or p.state()[0]})",
@@ -100,7 +105,7 @@ class Calls:
             if now >= deadline:
                 raise CallTimeout(p.name, timeout)
             # asyncio.sleep, not anyio's: this is the hot path (anyio's costs its backend lookup).
-            await asyncio.sleep(0 if now - t0 < self.YIELDS else self.BACKOFF)
+            await asyncio.sleep(0 if now - t0 < yields else self.BACKOFF)
             got = ring.response(seq)
         self._current_ring(p, gen)
         return got
@@ -129,7 +134,9 @@ class Calls:
             ring.forget(seq)
             p.calls.failed(e, len(payload))
             raise
-        p.calls.answered(len(payload), len(got), time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        p.calls.answered(len(payload), len(got), took)
+        p.answer_s += (took - p.answer_s) / 8  # its typical answer, as the next wait's yields read it
         return got
 
     async def call_many(self, name: str, payloads: Sequence[bytes], timeout: float | None = None,  # noqa: ASYNC109

@@ -133,6 +133,7 @@ class Program:
     data: ProgramData | None = None  # its data (programs/data.py): set at load, replaced by an upgrade to other data
     #: Its calls (calls.py records them): observations, as ``beat`` is, kept across its launches.
     calls: CallStats = field(default_factory=CallStats, repr=False)
+    answer_s: float = 0.0  # its calls' typical time to an answer (a moving mean): an observation, as ``calls``
     faults: int = 0  # its launches seen failing (``to`` with ``failed_at``), across its launches
     generation: int = field(default_factory=lambda: next(_GENERATIONS))  # its launch's (see the module's doc)
 
