@@ -81,7 +81,7 @@ def test_serve_end_to_end(serve, tmp, isolation):
     assert re.match(r"heartbeat loaded on slot 0 \(pid \d+, hash [0-9a-f]{16}, ", r.stdout), r.stdout
     ans = c.load(program_body(str(EXAMPLES / "echo")))
     echo = ans["program"]
-    assert ans["loaded"] == "echo" and echo["state"] == "running" and echo["slot"] == 1 and echo["upgrades"] == 0
+    assert ans["program"]["name"] == "echo" and echo["state"] == "running" and echo["slot"] == 1 and echo["upgrades"] == 0
 
     # ps: both running, heartbeats advancing.
     r = cli("ps", "--socket", sock)
@@ -93,7 +93,7 @@ def test_serve_end_to_end(serve, tmp, isolation):
     first = {p["name"]: p["heartbeat"] for p in c.programs()}
     poll(lambda: all(p["heartbeat"] > first[p["name"]] for p in c.programs()), 10.0, "heartbeats advancing")
     listed = {p["name"]: p for p in json.loads(cli("ps", "--json", "--socket", sock).stdout)["programs"]}
-    assert listed["heartbeat"]["worker_pid"] > 0 and listed["echo"]["uptime_s"] >= 0
+    assert listed["heartbeat"]["pid"] > 0 and listed["echo"]["uptime_s"] >= 0
     if isolation == "mps":
         assert listed["heartbeat"]["pid"] != listed["echo"]["pid"]  # each its own MPS client
     else:

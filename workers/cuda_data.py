@@ -4,7 +4,7 @@ A region belongs to a slot, not to a module: in blink mode an upgrade unloads th
 loads the new one in the same context, and the program's data stays where it is.  Every step
 runs on the worker's own data stream and never waits for a resident kernel of the context,
 which is what blink mode needs (a module load waits for every running kernel: a blink).  Measured
-on an H100 (``scripts/data_probe.py``, 2026-12-07; docs/program-abi.md, "Data"): cuMemAlloc,
+on an H100 (``scripts/data_probe.py``; docs/program-abi.md, "Data"): cuMemAlloc,
 cuMemAllocHost, cuStreamCreate, cuMemcpyHtoDAsync and cuMemsetD8Async (on a new stream too, whose
 hardware queue a resident kernel holds), a copy to a module's global and cuMemAllocAsync /
 cuMemFreeAsync return at once beside resident kernels; cuMemFree and cuMemFreeHost wait until

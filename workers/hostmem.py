@@ -96,7 +96,7 @@ TMPFS_MAGIC = 0x01021994
 def check_shared(fd: int, what: str) -> None:
     """The simulation's cuMemHostRegister of the mailbox or a payload region: the H200's driver
     refused a regular file's pages with CUDA_ERROR_INVALID_VALUE and took shared memory's
-    (2026-12-03, docs/reliability.md, "Live restore"), so the simulation refuses every file not on
+    (docs/reliability.md, "Live restore"), so the simulation refuses every file not on
     tmpfs or shmem the same way.  ``what``: the file, as the refusal names it."""
     buf = ctypes.create_string_buffer(256)  # struct statfs; f_type (a long) first
     if ctypes.CDLL(None, use_errno=True).fstatfs(fd, buf) != 0:

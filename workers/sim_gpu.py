@@ -35,7 +35,7 @@ after its ring helpers marked the slot served (SERVES), which no other kernel wr
 Startup faults come from MESHD_MPS_SIM_STARTUP (same values as ``ready``, plus
 ``no-mps``: do not connect to the daemon, like a worker with another pipe dir; ``mps-lost``:
 the connection fails with CUDA_ERROR_MPS_CONNECTION_FAILED and fd 0 is closed, as the H200's
-driver left it when the MPS server was shutting down, 2026-12-04).
+driver left it when the MPS server was shutting down).
 
 What the H200 does to resident kernels, simulated so that tests fail where the
 GPU would: the context has ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware work queues

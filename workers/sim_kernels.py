@@ -33,7 +33,7 @@ POLL_S = 0.002
 #: 6.5 % of a core against 3 % at 0.5 ms and 10 % at 50 us.  At 0.5 ms a request waited ~0.3 ms for
 #: the next poll, past the daemon's Calls.YIELDS (0.2 ms) of a call's wait, which then backs off
 #: to 1 ms sleeps: most calls paid 1.3 ms for a ring the GPU answers in microseconds
-#: (docs/benchmarks.md, "Issue 34: (l3) the call path").  An idle kernel polls at POLL_S.  Only
+#: (docs/runs/fleet.md, the (l3) call path).  An idle kernel polls at POLL_S.  Only
 #: where no doorbell rings (``MeshRing.rung``): a kernel whose slot is rung parks at once.
 HOT_POLL_S = 100e-6
 HOT_S = 0.02
@@ -57,7 +57,7 @@ class Poller:
     """The idle polls of a process's resident kernels, made by one thread.  A kernel thread that
     slept POLL_S between its own polls cost ~1.7 % of a core idle (a thread's wake-up and the GIL
     each time), and 200 of them asked for ~3.4 cores of the 2-core CPU machine before anything
-    ran (docs/benchmarks.md, "2026-12-06 22:31 UTC"); a GPU's idle kernels cost the host nothing.
+    ran (docs/runs/fleet.md); a GPU's idle kernels cost the host nothing.
     So an idle kernel parks: this thread makes each parked kernel's poll (``Look``: the same reads
     and the same beat on the same timer) every POLL_S, and wakes the kernel only when its look
     finds something to do.  What the mailbox sees is what the kernel's own polls wrote.
@@ -181,7 +181,7 @@ class MeshRing:
     the mailbox's doorbell on and working) it parks as soon as it finds nothing to do: the bell
     brings the next request, and a dozen hot kernels polling each 100 us took the worker's GIL
     from the one rung (one daemon's calls to its 30 replicas in turn, p50: 1.38 ms with hot polls,
-    0.065 ms parked at once on the bell; the 2-core machine, 2026-12-07)."""
+    0.065 ms parked at once on the bell, on the 2-core machine)."""
 
     def __init__(self, mb: Mailbox, slot: int, beat: MeshBeat, every: int, poller: Poller | None = None,
                  wrong: Script | None = None):

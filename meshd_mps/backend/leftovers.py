@@ -30,7 +30,7 @@ log = structlog.get_logger("meshd_mps")
 
 #: Where the live-restore mailbox lives: shared memory (tmpfs).  The GPU maps the mailbox as host
 #: memory (cuMemHostRegister), which the H200's driver refused for a regular file's pages
-#: (CUDA_ERROR_INVALID_VALUE, 2026-12-03) and takes for shmem, as for today's memfd.
+#: (CUDA_ERROR_INVALID_VALUE) and takes for shmem, as for the memfd without live restore.
 SHM_DIR = "/dev/shm"
 
 

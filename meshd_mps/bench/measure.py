@@ -20,7 +20,7 @@ def pct(xs: list[float], q: float) -> float:
 
 #: Rounds of (f) and of (b)'s concurrent asks: each figure is the median of its rounds, each round's
 #: value beside its baseline from the same round.  The lent GPU host is a shared VM whose speed moves
-#: by 1.5x within seconds (docs/benchmarks.md, Issue 18): one round is a coin toss near a target.
+#: by 1.5x within seconds (docs/runs/ring-and-control-path.md): one round is a coin toss near a target.
 ROUNDS = 5
 
 

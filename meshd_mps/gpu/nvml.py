@@ -19,7 +19,7 @@ which is in both the MPS list and the compute list.  Before Volta, "all MPS clie
 will be attributed to the MPS server process by system monitoring and accounting tools (for
 example, nvidia-smi, NVML API)" (NVIDIA's MPS documentation, docs.nvidia.com/deploy/mps,
 "Limitations"): only the server was listed.  Seen on an NVIDIA H200 (driver 580.159.04,
-nvidia-ml-py 13, 2026-12-03 19:03 UTC), a plain context and two clients of a private MPS
+nvidia-ml-py 13; docs/gpu-runs.md), a plain context and two clients of a private MPS
 server on GPU 0:
 
 - compute list: the plain context (520 MiB), the server ``nvidia-cuda-mps-server`` (66 MiB)

@@ -340,7 +340,7 @@ class Isolation(ABC):
         a teardown starts them and does not wait for them, ``held_started`` does (``refill``).  A
         worker on a socket (live restore) is spawned only once it listens and has said HELLO, after
         its imports (~0.15 s): started one after another inside the teardown, 7 of them made the
-        teardown 1.3 s on the H100 against 0.25 s on pipes (issue 33).  One that fails is logged:
+        teardown 1.3 s on the H100 against 0.25 s on pipes.  One that fails is logged:
         ``refill`` starts its own then."""
         done = self._holding = anyio.Event()
 

@@ -116,7 +116,7 @@ class Calls:
         call deadline).  The wait gives the loop back once first (other callers post meanwhile,
         while the GPU answers), then spins for at most ring.SPIN, then backs off: nothing is spent
         while nothing is asked.  Spinning at once instead measured no faster on the H200, and slower
-        at p99 (docs/benchmarks.md, Issue 18)."""
+        at p99 (docs/runs/ring-and-control-path.md)."""
         timeout = self.reg.d.call if timeout is None else timeout
         t0 = time.perf_counter()
         p, gen, ring = self._ring(name)

@@ -40,27 +40,20 @@ if TYPE_CHECKING:
     from meshd_mps.programs.recorder import Recorder
     from meshd_mps.programs.report import FaultReport
 
-def _either(new: Any, old: Any, names: str) -> Any:
-    """Issue 31's one vocabulary: the new keyword, or (for one release) its old name."""
-    if new is not None and old is not None:
-        raise TypeError(f"{names}: give one of them")
-    return new if new is not None else old
-
 
 class Programs:
-    """``restart``: the restart policy of a program loaded without one (restart.py; ``policy`` is
-    its old name); ``stall_after``: seconds without a heartbeat before a running program is
-    stalled (None: the deadlines' ``stall``); ``data``: where the programs' data files are kept
-    (datastore.py; None: a temporary directory, removed at close)."""
+    """``restart``: the restart policy of a program loaded without one (restart.py);
+    ``stall_after``: seconds without a heartbeat before a running program is stalled (None: the
+    deadlines' ``stall``); ``data``: where the programs' data files are kept (datastore.py; None: a
+    temporary directory, removed at close)."""
 
     def __init__(self, backend: Backend, restart: Policy | str | None = None, stall_after: float | None = None, *,
-                 policy: Policy | str | None = None, data: DataStore | None = None):
+                 data: DataStore | None = None):
         d = backend.deadlines
         stall_after = d.stall if stall_after is None else stall_after
         if not stall_after > 0:
             raise ConfigError(f"stall_after {stall_after!r}: seconds, more than 0")
-        pol = _either(restart, policy, "restart or policy")
-        self.reg = Registry(backend, Policy.parse(DEFAULT_RESTART if pol is None else pol), stall_after,
+        self.reg = Registry(backend, Policy.parse(DEFAULT_RESTART if restart is None else restart), stall_after,
                             data if data is not None else DataStore.temp())
         self.launching = Launching(self.reg)
         self.recovery = Recovery(self.reg, self.launching)
@@ -82,8 +75,6 @@ class Programs:
     @property
     def restart(self) -> Policy:
         return self.reg.restart
-
-    policy = restart  # its old name (issue 31's one vocabulary), for one release
 
     @property
     def stall_after(self) -> float:
@@ -167,24 +158,21 @@ class Programs:
     # ---- changes ------------------------------------------------------------------------------
     async def load(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, hash: int | None = None,
                    nodes: int = 1, device: int | None = None, restart: Policy | str | None = None,
-                   slot: int | None = None, *, restore: Restore | str = Restore.RELOAD, expect: int | None = None,
-                   policy: Policy | str | None = None, data: DataSource | None = None) -> Program:
+                   slot: int | None = None, *, restore: Restore | str = Restore.RELOAD,
+                   data: DataSource | None = None) -> Program:
         """Compile, preload and launch on a free slot (``slot``: that one, a restore's), on GPU
         ``device`` (None: ``place``'s choice); ``hash``: the image hash it must have; ``restart``:
         its restart policy (None: the default of these Programs); ``restore``: what the daemon's
         next start does with it (restore.py: reload, or adopt only while it runs); ``data``: its
-        data (a path, bytes, a binary file, ``DataRef``: docs/program-abi.md, "Data").  ``expect``
-        and ``policy``: the old names of ``hash`` and ``restart``, for one release."""
-        return await self.lifecycle.load(manifest, ptx, _either(hash, expect, "hash or expect"), nodes, device,
-                                         _either(restart, policy, "restart or policy"), slot, restore, data)
+        data (a path, bytes, a binary file, ``DataRef``: docs/program-abi.md, "Data")."""
+        return await self.lifecycle.load(manifest, ptx, hash, nodes, device, restart, slot, restore, data)
 
     async def upgrade(self, name: str, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes,
-                      hash: int | None = None, restart: Policy | str | None = None, *, expect: int | None = None,
-                      policy: Policy | str | None = None, data: DataSource | None = None) -> Program:
+                      hash: int | None = None, restart: Policy | str | None = None, *,
+                      data: DataSource | None = None) -> Program:
         """A new image on the program's slot (Lifecycle.upgrade); ``data``: other data (None: its
         data kept, with their writes)."""
-        return await self.lifecycle.upgrade(name, manifest, ptx, _either(hash, expect, "hash or expect"),
-                                            _either(restart, policy, "restart or policy"), data)
+        return await self.lifecycle.upgrade(name, manifest, ptx, hash, restart, data)
 
     async def write(self, name: str, offset: int, data: bytes) -> Written:
         """``data`` into the program's data at ``offset`` while its kernel runs, on its worker's own
@@ -212,9 +200,8 @@ class Programs:
     # ---- live restore -------------------------------------------------------------------------
     async def adopt(self, f: Found, manifest: Manifest, ptx: bytes, hash: int, nodes: int,
                     restart: Policy | str | None = None, *, started_wall: float | None = None, restarts: int = 0,
-                    policy: Policy | str | None = None, restore: Restore | str = Restore.RELOAD,
-                    data: Recorded | None = None) -> Program:
-        return await self.adoption.adopt(f, manifest, ptx, hash, nodes, _either(restart, policy, "restart or policy"),
+                    restore: Restore | str = Restore.RELOAD, data: Recorded | None = None) -> Program:
+        return await self.adoption.adopt(f, manifest, ptx, hash, nodes, restart,
                                          started_wall=started_wall, restarts=restarts, restore=restore, data=data)
 
     async def discard(self, f: Found, why: str) -> None:
@@ -225,11 +212,9 @@ class Programs:
         self.reg.faults[:0] = list(reports)
 
     # ---- calls --------------------------------------------------------------------------------
-    async def call(self, name: str, payload: bytes, timeout: float | None = None, *,  # noqa: ASYNC109
-                   within: float | None = None) -> bytes:
-        """A request through the program's ring, and its response (Calls.call); ``within``: the old
-        name of ``timeout``, for one release."""
-        return await self.calls.call(name, payload, _either(timeout, within, "timeout or within"))
+    async def call(self, name: str, payload: bytes, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        """A request through the program's ring, and its response (Calls.call)."""
+        return await self.calls.call(name, payload, timeout)
 
     def check_request(self, name: str, size: int) -> None:
         """PayloadTooLarge if a request of ``size`` bytes is over the most program ``name`` takes,
@@ -237,9 +222,9 @@ class Programs:
         self.calls.check(name, size)
 
     async def call_many(self, name: str, payloads: Sequence[bytes], timeout: float | None = None,  # noqa: ASYNC109
-                        window: int = abi.RING, *, within: float | None = None) -> list[bytes]:
+                        window: int = abi.RING) -> list[bytes]:
         """Requests through the program's ring, pipelined (Calls.call_many)."""
-        return await self.calls.call_many(name, payloads, _either(timeout, within, "timeout or within"), window)
+        return await self.calls.call_many(name, payloads, timeout, window)
 
     # ---- reads --------------------------------------------------------------------------------
     def sample(self) -> None:

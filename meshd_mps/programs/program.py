@@ -147,11 +147,6 @@ class Program:
         """The GPU it runs on."""
         return self.kernel.device
 
-    @property
-    def policy(self) -> Policy:
-        """The old name of ``restart`` (issue 31's one vocabulary), kept for one release."""
-        return self.restart
-
     def to(self, state: ProgramState | None, error: str = "", *, run: Run | None = None, upgraded: bool = False,
            restart: Policy | None = None, lost_to: str | None = None, failures: tuple[float, ...] | None = None,
            restart_at: float | None = None, settled: bool | None = None, failed_at: float | None = None,

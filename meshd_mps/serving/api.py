@@ -243,7 +243,6 @@ class Api:
 
     def _describe(self, p: Program) -> dict[str, Any]:
         d = self.ps.describe(p)
-        d["worker_pid"] = d["pid"]  # deprecated: the same as "pid" (docs/api.md, "Words")
         d["started"] = datetime.fromtimestamp(p.started_wall, UTC).isoformat()
         d["compile_ms"] = round(p.compile_ms, 3)
         d["cached"] = p.cached
@@ -314,10 +313,9 @@ class Api:
     async def get_program(self, request: web.Request) -> web.Response:
         return answer(200, {"ok": True, "program": self._describe(self.ps.get(_name(request)))})
 
-    def _loaded(self, p: Program, status: int, verb: str) -> web.Response:
+    def _loaded(self, p: Program, status: int) -> web.Response:
         self.metrics.loaded()
-        # "program": the program's row, in every verb's answer; "loaded"/"upgraded": its name, deprecated.
-        out = {"ok": True, "program": self._describe(p), verb: p.name}
+        out = {"ok": True, "program": self._describe(p)}  # the program's row, as in every verb's answer
         made = p.kernel.module.new_client
         if made is not None:  # an MPS client made for it now (the pool was down to its reserve): said, with its cost
             out["new_client"] = made.as_dict()
@@ -332,7 +330,7 @@ class Api:
         except NotServedHere as e:  # Backend's check, said in the body's terms
             raise NotServedHere(f"field 'device' {e.device}: this daemon serves GPU {', '.join(map(str, e.devices))}"
                                 " (--devices)", device=e.device, devices=e.devices) from e
-        return self._loaded(p, 201, "loaded")
+        return self._loaded(p, 201)
 
     async def put_program(self, request: web.Request) -> web.Response:
         name = _name(request)
@@ -351,14 +349,13 @@ class Api:
                                       f" {old.restore.value!r} (unload and load to change it)", program=name, field="restore")
         p = await self.ps.upgrade(name, body.manifest, body.text.encode(), body.hash, body.restart,
                                   data=body.data and DataRef(body.data))
-        return self._loaded(p, 200, "upgraded")
+        return self._loaded(p, 200)
 
     async def delete_program(self, request: web.Request) -> web.Response:
         name = _name(request)
         row = self._describe(self.ps.get(name))  # as it was before it was unloaded
         await self.ps.unload(name)
-        out = {"ok": True, "program": row, "unloaded": name, "slot": row["slot"]}
-        # "unloaded" (its name) and "slot": deprecated, the same as "program"'s "name" and "slot".
+        out = {"ok": True, "program": row}
         if warning := self._declared(name):
             log.warning(f"unload: {warning}", program=name)
             out["warning"] = warning

@@ -397,7 +397,7 @@ def _client(args: argparse.Namespace) -> int:
             ans = c.unload(args.name)
             if args.json:
                 return _json(ans)
-            p = ans.get("program") or {"name": args.name, "slot": ans.get("slot")}  # "slot": an older daemon's
+            p = ans["program"]
             print(f"{p['name']} unloaded from slot {p.get('slot')}")
             if ans.get("warning"):
                 print(f"meshd-mps: warning: {ans['warning']}", file=sys.stderr)

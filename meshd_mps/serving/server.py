@@ -99,7 +99,7 @@ class Config:
     loop: str = SERVE_DEFAULTS["loop"]  # auto (uvloop if installed) | uvloop | asyncio
     devices: tuple[int, ...] | None = None  # the GPUs to drive (None: every visible one, SERVE_DEFAULTS' "all")
     stall_after: float | None = SERVE_DEFAULTS["stall_after"]  # seconds without a heartbeat before "stalled"
-    # Issue 17: --state-dir as given (None: state.store.resolve_state_dir's default), --live-restore and the
+    # --state-dir as given (None: state.store.resolve_state_dir's default), --live-restore and the
     # workers' --orphan-timeout (None: Deadlines.orphan), the --config file (absolute) and its [program.NAME] tables.
     state_dir: str | None = SERVE_DEFAULTS["state_dir"]
     live_restore: bool = SERVE_DEFAULTS["live_restore"]

@@ -1,4 +1,4 @@
-"""The desired state kept as the programs change, and brought back at start (issue 17).
+"""The desired state kept as the programs change, and brought back at start.
 
 ``Recorder`` writes every successful load, upgrade and unload into the :class:`Store` before the
 request is answered (off the event loop: each write is fsynced).  ``restore`` runs at ``serve``'s

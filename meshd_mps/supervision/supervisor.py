@@ -10,7 +10,7 @@ in one task of the supervisor's that ``close()`` awaits, re-raising what it rais
 to exit, SIGKILL, 2 s more, else "left behind".  Cleanup is the seed's too:
 idle workers get EOF, every worker SIGKILL, one shared 500 ms reap deadline.
 
-Live restore (issue 17): a worker spawned with ``listen=DIR`` serves its frames on
+Live restore: a worker spawned with ``listen=DIR`` serves its frames on
 ``DIR/<pid>.sock`` and outlives us; ``detach()`` stops the supervisor without retiring such
 workers (their connections closed, nothing killed), and the next meshd-mps's supervisor
 ``adopt()``s each one by its socket: the same process, its HELLO (docs/protocol.md) saying what it
