@@ -13,7 +13,6 @@ import pytest
 from meshd_mps.callstats import BUCKETS, OUTCOMES, CallStats, outcome, quantile
 from meshd_mps.errors import CallTimeout, NotRunning, NotServing, PayloadTooLarge, RingFull
 from meshd_mps.programs import Programs
-from meshd_mps.protocol import abi
 from meshd_mps.serving.figures import Rates, changes
 from meshd_mps.serving.metrics import Metrics
 
@@ -34,8 +33,8 @@ async def test_calls_are_counted_by_outcome_with_their_time_and_bytes():
             assert await ps.call_many("echo", [b"ab"] * 8, window=4) == [b"ab"] * 8
             with pytest.raises(NotServing):  # heartbeat does not poll its ring: nothing posted, 0 bytes
                 await ps.call("heartbeat", b"hello")
-            with pytest.raises(PayloadTooLarge):
-                await ps.call("echo", b"y" * (abi.ENTRY_PAYLOAD + 1))
+            with pytest.raises(PayloadTooLarge):  # past echo's max_request (its manifest's)
+                await ps.call("echo", b"y" * (echo.manifest.layout.request_limit + 1))
             c = echo.calls
             assert c.outcomes["ok"] == 11 and c.outcomes["too_large"] == 1 and c.total == 12
             assert c.bytes_in == c.bytes_out == 111 + 16  # the refused request was never posted

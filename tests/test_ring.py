@@ -299,10 +299,10 @@ async def test_a_call_that_times_out_gives_its_entry_back(progs):
     await polled_once(progs)  # beats, never answers the ring
     with anyio.fail_after(30):
         with pytest.raises(CallTimeout) as e:
-            await progs.call("heartbeat", b"anyone?", within=0.05)
+            await progs.call("heartbeat", b"anyone?", timeout=0.05)
         assert e.value.program == "heartbeat"
         with pytest.raises(CallTimeout):
-            await progs.call_many("heartbeat", [b"a", b"b"], within=0.05)
+            await progs.call_many("heartbeat", [b"a", b"b"], timeout=0.05)
     ring = progs.get("heartbeat").ring
     assert ring is not None and ring.room() == abi.RING - 3  # unanswered, but none waited for
 
@@ -313,7 +313,7 @@ async def test_a_call_in_flight_when_its_program_is_unloaded(progs):
         async with anyio.create_task_group() as tg:
             async def call() -> None:
                 with pytest.raises(NotRunning, match="ended before answering"):
-                    await progs.call("heartbeat", b"anyone?", within=20)
+                    await progs.call("heartbeat", b"anyone?", timeout=20)
 
             tg.start_soon(call)
             await anyio.sleep(0.01)  # let the call post and start waiting; the unload ends it either way

@@ -53,7 +53,7 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def latency(report: Report, path: Path) -> Path | None:
-    rows = [r for r in report["rows"] if r.get("dist")]
+    rows = [r for r in report["rows"] if r.get("dist") and r["id"] != "v"]  # (v)'s have a plot of their own
     if not rows:
         return None
     from matplotlib.figure import Figure
@@ -107,6 +107,36 @@ def versus(report: Report, path: Path, ids: Collection[str], what: str, keep: Ca
     return _save(fig, path)
 
 
+def contenders(report: Report, path: Path) -> Path | None:
+    """Row (v): each contender's p50 by batch size, grouped by batch (knn resident in-process and
+    through its socket, PyTorch eager, its CUDA graph, a launch per batch)."""
+    import re
+
+    got: dict[str, dict[int, float]] = {}
+    for r in report["rows"]:
+        m = re.match(r"versus: (.+?),? batch (\d+), p50$", r["name"]) if r["id"] == "v" else None
+        if m and r.get("value") is not None:
+            got.setdefault(m.group(1).replace("meshd-mps resident ", "meshd-mps "), {})[int(m.group(2))] = r["value"]
+    if not got:
+        return None
+    from matplotlib.figure import Figure
+
+    batches = sorted({b for v in got.values() for b in v})
+    fig = Figure(figsize=(9, 4.5), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / len(got)
+    for i, (who, by) in enumerate(sorted(got.items())):
+        xs = [j + i * width for j, b in enumerate(batches) if b in by]
+        ax.bar(xs, [by[b] for b in batches if b in by], width=width, label=who)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    ax.set_yscale("log")
+    ax.set_ylabel("p50 (us)")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncols=2)
+    fig.suptitle(_title(report, "exact top-10 over 1M x 128 fp16: each contender's p50 by batch"), fontsize=11)
+    return _save(fig, path)
+
+
 def recovery(report: Report, path: Path) -> Path | None:
     rows = [r for r in report["rows"] if r.get("parts")]
     if not rows:
@@ -148,6 +178,7 @@ def plot(report: Report, out: str | os.PathLike[str]) -> list[Path]:
         made.append(versus(report, d / "stall.svg", "ajk", "running programs' stall during loads, restarts and"
                            " upgrades, beside their idle gap", keep=lambda r: "gap" in r["name"] or r["id"] == "a"))
         made.append(recovery(report, d / "recovery.svg"))
+        made.append(contenders(report, d / "versus.svg"))
         made.append(versus(report, d / "fleet.svg", ("l1", "l2"), "the fleet's placements and moves, beside the same"
                            " loads made directly on the nodes"))
     return [p for p in made if p is not None]
