@@ -55,12 +55,19 @@ class Deadlines:
     control_start: float = 10.0  # -d -> it answers
     control_quit: float = 5.0  # quit -> it has stopped its server
     control_reap: float = 5.0  # -> the daemon's process reaped (then SIGKILL, and as long again)
+    control_kill: float = 2.0  # a control command that overran its deadline, killed -> reaped
+    control_adopt: float = 2.0  # -d -> the daemonized process re-parented to us (then found by name at quit)
     # ---- NVML ----
     nvml: float = 5.0  # one look at every GPU's processes (a lost GPU can hang an NVML call)
     # ---- the control API ----
     http_head: float = 30.0  # to send the request line and headers
     http_body: float = 120.0  # to send the body
     http_grace: float = 10.0  # requests in flight at shutdown
+    http_linger: float = 2.0  # an answered request's unread body still taken, so that its sender reads the answer
+    # ---- serve's own ----
+    reap: float = 3.0  # the forced exit (a second signal): every child killed and reaped
+    notify: float = 1.0  # one datagram to systemd's notify socket (systemd drains it at once: a stuck one)
+    socket_probe: float = 2.0  # whether a daemon answers on a socket found there at start (a stale one refuses)
     signal_echo: float = 0.5  # the same signal again this soon is the same request (make forwards the SIGTERM that
     #                           `kill -TERM %1` sent its whole job): only a later one forces the exit
     # ---- the fleet (meshd_mps/fleet/) ----

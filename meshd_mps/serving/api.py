@@ -55,9 +55,6 @@ from meshd_mps.supervision import cpus
 
 log = structlog.get_logger("meshd_mps")
 
-#: How long an answered request's unread body is still taken before the connection is closed
-#: (so that a client still sending it reads the answer).
-LINGER_S = 2.0
 #: One trailing slash names the same route.
 SLASH = "{slash:/?}"
 #: The request's key for the program a load names (its manifest's), once its body was read.
@@ -138,7 +135,7 @@ class Api:
         # as the body arrives (a body that was not what it said was an unhandled error there).
         return lambda: Protocol(server, self, loop=loop, keepalive_timeout=head, tcp_keepalive=False, access_log=None,
                                 max_line_size=MAX_HEAD, max_field_size=MAX_HEAD, max_headers=MAX_HEADERS,
-                                lingering_time=LINGER_S, auto_decompress=False)
+                                lingering_time=self.deadlines.http_linger, auto_decompress=False)
 
     # ---- every request ----------------------------------------------------------------------
     @web.middleware

@@ -76,8 +76,6 @@ NO_DRIVER_HINT = "on the command line: meshd-mps serve --gpu sim"
 
 NEIGHBOURS_S = 2.0  # NVML is asked this often for the processes on our GPUs
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-#: The forced exit's deadline to kill and reap every child.
-REAP_S = 3.0
 
 
 # ---- configuration ---------------------------------------------------------------------------
@@ -339,7 +337,7 @@ class Daemon:
                 await self.exporter.serve(metrics)
                 api.metrics_address = self.exporter.where
                 log.info(f"the metrics at http://{self.exporter.where}/metrics", metrics_address=self.exporter.where)
-            sdnotify.notify("READY=1", f"STATUS=serving on {self.socket_path}")  # systemd's Type=notify
+            sdnotify.notify("READY=1", f"STATUS=serving on {self.socket_path}", within=self.deadlines.notify)  # Type=notify
             watch: anyio.CancelScope = await tg.start(self._neighbours, name="neighbours")
             try:
                 await self._stop.wait()
@@ -428,7 +426,8 @@ class Daemon:
                              " request, passed on by a parent (make) or sent to the whole job; a later one forces the exit")
                 elif handled == 1:
                     log.info(f"{signal.Signals(sig).name}: shutting down (a second signal forces the exit)")
-                    sdnotify.notify("STOPPING=1", f"STATUS=shutting down on {signal.Signals(sig).name}")
+                    sdnotify.notify("STOPPING=1", f"STATUS=shutting down on {signal.Signals(sig).name}",
+                                    within=self.deadlines.notify)
                     self._stop.set()
                     if self._starting is not None:
                         self._starting.cancel()
@@ -448,7 +447,7 @@ class Daemon:
         kids = reaper.descendants(os.getpid())
         log.error(f"{name} during shutdown: forcing the exit; killing {len(kids)} processes", pids=sorted(kids))
         reaper.kill_all(kids)
-        reaper.reap_all(within=REAP_S)
+        reaper.reap_all(within=self.deadlines.reap)
         self._remove_socket()
         if b is not None and b.daemon is not None and b.daemon.temporary:
             shutil.rmtree(b.daemon.dir, ignore_errors=True)
