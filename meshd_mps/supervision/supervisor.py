@@ -186,8 +186,9 @@ class Supervisor:
             raise
         if self.closed:
             link[1].close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            for left in (path, log_file):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(left)
             await self._closed_meanwhile(process)
         w = WorkerProc(process, self._unfit, self.deadlines, link=link)
         w.program, w.socket, w.log_file, w.hello = program, path, log_file, hello
