@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 
 from .sim_kernels import Turn, View, echo_turn, peek_turn
-from .sim_knn import knn_turn
 
 
 def turn_of(kind: str, data: View, region: View, nodes: int) -> Turn | None:
@@ -16,5 +15,7 @@ def turn_of(kind: str, data: View, region: View, nodes: int) -> Turn | None:
     if kind == "peek":
         return functools.partial(peek_turn, data=data)
     if kind == "knn":
+        from .sim_knn import knn_turn  # numpy: imported by the workers that run knn, not by every worker (~45 ms)
+
         return functools.partial(knn_turn, data=data, region=region, nodes=nodes)
     return None
