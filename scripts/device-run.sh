@@ -4,7 +4,7 @@
 # Narrower runs: TESTS="tests/gpu/test_x.py ..." (default tests/gpu; skip: none), SERVE=0 (skip the CLI run),
 # BENCH="--only i" (the bench's arguments; BENCH=skip: no bench), RING=1 (scripts/ring_variants.py
 # first, into ring-variants.txt: the ring's device side against a bare kernel, issue 18),
-# DAEMON_CPUS=N (serve --daemon-cpus N in the CLI run), PROBES="hold ask-cpu" (scripts/issue18_probes.py's,
+# DAEMON_CPUS=N (serve --daemon-cpus N in the CLI run), PROBES="hold ask-cpu" (scripts/ring_probes.py's,
 # after the bench, each into probe-K-NAME.txt, K its place in the list; NAME.LOOP, e.g. ask-cpu.uvloop, runs it on
 # that event loop, by default asyncio).  GPU=sim: the same run on a CPU machine, on the simulated
 # GPU and the stand-in MPS daemon (RING left out: it needs CUDA), to check a run before device time
@@ -54,7 +54,7 @@ fi
 k=0
 for p in $PROBES; do  # NAME or NAME.LOOP (ask-cpu.uvloop: the probe on that event loop)
   k=$((k + 1)); name=${p%%.*}; loop=(); [ "$name" != "$p" ] && loop=(--loop "${p#*.}")  # else the script's default
-  timeout 240 python3 scripts/issue18_probes.py "$name" "${loop[@]}" --gpu $GPU > "$OUT/probe-$k-$p.txt" 2>"$OUT/log-probe-$k-$p.txt"
+  timeout 240 python3 scripts/ring_probes.py "$name" "${loop[@]}" --gpu $GPU > "$OUT/probe-$k-$p.txt" 2>"$OUT/log-probe-$k-$p.txt"
   echo "probe $p rc=$?" >> "$OUT/probe-$k-$p.txt"
 done
 pgrep -af "nvidia-cuda-mps|meshd_mps" > "$OUT/left.txt" || echo "nothing left" > "$OUT/left.txt"

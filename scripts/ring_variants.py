@@ -21,7 +21,7 @@ spins on the response word, as the bench's floor row does.  p50 / p99 in us, 0 B
 
 With --sm, instead: the floor's kernel on a spread of SMs, 64 B: as block k of one block per SM,
 the others returning at once, for every third k; each block's SM (%smid) and p50/p99, fastest first
-(2026-12-04 18:20 UTC, run as scripts/issue18_probes.py's "sm" before it moved here: two groups of
+(2026-12-04 18:20 UTC, run as scripts/ring_probes.py's "sm" before it moved here: two groups of
 latency that followed the order of measurement, not the SM).
 
 With --trace S, instead: the floor's kernel, 64 B, for S seconds in blocks of 500 requests, each

@@ -129,7 +129,7 @@ def serve(tmp):
 LONGEST_FIRST = (
     "tests/test_bench.py::test_bench_sim_quick",  # 77
     "tests/test_fleet_bench.py::test_fleet_bench_smoke",  # 27 (its own cluster of 2 nodes, one killed)
-    "tests/test_scripts.py::test_issue18_probes_run",  # 33
+    "tests/test_scripts.py::test_ring_probes_run",  # 33
     "tests/test_prometheus.py::test_every_panel_and_alert_on_a_real_prometheus",  # 15 (two daemons and a Prometheus)
     "tests/test_live_restore.py::test_reconcile_",  # 18
     "tests/test_serve.py::test_serve_end_to_end",  # 13 + 8

@@ -13,7 +13,7 @@ import sys
 
 from .rigs.serve import REPO as ROOT
 
-#: issue18_probes.py's probes (ring-ab, ~15 s here, is left out) and a line each prints per round.
+#: ring_probes.py's probes (ring-ab, ~15 s here, is left out) and a line each prints per round.
 PROBES = {
     "ask": r"^as-is +p50 +\d+ p90 +\d+ p99 +\d+ us; per ask user",
     "ask-cpu": r"^alone +p50 +\d+ p90 +\d+ p99 +\d+ us; per ask user",
@@ -31,9 +31,9 @@ def run(*argv: str) -> str:
     return r.stdout
 
 
-def test_issue18_probes_run(standin_on_path):
+def test_ring_probes_run(standin_on_path):
     """Every probe but ring-ab, in one process (one interpreter's start, not five), on uvloop (CI installs it)."""
-    out = run("scripts/issue18_probes.py", *PROBES, "--gpu", "sim", "--loop", "uvloop")
+    out = run("scripts/ring_probes.py", *PROBES, "--gpu", "sim", "--loop", "uvloop")
     assert re.search(r"^loop: uvloop ", out, re.M), out[:2000]
     parts = dict(re.findall(r"^== (\S+)\n(.*?)(?=^== |\Z)", out, re.M | re.S))
     assert sorted(parts) == sorted(PROBES), out[-2000:]

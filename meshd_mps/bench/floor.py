@@ -187,7 +187,7 @@ async def _floor_child(bench: Bench, n: int, cpus_: list[int], env: dict[str, st
 async def ring_floor(bench: Bench, b: Backend, n: int, env: dict[str, str] | None = None) -> dict[int, list[float]]:
     """The floor's round trips (seconds), by payload size, its host on ``bench.ring_cpu`` (``env``:
     another environment, b.native_env()'s for a client of b's MPS server,
-    scripts/issue18_probes.py): run before any kernel of ``b`` is resident (two contexts' kernels
+    scripts/ring_probes.py): run before any kernel of ``b`` is resident (two contexts' kernels
     would time-slice)."""
     where = [] if bench.ring_cpu is None else [bench.ring_cpu]
     return {int(k): [x / 1e9 for x in v] for k, v in (await _floor_child(bench, n, where, env)).items()}

@@ -31,7 +31,7 @@ class Calls:
     #: How long ``call_many`` holds the loop between yields while its responses keep coming (s):
     #: a yield each ring.SPIN (20 us) cost ~5 % of its throughput at 8 outstanding against one each
     #: 50 or 100 us (the 2-core CPU machine, uvloop, a process answering; on the H200:
-    #: scripts/issue18_probes.py hold).  Other tasks wait at most this, plus a response's spin (ring.SPIN).
+    #: scripts/ring_probes.py hold).  Other tasks wait at most this, plus a response's spin (ring.SPIN).
     HOLD = 50e-6
 
     def __init__(self, reg: Registry):

@@ -231,8 +231,8 @@ class Ring:
     def spin(self, seq: int, budget: float = SPIN) -> bytes | None:
         """The response to ``seq``, busy-waited for at most ``budget`` seconds; None after that.
         ``_answered`` written out in the loop, with the clock read each turn: a tighter poll of
-        RESP_HEAD (the clock every 128 turns) measured no faster on the H200 (docs/benchmarks.md,
-        Issue 18; scripts/issue18_probes.py ring-ab)."""
+        RESP_HEAD (the clock every 128 turns) measured no faster on the H200 (docs/benchmarks.md;
+        scripts/ring_probes.py ring-ab)."""
         w, at = self._w, self._resp_head
         if (w[at] - seq - 1) & MASK >= 0x7FFFFFFF:
             clock = time.perf_counter

@@ -1,5 +1,5 @@
 """The one-off measurements behind docs/benchmarks.md, "Issue 18, 2026-12-04 17:13-17:47", kept so
-that they can be run again (on the GPU machine: python3 scripts/issue18_probes.py WHICH).
+that they can be run again (on the GPU machine: python3 scripts/ring_probes.py WHICH).
 
   ask       32 workers asking at once (bench row b's phase), 5 rounds under each scheduling of
             the workers and the loop: as they are, workers SCHED_BATCH, the loop at nice -10, both
@@ -285,7 +285,7 @@ def main() -> None:
     try:
         loop = eventloop.factory(a.loop)[0]
     except eventloop.LoopError as e:
-        sys.exit(f"issue18_probes.py: {e}")
+        sys.exit(f"ring_probes.py: {e}")
     bench = B.Bench(a.gpu, a.gpu == "sim", None)
 
     async def run() -> Any:
