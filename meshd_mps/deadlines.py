@@ -70,6 +70,9 @@ class Deadlines:
     fleet_rejoin: float = 60.0  # after the head's restart, a node that ran replicas has this long to rejoin
     fleet_connect: float = 1.0  # a TCP connect to a node agent's call port (unanswered: the call goes through Ray)
     fleet_claim: float = 60.0  # a node daemon's fleet keeps it this long after its agent last looked (fleet/claim.py)
+    fleet_lease: float = 30.0  # a unique replica's lease on its node: it stops there this long after the controller
+    #                            last granted it (a head or node away longer halts it), and starts elsewhere only then
+    fleet_skew: float = 1.0  # the hosts' clocks (NTP) agree within this: a lease is taken as running out this much later
 
     def reply(self, op: enum.Enum) -> float:
         """The deadline of the reply to request ``op`` (a ``frames.Op``; ``WorkerProc.ask``; no dict

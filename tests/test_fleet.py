@@ -56,8 +56,8 @@ def by_node(rig: FleetRig) -> dict[str, str]:
 
 async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_answered(rig, fleet, echo):
     agent = ray.get_actor(agent_name(rig.nodes["n0"].id), namespace=NAMESPACE)
-    rounds = (await agent.observe.remote())["rounds"]
-    watch = agent.watch.remote(rounds)  # the controller's, made by the test: it answers once n0's agent loaded
+    version = (await agent.watch.remote(-1)).version  # its report now
+    watch = agent.watch.remote(version)  # the controller's, made by the test: it answers once n0's agent loaded
     p = await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
     assert [r.state for r in p.replicas] != ["running"] * 3 or p.running == 3
     p = await fleet.wait("echo", running=3, timeout=UP_S)
@@ -76,11 +76,17 @@ async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_a
         assert reply.via == "call-port", "the test's driver is on the head (no replica there): the agents' call ports"
         seen.add(reply.replica.index)
     assert len(seen) >= 2, f"the calls all went to one replica: {seen}"
-    # Within the test's deadline, not after Deadlines.fleet_watch (30 s): the round that loaded it answered.
-    report = await asyncio.wait_for(watch, 20)
-    assert report["rounds"] > rounds, "the agent's watch answered after its loads"
-    assert any(p["name"] in {replica_name("echo", i) for i in range(3)} for p in report["programs"]), \
-        f"its report (the controller's views take it at once) holds the replica it loaded: {report}"
+    # Within the test's deadline, not after Deadlines.fleet_watch (30 s): each change of its report
+    # answers the watch (the share taken, then the round that loaded it), each a later version.
+    mine = {replica_name("echo", i) for i in range(3)}
+    deadline = time.monotonic() + 20
+    while True:
+        report = await asyncio.wait_for(watch, max(0.1, deadline - time.monotonic()))
+        assert report.version > version, "a watch answers with a later report"
+        if any(p.name in mine for p in report.programs or ()):
+            break  # its report (the controller's views take it at once) holds the replica it loaded
+        version = report.version
+        watch = agent.watch.remote(version)
 
 
 async def test_a_call_port_that_cannot_be_reached_sends_the_call_through_ray(fleet, echo):
@@ -126,20 +132,28 @@ async def test_fleet_status_agrees_with_each_nodes_ps(rig, fleet, echo, heartbea
         assert views[name].agent == "up" and views[name].slots == 2
 
 
-async def test_capacity_exhausted_leaves_replicas_pending_with_the_reason(rig, fleet, echo, heartbeat):
+async def test_what_fits_runs_and_the_rest_waits_with_the_reason(rig, fleet, echo, heartbeat):
     await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
     await fleet.wait("echo", running=3, timeout=UP_S)
+    # 3 slots free for 4 replicas (SPREAD: a placement group each): 3 run, 1 waits, as a Deployment's would.
     await fleet.deploy(ProgramSpec("heartbeat", heartbeat, replicas=4))
     await fleet.deploy(ProgramSpec("spin", ProgramSource.read(str(EXAMPLES / "spin")), replicas=4,
                                    strategy="STRICT_SPREAD"))
     await fleet.deploy(ProgramSpec("echo2", echo, replicas=1, gpu="A100"))
-    assert await pending_reason(fleet, "heartbeat") == "no node has a free slot (4 wanted, 3 free of 6)"
+    deadline = time.monotonic() + UP_S
+    while True:
+        hb = (await fleet.status("heartbeat")).programs[0]
+        waits = [(r.state, r.reason) for r in hb.replicas if r.state != "running"]
+        if hb.running == 3 and waits == [("pending", "no node has a free slot (1 wanted, 0 free of 6)")]:
+            break
+        assert time.monotonic() < deadline, f"not 3 running and 1 pending for want of a slot: {hb.replicas}"
+        await asyncio.sleep(0.05)  # the polling interval
     assert await pending_reason(fleet, "spin") == ("STRICT_SPREAD needs 4 nodes with a free slot; 3 such nodes are in"
                                                    " the cluster")
     assert await pending_reason(fleet, "echo2") == "no node has a GPU of kind a100 (the fleet's: simulated_h200)"
     p = await fleet.wait("echo", running=3, timeout=1)  # the running ones unchanged
     assert all(r.state == "running" for r in p.replicas)
-    await fleet.remove("echo")  # room again: Ray places the pending heartbeat replicas
+    await fleet.remove("echo")  # room again: Ray places the pending heartbeat replica, which starts
     await fleet.wait("heartbeat", running=4, timeout=UP_S)
 
 
@@ -149,7 +163,7 @@ async def test_the_agent_killed_changes_no_worker_and_resets_no_heartbeat(rig, f
     before = {(name, k): row for name, n in rig.nodes.items() for k, row in n.ps().items()}
     agents_before = {n.name: n.agent_pid for n in (await fleet.status()).nodes}
     assert all(n.call_port for n in (await fleet.status()).nodes), "every agent has a call port"
-    # The controller learns an agent's end from its watch failing (fleet/controller.py _watch):
+    # The controller learns an agent's end from its watch failing (fleet/loop.py, links.py):
     # one watch of the test's own, which no change answers before the kill.
     watch = ray.get_actor(agent_name(rig.nodes["n1"].id), namespace=NAMESPACE).watch.remote(2**40)
     for n in rig.nodes.values():

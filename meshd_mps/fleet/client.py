@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import logging
 import os
+import random
 import time
 from typing import Any
 
@@ -35,6 +36,7 @@ from meshd_mps.errors import (
     ReplicaLost,
 )
 from meshd_mps.fleet.controller import CONTROLLER, FleetController
+from meshd_mps.fleet.desired import Image, Spec
 from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.fleet.spec import (
     CallPort,
@@ -67,7 +69,9 @@ class Fleet:
         self.owns_ray = owns_ray
         self.node = ray.get_runtime_context().get_node_id()
         self.cache: dict[str, tuple[float, Routes]] = {}
-        self.turn = itertools.count()
+        # Each caller starts the turn at its own replica: a process that makes one call (the CLI's)
+        # would otherwise always reach the first.
+        self.turn = itertools.count(random.randrange(1 << 30))
         self.direct: dict[str, NodeCalls] = {}  # this node's daemons, called without an actor between
         self.ports: dict[CallPort, NodeCalls] = {}  # other nodes' call ports
         self.unreachable: dict[CallPort, float] = {}  # a call port -> when it may be tried again (monotonic)
@@ -101,10 +105,10 @@ class Fleet:
     async def deploy(self, spec: ProgramSpec) -> FleetProgram:
         """Declare ``spec``: Ray places its replicas, their nodes load them (``wait`` for them)."""
         spec.check()
-        image = {"manifest": spec.source.manifest, "ptx": spec.source.ptx, "hash": spec.source.hash}
-        fields = {"name": spec.name, "replicas": spec.replicas, "restart": spec.restart, "strategy": spec.strategy,
-                  "gpu": spec.gpu, "node": spec.node}
-        return await self._ask(self.controller.deploy.remote(fields, image))
+        image = Image(manifest=spec.source.manifest, ptx=spec.source.ptx, hash=spec.source.hash)
+        declared = Spec(name=spec.name, replicas=spec.replicas, restart=spec.restart, strategy=spec.strategy,
+                        image=image, gpu=spec.gpu, node=spec.node, unique=spec.unique)
+        return await self._ask(self.controller.deploy.remote(declared))
 
     async def upgrade(self, name: str, source: ProgramSource, *, hash: str | None = None) -> FleetProgram:
         """A rolling upgrade to ``source``: one replica at a time, each passing its node's start check
@@ -116,7 +120,7 @@ class Fleet:
         if hash is not None and hash.lower() != got:
             raise BadSpec(f"hash {hash}: the image's hash is {got}", field="hash")
         p: FleetProgram = await self._ask(self.controller.upgrade.remote(
-            name, {"manifest": source.manifest, "ptx": source.ptx, "hash": got}))
+            name, Image(manifest=source.manifest, ptx=source.ptx, hash=got)))
         deadline = time.monotonic() + self.d.fleet_upgrade
         while True:
             p = await self._ask(self.controller.program.remote(name))

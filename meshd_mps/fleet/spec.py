@@ -81,7 +81,9 @@ class ProgramSource:
 @dataclass(frozen=True)
 class ProgramSpec:
     """A program declared to the fleet: ``replicas`` copies placed by Ray with ``strategy``, each
-    needing one slot (of a GPU of model ``gpu``, on node ``node``, where given)."""
+    needing one slot (of a GPU of model ``gpu``, on node ``node``, where given).  ``unique``: no
+    replica ever runs on two nodes at once, fenced by a lease (docs/fleet.md, "Nothing runs
+    twice"); without it a replica may briefly run on two while it moves."""
 
     name: str
     source: ProgramSource
@@ -91,6 +93,7 @@ class ProgramSpec:
     gpu: str | None = None
     node: str | None = None
     hash: str | None = None
+    unique: bool = False
 
     def check(self) -> None:
         """BadSpec (or the node API's own BadName, ManifestError, BadRestartPolicy) for a spec
@@ -103,6 +106,8 @@ class ProgramSpec:
                           f" {replica_name(self.name, 0)!r} on their nodes)", field="name")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or not 1 <= self.replicas <= MAX_REPLICAS:
             raise BadSpec(f"replicas {self.replicas!r}: a whole number from 1 to {MAX_REPLICAS}", field="replicas")
+        if not isinstance(self.unique, bool):
+            raise BadSpec(f"unique {self.unique!r}: true or false", field="unique")
         if self.strategy not in STRATEGIES:
             raise BadSpec(f"strategy {self.strategy!r}: one of {', '.join(STRATEGIES)}", field="strategy")
         restart.Policy.parse(self.restart)
@@ -157,8 +162,10 @@ class ReplicaView:
 
 @dataclass(frozen=True)
 class FleetProgram:
-    """A declared program and its replicas; ``hash`` is the image declared (the one an upgrade
-    rolls out), ``upgrading`` whether replicas still run another."""
+    """A declared program and its replicas; ``hash`` is the image its replicas are brought to (the
+    one declared, or after a replica refused it, the one before: ``upgrade_error`` says why),
+    ``generation`` that image's, ``upgrading`` whether replicas still run another; ``unique``: at
+    most one copy of each replica runs at any time."""
 
     name: str
     replicas: tuple[ReplicaView, ...]
@@ -171,6 +178,7 @@ class FleetProgram:
     node: str | None = None
     upgrading: bool = False
     upgrade_error: str | None = None
+    unique: bool = False
 
     @property
     def running(self) -> int:

@@ -49,9 +49,10 @@ from .waits import poll, until
 NAMESPACE = "meshd-mps"
 #: The fleet's reconcile loops tick every 0.2 s (not 0.5: each wait below waits on a few ticks), busy
 #: or not (at 0.1 s while busy the suite took ~15 s more of the 2 cores: its tests keep replicas
-#: pending for long; the pace itself is tests/test_fleet_pace.py's), and a node that ran replicas has
-#: 5 s to rejoin after the head's restart.
-FLEET_DEADLINES = dataclasses.replace(TEST_DEADLINES, fleet_tick=0.2, fleet_busy_tick=0.2, fleet_rejoin=5.0)
+#: pending for long), a node that ran replicas has 5 s to rejoin after the head's restart, and a
+#: unique replica's lease is 3 s (the daemons' orphan timeout is 5 s: ``start_daemon``).
+FLEET_DEADLINES = dataclasses.replace(TEST_DEADLINES, fleet_tick=0.2, fleet_busy_tick=0.2, fleet_rejoin=5.0,
+                                      fleet_lease=3.0, fleet_skew=0.5, orphan=5.0)
 #: The longest a test waits for the fleet to run, move or unload what it was asked.
 UP_S = 60.0
 

@@ -1,0 +1,121 @@
+"""What the controller and a node's agent say to each other, typed (plain frozen dataclasses that
+Ray pickles): the ``Share`` the controller hands an agent (the node's whole share of the fleet), and
+the ``AgentReport`` an agent answers with (what its node's daemon runs of the fleet, and the
+agent's own state).
+
+A report has a ``version``, which its agent moves on whenever anything in it changes except the
+heartbeats' counts and ages: the controller's watch call (``NodeAgent.watch``) answers when the
+version passes the one the controller holds, so that nothing changed is nothing sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshd_mps.fleet.claim import FleetId
+from meshd_mps.fleet.spec import CallPort
+
+
+@dataclass(frozen=True)
+class Order:
+    """One replica of a node's share: its name on the daemon, the image hash it is to run, its
+    restart policy, its GPU model's resource key (None: any), and whether it is ``unique`` (loaded
+    with the share's lease, renewed while the share grants it)."""
+
+    name: str
+    hash: str
+    restart: str
+    gpu: str | None = None
+    unique: bool = False
+
+
+@dataclass(frozen=True)
+class Share:
+    """A node's whole share: ``version`` (the controller's ``epoch``, made at its start, and a count:
+    an agent takes a share of another epoch, or a later one), the ``orders``, the replicas to
+    ``keep`` where they run (Ray has placed them nowhere yet), the images the agent lacks (by
+    hash: ``{"manifest", "ptx"}``), the fleet's id, and the lease: the unique replicas this node
+    may run (``leased``) until ``lease_until`` (wall-clock seconds), renewed by later shares."""
+
+    version: tuple[str, int]
+    orders: tuple[Order, ...] = ()
+    keep: frozenset[str] = frozenset()
+    images: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+    fleet: FleetId | None = None
+    leased: frozenset[str] = frozenset()
+    lease_until: float | None = None
+
+
+@dataclass(frozen=True)
+class DaemonProgram:
+    """A fleet replica as its node's daemon lists it (``GET /v1/programs``)."""
+
+    name: str
+    state: str
+    hash: str | None = None
+    pid: int | None = None
+    slot: int | None = None
+    device: int | None = None
+    error: str | None = None
+    beat_age: float | None = None
+    heartbeat: int | None = None
+    lease_until: float | None = None
+
+    @classmethod
+    def from_row(cls, d: Mapping[str, Any]) -> DaemonProgram:
+        return cls(name=str(d.get("name")), state=str(d.get("state")), hash=d.get("hash"), pid=d.get("pid"),
+                   slot=d.get("slot"), device=d.get("device"), error=d.get("error"), beat_age=d.get("beat_age_s"),
+                   heartbeat=d.get("heartbeat"), lease_until=d.get("lease_until"))
+
+    def key(self) -> tuple[Any, ...]:
+        """What a change of is news (the heartbeat's count and age move all the time)."""
+        return (self.name, self.state, self.hash, self.pid, self.slot, self.device, self.error, self.lease_until)
+
+
+@dataclass(frozen=True)
+class ForeignClaim:
+    """Another fleet's claim on the node's daemon (claim.py): whose (None: a claim file that cannot
+    be used), and why this fleet touches nothing there."""
+
+    fleet: FleetId | None
+    why: str
+
+
+@dataclass(frozen=True)
+class AgentReport:
+    """An agent's report.  ``programs``: the daemon's fleet replicas (None: the daemon did not
+    answer, ``error`` says why); ``share``: the version of the share the agent holds (None: none
+    yet); ``have``: the images it holds; ``errors``: per replica, the hash and why its last load
+    or upgrade was refused; ``busy``: the replicas it is loading, upgrading or unloading now;
+    ``stop_within``: how long past its lease a program of this daemon may still run (the daemon's
+    status, serving/leases.py)."""
+
+    node: str
+    version: int
+    socket: str
+    pid: int
+    programs: tuple[DaemonProgram, ...] | None = None
+    error: str | None = None
+    daemon_pid: int | None = None
+    share: tuple[str, int] | None = None
+    have: frozenset[str] = frozenset()
+    errors: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    busy: Mapping[str, str] = field(default_factory=dict)
+    claim: ForeignClaim | None = None
+    call_port: CallPort | None = None
+    call_port_error: str | None = None
+    stop_within: float | None = None
+
+    def program(self, name: str) -> DaemonProgram | None:
+        """The daemon's row of replica ``name`` (an index made at the first look)."""
+        index = self.__dict__.get("_index")
+        if index is None:
+            index = {p.name: p for p in self.programs or ()}
+            object.__setattr__(self, "_index", index)
+        return index.get(name)
+
+    def runs(self) -> frozenset[str]:
+        """The replicas the daemon has now (whatever their state), and those the agent is loading."""
+        return frozenset(p.name for p in self.programs or ()) | {n for n, what in self.busy.items() if what != "unloading"}
