@@ -36,7 +36,7 @@ def node(i: int, slots: int = 2) -> NodeInfo:
 
 
 def report(i: int, *running: str, hash: str = OLD.hash, version: int = 1, **kw) -> AgentReport:
-    progs = tuple(DaemonProgram(name, "running", hash, pid=100 + k, slot=k) for k, name in enumerate(running))
+    progs = {name: DaemonProgram(name, "running", hash, pid=100 + k, slot=k) for k, name in enumerate(running)}
     return AgentReport(node=f"id{i}", version=version, socket=f"/n{i}.sock", pid=10 + i,
                        programs=kw.pop("programs", progs), **kw)
 
@@ -44,7 +44,7 @@ def report(i: int, *running: str, hash: str = OLD.hash, version: int = 1, **kw) 
 def observed(nodes: list[int], placed: dict[str, tuple[str | None, ...]], reports: dict[int, AgentReport],
              *, now: float = NOW, wall: float = WALL, started: float = 0.0, fence: float = 0.0,
              agents: dict[int, AgentState] | None = None, free: float = 0.0) -> Observed:
-    states = {f"id{i}": AgentState(report=r, held=frozenset(p.name for p in r.programs or ())) for i, r in reports.items()}
+    states = {f"id{i}": AgentState(report=r, held=frozenset(r.programs or ())) for i, r in reports.items()}
     states.update({f"id{i}": a for i, a in (agents or {}).items()})
     holders: dict[str, set[str]] = {}
     for nid, a in states.items():
@@ -62,6 +62,15 @@ def one_each(s: Spec, nodes: list[str | None]) -> dict[str, tuple[str | None, ..
 
 def states(p) -> list[tuple[str, str | None]]:
     return [(r.state, r.node_name) for r in p.view.replicas]
+
+
+def on(part: dict) -> dict[str, list]:
+    """A node's part of the share (orders, keep, leased), as lists in replica order."""
+    return {nid: [v for _i, v in sorted(by_index.items())] for nid, by_index in part.items()}
+
+
+def ordered(p, nid: str) -> list[str]:
+    return [o.name for o in on(p.orders).get(nid, [])]
 
 
 # ---- placing: what fits runs ---------------------------------------------------------------------
@@ -86,7 +95,7 @@ def test_what_fits_runs_and_the_rest_waits_with_the_reason():
     assert [r.state for r in p.view.replicas] == ["starting"] * 6 + ["pending"] * 2
     assert {r.reason for r in p.view.replicas[6:]} == {"no node has a free slot (2 wanted, 0 free of 6)"}
     assert sorted(len(v) for v in p.orders.values()) == [2, 2, 2] and not p.create
-    assert p.orders["id0"][0] == Order("echo.fleet-0", OLD.hash, "on-failure", None, False)
+    assert on(p.orders)["id0"][0] == Order("echo.fleet-0", OLD.hash, "on-failure", None, False)
 
 
 # ---- the failure table ------------------------------------------------------------------------------
@@ -109,7 +118,7 @@ def test_a_raylet_restarted_with_no_room_elsewhere_keeps_its_replicas_running_wh
     obs = observed([0, 9], one_each(s, ["id0", None]), {0: report(0, "echo.fleet-0"), 9: report(9, "echo.fleet-1")})
     p = plan(s, Rollout.start(s), obs)
     assert [r.state for r in p.view.replicas] == ["running", "pending"], "pending, never dropped"
-    assert p.keep == {"id9": ["echo.fleet-1"]} and "id9" not in p.orders, "left running, not unloaded"
+    assert on(p.keep) == {"id9": ["echo.fleet-1"]} and "id9" not in p.orders, "left running, not unloaded"
 
 
 def test_the_head_restarted_pins_each_placement_group_where_its_replica_ran_until_the_node_rejoins():
@@ -133,8 +142,8 @@ def test_a_lost_nodes_replica_is_started_where_ray_placed_it_at_once():
     before = plan(s, Rollout.start(s), observed([0, 1], one_each(s, ["id0", "id1"]),
                                                 {0: report(0, "echo.fleet-0"), 1: report(1, "echo.fleet-1")}))
     obs = observed([0], one_each(s, ["id0", "id0"]), {0: report(0, "echo.fleet-0")})
-    p = plan(s, before.rollout, obs, before.view)
-    assert [o.name for o in p.orders["id0"]] == ["echo.fleet-0", "echo.fleet-1"]
+    p = plan(s, before.rollout, obs, before)
+    assert ordered(p, "id0") == ["echo.fleet-0", "echo.fleet-1"]
     assert any(e.kind == "moved" and e.replica == 1 for e in p.events)
 
 
@@ -174,8 +183,8 @@ def test_a_unique_replica_moves_only_once_its_old_copy_is_unloaded():
     obs = observed([0, 1], one_each(s, ["id0"]), {0: report(0), 1: report(1)},
                    agents={1: AgentState(report(1), held=frozenset())})
     p = plan(s, p.rollout, obs)
-    assert [o.name for o in p.orders["id0"]] == ["echo.fleet-0"] and p.orders["id0"][0].unique
-    assert p.rollout.owner == ["id0"] and p.leased == {"id0": ["echo.fleet-0"]}
+    assert ordered(p, "id0") == ["echo.fleet-0"] and on(p.orders)["id0"][0].unique
+    assert p.rollout.owner == ["id0"] and on(p.leased) == {"id0": ["echo.fleet-0"]}
 
 
 def test_a_unique_replica_of_a_lost_node_waits_for_its_lease_there_to_run_out():
@@ -190,7 +199,7 @@ def test_a_unique_replica_of_a_lost_node_waits_for_its_lease_there_to_run_out():
     assert not p.orders and p.view.replicas[0].state == "pending" and "lease" in (p.view.replicas[0].reason or "")
     assert p.due == pytest.approx(NOW + 5.0 + 1.0 + D.fleet_skew), "looked at again when the lease is out"
     p = plan(s, r, dataclasses.replace(obs, wall=grant + 1.0 + D.fleet_skew))
-    assert [o.name for o in p.orders["id0"]] == ["echo.fleet-0"]
+    assert ordered(p, "id0") == ["echo.fleet-0"]
 
 
 def test_after_the_controller_starts_a_unique_replica_runs_where_it_is_found_or_waits_for_every_old_lease():
@@ -199,17 +208,17 @@ def test_after_the_controller_starts_a_unique_replica_runs_where_it_is_found_or_
     assert r.owner == [UNKNOWN, UNKNOWN]
     obs = observed([0, 1], one_each(s, ["id0", "id1"]), {0: report(0, "echo.fleet-0"), 1: report(1)}, fence=WALL + 20)
     p = plan(s, r, obs)
-    assert [o.name for n in p.orders.values() for o in n] == ["echo.fleet-0"], "found running on n0: adopted"
+    assert [o.name for n in on(p.orders).values() for o in n] == ["echo.fleet-0"], "found running on n0: adopted"
     assert p.view.replicas[1].state == "pending" and p.due == pytest.approx(NOW + 20)
     p = plan(s, p.rollout, dataclasses.replace(obs, wall=WALL + 20))
-    assert p.rollout.owner == ["id0", "id1"] and [o.name for o in p.orders["id1"]] == ["echo.fleet-1"]
+    assert p.rollout.owner == ["id0", "id1"] and ordered(p, "id1") == ["echo.fleet-1"]
 
 
 def test_a_replica_that_may_run_twice_is_started_at_once_wherever_its_old_copy_is():
     s = spec(1)
     obs = observed([0, 1], one_each(s, ["id0"]), {0: report(0), 1: report(1, "echo.fleet-0")})
     p = plan(s, Rollout.start(s), obs)
-    assert [o.name for o in p.orders["id0"]] == ["echo.fleet-0"] and "id1" not in p.orders and not p.keep
+    assert ordered(p, "id0") == ["echo.fleet-0"] and "id1" not in p.orders and not p.keep
 
 
 # ---- upgrades -------------------------------------------------------------------------------------------
@@ -224,9 +233,34 @@ def test_an_upgrade_drains_one_replica_at_a_time_and_a_refusal_rolls_back():
     assert p.rollout.target == NEW.hash and p.rollout.draining == 0 and p.view.replicas[0].state == "stopping"
     assert p.due == pytest.approx(NOW + 3 * D.fleet_tick) and p.view.upgrading
     p = plan(up, p.rollout, observed([0, 1], both, runs, now=NOW + 2))
-    assert p.rollout.assigned == [NEW.hash, OLD.hash] and p.orders["id0"][0].hash == NEW.hash
+    assert p.rollout.assigned == [NEW.hash, OLD.hash] and on(p.orders)["id0"][0].hash == NEW.hash
     # n0's daemon refuses the new image: the previous one is the target again, the error said.
     refused = report(0, "echo.fleet-0", errors={"echo.fleet-0": (NEW.hash, "upgrade refused (HTTP 400): smem")})
     p = plan(up, p.rollout, observed([0, 1], both, {0: refused, 1: runs[1]}, now=NOW + 3))
     assert p.rollout.target == OLD.hash and p.view.hash == OLD.hash and p.view.upgrade_error
     assert [e.kind for e in p.events].count("upgrade-failed") == 1
+
+
+# ---- a plan of the replicas that changed is a plan of every one --------------------------------------
+
+
+@pytest.mark.parametrize("unique", [False, True])
+def test_planning_only_the_replicas_that_changed_gives_the_same_plan_as_planning_every_one(unique):
+    s = spec(6, unique=unique)
+    names = [f"echo.fleet-{i}" for i in range(6)]
+    first = observed([0, 1, 2], one_each(s, ["id0", "id1", "id2"] * 2),
+                     {0: report(0, names[0], names[3]), 1: report(1, names[1], names[4]), 2: report(2, names[2])})
+    before = plan(s, Rollout.start(s), first)
+    # n1's replica 1 restarts on its daemon, replica 4 is placed anew on n2 (n1 gone for it), replica 5 starts.
+    restarting = dict(report(1, names[1], names[4]).programs or {})
+    restarting[names[1]] = dataclasses.replace(restarting[names[1]], state="restarting")
+    then = observed([0, 1, 2], one_each(s, ["id0", "id1", "id2", "id0", "id2", "id2"]),
+                    {0: report(0, names[0], names[3]), 1: report(1, programs=restarting), 2: report(2, names[2], names[5])})
+    part = plan(s, before.rollout, then, before, changed={1, 4, 5})
+    whole = plan(s, before.rollout, then)
+    assert part.view == whole.view and [r.state for r in part.view.replicas] != [r.state for r in before.view.replicas]
+    assert (on(part.orders), on(part.keep), on(part.leased)) == (on(whole.orders), on(whole.keep), on(whole.leased))
+    assert part.rollout.kept() == whole.rollout.kept() and part.rollout.owner == whole.rollout.owner
+    # (A unique replica 4 waits for its copy on n1 to be unloaded: n2's share is as it was.)
+    assert part.nodes >= ({"id1"} if unique else {"id1", "id2"}), "the nodes whose share changed are said"
+    assert on(before.orders)["id0"] == on(part.orders)["id0"][:2], "the plan before is left as it was"

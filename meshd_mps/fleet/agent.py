@@ -30,6 +30,7 @@ other nodes come to it as Ray actor calls (``call``) or, without the Ray hop, on
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -44,7 +45,7 @@ import ray
 from meshd_mps import errors as E
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.fleet import callport, claim
-from meshd_mps.fleet.messages import AgentReport, DaemonProgram, ForeignClaim, Order, Share
+from meshd_mps.fleet.messages import AgentReport, DaemonProgram, ForeignClaim, Order, Share, changed_since
 from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.fleet.spec import gpu_model, parse_replica_name
 from meshd_mps.restore import Restore
@@ -58,6 +59,8 @@ AGENT_PREFIX = "meshd-mps-agent-"
 RETRY_S = 5.0
 #: Threads for requests to the daemon: calls in flight at once through this agent.
 THREADS = 32
+#: The reports whose changed replicas are kept: a watch from further back is answered whole.
+HISTORY = 64
 
 
 def agent_name(node_id: str) -> str:
@@ -78,14 +81,17 @@ class NodeAgent:
         self.errors: dict[str, tuple[str, str]] = {}  # replica -> (hash, why) of its last failed load/upgrade
         self.retry_at: dict[str, float] = {}
         self.busy: dict[str, str] = {}  # replica -> "loading" | "upgrading" | "unloading", while it is done
-        self.programs: tuple[DaemonProgram, ...] | None = None  # the daemon's fleet replicas at the last look
+        self.programs: dict[str, DaemonProgram] | None = None  # the daemon's fleet replicas at the last look
         self.error: str | None = None  # why the daemon did not answer the last look
         self.daemon_pid: int | None = None
         self.daemon_socket: tuple[int, int] | None = None  # the socket file the pid was asked through
         self.stop_within: float | None = None
         self.renewed = -math.inf  # the lease the daemon was last given (wall-clock seconds)
         self.version = 0
-        self.said: tuple[Any, ...] | None = None  # what the report at ``version`` said (its heartbeats aside)
+        self.said: tuple[Any, ...] | None = None  # what the report at ``version`` said of no one replica
+        self.rows: dict[str, tuple[Any, ...]] = {}  # ... and of each replica (its heartbeat aside)
+        self.held: tuple[str, int] | None = None  # ... and the share it held
+        self.history: collections.deque[tuple[int, frozenset[str] | None]] = collections.deque(maxlen=HISTORY)
         self.changed = asyncio.Event()  # set (and made anew) when ``version`` moves on
         self.wake = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
@@ -97,9 +103,9 @@ class NodeAgent:
 
     # ---- the controller's side ----------------------------------------------------------------
 
-    async def apply(self, share: Share) -> AgentReport:
+    async def apply(self, share: Share, since: int = -1) -> AgentReport:
         """Take ``share`` as this node's whole share (unless the one held is later: shares may
-        cross on their way); this agent's report."""
+        cross on their way); this agent's report, with the replicas changed since report ``since``."""
         self._start()
         cur = self.share
         if cur is None or share.version[0] != cur.version[0] or share.version[1] > cur.version[1] or \
@@ -113,7 +119,7 @@ class NodeAgent:
             self.share = share
             self.wake.set()
         self._publish()
-        return await self._report()
+        return await self._report(since)
 
     async def watch(self, since: int) -> AgentReport:
         """The controller's call, kept outstanding: this agent's report once its ``version`` is
@@ -130,7 +136,7 @@ class NodeAgent:
             async with asyncio.timeout(self.d.fleet_watch):
                 while self.version <= since:
                     await self.changed.wait()
-        return await self._report()
+        return await self._report(since)
 
     async def call(self, name: str, data: bytes, timeout: float | None = None) -> bytes | NodeAnswer:  # noqa: ASYNC109
         """A request to replica ``name`` on this node's daemon: its response's bytes, or the
@@ -142,26 +148,35 @@ class NodeAgent:
     async def ping(self) -> str:
         return self.node_id
 
-    async def _report(self) -> AgentReport:
+    async def _report(self, since: int = -1) -> AgentReport:
         port, port_error = self.port_state or await self._open_port()
         return AgentReport(node=self.node_id, version=self.version, socket=self.socket, pid=os.getpid(),
-                           programs=self.programs, error=self.error, daemon_pid=self.daemon_pid,
+                           programs=None if self.programs is None else dict(self.programs), error=self.error,
+                           daemon_pid=self.daemon_pid,
                            share=self.share.version if self.share is not None else None, have=frozenset(self.images),
                            errors=dict(self.errors), busy=dict(self.busy), claim=self.foreign, call_port=port,
-                           call_port_error=port_error, stop_within=self.stop_within)
+                           call_port_error=port_error, stop_within=self.stop_within,
+                           changed=changed_since(self.history, self.version, since))
 
     def _publish(self) -> None:
         """``version`` moved on if the report says anything new (the heartbeats' counts and ages
-        aside), and the watches answered."""
-        said = (tuple(p.key() for p in self.programs) if self.programs is not None else None, self.error,
-                self.daemon_pid, self.share.version if self.share else None, frozenset(self.images),
-                tuple(sorted(self.errors.items())), tuple(sorted(self.busy.items())), self.foreign, self.port_state,
-                self.stop_within)
-        if said != self.said:
-            self.said = said
-            self.version += 1
-            self.changed.set()
-            self.changed = asyncio.Event()
+        aside), the replicas it changed kept (``history``), and the watches answered."""
+        said = (self.programs is None, self.error, self.daemon_pid, frozenset(self.images), self.foreign,
+                self.port_state, self.stop_within)
+        share = self.share.version if self.share else None
+        rows = {name: p.key() for name, p in (self.programs or {}).items()}
+        for name, e in self.errors.items():
+            rows[name] = (*rows.get(name, ()), "error", e)
+        for name, what in self.busy.items():
+            rows[name] = (*rows.get(name, ()), what)
+        names = frozenset(n for n in rows.keys() | self.rows.keys() if rows.get(n) != self.rows.get(n))
+        if said == self.said and not names and share == self.held:
+            return
+        self.version += 1
+        self.history.append((self.version, names if said == self.said else None))
+        self.said, self.rows, self.held = said, rows, share
+        self.changed.set()
+        self.changed = asyncio.Event()
 
     async def _open_port(self) -> tuple[callport.CallPort | None, str | None]:
         """The call port (fleet/callport.py), opened once: it, or None and why not (``off``, a bad
@@ -209,25 +224,28 @@ class NodeAgent:
         except ClientError as e:
             self.programs, self.error, self.daemon_pid = None, str(e), None
             raise
-        self.programs = tuple(DaemonProgram.from_row(p) for p in rows if parse_replica_name(str(p.get("name"))))
+        self.programs = {str(p.get("name")): DaemonProgram.from_row(p) for p in rows
+                         if parse_replica_name(str(p.get("name")))}
         self.error = None
 
     async def _apply(self) -> bool:
-        """This round's loads, upgrades and unloads; whether it tried one."""
+        """This round's loads, upgrades and unloads; whether it tried one.  A share that comes while
+        the round loads is taken into it (its orders loaded in the same round, one after another,
+        as a node's loads go), not left to the next."""
         share = self.share
         if share is None or self.programs is None:
             return False
-        programs = {p.name: p for p in self.programs}
-        if not await self._claimed(programs.keys(), {o.name for o in share.orders} | share.keep):
+        have = {name: p.hash for name, p in self.programs.items()}
+        if not await self._claimed(have.keys(), {o.name for o in share.orders} | share.keep):
             return False  # another fleet's daemon: nothing of it is touched
         acted = False
-        for o in share.orders:
-            p = programs.get(o.name)
-            if p is not None and p.hash == o.hash:
-                self.errors.pop(o.name, None)
-            elif self._ordered(o):
-                acted |= await self._load(o, p)
-        for name in programs.keys() - self._wanted():
+        tried: set[str] = set()
+        while (o := self._next(have, tried)) is not None:
+            tried.add(o.name)
+            acted = True
+            if await self._load(o, upgrade=o.name in have):
+                have[o.name] = o.hash
+        for name in sorted(have.keys() - self._wanted()):
             if name in self._wanted():
                 continue  # declared again while this round ran (removed, then deployed): the newest share wins
             acted = True
@@ -241,53 +259,63 @@ class NodeAgent:
                 self.busy.pop(name, None)
         return acted
 
+    def _next(self, have: dict[str, str | None], tried: set[str]) -> Order | None:
+        """The next order of the share held now that the daemon does not run yet, and this round
+        has not tried."""
+        s = self.share
+        for o in s.orders if s is not None else ():
+            if have.get(o.name) == o.hash:
+                self.errors.pop(o.name, None)
+            elif o.name not in tried and self._due(o):
+                return o
+        return None
+
     def _wanted(self) -> set[str]:
         """What the share held now orders or keeps (it may have changed since the round began)."""
         s = self.share
         return set() if s is None else {o.name for o in s.orders} | s.keep
 
-    def _ordered(self, o: Order) -> bool:
-        """Whether order ``o`` is still the share's (taken since the round began) and not to wait."""
-        s = self.share
-        if s is None or o not in s.orders:
-            return False
+    def _due(self, o: Order) -> bool:
+        """Whether order ``o`` is to be tried now: not refused lately, its image here."""
         failed = self.errors.get(o.name)
         return not (failed is not None and failed[0] == o.hash and time.monotonic() < self.retry_at.get(o.name, 0.0)) \
             and o.hash in self.images  # else the controller sends it with the next share (this report's "have")
 
-    async def _load(self, o: Order, p: DaemonProgram | None) -> bool:
-        """Replica ``o`` loaded (``p`` None) or upgraded to its image; whether it was tried."""
+    async def _load(self, o: Order, upgrade: bool) -> bool:
+        """Replica ``o`` loaded or upgraded to its image; whether it now runs it."""
         image = self.images[o.hash]
         body: dict[str, Any] = {"manifest": {**image["manifest"], "name": o.name}, "ptx": image["ptx"], "hash": o.hash}
-        if p is None and o.gpu is not None:
+        if not upgrade and o.gpu is not None:
             device = await self._device(o.gpu)
             if device is not None:
                 body["device"] = device
-        until = self.share.lease_until if self.share is not None else None
-        if p is None and o.unique and (until is None or o.name not in (self.share.leased if self.share else ())):
+        s = self.share
+        until = s.lease_until if s is not None else None
+        if not upgrade and o.unique and (until is None or s is None or o.name not in s.leased):
             self.errors[o.name] = (o.hash, "unique: no lease granted for it here (the controller's next share grants it)")
             return False
-        self.busy[o.name] = "loading" if p is None else "upgrading"
+        self.busy[o.name] = "upgrading" if upgrade else "loading"
         try:
-            if p is None:
+            if upgrade:
+                await self._blocking(functools.partial(Client.upgrade, name=o.name, body=body), self.d.fleet_node)
+            else:
                 # restore adopt: a daemon that comes back does not load it again by itself (Ray may have
                 # placed it elsewhere meanwhile); it runs where this share says.
                 load = {**body, "restart": o.restart, "restore": Restore.ADOPT.value}
                 if o.unique:
                     load["lease_until"] = until
                 await self._blocking(functools.partial(Client.load, body=load), self.d.fleet_node)
-            else:
-                await self._blocking(functools.partial(Client.upgrade, name=o.name, body=body), self.d.fleet_node)
             self.errors.pop(o.name, None)
+            return True
         except ClientError as e:
             if e.status == 0:
                 raise
-            verb = "load" if p is None else "upgrade"
+            verb = "upgrade" if upgrade else "load"
             self.errors[o.name] = (o.hash, f"{verb} refused by the node's daemon (HTTP {e.status}): {e}")
             self.retry_at[o.name] = time.monotonic() + RETRY_S
+            return False
         finally:
             self.busy.pop(o.name, None)
-        return True
 
     async def _renew(self) -> None:
         """The leases of the unique replicas the share grants this node, held until its
@@ -295,7 +323,7 @@ class NodeAgent:
         s = self.share
         if s is None or s.lease_until is None or s.lease_until <= self.renewed or self.programs is None:
             return
-        names = sorted(s.leased & {p.name for p in self.programs})
+        names = sorted(s.leased & self.programs.keys())
         if names:
             await self._blocking(functools.partial(Client.renew, names=names, until=s.lease_until))
         self.renewed = s.lease_until

@@ -256,6 +256,26 @@ def header(argv: list[str], nodes: int, sim_gpus: int) -> dict[str, str]:
             "command": " ".join(["meshd-mps fleet bench", *argv])}
 
 
+def simulated(argv: list[str], n: int, json_out: str | None) -> int:
+    """``--simulate N``: the rows of fleet/simbench.py, in the same table."""
+    from meshd_mps.fleet.simbench import rows as simulated_rows
+
+    if n < 10:
+        print(f"meshd-mps fleet bench: --simulate {n}: at least 10 nodes", file=sys.stderr)
+        return 2
+    try:
+        out = simulated_rows(n)
+    except Exception as e:  # one ERROR row: the run's failure named
+        out = [Row("s", "fleet bench --simulate", error=describe(e))]
+    h = header(argv, n, 0)
+    h["device"] = f"the controller alone: up to {n} simulated nodes of 48 slots, no Ray (fleet/simulate.py)"
+    print(table(h, out))
+    if json_out:
+        with open(json_out, "w") as f:
+            f.write(as_json(h, out, []))
+    return 1 if any(r.error for r in out) else 0
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="meshd-mps fleet bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -266,7 +286,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--only", metavar="ROW", action="append", choices=ROWS,
                     help="only this row (again for more: --only l3 --only l4); default every row")
     ap.add_argument("--json", metavar="FILE", help="also write the header and rows as JSON")
+    ap.add_argument("--simulate", type=int, metavar="N",
+                    help="instead: the controller alone at 10, 100, ... N simulated nodes of 48 slots, no Ray"
+                         " (rows (s1)-(s6), fleet/simbench.py)")
     args = ap.parse_args(argv)
+    if args.simulate is not None:
+        return simulated(argv, args.simulate, args.json)
     for k in ("nodes", "sim_gpus", "replicas", "calls"):
         if getattr(args, k) < (2 if k == "nodes" else 1):  # (l2) kills a node: another must be left
             print(f"meshd-mps fleet bench: --{k.replace('_', '-')} {getattr(args, k)}: too few", file=sys.stderr)

@@ -79,7 +79,7 @@ def status(lp: Reconciler, name: str | None = None) -> FleetStatus:
     names = [name] if name is not None else sorted(lp.specs)
     progs = tuple(lp.view(n) for n in names)
     placed = collections.Counter(r.node for n in lp.specs for r in lp.view(n).replicas if r.node)
-    nodes = tuple(node_view(lp, nid, placed[nid]) for nid in sorted(set(lp.nodes) | set(lp.links)))
+    nodes = tuple(node_view(lp, nid, placed[nid]) for nid in sorted(set(lp.nodes) | set(lp.links.links)))
     events = tuple(e for e in lp.events if name is None or e.program in (None, name))
     age = None if lp.last_tick is None else round(time.monotonic() - lp.last_tick, 3)
     return FleetStatus(programs=progs, nodes=nodes, events=events, fleet=lp.fleet.to_json(), moves=lp.moves,
@@ -91,13 +91,13 @@ def routes(lp: Reconciler, name: str) -> Routes:
     agent and call port."""
     v = lp.view(name)
     got = lp.plans.get(name)
-    draining = got[1].rollout.draining if got is not None else None
+    draining = got.rollout.draining if got is not None else None
     live = [r for r in v.replicas if r.state == "running" and r.index != draining]
     socks: dict[str, str] = {}
     agents: dict[str, Any] = {}
     ports = {}
     for nid in {r.node for r in live if r.node}:
-        lk = lp.links.get(nid)
+        lk = lp.links.links.get(nid)
         if lk is None:
             continue
         agents[nid] = lk.agent.handle
@@ -111,7 +111,7 @@ def routes(lp: Reconciler, name: str) -> Routes:
 def node_view(lp: Reconciler, nid: str, count: int) -> NodeView:
     """Node ``nid`` as the loop sees it; ``count``: the replicas Ray placed there."""
     n = lp.nodes.get(nid)
-    lk = lp.links.get(nid)
+    lk = lp.links.links.get(nid)
     rep = lk.report if lk is not None else None
     res = dict(n.resources) if n is not None else {}
     why = lk.why if lk is not None else None
@@ -121,6 +121,6 @@ def node_view(lp: Reconciler, nid: str, count: int) -> NodeView:
                     socket=rep.socket if rep else None, daemon_pid=rep.daemon_pid if rep else None,
                     agent_pid=rep.pid if rep else None,
                     reason=why or (rep.claim.why if rep and rep.claim else None) or (rep.error if rep else None),
-                    claimed_by=(lp.claimed.get(nid) or None) if n is not None else None,
+                    claimed_by=(lp.links.claimed.get(nid) or None) if n is not None else None,
                     call_port=str(rep.call_port) if rep and rep.call_port else None,
                     call_port_error=rep.call_port_error if rep else None)

@@ -10,7 +10,7 @@ version passes the one the controller holds, so that nothing changed is nothing 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,18 +85,19 @@ class ForeignClaim:
 
 @dataclass(frozen=True)
 class AgentReport:
-    """An agent's report.  ``programs``: the daemon's fleet replicas (None: the daemon did not
-    answer, ``error`` says why); ``share``: the version of the share the agent holds (None: none
+    """An agent's report.  ``programs``: the daemon's fleet replicas, by name (None: the daemon did
+    not answer, ``error`` says why); ``share``: the version of the share the agent holds (None: none
     yet); ``have``: the images it holds; ``errors``: per replica, the hash and why its last load
     or upgrade was refused; ``busy``: the replicas it is loading, upgrading or unloading now;
     ``stop_within``: how long past its lease a program of this daemon may still run (the daemon's
-    status, serving/leases.py)."""
+    status, serving/leases.py); ``changed``: the replicas whose rows changed since the report the
+    caller held (None: read it whole)."""
 
     node: str
     version: int
     socket: str
     pid: int
-    programs: tuple[DaemonProgram, ...] | None = None
+    programs: Mapping[str, DaemonProgram] | None = None
     error: str | None = None
     daemon_pid: int | None = None
     share: tuple[str, int] | None = None
@@ -107,15 +108,32 @@ class AgentReport:
     call_port: CallPort | None = None
     call_port_error: str | None = None
     stop_within: float | None = None
+    changed: frozenset[str] | None = None
 
     def program(self, name: str) -> DaemonProgram | None:
-        """The daemon's row of replica ``name`` (an index made at the first look)."""
-        index = self.__dict__.get("_index")
-        if index is None:
-            index = {p.name: p for p in self.programs or ()}
-            object.__setattr__(self, "_index", index)
-        return index.get(name)
+        """The daemon's row of replica ``name``."""
+        return None if self.programs is None else self.programs.get(name)
 
     def runs(self) -> frozenset[str]:
         """The replicas the daemon has now (whatever their state), and those the agent is loading."""
-        return frozenset(p.name for p in self.programs or ()) | {n for n, what in self.busy.items() if what != "unloading"}
+        got = self.__dict__.get("_runs")
+        if got is None:
+            got = frozenset(self.programs or ()) | {n for n, w in self.busy.items() if w != "unloading"}
+            object.__setattr__(self, "_runs", got)
+        return got
+
+
+def changed_since(history: Iterable[tuple[int, frozenset[str] | None]], version: int, since: int) -> frozenset[str] | None:
+    """The replicas changed after report ``since``, from an agent's ``history`` of (version, the
+    replicas that version changed, None: more than replicas) whose last is ``version``; None where
+    it does not reach back that far (the caller then reads the report whole)."""
+    entries = list(history)
+    if since < 0 or since > version or not entries or entries[0][0] > since + 1:
+        return None
+    out: set[str] = set()
+    for v, names in entries:
+        if v > since:
+            if names is None:
+                return None
+            out |= names
+    return frozenset(out)

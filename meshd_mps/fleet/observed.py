@@ -23,15 +23,13 @@ class NodeInfo:
     id: str
     resources: Mapping[str, float]
     host: str = ""
+    named: str | None = field(default=None, init=False)  # its meshd_node_<name>, if any (what pins a replica to it)
+    name: str = field(default="", init=False)
 
-    @property
-    def named(self) -> str | None:
-        """Its ``meshd_node_<name>``, if any (what a replica is pinned to it by)."""
-        return node_name(dict(self.resources))
-
-    @property
-    def name(self) -> str:
-        return self.named or self.host or self.id[:8]
+    def __post_init__(self) -> None:
+        named = node_name(dict(self.resources))
+        object.__setattr__(self, "named", named)
+        object.__setattr__(self, "name", named or self.host or self.id[:8])
 
 
 @dataclass(frozen=True)

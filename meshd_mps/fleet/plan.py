@@ -15,44 +15,59 @@ that node holds no longer names it) or the lease that node was granted has run o
 its daemon may take to stop it after (``stop_within``) and the hosts' clock skew; until then it is
 ``pending`` with the reason.  A replica that may run twice (the default) is ordered where Ray
 placed it at once, and the node it leaves unloads it when its share no longer names it.
+
+Its cost is the replicas whose inputs changed, not the program's: given the plan before
+(``before``) and the replicas whose node's report, placement or lease changed since
+(``changed``), it works out only those, and takes the others from ``before`` as they were (the
+same result as a plan of every replica: tests/test_fleet_plan.py checks it).  Without them it
+plans every replica.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from meshd_mps.fleet.capacity import why_pending
 from meshd_mps.fleet.desired import Spec
 from meshd_mps.fleet.messages import Order
 from meshd_mps.fleet.observed import Observed
 from meshd_mps.fleet.rollout import UNKNOWN, Rollout
-from meshd_mps.fleet.spec import FleetProgram, ReplicaState, ReplicaView, replica_name, resource_key
+from meshd_mps.fleet.spec import FleetProgram, ReplicaView, replica_name, resource_key
+from meshd_mps.fleet.views import Event, changes, program, replica, running
 
-#: Daemon states that count as running (a stalled program runs: its heartbeat is late).
-RUNS = ("running", "stalled")
-STARTS = ("restarting",)
-
-
-@dataclass(frozen=True)
-class Event:
-    kind: str
-    message: str
-    replica: int | None = None
-    node: str | None = None
+T = TypeVar("T")
+#: A node's part of a share, by replica index (the loop joins every program's).
+Part = dict[str, dict[int, T]]
+PARTS = ("orders", "keep", "leased")
 
 
 @dataclass
 class ProgramPlan:
-    """What ``plan`` makes of one program (see the module's doc); ``due``: look again by then at
-    the latest (monotonic; a drain, a lease, a pin's deadline); ``waiting``: a replica waits on Ray
-    or on an agent no watch tells of (looked at every ``fleet_busy_tick``); ``touches``: the nodes
-    whose news changes this plan; ``kept``: the rollout's part the checkpoint keeps changed."""
+    """What ``plan`` makes of one program (the module's doc).  Per replica: ``placed`` (its node,
+    None: placed nowhere), ``fenced`` (a unique one not let run there yet, and why), ``runs`` (the
+    image it runs where it is to), ``views``; per node, its part: ``orders``, ``keep``, ``leased``
+    (``nodes``: those whose part this plan changed).  ``due``: look again by then at the latest
+    (monotonic; a drain, a lease, a pin's deadline); ``waiting``: a replica waits on Ray or on an
+    agent no watch tells of (looked at every ``fleet_busy_tick``); ``touches``: the nodes whose news
+    changes it; ``kept``: the rollout's part the checkpoint keeps changed."""
 
-    view: FleetProgram
+    spec: Spec
     rollout: Rollout
-    orders: dict[str, list[Order]] = field(default_factory=dict)
-    keep: dict[str, list[str]] = field(default_factory=dict)
-    leased: dict[str, list[str]] = field(default_factory=dict)
+    placed: list[str | None]
+    fenced: list[str | None]
+    runs: list[str | None]
+    views: list[ReplicaView]
+    at: dict[str, list[str | None]]  # "orders", "keep", "leased": the node whose part has each replica
+    view: FleetProgram | None = None
+    orders: Part[Order] = field(default_factory=dict)
+    keep: Part[str] = field(default_factory=dict)
+    leased: Part[str] = field(default_factory=dict)
+    why: str | None = None  # the reason of the replicas placed nowhere
+    placing: set[int] = field(default_factory=set)
+    nodes: set[str] = field(default_factory=set)
+    copied: set[tuple[str, str]] = field(default_factory=set)  # (part, node): its dict is this plan's own
     create: list[tuple[str, list[dict[str, float]], str]] = field(default_factory=list)
     remove: list[str] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
@@ -62,97 +77,168 @@ class ProgramPlan:
     kept: bool = False
 
 
-def plan(spec: Spec, rollout: Rollout, obs: Observed, before: FleetProgram | None = None) -> ProgramPlan:
+def plan(spec: Spec, rollout: Rollout, obs: Observed, before: ProgramPlan | None = None,
+         changed: Iterable[int] | None = None) -> ProgramPlan:
     d = obs.deadlines
+    n = spec.replicas
     r = rollout.copy()
     r.follow(spec)
-    out = ProgramPlan(view=before or _empty(spec), rollout=r)
-    placed = _placed(spec, r, obs, out)
-    names = [replica_name(spec.name, i) for i in range(spec.replicas)]
-    ok = [_authorized(spec, r, obs, out, i, names[i], placed[i]) for i in range(spec.replicas)]
+    same = before is not None and changed is not None and before.spec is spec and _steady(before.rollout, r)
+    if same:
+        assert before is not None and changed is not None
+        idx = {i for i in changed if 0 <= i < n}
+        out = ProgramPlan(spec, r, list(before.placed), list(before.fenced), list(before.runs), list(before.views),
+                          {k: list(v) for k, v in before.at.items()}, orders=dict(before.orders),
+                          keep=dict(before.keep), leased=dict(before.leased), why=before.why,
+                          placing=set(before.placing))
+        if before.due is not None and before.due > obs.now:
+            out.due = before.due  # the replicas not planned again still wait for it
+    else:
+        idx = set(range(n))
+        out = ProgramPlan(spec, r, [None] * n, [None] * n, [None] * n, [], {k: [None] * n for k in PARTS})
+        if before is not None and before.spec.token == spec.token:
+            out.orders, out.keep, out.leased, out.at = dict(before.orders), dict(before.keep), dict(before.leased), \
+                {k: list(v) for k, v in before.at.items()}
+    old: list[ReplicaView | None] = list(before.views) if before is not None else [None] * n
+    if not out.views:
+        out.views = [ReplicaView(spec.name, i, "pending") for i in range(n)]  # each made below
+    names = [replica_name(spec.name, i) for i in range(n)] if not same else None
+
+    def name(i: int) -> str:
+        return names[i] if names is not None else replica_name(spec.name, i)
+
+    _place(spec, r, obs, out, idx)
+    if spec.unique:
+        for i in idx:
+            out.fenced[i] = _fence(spec, r, obs, out, i, name(i), out.placed[i])
 
     # The rollout: a refusal of the declared image rolls back; where each runs; one upgrade step.
-    for i, nid in enumerate(placed):
-        rep = obs.report(nid)
-        err = rep.errors.get(names[i]) if rep is not None and ok[i] is None else None
+    for i in sorted(idx):
+        rep = obs.report(out.placed[i])
+        err = rep.errors.get(name(i)) if rep is not None and out.fenced[i] is None else None
         if err is not None and err[0] == r.target == spec.image.hash and spec.previous is not None \
                 and err[0] != spec.previous.hash:
             r.roll_back(spec, err[1])
             out.events.append(Event("upgrade-failed", f"{spec.name}: replica {i} refused image {err[0]}: {err[1]};"
-                                    f" rolling back to {r.target}", i, nid))
+                                    f" rolling back to {r.target}", i, out.placed[i]))
+            idx = set(range(n))  # every replica's image changes
             break
-    pre = [_running(obs, placed[i], names[i], r.assigned[i], i == r.draining or ok[i] is not None)
-           for i in range(spec.replicas)]
-    for i, (nid, runs) in enumerate(zip(placed, pre, strict=True)):
+    for i in idx:
+        nid = out.placed[i]
+        out.runs[i] = running(obs, nid, name(i), r.assigned[i], i == r.draining or out.fenced[i] is not None)
         here = obs.ray.nodes[nid].named if nid is not None else None
-        if runs and here is not None:
+        if out.runs[i] is not None and here is not None:
             r.where[i] = here
-    was = r.draining
-    r.step([h is not None for h in pre], pre, drain=d.fleet_tick * 3, now=obs.now)
-    if r.draining is not None and r.draining != was:
-        out.events.append(Event("draining", f"{spec.name}: replica {r.draining} drained for the upgrade to {r.target}",
-                                r.draining))
-    if r.draining is not None:
-        out.due = _first(out.due, r.drain_since + d.fleet_tick * 3)
+    if r.moving:
+        was, draining = list(r.assigned), r.draining
+        r.step([h is not None for h in out.runs], out.runs, drain=d.fleet_tick * 3, now=obs.now)
+        idx |= {i for i in range(n) if r.assigned[i] != was[i]} | {i for i in (draining, r.draining) if i is not None}
+        if r.draining is not None and r.draining != draining:
+            out.events.append(Event("draining", f"{spec.name}: replica {r.draining} drained for the upgrade to"
+                                    f" {r.target}", r.draining))
+        if r.draining is not None:
+            out.due = _first(out.due, r.drain_since + d.fleet_tick * 3)
 
-    # The views, and each node's share of the program.
-    why: str | None = None
-    reps = []
-    for i, nid in enumerate(placed):
-        if nid is None:
-            if why is None:
-                why = _why_pending(spec, placed, obs)
-            reps.append(ReplicaView(spec.name, i, "pending", why, generation=spec.generation_of(r.assigned[i])))
-            out.waiting = True
-            for h in _kept_on(spec, r, obs, i, names[i]):
-                out.keep.setdefault(h, []).append(names[i])
-        elif ok[i] is not None:
-            node = obs.ray.nodes[nid]
-            reps.append(ReplicaView(spec.name, i, "pending", ok[i], nid, node.name,
-                                    generation=spec.generation_of(r.assigned[i])))
-        else:
-            v = _replica(spec, r, obs, i, nid)
-            reps.append(v)
-            out.waiting |= v.state == "placing"
-            gpu = None if spec.gpu is None else resource_key(spec.gpu)
-            out.orders.setdefault(nid, []).append(Order(names[i], r.assigned[i], spec.restart, gpu, spec.unique))
-        owner = r.owner[i]
-        if spec.unique and owner not in (None, UNKNOWN) and owner in obs.ray.nodes and nid in (None, owner):
-            out.leased.setdefault(owner, []).append(names[i])  # not once placed elsewhere: its lease there runs out
-    out.view = FleetProgram(name=spec.name, replicas=tuple(reps), wanted=spec.replicas, hash=r.target,
-                            generation=spec.generation_of(r.target), restart=spec.restart, strategy=spec.strategy,
-                            gpu=spec.gpu, node=spec.node, upgrading=r.upgrading, upgrade_error=r.error,
-                            unique=spec.unique)
-    out.events += _changes(spec, before, out.view)
-    out.touches = frozenset(n for n in (*placed, *r.owner) if n is not None and n != UNKNOWN) \
-        | frozenset(h for nm in names for h in obs.holders.get(nm, ()))
+    # The replicas placed nowhere share one reason: when it changes, each says the new one.
+    pending = out.placed.count(None)
+    why = _why_pending(spec, out.placed, obs, pending) if pending else None
+    if why != out.why:
+        idx |= {i for i in range(n) if out.placed[i] is None}
+        out.why = why
+
+    for i in sorted(idx):
+        v = _view(spec, r, obs, out, i, name(i))
+        out.views[i] = v
+        (out.placing.add if v.state == "placing" else out.placing.discard)(i)
+        out.events += changes(spec, old[i], v)
+    out.view = program(spec, r, tuple(out.views))
+    out.waiting = pending > 0 or bool(out.placing)
+    out.touches = frozenset({*out.placed, *r.owner, *out.keep, *out.leased} - {None, UNKNOWN})  # type: ignore[arg-type]
     out.kept = r.kept() != rollout.kept()
-    if out.kept is False and r == rollout:
+    if not out.kept and r == rollout:
         out.rollout = rollout  # unchanged: the same object (the loop compares identities)
     return out
+
+
+def _steady(a: Rollout, b: Rollout) -> bool:
+    """Whether two rollouts give every replica's view the same program-level inputs."""
+    return (a.target, a.generation, a.error, a.draining, a.rolling) == (b.target, b.generation, b.error, b.draining,
+                                                                        b.rolling)
+
+
+def _view(spec: Spec, r: Rollout, obs: Observed, out: ProgramPlan, i: int, name: str) -> ReplicaView:
+    """Replica ``i``'s view, and its parts of the nodes' shares."""
+    nid = out.placed[i]
+    gen = spec.generation_of(r.assigned[i])
+    order = keep = lease = None
+    if nid is None:
+        v = ReplicaView(spec.name, i, "pending", out.why, generation=gen)
+        keep = _kept_on(spec, r, obs, i, name)
+    elif out.fenced[i] is not None:
+        v = ReplicaView(spec.name, i, "pending", out.fenced[i], nid, obs.ray.nodes[nid].name, generation=gen)
+    else:
+        v = replica(spec, r, obs, i, nid)
+        order = Order(name, r.assigned[i], spec.restart, None if spec.gpu is None else resource_key(spec.gpu),
+                      spec.unique)
+    owner = r.owner[i]
+    if spec.unique and owner not in (None, UNKNOWN) and owner in obs.ray.nodes and nid in (None, owner):
+        lease = owner  # not once placed elsewhere: its lease there runs out
+    _set(out, "orders", out.orders, nid if order is not None else None, i, order)
+    _set(out, "keep", out.keep, keep, i, name)
+    _set(out, "leased", out.leased, lease, i, name)
+    return v
+
+
+def _set(out: ProgramPlan, label: str, part: Part[T], nid: str | None, i: int, value: T | None) -> None:
+    """Replica ``i``'s entry of ``part`` (named ``label``): on node ``nid`` only (None: on none);
+    each node's dict copied before its first change in this plan (``before``'s stays as it was),
+    and each node changed noted."""
+    at = out.at[label]
+    was = at[i]
+    if was == nid and (nid is None or part[nid].get(i) == value):
+        return
+    for node, add in ((was, False), (nid, True)):
+        if node is None or (add and value is None):
+            continue
+        if (label, node) not in out.copied:
+            part[node] = dict(part.get(node, {}))
+            out.copied.add((label, node))
+        if add:
+            part[node][i] = value  # type: ignore[assignment]
+        else:
+            part[node].pop(i, None)
+            if not part[node]:
+                del part[node]
+                out.copied.discard((label, node))
+        out.nodes.add(node)
+    at[i] = nid if value is not None else None
 
 
 # ---- where Ray placed each replica, and its pins ----------------------------------------------------
 
 
-def _placed(spec: Spec, r: Rollout, obs: Observed, out: ProgramPlan) -> list[str | None]:
-    """Each replica's node (None: placed nowhere, or on a node gone); the placement groups to make
-    (pinned where their replicas last ran: after the head's restart they must land there), and
-    those to give up (pinned to a node that did not rejoin within ``fleet_rejoin``)."""
+def _place(spec: Spec, r: Rollout, obs: Observed, out: ProgramPlan, idx: set[int]) -> None:
+    """Each replica of ``idx``'s node (None: placed nowhere, or on a node gone); the placement
+    groups to make (pinned where their replicas last ran: after the head's restart they must land
+    there), and those to give up (pinned to a node that did not rejoin within ``fleet_rejoin``)."""
     d = obs.deadlines
-    placed: list[str | None] = [None] * spec.replicas
-    for pg, idxs in spec.units():
+    missing: set[str] = set()
+    for i in idx:
+        pg, b = spec.unit(i)
         pl = obs.ray.placements.get(pg)
+        nid = None if pl is None or b >= len(pl.nodes) else pl.nodes[b]
+        out.placed[i] = nid if nid in obs.ray.nodes else None
         if pl is None:
+            missing.add(pg)
+    for pg, idxs in spec.units() if missing else ():
+        if pg in missing:
             for i in idxs:
                 r.pins[i] = r.where[i] if spec.node is None else None
             out.create.append((pg, [spec.bundle(r.pins[i]) for i in idxs], spec.strategy))
-            continue
-        for b, i in enumerate(idxs):
-            nid = pl.nodes[b] if b < len(pl.nodes) else None
-            placed[i] = nid if nid in obs.ray.nodes else None
+    if r.pins.count(None) == spec.replicas:
+        return
     names = {n.named for n in obs.ray.nodes.values()}
-    lost = [i for i in range(spec.replicas) if r.pins[i] is not None and placed[i] is None and r.pins[i] not in names]
+    lost = [i for i, pin in enumerate(r.pins) if pin is not None and out.placed[i] is None and pin not in names]
     if lost:
         rejoin = obs.started + d.fleet_rejoin
         if obs.now < rejoin:
@@ -163,13 +249,11 @@ def _placed(spec: Spec, r: Rollout, obs: Observed, out: ProgramPlan) -> list[str
                                         " Ray places it anew", i))
                 r.where[i] = r.pins[i] = None
             out.remove += sorted({spec.unit(i)[0] for i in lost})
-    return placed
 
 
-def _why_pending(spec: Spec, placed: list[str | None], obs: Observed) -> str:
-    if not any(spec.unit(i)[0] in obs.ray.placements for i in range(spec.replicas)):
+def _why_pending(spec: Spec, placed: list[str | None], obs: Observed, count: int) -> str:
+    if not any(pg in obs.ray.placements for pg, _ in spec.units()):
         return "its placement group is being created"
-    count = sum(1 for nid in placed if nid is None)
     nodes = [dict(n.resources) for n in obs.ray.nodes.values()]
     return why_pending(spec.bundle(), nodes, dict(obs.ray.available), count, spec.strategy)
 
@@ -177,40 +261,36 @@ def _why_pending(spec: Spec, placed: list[str | None], obs: Observed) -> str:
 # ---- unique replicas: one copy at most -------------------------------------------------------------
 
 
-def _authorized(spec: Spec, r: Rollout, obs: Observed, out: ProgramPlan, i: int, name: str,
-                nid: str | None) -> str | None:
-    """None if replica ``i`` may run on ``nid`` (its owner then, for a unique one), else why not
-    yet.  A replica that may run twice always may; a unique one once no copy may run elsewhere."""
-    if not spec.unique or nid is None:
+def _fence(spec: Spec, r: Rollout, obs: Observed, out: ProgramPlan, i: int, name: str, nid: str | None) -> str | None:
+    """None if unique replica ``i`` may run on ``nid`` (its owner then), else why not yet: a copy
+    may still run elsewhere."""
+    if nid is None:
         return None
     owner = r.owner[i]
-    others = sorted(obs.holders.get(name, frozenset()) - {nid})
+    held = obs.holders.get(name, frozenset())
+    others = sorted(held - {nid})
     if owner == nid:
         return None
     if others:
-        where = obs.ray.nodes[others[0]].name if others[0] in obs.ray.nodes else others[0][:8]
-        return f"unique: waiting for its copy on node {where} to be unloaded"
-    if owner is None or nid in obs.holders.get(name, frozenset()):
+        return f"unique: waiting for its copy on node {_name(obs, others[0])} to be unloaded"
+    if owner is None or nid in held:
         r.owner[i] = nid  # nothing of it ran under this controller, or it runs here (its node came back)
         return None
-    d = obs.deadlines
     if owner == UNKNOWN:
         end = obs.fence
         what = "every lease an earlier controller granted runs out"
     else:
-        gone = owner not in obs.ray.nodes
         a = obs.agents.get(owner)
-        if not gone and a is not None and a.why is None and a.report is not None and a.held is not None \
-                and name not in a.held and name not in a.report.runs():
+        if owner in obs.ray.nodes and a is not None and a.why is None and a.report is not None \
+                and a.held is not None and name not in a.held and name not in a.report.runs():
             r.owner[i] = nid  # known stopped there, and the share that node holds no longer names it
             return None
         grant = a.grants.get(name) if a is not None else None
         if grant is None:
             r.owner[i] = nid  # that node was never granted its lease: it cannot have run it
             return None
-        end = grant + obs.stop_within(owner) + d.fleet_skew
-        where = obs.ray.nodes[owner].name if not gone else (a.name if a is not None and a.name else owner[:8])
-        what = f"its copy on node {where} is stopped (or its lease there runs out)"
+        end = grant + obs.stop_within(owner) + obs.deadlines.fleet_skew
+        what = f"its copy on node {_name(obs, owner)} is stopped (or its lease there runs out)"
     if obs.wall >= end:
         r.owner[i] = nid
         return None
@@ -218,105 +298,30 @@ def _authorized(spec: Spec, r: Rollout, obs: Observed, out: ProgramPlan, i: int,
     return f"unique: not started until {what}, in {end - obs.wall:.1f}s at the latest"
 
 
-def _kept_on(spec: Spec, r: Rollout, obs: Observed, i: int, name: str) -> list[str]:
-    """The nodes that keep replica ``i``, which Ray placed nowhere now, running where it runs (a
-    unique one on one node only, which becomes its owner: its copy there is the one)."""
+def _name(obs: Observed, nid: str) -> str:
+    """Node ``nid``'s name, also once it has left the cluster."""
+    if nid in obs.ray.nodes:
+        return obs.ray.nodes[nid].name
+    a = obs.agents.get(nid)
+    return a.name if a is not None and a.name else nid[:8]
+
+
+def _kept_on(spec: Spec, r: Rollout, obs: Observed, i: int, name: str) -> str | None:
+    """The node that keeps replica ``i``, which Ray placed nowhere now, running where it runs (a
+    unique one becomes its owner there: its copy there is the one).  A copy on two nodes (a move
+    between two that had both come back) is kept on the first: the other unloads it."""
     holders = sorted(obs.holders.get(name, frozenset()))
-    if not spec.unique:
-        return holders
+    if not holders:
+        return None
     owner = r.owner[i]
+    if not spec.unique:
+        return holders[0]
     if owner in holders:
-        return [owner] if owner is not None else []
+        return owner
     if len(holders) == 1 and (owner in (None, UNKNOWN) or owner not in obs.ray.nodes):
         r.owner[i] = holders[0]
-        return holders
-    return []
-
-
-# ---- a replica's view ---------------------------------------------------------------------------------
-
-
-def _running(obs: Observed, nid: str | None, name: str, want: str, aside: bool) -> str | None:
-    """The hash replica ``name`` runs on ``nid`` if it runs there what it is to run and is not set
-    aside (drained, or not started there yet), else None."""
-    rep = obs.report(nid)
-    if rep is None or aside or rep.claim is not None or nid is None:
-        return None
-    p = rep.program(name)
-    if p is None or p.hash != want or p.state not in RUNS or rep.busy.get(name) == "unloading":
-        return None
-    return p.hash
-
-
-def _replica(spec: Spec, r: Rollout, obs: Observed, i: int, nid: str) -> ReplicaView:
-    name = replica_name(spec.name, i)
-    node = obs.ray.nodes[nid]
-    want = r.assigned[i]
-    gen = spec.generation_of(want)
-    rep = obs.report(nid)
-    if rep is None:
-        return ReplicaView(spec.name, i, "placing", "waiting for the node's agent", nid, node.name, generation=gen)
-    if rep.claim is not None:  # another fleet's daemon: its programs are not this fleet's replicas
-        return ReplicaView(spec.name, i, "pending", rep.claim.why, nid, node.name, generation=gen)
-    if rep.programs is None:
-        return ReplicaView(spec.name, i, "placing", f"the node's daemon does not answer: {rep.error}", nid, node.name,
-                           generation=gen)
-    p = rep.program(name)
-    err = rep.errors.get(name)
-    if p is None:
-        if err is not None and err[0] == want:
-            return ReplicaView(spec.name, i, "failed", err[1], nid, node.name, generation=gen)
-        return ReplicaView(spec.name, i, "starting", "loading on its node", nid, node.name, generation=gen)
-
-    def seen(state: ReplicaState, why: str | None) -> ReplicaView:
-        assert p is not None
-        return ReplicaView(spec.name, i, state, why, nid, node.name, p.device, p.slot, p.pid, p.hash, p.beat_age,
-                           p.heartbeat, spec.generation_of(p.hash))
-
-    if rep.busy.get(name) == "unloading":
-        # An earlier share's (the program removed, then declared again): gone in a moment, then loaded
-        # again; no call goes to it meanwhile.
-        return seen("stopping", "being unloaded on its node (an earlier share's)")
-    if i == r.draining:
-        return seen("stopping", f"drained for the upgrade to {r.target}")
-    if p.hash != want:
-        return seen("starting", f"upgrading to image {want}")
-    if p.state in RUNS:
-        return seen("running", "stalled: its heartbeat is late" if p.state == "stalled" else None)
-    if p.state in STARTS:
-        return seen("starting", f"{p.state} on its node")
-    return seen("failed", p.error or f"{p.state} on its node")
-
-
-def _changes(spec: Spec, before: FleetProgram | None, now: FleetProgram) -> list[Event]:
-    """A replica moved, or its state changed, since the view before."""
-    old = {r.index: r for r in before.replicas} if before else {}
-    out = []
-    for r in now.replicas:
-        o = old.get(r.index)
-        if o is not None and o.node and r.node and o.node != r.node:
-            out.append(Event("moved", f"{spec.name}: replica {r.index} moved from node {o.node_name} to {r.node_name}",
-                             r.index, r.node))
-        if o is None or o.state != r.state:
-            why = f": {r.reason}" if r.reason else ""
-            out.append(Event(r.state, f"{spec.name}: replica {r.index} {r.state}{why}", r.index, r.node))
-    return out
-
-
-def _empty(spec: Spec) -> FleetProgram:
-    return FleetProgram(name=spec.name, replicas=(), wanted=spec.replicas, hash=spec.image.hash,
-                        generation=spec.generation, restart=spec.restart, strategy=spec.strategy, gpu=spec.gpu,
-                        node=spec.node, unique=spec.unique)
-
-
-def view_of(spec: Spec, rollout: Rollout | None = None) -> FleetProgram:
-    """A program's view before the loop has looked at it: every replica pending."""
-    r = rollout or Rollout.start(spec)
-    reps = tuple(ReplicaView(spec.name, i, "pending", "its placement group is being created",
-                             generation=spec.generation_of(r.assigned[i])) for i in range(spec.replicas))
-    return FleetProgram(name=spec.name, replicas=reps, wanted=spec.replicas, hash=r.target,
-                        generation=spec.generation_of(r.target), restart=spec.restart, strategy=spec.strategy,
-                        gpu=spec.gpu, node=spec.node, upgrading=r.upgrading, upgrade_error=r.error, unique=spec.unique)
+        return holders[0]
+    return None
 
 
 def _first(a: float | None, b: float) -> float:

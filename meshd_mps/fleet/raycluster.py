@@ -38,8 +38,8 @@ class RayAgent:
     def watch(self, since: int) -> asyncio.Future[AgentReport]:
         return asyncio.wrap_future(self.handle.watch.remote(since).future())
 
-    def apply(self, share: Share) -> asyncio.Future[AgentReport]:
-        return asyncio.wrap_future(self.handle.apply.remote(share).future())
+    def apply(self, share: Share, since: int) -> asyncio.Future[AgentReport]:
+        return asyncio.wrap_future(self.handle.apply.remote(share, since).future())
 
 
 class RayCluster:
@@ -49,14 +49,22 @@ class RayCluster:
         self.ns, self.d = namespace, deadlines
         self.prefix = f"meshd-mps.{fleet}."
         self.last: dict[str, Placement] = {}
+        self.view: RayView | None = None
 
-    async def look(self) -> RayView:
+    async def look(self, placements: bool = True) -> RayView:
+        """Ray's view; with ``placements`` False the placement groups as the last look read them
+        (the loop asks for them again while a replica waits on Ray, after it made or removed one,
+        when a node came or went, and every ``fleet_tick`` times ten: a group moves only then)."""
+        if not placements and self.view is not None:
+            nodes = await asyncio.to_thread(ray.nodes)
+            alive = self._alive(nodes)
+            if alive.keys() == self.view.nodes.keys():
+                return RayView(alive, self.view.placements, self.view.available, frozenset())
         nodes, table, available = await asyncio.gather(asyncio.to_thread(ray.nodes),
                                                        asyncio.to_thread(placement_group_table),
                                                        asyncio.to_thread(ray.available_resources))
-        alive = {n["NodeID"]: NodeInfo(n["NodeID"], n.get("Resources") or {}, str(n.get("NodeName") or ""))
-                 for n in nodes if n.get("Alive") and SLOT in (n.get("Resources") or {})}
-        placements: dict[str, Placement] = {}
+        alive = self._alive(nodes)
+        groups: dict[str, Placement] = {}
         for t in table.values():
             name = t.get("name") or ""
             if not name.startswith(self.prefix) or t.get("state") == "REMOVED":
@@ -66,10 +74,16 @@ class RayCluster:
             at = tuple(where.get(b) or None for b in range(len(t.get("bundles") or {})))
             old = self.last.get(name)
             same = old is not None and old.nodes == at and old.state == t.get("state")
-            placements[name] = old if same and old is not None else Placement(at, str(t.get("state")))
-        changed = frozenset(n for n in placements.keys() | self.last.keys() if placements.get(n) is not self.last.get(n))
-        self.last = placements
-        return RayView(alive, placements, available, changed)
+            groups[name] = old if same and old is not None else Placement(at, str(t.get("state")))
+        changed = frozenset(n for n in groups.keys() | self.last.keys() if groups.get(n) is not self.last.get(n))
+        self.last = groups
+        self.view = RayView(alive, groups, available, changed)
+        return self.view
+
+    @staticmethod
+    def _alive(nodes: list[dict[str, Any]]) -> dict[str, NodeInfo]:
+        return {n["NodeID"]: NodeInfo(n["NodeID"], n.get("Resources") or {}, str(n.get("NodeName") or ""))
+                for n in nodes if n.get("Alive") and SLOT in (n.get("Resources") or {})}
 
     async def agent(self, nid: str) -> RayAgent:
         def start() -> RayAgent:

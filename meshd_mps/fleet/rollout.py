@@ -54,7 +54,12 @@ class Rollout:
 
     @property
     def upgrading(self) -> bool:
-        return any(h != self.target for h in self.assigned)
+        return self.assigned.count(self.target) != len(self.assigned)
+
+    @property
+    def moving(self) -> bool:
+        """Whether the rollout has a step to take (an upgrade or a roll back on its way)."""
+        return self.draining is not None or self.rolling is not None or self.upgrading
 
     def kept(self) -> tuple[Any, ...]:
         """What the checkpoint keeps of it (a change of this is written once in the tick)."""

@@ -17,12 +17,14 @@ dead node's bundles are placed again.  Groups wait in the order they were made.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import heapq
 import time
 from collections.abc import Mapping
 
 from meshd_mps.fleet.capacity import NODE_PREFIX, SLOT
-from meshd_mps.fleet.messages import AgentReport, DaemonProgram, Share
+from meshd_mps.fleet.messages import AgentReport, DaemonProgram, Share, changed_since
 from meshd_mps.fleet.observed import NodeInfo, Placement, RayView
 
 #: A simulated daemon's stop_within (s): the lease's check and a halt.
@@ -42,6 +44,7 @@ class SimAgent:
         self.leases: dict[str, float] = {}
         self.share: Share | None = None
         self.version = 1
+        self.history: collections.deque[tuple[int, frozenset[str] | None]] = collections.deque(maxlen=64)
         self.hung = False
         self.waiting: list[tuple[int, asyncio.Future[AgentReport]]] = []
         self.report_ = self._report()
@@ -50,12 +53,15 @@ class SimAgent:
     def watch(self, since: int) -> asyncio.Future[AgentReport]:
         f: asyncio.Future[AgentReport] = asyncio.get_running_loop().create_future()
         if not self.hung and self.version > since:
-            f.set_result(self.report_)
+            f.set_result(self._since(since))
         else:
             self.waiting.append((since, f))
         return f
 
-    def apply(self, share: Share) -> asyncio.Future[AgentReport]:
+    def _since(self, since: int) -> AgentReport:
+        return dataclasses.replace(self.report_, changed=changed_since(self.history, self.version, since))
+
+    def apply(self, share: Share, since: int) -> asyncio.Future[AgentReport]:
         f: asyncio.Future[AgentReport] = asyncio.get_running_loop().create_future()
         if self.hung:
             return f
@@ -67,7 +73,7 @@ class SimAgent:
                 asyncio.get_running_loop().call_later(self.delay, self._run)
             else:
                 self._run()
-        f.set_result(self.report_)
+        f.set_result(self._since(since))
         return f
 
     def _run(self) -> None:
@@ -76,23 +82,30 @@ class SimAgent:
         if s is None or self.hung:
             return
         want = {o.name: o.hash for o in s.orders}
+        changed = set()
         for name in [n for n in self.programs if n not in want and n not in s.keep]:
             del self.programs[name]
             self.leases.pop(name, None)
+            changed.add(name)
+        changed |= {n for n, h in want.items() if self.programs.get(n) != h}
         self.programs.update(want)
         if s.lease_until is not None:
             for name in s.leased & self.programs.keys():
-                self.leases[name] = max(self.leases.get(name, 0.0), s.lease_until)
-        self.publish()
+                if self.leases.get(name, 0.0) < s.lease_until:
+                    self.leases[name] = s.lease_until
+                    changed.add(name)
+        self.publish(changed)
 
     def set_state(self, name: str, state: str) -> None:
         """Replica ``name``'s state on the daemon (a restart, a stall), reported at once."""
         self.states[name] = state
-        self.publish()
+        self.publish({name})
 
-    def publish(self) -> None:
-        """A new report, and the watches it is news to answered."""
+    def publish(self, changed: set[str]) -> None:
+        """A new report (``changed``: its replicas that changed), and the watches it is news to
+        answered."""
         self.version += 1
+        self.history.append((self.version, frozenset(changed)))
         self.report_ = self._report()
         if self.hung:
             return
@@ -101,14 +114,14 @@ class SimAgent:
             if f.done():
                 continue
             if self.version > since:
-                f.set_result(self.report_)
+                f.set_result(self._since(since))
             else:
                 still.append((since, f))
         self.waiting = still
 
     def _report(self) -> AgentReport:
-        progs = tuple(DaemonProgram(name, self.states.get(name, "running"), h, lease_until=self.leases.get(name))
-                      for name, h in self.programs.items())
+        progs = {name: DaemonProgram(name, self.states.get(name, "running"), h, lease_until=self.leases.get(name))
+                 for name, h in self.programs.items()}
         return AgentReport(node=self.nid, version=self.version, socket=f"/sim/{self.nid}.sock", pid=1, programs=progs,
                            share=self.share.version if self.share is not None else None,
                            have=frozenset(self.programs.values()), stop_within=STOP_WITHIN)
@@ -121,7 +134,7 @@ class SimAgent:
             self.programs.pop(name, None)
             del self.leases[name]
         if out and not self.hung:
-            self.publish()
+            self.publish(set(out))
 
     def lose(self) -> None:
         """The node gone from the cluster: every watch out fails, as a dead actor's calls do; its
@@ -179,7 +192,8 @@ class SimCluster:
         for a in self.agents.values():
             a.expire(now)
 
-    async def look(self) -> RayView:
+    async def look(self, placements: bool = True) -> RayView:
+        """Ray's view (simulated: read whole at every look, ``placements`` or not)."""
         self.looks += 1
         self.expire()
         for name in list(self.pending):
