@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import queue
 import signal
 import socket
@@ -58,11 +59,13 @@ async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_a
     agent = ray.get_actor(agent_name(rig.nodes["n0"].id), namespace=NAMESPACE)
     version = (await agent.watch.remote(-1)).version  # its report now
     watch = agent.watch.remote(version)  # the controller's, made by the test: it answers once n0's agent loaded
-    p = await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
+    # STRICT_SPREAD: a replica on each node, always (SPREAD's replicas, each placed on its own, spread as
+    # far as Ray's view of each node's room at that moment allows: two made at once may share a node).
+    p = await fleet.deploy(ProgramSpec("echo", echo, replicas=3, strategy="STRICT_SPREAD"))
     assert [r.state for r in p.replicas] != ["running"] * 3 or p.running == 3
     p = await fleet.wait("echo", running=3, timeout=UP_S)
     nodes = by_node(rig)
-    assert sorted(nodes[r.node] for r in p.replicas) == ["n0", "n1", "n2"], "SPREAD: a replica on each node"
+    assert sorted(nodes[r.node] for r in p.replicas) == ["n0", "n1", "n2"], "a replica on each node"
     one, st = await fleet.program("echo"), await fleet.status("echo")
     assert [(r.index, r.node, r.state) for r in one.replicas] == \
         [(r.index, r.node, r.state) for r in st.programs[0].replicas], "program(name): status(name)'s view alone"
@@ -239,6 +242,47 @@ async def test_a_rolling_upgrade_with_calls_in_flight_fails_no_call_and_keeps_tw
     assert answering and min(answering) >= 2, f"fewer than 2 replicas answered at times: {answering}"
     drained = [e.replica for e in (await fleet.status("echo")).events if e.kind == "draining"]
     assert sorted(drained) == [0, 1, 2], f"one replica at a time, each once: {drained}"
+
+
+async def test_with_one_agent_hung_the_api_answers_at_once_and_the_other_nodes_go_on(rig, fleet, echo):
+    """n2's agent stopped (SIGSTOP: it answers nothing, its node alive to Ray): deploy, status and
+    remove answer within 100 ms, and the replicas on n0 and n1 are placed and upgraded as if it
+    were not there.  The API waits on no agent (fleet/controller.py)."""
+    agent = next(n.agent_pid for n in (await fleet.status()).nodes if n.name == "n2")
+    assert agent is not None
+    new = ProgramSource(echo.manifest, echo.ptx + "\n// v2\n")
+    os.kill(agent, signal.SIGSTOP)
+    try:
+        took = {}
+        t0 = time.perf_counter()
+        await fleet.deploy(ProgramSpec("echo", echo, replicas=3, strategy="STRICT_SPREAD"))
+        took["deploy"] = time.perf_counter() - t0
+
+        async def others(hash: str) -> bool:
+            p = await fleet.program("echo")
+            return sorted(r.node_name for r in p.replicas if r.state == "running" and r.hash == hash) == ["n0", "n1"]
+
+        await until_async(lambda: others(echo.hash), "n0's and n1's replicas running")
+        upgrading = asyncio.create_task(fleet.upgrade("echo", new))  # waits for n2's too: let run
+        await until_async(lambda: others(new.hash), "n0's and n1's replicas upgraded")
+        t0 = time.perf_counter()
+        st = await fleet.status()
+        took["status"] = time.perf_counter() - t0
+        assert {n.name: n.agent for n in st.nodes}["n2"] in ("up", "not answering")
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    await asyncio.wait_for(upgrading, UP_S)  # n2's agent back: its replica upgraded too
+    t0 = time.perf_counter()
+    await fleet.remove("echo")
+    took["remove"] = time.perf_counter() - t0
+    assert max(took.values()) < 0.1, took
+
+
+async def until_async(cond, what: str) -> None:
+    deadline = time.monotonic() + UP_S
+    while not await cond():
+        assert time.monotonic() < deadline, f"not within {UP_S:g}s: {what}"
+        await asyncio.sleep(0.05)  # the polling interval
 
 
 async def test_a_call_from_a_node_goes_to_the_replica_on_that_node(rig, fleet, echo):

@@ -10,7 +10,9 @@ cluster is not the one it found."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import threading
 import time
 from collections import Counter
 
@@ -18,10 +20,12 @@ import pytest
 
 from meshd_mps.errors import ReplicaLost
 from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
+from meshd_mps.serving.client import ClientError
 
 from .rigs import fleet as shared
 from .rigs.fleet import FLEET_DEADLINES, NAMESPACE, UP_S, FleetRig
 from .rigs.serve import EXAMPLES
+from .rigs.waits import until
 
 rig = shared.rig  # the fleet tests' cluster (tests/rigs/fleet.py)
 
@@ -211,4 +215,65 @@ async def test_a_raylet_restarted_with_no_room_elsewhere_halts_none_of_its_repli
     for key, row in after.items():
         assert row["pid"] == before[key]["pid"] and row["restarts"] == 0 and row["heartbeat"] > before[key]["heartbeat"]
     await fleet.remove("heartbeat")
+    await fleet.close()
+
+
+class Twice:
+    """Every 0.25 s, on a thread of its own, every node's daemon asked what it runs: each replica
+    seen on two daemons at one look is kept (``seen``)."""
+
+    def __init__(self, rig: FleetRig):
+        self.rig, self.seen, self.looks = rig, [], 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.25):  # the sampling interval
+            runs: Counter[str] = Counter()
+            for n in list(self.rig.nodes.values()):
+                with contextlib.suppress(ClientError):
+                    runs.update(n.ps().keys())
+            self.looks += 1
+            if twice := {k: c for k, c in runs.items() if c > 1}:
+                self.seen.append(twice)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(30)
+
+
+async def test_the_head_restarted_and_its_nodes_back_late_runs_no_unique_replica_twice(rig, sources):
+    """The head restarts, and two nodes' Ray comes back late (their ``ray start`` run again once
+    their leases ran out): their daemons stop the unique replicas whose leases no agent renews, the
+    new controller starts each again only once every lease the old one granted has run out, and
+    the nodes back run none of their old copies (docs/fleet.md, "Nothing runs twice")."""
+    fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
+    spec = ProgramSpec("heartbeat", sources["heartbeat"], replicas=3, unique=True, strategy="STRICT_SPREAD")
+    await fleet.deploy(spec)
+    p = await fleet.wait("heartbeat", running=3, timeout=UP_S)
+    assert {r.node_name for r in p.replicas} == {"n0", "n1", "n2"} and p.unique
+    assert all(row["lease_until"] for n in rig.nodes.values() for row in n.ps().values()), "each loaded with a lease"
+    on_n0 = {k: row["pid"] for k, row in rig.nodes["n0"].ps().items()}
+    twice = Twice(rig)
+    try:
+        rig.restart_head(late=frozenset({"n1", "n2"}))
+        fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
+        # n1's and n2's replicas stop on their daemons when their leases run out (no agent renews them);
+        # n0's is found running there, adopted and its lease renewed: it runs on, never halted.
+        await until(lambda: not rig.nodes["n1"].ps() and not rig.nodes["n2"].ps(), UP_S,
+                    "the late nodes' unique replicas stopped by their leases")
+        p = await fleet.program("heartbeat")
+        assert [r.state for r in p.replicas] == ["pending"] * 3, "STRICT_SPREAD: 3 nodes wanted, 1 there"
+        rig.rejoin("n1")
+        rig.rejoin("n2")
+        # Each started again only once every lease the controller before granted has run out.
+        p = await fleet.wait("heartbeat", running=3, timeout=UP_S)
+    finally:
+        twice.stop()
+    assert set(on_n0.items()) <= {(k, row["pid"]) for k, row in rig.nodes["n0"].ps().items()}, "n0's not halted"
+    assert twice.looks > 20 and not twice.seen, f"a unique replica ran on two daemons: {twice.seen[:3]}"
+    assert sorted(r.name for r in p.replicas) == [f"heartbeat.fleet-{i}" for i in range(3)]
+    await fleet.remove("heartbeat")
+    await until(lambda: not any(n.ps() for n in rig.nodes.values()), UP_S, "every replica unloaded")
     await fleet.close()

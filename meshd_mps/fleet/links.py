@@ -14,6 +14,7 @@ key: the fleet).
 from __future__ import annotations
 
 import asyncio
+import enum
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -30,18 +31,26 @@ from meshd_mps.fleet.observed import AgentState
 SENT = 8
 
 
+class Why(enum.Enum):
+    """Why the loop is woken."""
+
+    DECLARED = "declared"  # the API changed a spec
+    ANSWERED = "answered"  # an agent answered with news
+    FAILED = "failed"  # an agent's call failed
+
+
 class Wakeup:
     """Reasons to look now, put by whoever has news; the loop takes them all before each tick."""
 
     def __init__(self) -> None:
-        self.reasons: list[str] = []
+        self.reasons: list[tuple[Why, str]] = []
         self.event = asyncio.Event()
 
-    def wake(self, reason: str) -> None:
-        self.reasons.append(reason)
+    def wake(self, why: Why, what: str) -> None:
+        self.reasons.append((why, what))
         self.event.set()
 
-    async def wait(self, within: float) -> list[str]:
+    async def wait(self, within: float) -> list[tuple[Why, str]]:
         """The reasons put since the last wait, once there is one or ``within`` seconds have passed
         (none then: the plan's own time to look again)."""
         if not self.reasons and within > 0:
@@ -221,7 +230,7 @@ class Links:
             e = None if f.cancelled() else f.exception()
             self._down(nid, lk, f"its agent is not reachable ({type(e).__name__})" if e is not None
                        else "its call was cancelled", time.monotonic())
-            self.wakeup.wake(f"{nid[:8]} {kind} failed")
+            self.wakeup.wake(Why.FAILED, f"{nid[:8]} {kind}")
             return
         old = lk.report
         news, delta = lk.heard(f.result())
@@ -234,7 +243,7 @@ class Links:
             self._hold(nid, lk.report, delta)
             self._note(nid, delta)
             self._claim_seen(nid)
-            self.wakeup.wake(f"{nid[:8]} {kind} answered")
+            self.wakeup.wake(Why.ANSWERED, f"{nid[:8]} {kind}")
 
     def _expire(self, nid: str, lk: Link, now: float) -> None:
         """A call past its deadline given up on: its node's agent does not answer."""

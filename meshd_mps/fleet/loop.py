@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import math
 import secrets
 import time
@@ -28,7 +29,7 @@ from meshd_mps.errors import AlreadyDeclared, NoSuchProgram
 from meshd_mps.fleet.checkpoint import Checkpoint
 from meshd_mps.fleet.claim import FleetId
 from meshd_mps.fleet.desired import Image, Spec
-from meshd_mps.fleet.links import Agent, Links, Saver, Wakeup, wall
+from meshd_mps.fleet.links import Agent, Links, Saver, Wakeup, Why, wall
 from meshd_mps.fleet.messages import Order, Share
 from meshd_mps.fleet.observed import AgentState, NodeInfo, Observed, RayView
 from meshd_mps.fleet.plan import ProgramPlan, plan
@@ -85,6 +86,7 @@ class Reconciler:
         self.swept = False  # the placement groups of programs no longer declared removed once at the start
         self.looked = -math.inf  # when the placement groups were last read whole (monotonic)
         self.placed = False  # groups made or removed since
+        self.ray_at = -math.inf  # when Ray was last read (monotonic)
         self.ticked = asyncio.Event()
         self.event("controller", f"controller started; {len(self.specs)} programs declared"
                    + (f" in {checkpoint.path}" if checkpoint is not None else ""))
@@ -98,14 +100,14 @@ class Reconciler:
         self.event("declared", f"{spec.name}: declared, {spec.replicas} replicas ({spec.strategy}"
                    f"{', unique' if spec.unique else ''}), image {spec.image.hash}", spec.name)
         await self.saver.save()
-        self.wakeup.wake(f"{spec.name} declared")
+        self.wakeup.wake(Why.DECLARED, spec.name)
         return self.view(spec.name)
 
     async def upgrade(self, name: str, image: Image) -> FleetProgram:
         spec = self.specs[name] = self.spec(name).upgraded(image)
         self.event("upgrade", f"{name}: upgrade to image {image.hash} (generation {spec.generation}) declared", name)
         await self.saver.save()
-        self.wakeup.wake(f"{name} upgraded")
+        self.wakeup.wake(Why.DECLARED, name)
         return self.view(name)
 
     async def remove(self, name: str) -> None:
@@ -113,7 +115,7 @@ class Reconciler:
         del self.specs[name]
         self.event("removed", f"{name}: removed; its replicas are unloaded", name)
         await self.saver.save()
-        self.wakeup.wake(f"{name} removed")
+        self.wakeup.wake(Why.DECLARED, name)
 
     def spec(self, name: str) -> Spec:
         s = self.specs.get(name)
@@ -140,41 +142,55 @@ class Reconciler:
     # ---- the loop ----------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        reasons: list[tuple[Why, str]] = []
         while True:
             try:
-                pause = await self.tick()
+                pause = await self.tick(reasons)
                 self.last_tick = time.monotonic()
             except Exception as e:  # one bad tick (the GCS away a moment) must not end the loop
                 self.event("error", f"controller tick failed: {type(e).__name__}: {e}")
                 pause = self.d.fleet_tick
             self.ticked.set()
-            await self.wakeup.wait(pause)
+            reasons = await self.wakeup.wait(pause)
 
-    async def tick(self) -> float:
-        """One observe, plan, act; the seconds until the next look at the latest."""
-        obs = await self.observe()
+    async def tick(self, reasons: list[tuple[Why, str]] | None = None) -> float:
+        """One observe, plan, act (``reasons``: what woke it); the seconds until the next look at
+        the latest."""
+        obs = await self.observe(reasons or [])
         await self.act(obs, *self.plan(obs))
         self.ticks += 1
         return self.pause()
 
     def pause(self) -> float:
         """Until the plans' first due time, within a tick; within a busy tick while a replica
-        waits on Ray or an agent does not answer (neither tells when it is done)."""
+        waits on Ray or an agent does not answer (neither tells when it is done); within a fifth of
+        one while Ray is placing them (the last look found groups placed: after a node's loss Ray
+        places its replicas' groups one after another, over a tenth of a second or more)."""
         d = self.d
         due = min((p.due for p in self.plans.values() if p.due is not None), default=math.inf)
         busy = self.waiting or any(lk.why is not None for lk in self.links.links.values())
         most = min(d.fleet_tick, d.fleet_busy_tick) if busy else d.fleet_tick
+        if self.waiting and self.ray.changed:
+            most = min(most, d.fleet_busy_tick / 5)
         return max(0.0, min(most, due - time.monotonic()))
 
     # ---- observe ------------------------------------------------------------------------------------
 
-    async def observe(self) -> Observed:
+    async def observe(self, reasons: list[tuple[Why, str]]) -> Observed:
+        """Ray's view and every agent's.  Woken only by agents' answers (their reports are in
+        already) within a tick of the last look, Ray's view is that look's: the views take the
+        reports at once, and the next tick reads Ray again."""
         now = time.monotonic()
-        full = bool(self.waiting) or self.placed or now - self.looked >= self.d.fleet_tick * 10
-        ray = await self.cluster.look(placements=full)
-        if full or ray.changed is None:
-            self.looked, self.placed = now, False
-        await self._nodes(ray)
+        if reasons and all(why is Why.ANSWERED for why, _ in reasons) and now - self.ray_at < self.d.fleet_tick \
+                and not self.waiting:
+            ray = dataclasses.replace(self.ray, changed=frozenset())
+        else:
+            full = bool(self.waiting) or self.placed or now - self.looked >= self.d.fleet_tick * 10
+            ray = await self.cluster.look(placements=full)
+            if full or ray.changed is None:
+                self.looked, self.placed = now, False
+            self.ray_at = now
+            await self._nodes(ray)
         self.ray = ray
         first = self.links.ask(time.monotonic())
         if first:  # an agent's first answer, within a busy tick: the views then show it at once

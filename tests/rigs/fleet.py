@@ -135,19 +135,26 @@ class FleetRig:
             "include_log_monitor": False,  # no driver here shows the actors' logs: a process less
             "_system_config": NODE_DEATH})
 
-    def restart_head(self) -> None:
+    def restart_head(self, late: frozenset[str] = frozenset()) -> None:
         """The head restarts (without GCS fault tolerance the cluster's state goes with it, so every
         raylet starts again too, as systemd or KubeRay would start them): every Ray process of the
-        cluster ends and a new cluster starts, each node joining with its daemon, which runs on."""
+        cluster ends and a new cluster starts, each node joining with its daemon, which runs on;
+        the nodes ``late`` not yet (``rejoin`` them: their ``ray start`` run again later)."""
         ray.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()
         reap_orphans()
         self.cluster = self.head()
         for name, n in self.nodes.items():
-            self.add(name, n.daemon, n.state, wait=False)
+            if name not in late:
+                self.add(name, n.daemon, n.state, wait=False)
         self.cluster.wait_for_nodes(UP_S)
         ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
+
+    def rejoin(self, name: str) -> None:
+        """Node ``name``'s raylet started again (after ``restart_head(late=...)``), for its daemon."""
+        n = self.nodes[name]
+        self.add(name, n.daemon, n.state)
 
     def start_daemon(self, name: str) -> tuple[Serve, str]:
         state = os.path.join(self.dir, name, "state")
