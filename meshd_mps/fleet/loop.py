@@ -63,6 +63,10 @@ class Reconciler:
             if entry.get("rollout") is not None:
                 self.rollouts[name] = Rollout.from_json(entry["rollout"], spec)
         self.plans: dict[str, ProgramPlan] = {}
+        #: What the API shows of each program: its plan's view, once the tick that made it has written
+        #: what it keeps (a replica seen running here has its node in the checkpoint: a head that
+        #: restarts then finds it there).
+        self.views: dict[str, tuple[str, FleetProgram]] = {}
         self.events: collections.deque[FleetEvent] = collections.deque(maxlen=EVENTS)
         self.wakeup = Wakeup()
         self.links = Links(deadlines, self.wakeup, self.event, fleet)
@@ -83,7 +87,7 @@ class Reconciler:
         self.last_tick: float | None = None
         self.ticks = 0
         self.moves = self.node_losses = 0
-        self.swept = False  # the placement groups of programs no longer declared removed once at the start
+        self.owned: set[str] = set()  # the placement groups of the programs planned
         self.looked = -math.inf  # when the placement groups were last read whole (monotonic)
         self.placed = False  # groups made or removed since
         self.ray_at = -math.inf  # when Ray was last read (monotonic)
@@ -126,9 +130,9 @@ class Reconciler:
     def view(self, name: str) -> FleetProgram:
         """The program's view as the last tick made it (every replica pending before its first)."""
         spec = self.spec(name)
-        got = self.plans.get(name)
-        if got is not None and got.spec.token == spec.token and got.view is not None:
-            return got.view
+        got = self.views.get(name)
+        if got is not None and got[0] == spec.token:
+            return got[1]
         return view_of(spec, self.rollouts.get(name))
 
     def snapshot(self) -> dict[str, Any]:
@@ -232,7 +236,7 @@ class Reconciler:
             if name not in self.specs or self.plans[name].spec.token != self.specs[name].token:
                 old = self.plans.pop(name)
                 self.by_pg.pop(old.spec.pg_prefix, None)
-                remove += [pg for pg, _ in old.spec.units() if pg in obs.ray.placements]
+                self.owned.difference_update(pg for pg, _ in old.spec.units())
                 touched |= self._forget(name, old)
                 self.rollouts.pop(name, None)  # removed, or declared again: a new declaration starts anew
                 keep = True
@@ -242,7 +246,9 @@ class Reconciler:
             rollout = self.rollouts.get(name) or Rollout.start(spec)
             pp = plan(spec, rollout, obs, got, changed)
             self.plans[name] = pp
-            self.by_pg[spec.pg_prefix] = name
+            if got is None:
+                self.by_pg[spec.pg_prefix] = name
+                self.owned.update(pg for pg, _ in spec.units())
             keep |= pp.kept or self.rollouts.get(name) is None
             self.rollouts[name] = pp.rollout
             create += pp.create
@@ -264,10 +270,10 @@ class Reconciler:
             for e in pp.events:
                 self.moves += e.kind == "moved"
                 self.event(e.kind, e.message, name, e.replica, e.node)
-        if not self.swept:  # a program removed while no controller ran (its groups outlive it)
-            mine = {pg for s in self.specs.values() for pg, _ in s.units()}
-            remove += [pg for pg in obs.ray.placements if pg not in mine]  # the fleet's own (raycluster.py)
-            self.swept = True
+        if touched or obs.ray.changed is None or obs.ray.changed:
+            # Level-triggered: any group of the fleet's (raycluster.py) no declared program owns goes (its
+            # program removed, or declared again; or removed while no controller ran: groups outlive it).
+            remove += [pg for pg in obs.ray.placements.keys() - self.owned]
         for nid in touched:
             self._share(nid)
         return create, sorted(set(remove)), keep
@@ -305,7 +311,7 @@ class Reconciler:
                 if parsed is not None:
                     add(*parsed)
         if obs.ray.nodes.keys() != self.seen_nodes or obs.ray.changed is None:
-            out = dict.fromkeys(self.specs)
+            out = dict.fromkeys(self.specs, None)
         else:
             for pg in obs.ray.changed:
                 prefix, _, i = pg.rpartition(".")
@@ -315,7 +321,7 @@ class Reconciler:
                 elif one is not None and i.isdigit():
                     add(one, int(i))
         self.seen, self.seen_nodes = dict(obs.agents), set(obs.ray.nodes)
-        return out
+        return {name: got for name, got in out.items() if name in self.specs}
 
     def _forget(self, name: str, old: ProgramPlan) -> set[str]:
         """A program's last plan's parts of the nodes' shares dropped; the nodes they were on."""
@@ -342,6 +348,9 @@ class Reconciler:
 
     async def act(self, obs: Observed, create: list[tuple[str, list[dict[str, float]], str]], remove: list[str],
                   keep: bool) -> None:
+        if keep:
+            await self.saver.save()
+        self.views = {name: (pp.spec.token, pp.view) for name, pp in self.plans.items() if pp.view is not None}
         if create or remove:
             await self.cluster.place(create, remove)
             self.placed = True
@@ -372,8 +381,6 @@ class Reconciler:
             # An older apply's answer is only taken in (links.py): this one holds the later share.
             lk.applying = self.links.call(nid, lk.agent.apply(s, lk.report.version), "apply")
             lk.applying_version, lk.apply_by = version, now + self.d.fleet_agent
-        if keep:
-            await self.saver.save()
 
     def _image(self, replica: str, hash: str) -> Image | None:
         program = replica.rsplit(".fleet-", 1)[0]
