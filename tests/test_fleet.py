@@ -93,7 +93,7 @@ async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_a
 
 
 async def test_a_call_port_that_cannot_be_reached_sends_the_call_through_ray(fleet, echo):
-    await fleet.deploy(ProgramSpec("echo", echo, replicas=2))
+    await fleet.deploy(ProgramSpec("echo", echo, replicas=2, strategy="STRICT_SPREAD"))  # two nodes, two ports
     await fleet.wait("echo", running=2, timeout=UP_S)
     assert (await fleet.call("echo", b"first")).via == "call-port"
     routes = fleet.cache["echo"][1]
@@ -286,7 +286,7 @@ async def until_async(cond, what: str) -> None:
 
 
 async def test_a_call_from_a_node_goes_to_the_replica_on_that_node(rig, fleet, echo):
-    await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
+    await fleet.deploy(ProgramSpec("echo", echo, replicas=3, strategy="STRICT_SPREAD"))  # one on n1
     await fleet.wait("echo", running=3, timeout=UP_S)
 
     @ray.remote(num_cpus=0)
