@@ -1,4 +1,5 @@
-# make test: install into .venv, lint (ruff, mypy) beside the CPU suite (GPU tests skip, with the reason, without a GPU)
+# make test: install into .venv, lint (ruff, mypy) beside the CPU suite (GPU tests skip, with the reason, without a GPU);
+#   as root, tmux and Prometheus installed where missing (scripts/test-tools.sh) for the see-it tests
 # make lint: ruff and mypy only
 # make serve: install and run the daemon (ARGS="--isolation mps ...")
 PY ?= python3
@@ -14,7 +15,7 @@ STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 4
 
 # What make lint and make test check, with zero findings (the rules: pyproject's [tool.ruff], [tool.mypy]).
-RUFF_PATHS ?= meshd_mps workers tests scripts
+RUFF_PATHS ?= meshd_mps workers tests scripts examples
 MYPY_PATHS ?= meshd_mps workers
 
 .PHONY: install lint test test-gpu serve bench clean
@@ -43,10 +44,14 @@ PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
 
 # The lint runs beside the suite, its output after the suite's: mypy's ~10 s on a fresh clone (no
 # cache) overlap the suite's start, which waits on its Ray clusters and daemons; either failing
-# fails make test.
+# fails make test.  So does scripts/test-tools.sh: tmux and Prometheus, which the see-it tests run
+# (tests/test_top.py, tests/test_prometheus.py), installed from Debian's packages where they are
+# missing and this is root (CI), while the suite starts; a test that needs one first waits for it.
 test: $(STAMP)
-	@$(MAKE) --no-print-directory lint > $(VENV)/lint.log 2>&1 & lint=$$!; \
+	@scripts/test-tools.sh > $(VENV)/tools.log 2>&1 & tools=$$!; \
+	$(MAKE) --no-print-directory lint > $(VENV)/lint.log 2>&1 & lint=$$!; \
 	$(PYTEST) -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS); rc=$$?; \
+	wait $$tools; cat $(VENV)/tools.log; \
 	wait $$lint; lrc=$$?; cat $(VENV)/lint.log; \
 	if [ $$lrc -ne 0 ]; then echo "make test: the lint failed (above)"; fi; \
 	[ $$rc -eq 0 ] && [ $$lrc -eq 0 ]

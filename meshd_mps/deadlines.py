@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 #: Each request op whose reply is awaited (by its name: the op table is the protocol's, a layer up),
 #: and the field of :class:`Deadlines` that bounds the wait.
-_REPLY = {"LAUNCH": "launch", "READY": "ready", "LOAD": "load", "LIMIT": "load"}
+_REPLY = {"LAUNCH": "launch", "READY": "ready", "LOAD": "load", "LIMIT": "load", "DATA": "data", "WRITE": "write",
+          "PAYLOADS": "load"}
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class Deadlines:
     ready: float = 30.0  # READY -> READY: imported, context created
     launch: float = 2.0  # LAUNCH -> LAUNCHED
     start: float = 2.0  # LAUNCHED -> the program's STATE = RUNNING (the start check)
+    data: float = 300.0  # DATA -> DATA: a program's data allocated and copied in from its file (up to the GPU's memory)
+    write: float = 30.0  # WRITE -> WRITE: a write of up to a frame (64 MiB) copied into a program's data
     # ---- retiring workers (the seed's) ----
     retire_quit: float = 2.0  # QUIT -> exit
     retire_kill: float = 2.0  # SIGKILL -> reaped
@@ -52,12 +55,19 @@ class Deadlines:
     control_start: float = 10.0  # -d -> it answers
     control_quit: float = 5.0  # quit -> it has stopped its server
     control_reap: float = 5.0  # -> the daemon's process reaped (then SIGKILL, and as long again)
+    control_kill: float = 2.0  # a control command that overran its deadline, killed -> reaped
+    control_adopt: float = 2.0  # -d -> the daemonized process re-parented to us (then found by name at quit)
     # ---- NVML ----
     nvml: float = 5.0  # one look at every GPU's processes (a lost GPU can hang an NVML call)
     # ---- the control API ----
     http_head: float = 30.0  # to send the request line and headers
     http_body: float = 120.0  # to send the body
     http_grace: float = 10.0  # requests in flight at shutdown
+    http_linger: float = 2.0  # an answered request's unread body still taken, so that its sender reads the answer
+    # ---- serve's own ----
+    reap: float = 3.0  # the forced exit (a second signal): every child killed and reaped
+    notify: float = 1.0  # one datagram to systemd's notify socket (systemd drains it at once: a stuck one)
+    socket_probe: float = 2.0  # whether a daemon answers on a socket found there at start (a stale one refuses)
     signal_echo: float = 0.5  # the same signal again this soon is the same request (make forwards the SIGTERM that
     #                           `kill -TERM %1` sent its whole job): only a later one forces the exit
     # ---- the fleet (meshd_mps/fleet/) ----
@@ -65,6 +75,7 @@ class Deadlines:
     fleet_busy_tick: float = 0.1  # ... while a replica is on its way (placed, starting, moving, upgrading)
     fleet_agent: float = 10.0  # one answer of a node agent to the controller (else: its node not heard)
     fleet_watch: float = 30.0  # a node agent's watch (fleet/agent.py): it answers after a change it made, else this
+    fleet_report: float = 2.0  # ... and with its replicas' heartbeats and call figures alone at most this often
     fleet_node: float = 60.0  # one request of an agent to its node daemon (a load compiles and starts)
     fleet_upgrade: float = 300.0  # a rolling upgrade, every replica (fleet.upgrade's wait)
     fleet_rejoin: float = 60.0  # after the head's restart, a node that ran replicas has this long to rejoin

@@ -18,9 +18,11 @@ GPU: Final = "cuda"
 #: ``--sms``: 0, no cap on a worker's share of SMs.
 SMS: Final = 0
 #: Idle workers kept ready on each GPU, by isolation, when serve is not told (a blink-mode program
-#: runs in the one context, never in a pooled worker).  The library keeps none unless asked
+#: runs in the one context, never in a pooled worker).  MPS mode's 4: the pool's reserve (kept for
+#: upgrades) and three loads, so that a new user's first loads and upgrades make no MPS client after
+#: the start (each would stall every running program once).  The library keeps none unless asked
 #: (``Backend.open(pool=0)``): an embedding program decides what it pays for idle MPS clients.
-POOL_BY_ISOLATION: Final[dict[str, int]] = {"blink": 0, "mps": 2}
+POOL_BY_ISOLATION: Final[dict[str, int]] = {"blink": 0, "mps": 4}
 
 #: The control socket unless ``--socket`` is given: the daemon's and the client's (serving/client.py).
 SOCKET_ENV: Final = "MESHD_MPS_SOCKET"

@@ -43,6 +43,7 @@ class Neighbours:
     server: tuple[GpuProcess, ...] = ()
     native: tuple[GpuProcess, ...] = ()
     foreign: tuple[GpuProcess, ...] = ()
+    memory: tuple[int, int] | None = None  # the GPU's memory used and in all (bytes), where NVML says
 
     def role(self, pid: int) -> str | None:
         """Which of the four ``pid`` is in (None: not on this GPU)."""
@@ -60,6 +61,8 @@ class Neighbours:
             "server": [p.pid for p in self.server],
             "native": [p.pid for p in self.native],
             "foreign": [asdict(p) for p in self.foreign],
+            "memory_used": None if self.memory is None else self.memory[0],
+            "memory_total": None if self.memory is None else self.memory[1],
         }
 
 
@@ -71,7 +74,8 @@ def classify(view: DeviceView, ours: set[int], server: set[int], native: set[int
     for p in view.processes:
         role = "ours" if p.pid in ours else "server" if p.pid in server else "native" if p.pid in native else "foreign"
         split[role].append(p)
-    return Neighbours(view.device, view.compute_mode, *(tuple(split[r]) for r in ("ours", "server", "native", "foreign")))
+    return Neighbours(view.device, view.compute_mode, ours=tuple(split["ours"]), server=tuple(split["server"]),
+                      native=tuple(split["native"]), foreign=tuple(split["foreign"]), memory=view.memory)
 
 
 class Advice(NamedTuple):

@@ -1,4 +1,4 @@
-"""A program's restore mode: what the daemon's next start does with it (issue 34).
+"""A program's restore mode: what the daemon's next start does with it.
 
 A node daemon keeps its programs across its own restart (state/desired.py), which is right for
 a program that only that node runs.  A program that something above the node places (the fleet:
@@ -29,7 +29,7 @@ class Restore(enum.Enum):
         raise BadRestoreMode(f"restore mode {value!r}: one of {', '.join(r.value for r in cls)}", value=str(value)[:80])
 
 
-#: The default, as a program loaded without one gets it (the node keeps it, as before issue 34).
+#: The default, as a program loaded without one gets it (the node keeps it).
 DEFAULT = Restore.RELOAD
 
 #: Why an ``adopt`` program that no longer runs is not loaded again at a start (status's

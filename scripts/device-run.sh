@@ -27,7 +27,7 @@ if [ "$TESTS" != skip ]; then
 fi
 for iso in $([ "$SERVE" = 1 ] && echo mps blink); do
   SD=$(mktemp -d /tmp/msv.XXXXXX); S=$SD/$iso.sock; L="$OUT/serve-$iso.txt"  # a private dir: the daemon refuses a shared one
-  python3 -m meshd_mps serve --isolation $iso --pool 2 --socket $S --gpu $GPU --log-format console ${DAEMON_CPUS:+--daemon-cpus $DAEMON_CPUS} 2>/tmp/serve-$iso-log.txt &
+  python3 -m meshd_mps serve --isolation $iso --socket $S --gpu $GPU --log-format console ${DAEMON_CPUS:+--daemon-cpus $DAEMON_CPUS} 2>/tmp/serve-$iso-log.txt &
   P=$!
   for i in $(seq 100); do python3 -m meshd_mps status --socket $S >/dev/null 2>&1 && break; sleep 0.2; done
   { set -x

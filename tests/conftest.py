@@ -46,6 +46,13 @@ os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMP
 os.environ["XDG_STATE_HOME"] = os.path.join(SESSION_TMP, "xdg-state")
 os.environ.pop("STATE_DIRECTORY", None)
 atexit.register(shutil.rmtree, SESSION_TMP, ignore_errors=True)
+# The examples' compiled images (gpu/examples.py) are kept in the user's cache directory: the run
+# keeps its own, made by its first process, shared by its workers and every daemon they start (one
+# compile for the run, not one per daemon), and removed at its end.
+if "MESHD_TESTS_CACHE" not in os.environ:
+    os.environ["MESHD_TESTS_CACHE"] = tempfile.mkdtemp(prefix="meshd-cache.", dir=TMPDIR_BASE)
+    atexit.register(shutil.rmtree, os.environ["MESHD_TESTS_CACHE"], ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = os.environ["MESHD_TESTS_CACHE"]
 #: Root's default state directories, which $XDG_STATE_HOME does not move (state/statedir.py, and
 #: the fleet's checkpoint beside them): a daemon a test starts as root without --state-dir would
 #: make them (CI runs as root), and a refused start leaves them made.  None may appear in a run.
@@ -123,8 +130,10 @@ LONGEST_FIRST = (
     "tests/test_bench.py::test_bench_sim_quick",  # 77
     "tests/test_fleet_bench.py::test_fleet_bench_smoke",  # 27 (its own cluster of 2 nodes, one killed)
     "tests/test_scripts.py::test_issue18_probes_run",  # 33
+    "tests/test_prometheus.py::test_every_panel_and_alert_on_a_real_prometheus",  # 15 (two daemons and a Prometheus)
     "tests/test_live_restore.py::test_reconcile_",  # 18
     "tests/test_serve.py::test_serve_end_to_end",  # 13 + 8
+    "tests/test_top.py::",  # 10 (top in tmux, beside a daemon)
     "tests/test_soak.py::",  # 13
     "tests/test_restore.py::",  # 12 + 8 + 6
     "tests/test_live_restore.py::",  # 11 + 11 + 11 + 10 + 4
@@ -207,6 +216,21 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     rigs = sys.modules.get(f"{__package__}.rigs.fleet")  # imported by the modules that use it: Ray is optional
     if rigs is not None and rigs.uses_shared(item) and not rigs.uses_shared(nextitem):
         rigs.close_shared()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line per reason a test was skipped, with the count and the folders (``-rs`` repeats a long
+    reason for every test: the GPU tests' "no NVIDIA driver" forty times over)."""
+    by: dict[str, tuple[int, set[str]]] = {}
+    for r in terminalreporter.stats.get("skipped", []):
+        path, _line, reason = r.longrepr if isinstance(r.longrepr, tuple) else ("?", 0, str(r.longrepr))
+        reason = reason.removeprefix("Skipped: ")
+        n, where = by.get(reason, (0, set()))
+        by[reason] = (n + 1, where | {os.path.dirname(os.path.relpath(path)) or "."})
+    if by:
+        terminalreporter.section("skipped, by reason", sep="-")
+        for reason, (n, where) in sorted(by.items(), key=lambda kv: -kv[1][0]):
+            terminalreporter.line(f"{n} skipped ({', '.join(sorted(where))}): {reason}")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -278,6 +278,82 @@ def test_client_refuses_a_deep_answer(tmp):
         srv.close()
 
 
+# ---- calls of any size: the binary form, and what is over the most ---------------------------------
+#: What echo's manifest declares for its requests and responses (examples/echo/manifest.json).
+ECHO_MOST = 65536
+
+
+def test_a_binary_call_carries_any_size_the_program_declares_and_so_does_the_json_form(daemon):
+    c = daemon.client
+    for n in (0, 188, 189, 5000, ECHO_MOST):
+        x = os.urandom(n)
+        assert c.call_bytes("echo", x, timeout=5) == x, n
+    st, headers, data = c.raw("POST", "/v1/programs/echo/call?timeout=2.5", b"\x00\xff" * 300,
+                              {"Content-Type": "application/octet-stream"})
+    assert (st, headers["content-type"], data) == (200, "application/octet-stream", b"\x00\xff" * 300)
+    assert headers["server-timing"].startswith("call;dur=")
+    big = os.urandom(3000)
+    st, ans = answer(c, "POST", "/v1/programs/echo/call", json.dumps({"hex": big.hex(), "timeout": 5}).encode())
+    assert (st, bytes.fromhex(ans["hex"]), ans["bytes"]) == (200, big, 3000)
+    assert c.program("echo")["max_request"] == c.program("echo")["max_response"] == ECHO_MOST
+
+
+def test_a_payload_over_the_most_is_a_413_before_its_body_is_read(daemon):
+    c = daemon.client
+    before, errors = snapshot(c), internal_errors(daemon)
+    # The head alone: the refusal comes before any of the body, which never comes (the answer read by
+    # its length: the daemon still takes an unread body for a while before it closes).
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.settimeout(30)
+        raw.connect(daemon.sock)
+        raw.sendall((f"POST /v1/programs/echo/call HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                     f"Content-Length: {ECHO_MOST + 1}\r\n\r\n").encode())
+        got = b""
+        while b"\r\n\r\n" not in got or len(got.partition(b"\r\n\r\n")[2]) < int(
+                re.search(rb"Content-Length: (\d+)", got, re.I)[1]):
+            got += raw.recv(65536)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 "), head
+    ans = json.loads(body)
+    assert (ans["size"], ans["limit"], ans["program"]) == (ECHO_MOST + 1, ECHO_MOST, "echo")
+    assert f"request of {ECHO_MOST + 1} bytes is over its most, {ECHO_MOST} bytes" in ans["error"]
+    st, ans = answer(c, "POST", "/v1/programs/echo/call", json.dumps({"hex": bytes(ECHO_MOST + 1).hex()}).encode())
+    assert (st, ans["size"], ans["limit"]) == (413, ECHO_MOST + 1, ECHO_MOST)
+    with pytest.raises(ClientError) as e:
+        c.call_bytes("echo", bytes(ECHO_MOST + 1))
+    assert e.value.status == 413 and e.value.body["program"] == "echo"
+    for query, field in (("?timeout=soon", "timeout"), ("?timeout=nan", "timeout"), ("?timeout=0", "timeout"),
+                         ("?retries=2", "retries")):
+        st, _h, data = c.raw("POST", f"/v1/programs/echo/call{query}", b"x", {"Content-Type": "application/octet-stream"})
+        assert (st, json.loads(data)["field"]) == (400, field), (query, data)
+    st, _h, data = c.raw("POST", "/v1/programs/nobody/call", b"x", {"Content-Type": "application/octet-stream"})
+    assert st == 404
+    assert snapshot(c) == before and internal_errors(daemon) == errors
+
+
+def test_the_cli_sends_a_file_and_writes_the_response_to_one(daemon, tmp):
+    src, dst = os.path.join(tmp, "in.bin"), os.path.join(tmp, "out.bin")
+    x = os.urandom(40_000)
+    with open(src, "wb") as f:
+        f.write(x)
+    r = cli("call", "--socket", daemon.sock, "echo", "--in", src, "--out", dst)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", ""), r.stderr
+    with open(dst, "rb") as f:
+        assert f.read() == x
+    r = cli("call", "--socket", daemon.sock, "echo", "a text, its answer into a file", "--out", dst, "--timeout", "5")
+    assert r.returncode == 0, r.stderr
+    with open(dst, "rb") as f:
+        assert f.read() == b"a text, its answer into a file"
+    with open(src, "wb") as f:
+        f.write(bytes(ECHO_MOST + 1))
+    for args, words in ((("--in", src), f"request of {ECHO_MOST + 1} bytes is over its most, {ECHO_MOST} bytes"),
+                        (("hello", "--in", src), "give the request as DATA or as --in FILE"),
+                        (("--in", os.path.join(tmp, "none")), "--in " + os.path.join(tmp, "none") + ": No such file"),
+                        (("--in", src, "--json"), "--json prints the JSON form's answer")):
+        r = cli("call", "--socket", daemon.sock, "echo", *args)
+        assert r.returncode == 1 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 # ---- odd HTTP heads --------------------------------------------------------------------------
 
 
@@ -918,7 +994,7 @@ def test_ps_shows_the_beat_age_and_stalled():
     ]
     lines = ps_table(rows).splitlines()
     assert lines[0].split() == ["NAME", "SLOT", "STATE", "PID", "GPU", "HEARTBEAT", "BEAT-AGE", "UPTIME", "UPGRADES",
-                                "RESTARTS", "HASH"]
+                                "RESTARTS", "HASH", "DATA"]
     got = {ln.split()[0]: ln.split() for ln in lines[1:]}
     assert [got[n][2] for n in ("hb", "quiet", "never", "old", "loop")] == ["running", "stalled", "running", "running",
                                                                           "crash-loop"]
@@ -980,7 +1056,8 @@ async def test_stall_after_reaches_programs(monkeypatch, tmp):
         d = server.Daemon(cfg)
         try:
             await d._open()
-            assert seen[-1] == kw
+            data = seen[-1].pop("data")  # the programs' data files: the state dir's data/
+            assert seen[-1] == kw and data.dir == os.path.join(cfg.state_dir, "data")
         finally:
             await d._close_backend()
     assert len(seen) == 2

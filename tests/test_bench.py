@@ -1,4 +1,4 @@
-"""``python -m meshd_mps.bench --gpu sim --quick``: every row (a)-(h) with a figure and its
+"""``python -m meshd_mps.bench --gpu sim --quick``: every row (a)-(k) and (m) with a figure and its
 baseline, no ERROR row, and nothing left running afterwards."""
 
 from __future__ import annotations
@@ -9,8 +9,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from xml.etree import ElementTree
 
 import pytest
+
+from meshd_mps.bench import main as bench_main
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -31,12 +34,17 @@ def _procs_mentioning(text: str) -> list[str]:
     return found
 
 
+#: The sections whose every row has a figure and its baseline on the simulated GPU ((k) is (j)'s).
+EVERY_ROW = "abcdefghijmp"
+
+
 def test_bench_sim_quick(standin_on_path, tmp_path):
     mps_dir = tempfile.mkdtemp(prefix="mb-")  # short: MPS's sockets live under it (AF_UNIX: 108 bytes)
     out = tmp_path / "bench.json"
     try:
         r = subprocess.run(
-            [sys.executable, "-m", "meshd_mps.bench", "--gpu", "sim", "--quick", "--json", str(out), "--mps-dir", mps_dir],
+            [sys.executable, "-m", "meshd_mps.bench", "--gpu", "sim", "--quick", "--json", str(out), "--mps-dir", mps_dir,
+             "--plot", str(tmp_path / "plots"), "--only", ",".join(EVERY_ROW)],
             # ~30 s alone on 2 cores; make test runs it beside three other xdist workers (~100 s seen on a loaded machine)
             capture_output=True, text=True, timeout=140, env=dict(os.environ),
         )
@@ -45,7 +53,7 @@ def test_bench_sim_quick(standin_on_path, tmp_path):
         rows = data["rows"]
         assert not [x for x in rows if x["result"] == "ERROR"], r.stdout
         assert data["left_behind"] == []
-        for rid in "abcdefghijk":
+        for rid in EVERY_ROW + "k":
             mine = [x for x in rows if x["id"] == rid]
             assert mine, f"no row ({rid})\n{r.stdout}"
             for x in mine:
@@ -74,10 +82,69 @@ def test_bench_sim_quick(standin_on_path, tmp_path):
         assert len(placed) == 1 and placed[0]["target"] == "< 1000 us", placed
         assert f"on CPU {max(os.sched_getaffinity(0))} and its 8 workers (and MPS) on the others" in next(
             x for x in rows if x["name"] == "ask p50, 8 asking at once, the loop's CPU its own")["note"]
+        # --plot: the plots of this run, drawn from its rows; --from: the same drawn again from its JSON
+        plotted(tmp_path / "plots", data)
+        assert bench_main(["--from", str(out), "--plot", str(tmp_path / "again")]) == 0
+        for name in PLOTS:
+            assert (tmp_path / "again" / name).read_bytes() == (tmp_path / "plots" / name).read_bytes(), name
         assert sorted(os.listdir(mps_dir)) == [], "the bench left its daemons' directories"
         assert not _procs_mentioning(mps_dir), f"processes of the bench still there: {_procs_mentioning(mps_dir)}"
     finally:
         shutil.rmtree(mps_dir, ignore_errors=True)
+
+
+def test_versus_runs_every_contender_it_can_and_says_why_not_the_others(standin_on_path, tmp_path):
+    """Row (v) on the simulated GPU (N = 100,000): knn resident in both modes, in-process and through a
+    daemon's socket, each answer numpy's; the GPU's contenders (PyTorch, a launch per batch) skipped
+    with their reason; nothing left."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "meshd_mps.bench", "--gpu", "sim", "--quick", "--json", str(out),
+                        "--only", "versus"], capture_output=True, text=True, timeout=140, env=dict(os.environ))
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout}\n{r.stderr[-4000:]}"
+    data = json.loads(out.read_text())
+    rows = {x["name"]: x for x in data["rows"]}
+    assert data["left_behind"] == [] and all(x["id"] == "v" and x["result"] != "ERROR" for x in rows.values()), r.stdout
+    for mode in ("blink", "mps"):
+        assert rows[f"versus: meshd-mps ({mode})'s answer is numpy's"]["result"] == "PASS"
+        for nq in (1, 8, 64):
+            for how in ("in-process", "through its socket"):
+                x = rows[f"versus: meshd-mps resident ({mode}, {how}), batch {nq}, p50"]
+                assert isinstance(x["value"], float) and x["value"] > 0, x
+    for who in ("PyTorch eager and its CUDA graph", "a launch per batch"):
+        assert rows[f"versus: {who}"]["note"].startswith("skipped: the simulated GPU"), rows[f"versus: {who}"]
+
+
+#: The bench's plots (bench/plots.py) of a run of every section; the fleet's, fleet.svg, are its own bench's.
+PLOTS = ("latency.svg", "stall.svg", "recovery.svg")
+
+
+def plotted(d, data: dict) -> None:
+    """Each plot an SVG drawing of the run's rows: its series named, its title the run's device."""
+    assert sorted(os.listdir(d)) == sorted(PLOTS), os.listdir(d)
+    svgs = {name: ElementTree.parse(d / name).getroot() for name in PLOTS}
+    assert all(root.tag == "{http://www.w3.org/2000/svg}svg" for root in svgs.values())
+    text = {name: " ".join(t for t in root.itertext()) for name, root in svgs.items()}
+    device = data["header"]["device"]
+    assert all(device in t for t in text.values()), text
+    dists = [r["dist"] for r in data["rows"] if r["dist"]]
+    # (f)'s and (b)'s, and (b)'s again on asyncio where the bench ran on uvloop
+    assert len(dists) >= 2 and all(len(v) == len(data["quantiles"]) for d_ in dists for v in d_.values()), dists
+    for series in ("Programs.call 64 B", "floor 64 B", "host spin 64 B", "ask, 1 worker", "raw pipe"):
+        assert series in text["latency.svg"], series
+    assert "(a) stall: load into a pooled MPS worker" in text["stall.svg"]
+    assert "live restore across a restart" in text["stall.svg"]
+    steps = [r["parts"] for r in data["rows"] if r["id"] == "i"]
+    assert steps and all({"detect", "teardown", "relaunch"} <= set(p) for p in steps), steps
+    assert all(s in text["recovery.svg"] for s in ("detect", "teardown", "relaunch", "floor"))
+
+
+def test_plots_need_a_run_and_matplotlib(tmp_path, capsys):
+    """--from without --plot, a file that is no run's, are refused (exit 2, said why)."""
+    assert bench_main(["--from", str(tmp_path / "x.json")]) == 2
+    assert "with --plot DIR" in capsys.readouterr().err
+    (tmp_path / "x.json").write_text("[1, 2]")
+    assert bench_main(["--from", str(tmp_path / "x.json"), "--plot", str(tmp_path)]) == 2
+    assert "not a bench's --json output" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("cpu", "why"), [("nope", "CPU numbers and ranges"), ("-1", "CPU numbers and ranges"),

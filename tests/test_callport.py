@@ -25,7 +25,7 @@ from meshd_mps.fleet import callport
 from meshd_mps.fleet.callport import CallPortServer
 from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.fleet.spec import CallPort
-from meshd_mps.serving.client import program_body
+from meshd_mps.serving.client import MAX_BODY, program_body
 from meshd_mps.serving.status import status_of
 from meshd_mps.strictjson import parse_json
 
@@ -143,9 +143,9 @@ async def test_only_the_fleets_replicas_and_only_their_call_route(replica_daemon
                    "Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n").encode()
         status, ans = await exchange(port, chunked)
         assert status == 411
-        big = f"POST /v1/programs/{REPLICA}/call HTTP/1.1\r\nHost: x\r\n{auth}\r\nContent-Length: {1 << 21}\r\n\r\n"
+        big = f"POST /v1/programs/{REPLICA}/call HTTP/1.1\r\nHost: x\r\n{auth}\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n"
         status, ans = await exchange(port, big.encode())
-        assert (status, ans["size"], ans["limit"]) == (413, 1 << 21, 1 << 20)
+        assert (status, ans["size"], ans["limit"]) == (413, MAX_BODY + 1, MAX_BODY)  # the daemon's own limit
         status, ans = await exchange(port, post(f"/v1/programs/{REPLICA}/call", b"not json", auth))
         assert status == 400, "the daemon's own refusal of a bad body, relayed"
         # Still serving, the replica untouched.

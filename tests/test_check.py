@@ -80,10 +80,10 @@ def test_not_ptx(capsys, tmp):
     d = program_dir(tmp, "notptx", "# a README, not PTX\n", file="notptx.ptx")
     rc, out, _ = check(capsys, tmp, str(d))
     assert rc == 1
-    assert line(out, "compile").startswith("FAIL compile: jit: not PTX text"), out
-    # --ptx FILE, as load takes it, the same.
+    assert line(out, "files").startswith(f"FAIL files: {d / 'notptx.ptx'}: not PTX (no .version directive"), out
+    # --ptx FILE, as load takes it, the same: the file named.
     rc, out, _ = check(capsys, tmp, "--manifest", str(d / "manifest.json"), "--ptx", str(d / "notptx.ptx"))
-    assert rc == 1 and line(out, "compile").startswith("FAIL compile: jit: not PTX text"), out
+    assert rc == 1 and line(out, "files").startswith(f"FAIL files: {d / 'notptx.ptx'}: not PTX"), out
 
 
 def test_a_missing_directory_and_no_directory(capsys, tmp):
@@ -161,3 +161,29 @@ def test_the_sim_verdict_is_by_the_cubin(capsys, tmp):
     wide = program_dir(tmp, "echo32", (EXAMPLES / "echo" / "echo.cu").read_text(), file="echo32.cu", warps=32)
     rc, out, _ = check(capsys, tmp, str(wide))
     assert rc == 0 and "the simulated GPU refuses it" in out[-1], out
+
+
+def test_gpu_sim_asks_the_simulated_daemons_socket(capsys, tmp, monkeypatch):
+    """``--gpu sim`` names the simulated daemon's default socket, as for every other client command
+    (``check`` asked the GPU daemon's whatever it was told)."""
+    monkeypatch.delenv("MESHD_MPS_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp))
+    for gpu, sock in (("sim", "meshd-mps-sim.sock"), ("cuda", "meshd-mps.sock")):
+        rc = main(["check", str(EXAMPLES / "echo"), "--gpu", gpu])
+        out, err = capsys.readouterr()
+        assert rc == 0, out + err
+        assert f"no daemon at {tmp / sock}" in out.splitlines()[0], out
+
+
+def test_output_cut_short_by_its_reader_is_no_traceback(tmp):
+    """``meshd-mps check DIR | head -1``: the reader goes after one line; the rest is dropped
+    quietly, as any Unix tool does, with no BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(f"{sys.executable} -m meshd_mps check {EXAMPLES / 'echo'} --socket {tmp / 'nobody.sock'}"
+                       " | head -1; echo \"rc=${PIPESTATUS[0]}\"", shell=True, executable="/bin/bash",
+                       capture_output=True, text=True, timeout=60)
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("target: sm_90") and lines[1] in ("rc=0", "rc=141"), r.stdout
+    assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr

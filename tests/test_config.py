@@ -276,4 +276,4 @@ def test_serve_refuses_what_would_fail_later(tmp_path):
 def test_version():
     r = run_cli("--version")
     assert r.returncode == 0 and r.stdout.startswith("meshd-mps "), r
-    assert "(frame protocol 3, program ABI 1, state schema 1)" in r.stdout
+    assert "(frame protocol 4, program ABI 1, state schema 1)" in r.stdout

@@ -92,10 +92,12 @@ async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_a
         watch = agent.watch.remote(version)
 
 
-async def test_a_call_port_that_cannot_be_reached_sends_the_call_through_ray(fleet, echo):
+async def test_calls_of_any_size_go_through_the_call_ports_and_through_ray_where_a_port_cannot_be_reached(fleet, echo):
     await fleet.deploy(ProgramSpec("echo", echo, replicas=2, strategy="STRICT_SPREAD"))  # two nodes, two ports
     await fleet.wait("echo", running=2, timeout=UP_S)
     assert (await fleet.call("echo", b"first")).via == "call-port"
+    big = os.urandom(60_000)  # in echo's payload region (its manifest declares 64 KiB), through a call port
+    assert ((reply := await fleet.call("echo", big)).data, reply.via) == (big, "call-port")
     routes = fleet.cache["echo"][1]
     assert len(routes.ports) == 2 and all(p.token for p in routes.ports.values())
     with socket.socket() as s:  # where the caller finds nothing listening (a firewall, a host gone)
@@ -103,7 +105,9 @@ async def test_a_call_port_that_cannot_be_reached_sends_the_call_through_ray(fle
         shut = {n: CallPort("127.0.0.1", s.getsockname()[1], p.token) for n, p in routes.ports.items()}
         fleet.cache["echo"] = (time.monotonic() + 60, routes._replace(ports=shut))  # kept: no fresh routes
         replies = [await fleet.call("echo", b"b%d" % i) for i in range(4)]
+        reply = await fleet.call("echo", big[::-1])
     assert [(r.data, r.via) for r in replies] == [(b"b%d" % i, "ray") for i in range(4)]
+    assert (reply.data, reply.via) == (big[::-1], "ray"), "a large one through Ray as it is"
     assert set(fleet.unreachable) == set(shut.values()), "each port tried once, then left alone"
     fleet.cache.pop("echo")
     assert (await fleet.call("echo", b"last")).via == "call-port", "the real ports again with the routes"

@@ -6,6 +6,8 @@ them meaningless here: never asserted)."""
 from __future__ import annotations
 
 import json
+import os
+from xml.etree import ElementTree
 
 import pytest
 
@@ -28,8 +30,15 @@ def no_child_left():
 
 def test_fleet_bench_smoke(tmp):
     out = f"{tmp}/fleet-bench.json"
-    r = cli("fleet", "bench", "--nodes", "2", "--replicas", "4", "--calls", "20", "--json", out, timeout=BENCH_S)
+    r = cli("fleet", "bench", "--nodes", "2", "--replicas", "4", "--calls", "20", "--json", out, "--plot", f"{tmp}/plots",
+            timeout=BENCH_S)
     assert r.returncode == 0, r.stdout + r.stderr
+    # --plot: (l3)'s call latencies beside their baselines, (l1) and (l2) beside theirs
+    assert sorted(os.listdir(f"{tmp}/plots")) == ["fleet.svg", "latency.svg"]
+    drawn = " ".join(ElementTree.parse(f"{tmp}/plots/latency.svg").getroot().itertext())
+    assert all(s in drawn for s in ("fleet.call", "Ray async actor echo", "a node's socket")), drawn
+    drawn = " ".join(ElementTree.parse(f"{tmp}/plots/fleet.svg").getroot().itertext())
+    assert "(l1) 4 replicas placed and running" in drawn and "(l2) a node's 2 replicas running elsewhere" in drawn
     with open(out) as f:
         rows = json.load(f)["rows"]
     assert [x["id"] for x in rows] == ["l1", "l3", "l3", "l3", "l4", "l2"]

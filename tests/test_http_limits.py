@@ -145,20 +145,21 @@ async def test_a_client_gone_mid_body_is_a_499_not_a_500(tmp):
 
 
 async def test_every_program_verb_answers_its_row_under_program(tmp, capsys):
-    """POST, PUT and DELETE answer the program's row under "program"; "loaded", "upgraded",
-    "unloaded" (with "slot") and a row's "worker_pid" stay, deprecated; the CLI reads "program"."""
+    """POST, PUT and DELETE answer the program's row under "program", and nothing else of it (the
+    older keys, "loaded", "upgraded", "unloaded", "slot" and a row's "worker_pid", are gone); the CLI
+    reads "program"."""
     async with serving(tmp) as d:
         c = Client(d.socket_path)
         body = await anyio.to_thread.run_sync(program_body, str(EXAMPLES / "echo"))
         ans = await anyio.to_thread.run_sync(c.load, body)
         row = ans["program"]
-        assert row["name"] == "echo" and row["state"] == "running" and ans["loaded"] == "echo"
-        assert row["pid"] > 0 and row["worker_pid"] == row["pid"]
+        assert row["name"] == "echo" and row["state"] == "running" and set(ans) == {"ok", "program"}
+        assert row["pid"] > 0 and "worker_pid" not in row
         ans = await anyio.to_thread.run_sync(c.upgrade, "echo", body)
-        assert ans["program"]["name"] == "echo" and ans["program"]["upgrades"] == 1 and ans["upgraded"] == "echo"
+        assert ans["program"]["name"] == "echo" and ans["program"]["upgrades"] == 1 and "upgraded" not in ans
         ans = await anyio.to_thread.run_sync(c.unload, "echo")
         assert ans["program"]["name"] == "echo" and ans["program"]["slot"] == row["slot"]
-        assert ans["unloaded"] == "echo" and ans["slot"] == row["slot"]
+        assert "unloaded" not in ans and "slot" not in ans
 
         await anyio.to_thread.run_sync(c.load, body)
         capsys.readouterr()

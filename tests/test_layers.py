@@ -55,6 +55,7 @@ LAYERS: dict[str, int] = {
     "meshd_mps.restore": 1,
     "meshd_mps.version": 1,
     "meshd_mps.defaults": 1,
+    "meshd_mps.callstats": 1,
 }
 
 MAX_LINES = 500

@@ -19,7 +19,6 @@ import pytest
 from meshd_mps.errors import PayloadTooLarge
 from meshd_mps.fleet import nodecalls
 from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
-from meshd_mps.protocol import abi
 from meshd_mps.serving.client import program_body
 from meshd_mps.serving.status import status_of
 
@@ -57,8 +56,10 @@ async def test_refusals_say_the_daemons_status_and_are_not_lost(echo_daemon):
     try:
         missing = await nc.call("no-such-program", b"x")
         assert (missing.ok, missing.status, missing.lost) == (False, 404, False) and "no-such-program" in missing.error
-        big = await nc.call("echo", b"x" * (abi.ENTRY_PAYLOAD + 1))
-        assert (big.ok, big.status, big.lost) == (False, status_of(PayloadTooLarge("", size=0, limit=0)), False)
+        assert (await nc.call("echo", b"y" * 5000)).data == b"y" * 5000  # through echo's payload region
+        big = await nc.call("echo", b"x" * (1 << 17))  # over the 64 KiB echo's manifest declares
+        assert (big.ok, big.status, big.lost) == (False, status_of(PayloadTooLarge("", size=0, limit=0, program="echo")), False)
+        assert f"request of {1 << 17} bytes is over its most, 65536 bytes" in big.error
         bad = await nc.call("echo", b"x", timeout=-1)
         assert (bad.ok, bad.status, bad.lost) == (False, 400, False)
         assert (await nc.call("echo", b"still")).data == b"still"  # the connection is still good

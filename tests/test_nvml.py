@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 
 from meshd_mps.errors import ConfigError, DeviceError, NvmlUnavailable, Timeout
 from meshd_mps.gpu.device import SIM_GPUS_ENV
-from meshd_mps.gpu.nvml import SIM_NVML_ENV, ComputeMode, DeviceView, GpuProcess, Nvml, SimNvml
+from meshd_mps.gpu.nvml import SIM_MEMORY, SIM_NVML_ENV, ComputeMode, DeviceView, GpuProcess, Nvml, SimNvml
 from meshd_mps.neighbours import NeighbourWatch, classify, look, mode_advice
 
 
@@ -147,7 +147,7 @@ def test_the_simulation_with_no_file_shows_only_its_residents(monkeypatch):
     monkeypatch.delenv(SIM_NVML_ENV, raising=False)
     monkeypatch.setenv(SIM_GPUS_ENV, "2")
     with SimNvml.open() as sim:
-        assert sim.view(1) == DeviceView(1, ComputeMode.DEFAULT, ())
+        assert sim.view(1) == DeviceView(1, ComputeMode.DEFAULT, (), (0, SIM_MEMORY))
         with pytest.raises(DeviceError, match="GPU 2: the simulation has 2 GPUs"):
             sim.view(2)
     with SimNvml.open(residents=lambda d: [proc(100 + d, mps=True)]) as sim:
@@ -169,6 +169,10 @@ def test_the_simulation_reads_its_file_at_every_view(tmp_path, monkeypatch):
     assert v.compute_mode is ComputeMode.DEFAULT
     assert v.processes == (proc(7, "worker", mps=True), GpuProcess(123, "python", 1048576, "compute", False))
     assert [p.pid for p in classify(v, ours={7}, server=set(), native=set()).foreign] == [123]
+    # its memory: an H200's, what its processes hold used (nvidia-smi's figures, as NVML's)
+    assert v.memory == ((1 << 20) + 1048576, SIM_MEMORY)
+    n = classify(v, ours={7}, server=set(), native=set()).as_dict()
+    assert (n["memory_used"], n["memory_total"]) == (2 << 20, 143771 << 20)
     f.write_text(json.dumps({"0": {"compute_mode": "exclusive_process", "processes": [
         {"pid": 124, "kind": "graphics", "mps": True}]}}))
     v = sim.view(0)
@@ -225,8 +229,8 @@ class FakePynvml:
     class NVMLError_FunctionNotFound(NVMLError):
         pass
 
-    def __init__(self, mode=0, compute=(), graphics=(), mps=(), names=None, fail=None):
-        self.mode, self.compute, self.graphics, self.mps = mode, compute, graphics, mps
+    def __init__(self, mode=0, compute=(), graphics=(), mps=(), names=None, fail=None, memory=(1 << 30, 80 << 30)):
+        self.mode, self.compute, self.graphics, self.mps, self.memory = mode, compute, graphics, mps, memory
         self.names = names or {}
         self.fail = fail or {}
         self.asked: list[str] = []
@@ -257,6 +261,10 @@ class FakePynvml:
     def nvmlDeviceGetMPSComputeRunningProcesses(self, h):
         return self._answer("mps", self._procs(self.mps))
 
+    def nvmlDeviceGetMemoryInfo(self, h):
+        used, total = self.memory
+        return self._answer("memory", SimpleNamespace(used=used, total=total, free=total - used))
+
     def nvmlSystemGetProcessName(self, pid):
         if pid not in self.names:
             raise self.NVMLError("Not Found")
@@ -282,8 +290,9 @@ def test_nvml_view_as_seen_on_the_h200_under_mps():
         GpuProcess(531, "python3", 543162368, "compute", True),
         GpuProcess(600, "Xorg", None, "graphics", False),  # not visible here: NVML's name
     )
+    assert v.memory == (1 << 30, 80 << 30)  # nvmlDeviceGetMemoryInfo's used and total
     n = classify(v, ours={516, 531}, server={521}, native=set())
-    assert [p.pid for p in n.foreign] == [495, 600]
+    assert [p.pid for p in n.foreign] == [495, 600] and n.memory == v.memory
     nv.view(3)
     assert fake.asked == ["0000:03:00.0"]  # the handle is kept
     nv.close()
@@ -302,8 +311,9 @@ def test_nvml_modes_names_and_optional_lists():
     assert v.processes == (GpuProcess(1, "?", 10, "compute", False),)  # no name anywhere: "?"
     for raw, mode in ((2, ComputeMode.PROHIBITED), (1, ComputeMode.UNKNOWN), (9, ComputeMode.UNKNOWN)):
         assert Nvml(f(mode=raw), bus_id=lambda d: "b").view(0).compute_mode is mode
-    unsupported = f(fail={"mode": f.NVMLError_NotSupported("Not Supported")})
+    unsupported = f(fail={"mode": f.NVMLError_NotSupported("Not Supported"), "memory": f.NVMLError_NotSupported("no")})
     assert Nvml(unsupported, bus_id=lambda d: "b").view(0).compute_mode is ComputeMode.UNKNOWN
+    assert Nvml(unsupported, bus_id=lambda d: "b").view(0).memory is None  # a board that does not say
     # A name NVML gives differently for a pid /proc shows: /proc's (the process we can see).
     other = f(compute=[(8, 1)], names={8: "nvidia-cuda-mps-server"})
     assert Nvml(other, bus_id=lambda d: "b", name=lambda pid: "a-long-comm-nam").view(0).processes[0].name == "a-long-comm-nam"
@@ -314,6 +324,7 @@ def test_nvml_modes_names_and_optional_lists():
     ("mode", "GPU 0: nvmlDeviceGetComputeMode: GPU is lost"),
     ("compute", "GPU 0: nvmlDeviceGetComputeRunningProcesses: GPU is lost"),
     ("graphics", "GPU 0: nvmlDeviceGetGraphicsRunningProcesses: GPU is lost"),
+    ("memory", "GPU 0: nvmlDeviceGetMemoryInfo: GPU is lost"),
 ])
 def test_nvml_failures_name_the_gpu_and_the_call(call, says):
     fake = FakePynvml(fail={call: FakePynvml.NVMLError("GPU is lost")})

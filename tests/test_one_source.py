@@ -25,9 +25,9 @@ def test_the_daemons_config_defaults_are_the_tables(monkeypatch):
 
 
 def test_the_pool_by_isolation():
-    assert config.pool_of("mps", None) == config.POOL_BY_ISOLATION["mps"] == 2
+    assert config.pool_of("mps", None) == config.POOL_BY_ISOLATION["mps"] == 4
     assert config.pool_of("blink", None) == 0 and config.pool_of("mps", 5) == 5
-    assert config.help_defaults()["pool"] == "2 in mps mode, 0 in blink mode"
+    assert config.help_defaults()["pool"] == "4 in mps mode, 0 in blink mode"
 
 
 def test_one_version():

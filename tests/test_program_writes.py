@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(90)
 
 #: The fields of a program's state (``Program.to``'s to write).
 STATE = {"phase", "error", "lost_to", "failures", "restart_at", "settled", "failed_at", "stalled_at", "kernel", "launch",
-         "hash", "generation", "restarts", "upgrades", "restart", "started", "started_wall"}
+         "hash", "generation", "restarts", "upgrades", "restart", "started", "started_wall", "faults"}
 
 
 async def test_describe_twice_is_the_same_and_moves_nothing(monkeypatch):

@@ -12,6 +12,7 @@ real service's; "terminal 1" is a process group of its own, as a shell job is, s
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from .rigs.made import MadeClients
 from .rigs.serve import leftovers
 from .rigs.waits import poll
 
@@ -123,6 +125,13 @@ def test_readme_cpu_path_as_written(tmp, mode):
             return os.path.exists(sock)
 
         poll(up, 60.0, f"the daemon's socket {sock}")
+        made = None
+        if mode == "mps":  # the MPS clients made from here on, as the stand-in daemon counts them
+            st = shell("activate; meshd-mps status --gpu sim --json", env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            out, err = st.communicate(timeout=60)  # answered once the start (its pool) is done
+            assert st.returncode == 0, out + err
+            made = MadeClients(json.loads(out)["mps_dir"])
+            made.mark()
         said: dict[str, str] = {}
         for line in client:
             p = shell(f"activate; {line}", env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -134,6 +143,11 @@ def test_readme_cpu_path_as_written(tmp, mode):
         for name in ("heartbeat", "echo"):
             assert re.search(rf"^{name}\s.*\brunning\b", ps, re.M), ps
         assert "hello" in said["meshd-mps call --gpu sim echo hello"], said
+        if made is not None:
+            # MPS mode's promise at serve's defaults: the loads and the upgrade take workers made at
+            # the start; none makes an MPS client, which would stall every running program once.
+            assert made.made() == [], (made.since(), said)
+            assert not any("a new MPS client" in out for out in said.values()), said
         assert stop == "kill -TERM %1"
         job = members(daemon.pid)
         (serve_pid,) = [p for p, cmd in job.items() if "meshd-mps serve" in cmd]

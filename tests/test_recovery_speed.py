@@ -76,6 +76,13 @@ async def test_the_teardown_waits_for_none_of_the_workers_it_starts(standin_on_p
                 return w
 
             monkeypatch.setattr(g, "_spawn", gated_blink)
+            # The standby (the next context's worker, started at open) dies first: the teardown
+            # starts the next one itself, as it does for MPS's lost programs.
+            await until(lambda: g.standby is not None, 30, "the standby started at open")
+            standby = g.standby
+            assert standby is not None
+            os.kill(standby.pid, signal.SIGKILL)
+            await until(lambda: not standby.idle(), 10, "the standby seen dead")
         teardown = g.teardown
 
         async def tear(ahead=0):
@@ -211,3 +218,25 @@ def test_only_a_worker_death_with_no_error_of_its_own_is_innocent():
     assert v.by == "ended" and not faults.died_innocent(v)
     v = faults.name_culprit([hb], hb, [11], [], 1.0, 2.0)
     assert v.by == "server log" and not faults.died_innocent(v)
+
+
+@LIVE
+async def test_blinks_next_context_stands_by(standin_on_path, tmp, live):
+    """Blink mode keeps the next context's worker standing by (imported, no context), so that a
+    fault's recovery waits only for the context itself: the lost programs come back on it, and
+    another stands by after the recovery."""
+    async with await open_sim("blink", live=tmp if live else None) as b:
+        g = b.isolations[0]
+        await until(lambda: g.standby is not None, 30, "the standby started at open")
+        standby = g.standby
+        assert standby is not None and standby.pid != g.proc.pid
+        progs = Programs(b)
+        hb = await progs.load(*named("heartbeat", "heartbeat-0"))
+        await beats(b, hb.slot, 1)
+        await progs.load(*example("fault"), restart="never")
+        await until(lambda: recovered(progs), 45, "the recovery")
+        assert progs.faults[-1].relaunched == ["heartbeat-0"], progs.faults[-1]
+        assert hb.kernel.pid == standby.pid  # the new context is the standby's
+        await until(lambda: g.standby is not None and g.standby.pid != standby.pid, 30, "the next standby")
+        await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot))
+        await progs.close()

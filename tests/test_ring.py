@@ -22,8 +22,7 @@ from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.protocol.ring import Ring
 from workers.sim_kernels import MeshBeat, MeshRing, echo_turn
 
-from .rigs.backend import example, open_sim
-from .rigs.deadlines import TEST_DEADLINES
+from .rigs.backend import example, sim_programs
 
 pytestmark = pytest.mark.timeout(90)
 SLOT = 3
@@ -96,15 +95,19 @@ def test_every_pending_request_is_served_in_one_batch(mb):
     assert [host.response(first + k) for k in range(abi.RING)] == msgs
 
 
-def test_the_device_clamps_a_length_and_writes_only_the_words_it_needs(mb):
+def test_a_length_no_entry_holds_is_answered_in_place_and_the_host_reads_no_further(mb):
+    """Over 188 bytes a payload lies in the program's region: echo answers with the request's own
+    length and offset words.  A ring without a region (its program declared none, so its host never
+    posts one) reads such a response clamped to its entry; the device writes only the words it needs."""
     host, dev = Ring(mb, SLOT), device(mb)
     resp = SLOT * abi.SLOT_BYTES + abi.RESP_BASE
     mb.mm[resp : resp + abi.RING * abi.ENTRY_BYTES] = b"\xee" * (abi.RING * abi.ENTRY_BYTES)
     seq = host.post(b"x" * 10)
     mb.set_u32(SLOT, abi.REQ_BASE, 1000)  # a length no entry holds
     serve(dev)
-    assert mb.u32(SLOT, abi.RESP_BASE) == abi.ENTRY_PAYLOAD
-    assert host.response(seq) == b"x" * 10 + bytes(abi.ENTRY_PAYLOAD - 10)  # the whole entry, as it is
+    assert mb.u32(SLOT, abi.RESP_BASE) == 1000 and mb.mm[resp + 4 : resp + 8] == b"xxxx"  # length, "offset": as asked
+    assert mb.mm[resp + 8 : resp + abi.ENTRY_BYTES] == b"\xee" * (abi.ENTRY_BYTES - 8)  # nothing else written
+    assert host.response(seq) == mb.mm[resp + 4 : resp + 4 + abi.ENTRY_PAYLOAD]  # clamped: never past the entry
     seq = host.post(b"abcde")  # 5 bytes: the length word and two payload words
     serve(dev)
     at = resp + abi.ENTRY_BYTES
@@ -232,13 +235,8 @@ def test_sequence_numbers_wrap(mb):
 
 @pytest.fixture
 async def progs(standin_on_path):
-    b = await open_sim("mps", pool=1, deadlines=TEST_DEADLINES)
-    ps = Programs(b)
-    try:
+    async with sim_programs("mps") as ps:
         yield ps
-    finally:
-        await ps.close()
-        await b.close()
 
 
 async def test_call_many_answers_in_order_and_concurrent_callers_share_the_ring(progs):
@@ -301,10 +299,10 @@ async def test_a_call_that_times_out_gives_its_entry_back(progs):
     await polled_once(progs)  # beats, never answers the ring
     with anyio.fail_after(30):
         with pytest.raises(CallTimeout) as e:
-            await progs.call("heartbeat", b"anyone?", within=0.05)
+            await progs.call("heartbeat", b"anyone?", timeout=0.05)
         assert e.value.program == "heartbeat"
         with pytest.raises(CallTimeout):
-            await progs.call_many("heartbeat", [b"a", b"b"], within=0.05)
+            await progs.call_many("heartbeat", [b"a", b"b"], timeout=0.05)
     ring = progs.get("heartbeat").ring
     assert ring is not None and ring.room() == abi.RING - 3  # unanswered, but none waited for
 
@@ -315,7 +313,7 @@ async def test_a_call_in_flight_when_its_program_is_unloaded(progs):
         async with anyio.create_task_group() as tg:
             async def call() -> None:
                 with pytest.raises(NotRunning, match="ended before answering"):
-                    await progs.call("heartbeat", b"anyone?", within=20)
+                    await progs.call("heartbeat", b"anyone?", timeout=20)
 
             tg.start_soon(call)
             await anyio.sleep(0.01)  # let the call post and start waiting; the unload ends it either way

@@ -19,8 +19,7 @@ from meshd_mps.protocol.ring import Ring
 from meshd_mps.serving.client import ClientError, program_body
 from meshd_mps.serving.status import status_of
 
-from .rigs.backend import ScriptCompiler, example, man, open_sim
-from .rigs.deadlines import TEST_DEADLINES
+from .rigs.backend import example, man, sim_programs
 from .rigs.serve import EXAMPLES, assert_clean_exit, cli
 from .rigs.sim import sim
 from .rigs.waits import until
@@ -34,14 +33,8 @@ LONG_CALL = 60.0
 
 @pytest.fixture(params=["blink", "mps"])
 async def progs(request, standin_on_path):
-    b = await open_sim(request.param, pool=1, deadlines=TEST_DEADLINES)
-    b.compiler = ScriptCompiler(b.infos[b.devices[0]])
-    ps = Programs(b)
-    try:
+    async with sim_programs(request.param) as ps:
         yield ps
-    finally:
-        await ps.close()
-        await b.close()
 
 
 async def test_the_sim_marks_the_slot_as_the_examples_sources_do(progs):

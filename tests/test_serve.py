@@ -18,6 +18,8 @@ import warnings
 
 import pytest
 
+from meshd_mps.defaults import POOL_BY_ISOLATION
+from meshd_mps.mps import standin
 from meshd_mps.serving.client import MAX_BODY, Client, ClientError, NoDaemon, program_body
 
 from .rigs.serve import (
@@ -59,7 +61,8 @@ def test_serve_end_to_end(serve, tmp, isolation):
     assert set(status["versions"]) >= {"meshd-mps", "python", "cuda-bindings", "nvjitlink"}
     mps_dir = status["mps_dir"]
     if isolation == "mps":
-        assert len(status["pool"]["idle"]) == 2 and status["pool"]["capacity"] == 2
+        pool = POOL_BY_ISOLATION["mps"]  # serve's default
+        assert len(status["pool"]["idle"]) == pool and status["pool"]["capacity"] == pool
         assert status["server_pid"] and sorted(status["clients"]) == sorted(status["pool"]["idle"])
         assert status["daemon_pid"] and os.path.isdir(mps_dir)
     else:
@@ -78,7 +81,7 @@ def test_serve_end_to_end(serve, tmp, isolation):
     assert re.match(r"heartbeat loaded on slot 0 \(pid \d+, hash [0-9a-f]{16}, ", r.stdout), r.stdout
     ans = c.load(program_body(str(EXAMPLES / "echo")))
     echo = ans["program"]
-    assert ans["loaded"] == "echo" and echo["state"] == "running" and echo["slot"] == 1 and echo["upgrades"] == 0
+    assert ans["program"]["name"] == "echo" and echo["state"] == "running" and echo["slot"] == 1 and echo["upgrades"] == 0
 
     # ps: both running, heartbeats advancing.
     r = cli("ps", "--socket", sock)
@@ -90,7 +93,7 @@ def test_serve_end_to_end(serve, tmp, isolation):
     first = {p["name"]: p["heartbeat"] for p in c.programs()}
     poll(lambda: all(p["heartbeat"] > first[p["name"]] for p in c.programs()), 10.0, "heartbeats advancing")
     listed = {p["name"]: p for p in json.loads(cli("ps", "--json", "--socket", sock).stdout)["programs"]}
-    assert listed["heartbeat"]["worker_pid"] > 0 and listed["echo"]["uptime_s"] >= 0
+    assert listed["heartbeat"]["pid"] > 0 and listed["echo"]["uptime_s"] >= 0
     if isolation == "mps":
         assert listed["heartbeat"]["pid"] != listed["echo"]["pid"]  # each its own MPS client
     else:
@@ -131,7 +134,7 @@ def test_serve_end_to_end(serve, tmp, isolation):
         assert m["meshd_mps_blinks_total"] >= 1 and "meshd_mps_last_blink_seconds" in m
         assert m["meshd_mps_pool_idle"] == 0
     else:
-        assert "meshd_mps_blinks_total" not in m and m["meshd_mps_pool_capacity"] == 2
+        assert "meshd_mps_blinks_total" not in m and m["meshd_mps_pool_capacity"] == POOL_BY_ISOLATION["mps"]
 
     before = {p["name"]: (p["slot"], p["hash"], p["pid"], p["upgrades"]) for p in c.programs()}
     check_errors(s, c, isolation)
@@ -210,7 +213,8 @@ def check_errors(s: Serve, c: Client, isolation: str) -> None:
     refused(lambda: c.load({"manifest": manifest("spin"), "ptx": ptx, "extra": 1}), 400, "unknown field 'extra'")
     refused(lambda: c.request("POST", "/v1/programs/echo/call", {"data": "x", "when": 1}), 400, "unknown field 'when'")
     refused(lambda: c.request("POST", "/v1/programs/echo/call", {"data": "x", "hex": "00"}), 400)
-    refused(lambda: c.request("POST", "/v1/programs/echo/call", {"data": "x" * 189}), 400, "at most 188")
+    refused(lambda: c.request("POST", "/v1/programs/echo/call", {"data": "x" * 65537}), 413,
+            "request of 65537 bytes is over its most, 65536 bytes")
     refused(lambda: c.request("POST", "/v1/programs/echo/call", {"data": "x", "timeout": -1}), 400, "'timeout'")
     refused(lambda: c.request("POST", "/v1/programs", None), 400, "empty body")
     refused(lambda: c.load({"ptx": ptx}), 400, "'manifest' is missing")
@@ -408,6 +412,35 @@ def test_no_driver_is_plain(tmp):
     assert 'to try meshd-mps without a GPU, use the simulated one: gpu="sim"' in r.stderr
     assert "meshd-mps: on the command line: meshd-mps serve --gpu sim" in r.stderr
     assert "Traceback" not in r.stderr and not os.path.exists(sock)
+
+
+def test_a_refused_start_makes_nothing(tmp):
+    """The README's first command where there is no GPU, in either isolation: the driver is looked
+    for first (MPS mode asked for its control binary first, and never spoke of the simulated GPU),
+    and nothing is made.  A start refused later (MPS mode on the sim, the stand-in not on PATH)
+    removes the socket's directory and the state dir it made."""
+    from meshd_mps.errors import NoDriver
+    from meshd_mps.gpu.device import check_driver
+
+    def gone(*paths: str) -> None:
+        assert not any(os.path.lexists(p) for p in paths), [p for p in paths if os.path.lexists(p)]
+
+    try:
+        check_driver()
+    except NoDriver:
+        for iso in ("mps", "blink"):
+            run, state = os.path.join(tmp, f"run-{iso}"), os.path.join(tmp, f"state-{iso}")
+            r = cli("serve", "--isolation", iso, "--socket", os.path.join(run, "s.sock"), "--state-dir", state)
+            assert r.returncode == 1 and "meshd-mps: no NVIDIA driver: " in r.stderr, r.stderr
+            assert "meshd-mps serve --gpu sim" in r.stderr and "Traceback" not in r.stderr, r.stderr
+            gone(run, state)
+    run, state = os.path.join(tmp, "run-sim"), os.path.join(tmp, "state-sim")
+    path = os.pathsep.join(p for p in env()["PATH"].split(os.pathsep) if p != standin.BIN_DIR)
+    r = subprocess.run([sys.executable, "-m", "meshd_mps", "serve", "--gpu", "sim", "--isolation", "mps", "--socket",
+                        os.path.join(run, "s.sock"), "--state-dir", state], capture_output=True, text=True,
+                       env=env() | {"PATH": path}, cwd=REPO, timeout=60)
+    assert r.returncode == 1 and "nvidia-cuda-mps-control not found on PATH" in r.stderr, r.stderr
+    gone(run, state)
 
 
 def test_client_without_daemon(tmp):

@@ -8,6 +8,7 @@ driven as a user does: ``meshd-mps load DIR`` and ``call``."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import tempfile
@@ -56,8 +57,13 @@ def test_a_users_program_named_like_an_example_is_refused(daemon, tmp):
     assert "echo_counter" in text and "is not one of the shipped examples" in text, text
     assert "meshd-mps check" in text, text
     h = image_hash(program_body(str(d))["ptx"].encode(), 0)
-    assert f"{h:016x}" in text, text  # the image it was known by
-    assert "recognised by their cubin" in text, text  # and what the simulation compares
+    assert "recognised by their cubin" in text, text  # what the simulation compares
+    # The words a user matches across the surfaces: ``check`` shows the same hash (load's, ps's) and
+    # cubin (the simulation's) as the refusal names, each under its one name.
+    r = cli("check", str(d), "--json", "--socket", daemon.sock)
+    checks = {c["check"]: c for c in json.loads(r.stdout)["checks"]}
+    assert checks["limits"]["hash"] == f"{h:016x}", checks
+    assert f"(hash {h:016x}, cubin {checks['compile']['cubin']})" in text, (text, checks)
     assert all(p["name"] != "echo_counter" for p in daemon.client.programs())
     # The CLI says it in one line, with no traceback.
     r = cli("load", str(d), "--socket", daemon.sock)
@@ -134,3 +140,25 @@ def test_echos_code_under_a_manifest_that_changes_the_cubin_is_refused(daemon, t
         daemon.client.load(program_body(str(d)))
     assert e.value.status == 400 and "is not one of the shipped examples" in str(e.value), e.value
     assert all(p["name"] != "echo32" for p in daemon.client.programs())
+
+
+def test_a_load_that_is_refused_halts_nothing(daemon, tmp):
+    """In blink mode a module load halts every running program (one context): every refusal the
+    cubin itself says (none of the shipped examples, no ``mesh_main``, another program ABI) comes
+    before that, so a refused load blinks nobody and the running heartbeat beats on."""
+    daemon.client.load(program_body(str(EXAMPLES / "heartbeat")))
+    try:
+        before = daemon.client.status()["blinks"]
+        no_entry = '#include "mesh_program.h"\nMESH_DEFINE_RT_ABI();\nextern "C" __global__ void other(int *p) { *p = 1; }\n'
+        other_abi = '#include "mesh_program.h"\n__device__ unsigned int mesh_rt_abi = 7;\nMESH_MAIN { }\n'
+        for d, why in ((program_dir(tmp, "echo_counter"), "is not one of the shipped examples"),
+                       (program_dir(tmp, "noentry", no_entry), "no `extern \"C\" __global__ void mesh_main"),
+                       (program_dir(tmp, "abi7", other_abi), "mesh_rt_abi is 7, this meshd-mps runs program ABI 1")):
+            with pytest.raises(ClientError) as e:
+                daemon.client.load(program_body(str(d)))
+            assert e.value.status == 400 and why in str(e.value), e.value
+        st = daemon.client.status()
+        assert st["blinks"] == before, st  # nothing halted for the refused loads
+        assert [p["state"] for p in daemon.client.programs() if p["name"] == "heartbeat"] == ["running"]
+    finally:
+        daemon.client.unload("heartbeat")

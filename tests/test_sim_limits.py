@@ -257,8 +257,9 @@ def test_images_the_simulation_cannot_run_are_refused(worker, cubins):
     w = worker()
     cubin, tag = cubins["capped"]  # heartbeat's code and tag, compiled for another manifest's register cap
     text = w.load_error(image(1, cubin, "mything", tag), frames.REFUSED)
-    assert text.startswith(f"simulated GPU: mything (image {tag:016x}) is not one of the shipped examples"), text
-    assert f"sha256 starts {cubin_id(cubin):016x}" in text, text  # what the simulation compared
+    # The two words check, load and ps use: the PTX's hash, and the cubin the simulation compared.
+    assert text.startswith(f"simulated GPU: mything (hash {tag:016x}, cubin {cubin_id(cubin):016x}) is not one of"
+                           " the shipped examples"), text
     cubin, tag = cubins["no-entry"]
     assert w.load_error(image(2, cubin, "heartbeat", tag), frames.NO_ENTRY) == DRIVER_NO_ENTRY
     assert w.load_error(image(3, sim(kernel="heartbeat", entry=False)), frames.NO_ENTRY) == DRIVER_NO_ENTRY
@@ -288,7 +289,7 @@ def test_the_examples_known_are_the_daemons(worker, mailbox, cubins):
     c = cubin_id(cubin)
     w = worker("--examples", f"heartbeat={c ^ 1:016x}")
     text = w.load_error(image(1, cubin, "heartbeat", tag), frames.REFUSED)
-    assert f"(heartbeat {c ^ 1:016x})" in text, text
+    assert f"(the examples' cubins: heartbeat {c ^ 1:016x})" in text, text
     w.close()
     w = worker("--examples", f"heartbeat={c:016x}")
     w.load(image(2, cubin, "anything", tag ^ 1))
@@ -366,13 +367,47 @@ def test_the_driver_reads_the_variable_clamped():
 
 def _not_shared_memory_dir() -> str | None:
     """A directory of ours on a filesystem that is not tmpfs (the repository's, or home), if any."""
-    from workers.sim_gpu import TMPFS_MAGIC
+    from workers.hostmem import TMPFS_MAGIC
 
     for d in (str(ROOT), os.path.expanduser("~")):
         if os.access(d, os.W_OK) and subprocess.run(["stat", "-f", "-c", "%t", d], capture_output=True,
                                                     text=True).stdout.strip() != f"{TMPFS_MAGIC:x}":
             return d
     return None
+
+
+def test_a_payload_region_is_mapped_only_as_the_driver_would_register_it(monkeypatch):
+    """PAYLOADS on the simulated GPU: a region off shared memory refused as the H200 refuses it, one
+    of another size or owner refused by its mapping, one that fits given a device address of its own."""
+    from meshd_mps.protocol.payloads import Layout, Region
+    from workers.sim_gpu import SimGpu
+
+    monkeypatch.setenv("MESHD_MPS_SIM_STARTUP", "no-mps")  # a plain context: no MPS daemon to join
+    lay = Layout(4096, 4096)
+    mb, good = Mailbox.create(), Region.create(lay)
+    gpu = SimGpu(mb, 0)
+    try:
+        gpu.load(Load(1, 32, 0, 0, "p", sim(kernel="sleep")))
+        with pytest.raises(GpuError, match="expected"):
+            gpu.payloads(1, good.path, Layout(8192, 8192))  # not the size its layout says
+        if (d := _not_shared_memory_dir()) is not None:
+            fd, path = tempfile.mkstemp(dir=d, prefix=".meshd-region-test.")
+            try:
+                os.ftruncate(fd, lay.size)
+                with pytest.raises(GpuError, match="cuMemHostRegister: CUDA_ERROR_INVALID_VALUE"):
+                    gpu.payloads(1, path, lay)
+            finally:
+                os.close(fd)
+                os.unlink(path)
+        dev = gpu.payloads(1, good.path, lay)
+        assert dev != 0 and dev != mb.address
+        with pytest.raises(GpuError, match="has a payload region already"):
+            gpu.payloads(1, good.path, lay)
+        gpu.unload(1)
+    finally:
+        gpu.close()
+        good.close()
+        mb.close()
 
 
 def test_a_mailbox_that_is_not_shared_memory_is_refused_as_on_the_h200():

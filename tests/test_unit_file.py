@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from meshd_mps.serving.cli import unit_text
+from meshd_mps.serving.unit import unit_text
 
 from .rigs.serve import cli
 
@@ -35,7 +35,7 @@ def test_the_lines_that_matter():
 
 
 def test_the_bare_name_without_an_executable(monkeypatch):
-    monkeypatch.setattr("meshd_mps.serving.cli.own_executable", lambda: None)
+    monkeypatch.setattr("meshd_mps.serving.unit.own_executable", lambda: None)
     assert directives(unit_text())["ExecStart"].startswith("meshd-mps serve ")
 
 

@@ -36,11 +36,14 @@ from typing import Any
 
 from meshd_mps.gpu.device import error_name, is_no_driver
 from meshd_mps.protocol import abi, frames
-from meshd_mps.protocol.frames import Done, Load, Loaded
+from meshd_mps.protocol.frames import DataReq, Done, Load, Loaded, WriteReq
 from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.protocol.payloads import Layout
 
 from . import wlog
+from .cuda_data import Regions
 from .gpu import DoneCallback, GpuError, Streams
+from .hostmem import PayloadRegions, cuda_register, cuda_unregister
 from .warm import Warm, driver_queues
 
 try:
@@ -139,6 +142,9 @@ class CudaGpu:
         self._params: dict[int, tuple[Any, ...]] = {}  # slot -> (its kernel parameters, kept alive, their address)
         self._modules: dict[int, _Module] = {}
         self._streams: Streams[Any] = Streams([])
+        self._data = Regions(check)  # the programs' data, by slot (workers/cuda_data.py)
+        self._regions = PayloadRegions(mailbox, lambda _fd, mm, size, path: cuda_register(
+            check, mm, size, f"payload region {path}"), cuda_unregister)
         self._closed = False
         if cu is None:
             raise GpuError(f"cuda-python is not installed: {_IMPORT_ERROR}")
@@ -158,12 +164,8 @@ class CudaGpu:
     def _open(self, sms: int) -> None:
         check(cu.cuInit(0), "cuInit")
         dev = check(cu.cuDeviceGet(self.device), f"cuDeviceGet({self.device})")
-        total = int(
-            check(
-                cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
-                "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)",
-            )
-        )
+        total = int(check(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev),
+                          "cuDeviceGetAttribute(MULTIPROCESSOR_COUNT)"))
         if sms < 0:
             raise GpuError(f"sms {sms}: must be 0 (the whole device) or a count of SMs")
         if sms > total:
@@ -194,17 +196,9 @@ class CudaGpu:
                 log.warning("primary context keeps its scheduling flags", error=_fmt(flags_error))
             check(cu.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
             self.sms = total
-        mm = self.mailbox.mm
-        self._anchor = (ctypes.c_char * self.mailbox.size).from_buffer(mm)
+        self._anchor, self.dev = cuda_register(check, self.mailbox.mm, self.mailbox.size, "")
         self._host = ctypes.addressof(self._anchor)
-        check(
-            cu.cuMemHostRegister(
-                self._host, self.mailbox.size, cu.CU_MEMHOSTREGISTER_DEVICEMAP | cu.CU_MEMHOSTREGISTER_PORTABLE
-            ),
-            "cuMemHostRegister",
-        )
         self._registered = True
-        self.dev = int(check(cu.cuMemHostGetDevicePointer(self._host, 0), "cuMemHostGetDevicePointer"))
         made: list[Any] = []
         try:
             for _ in range(driver_queues()):  # the count the driver read at cuInit: one stream per queue, in order
@@ -317,6 +311,16 @@ class CudaGpu:
             rt_abi=rt_abi, regs=regs, per_sm=per_sm, local=local, sms=self.sms, dev=self.dev, scratch=m.scratch_bytes
         )
 
+    def payloads(self, module: int, path: str, layout: Layout) -> int:
+        """The module's payload region registered as the mailbox is, no kernel of it running yet
+        (blink: within the load's blink); its device address."""
+        with self._lock:
+            m = self._modules.get(module)
+        if m is None:
+            raise GpuError(f"module {module} is not loaded")
+        self._current()
+        return self._regions.map(module, m.name, path, layout)
+
     def _global(self, mod: Any, name: str, size: int) -> Any:
         """A module global's device address (None where the module has no such symbol)."""
         r = cu.cuModuleGetGlobal(mod, name.encode())
@@ -347,6 +351,8 @@ class CudaGpu:
         if m.stream is not None:  # the context's, idle now: the next module's
             self._streams.give(m.hw_queue)
         m.scratch, m.hw_queue, m.stream = 0, -1, None
+        if err := self._regions.unmap(m.id):
+            first = first or f"cuMemHostUnregister(payload region): {err}"
         return first
 
     def stack_limit(self, set_to: int | None) -> int:
@@ -385,11 +391,13 @@ class CudaGpu:
             ev = m.events.pop()  # recycled by the waiter: events are cheap to keep, not to create
         except IndexError:
             ev = check(cu.cuEventCreate(self._event_flags), "cuEventCreate")
+        self._regions.launching(module, slot)  # its payload region in the slot's words, before the kernel reads them
         if (p := self._params.get(slot)) is None:  # (mailbox_dev, slot): the same for every launch on a slot
             a, b = ctypes.c_uint64(self.dev), ctypes.c_uint32(slot)
             params = (ctypes.c_void_p * 2)(ctypes.addressof(a), ctypes.addressof(b))
             p = self._params[slot] = (a, b, params, ctypes.addressof(params))
         try:
+            self._data.bind(m.mod, m.stream, slot, self._global)
             check(cu.cuLaunchKernel(m.fn, nodes, 1, 1, m.threads, 1, 1, m.smem, m.stream, p[3], 0), "cuLaunchKernel")
         except GpuError:
             cu.cuEventDestroy(ev)
@@ -427,6 +435,14 @@ class CudaGpu:
                 except Exception as e:
                     log.error("DONE not delivered", module=m.id, gen=gen, error=str(e))
 
+    def data(self, req: DataReq) -> int:
+        self._current()
+        return self._data.place(req)
+
+    def write(self, req: WriteReq) -> None:
+        self._current()
+        self._data.write(req)
+
     def misbehaviour(self, phase: str) -> str | None:
         return None
 
@@ -454,6 +470,8 @@ class CudaGpu:
                 err = self._release(m)
                 if err:
                     log.warning("module not released", module=m.id, error=err)
+            for err in self._data.close():
+                log.warning("program data not released", error=err)
             failed = [_code(r) for r in (cu.cuStreamDestroy(st) for st in self._streams.streams) if _code(r)]
             if failed:
                 log.warning("streams not destroyed", streams=len(failed), error=_fmt(failed[0]))

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from meshd_mps.protocol import frames
-from meshd_mps.protocol.frames import Done, Load, Loaded
+from meshd_mps.protocol.frames import DataReq, Done, Load, Loaded, WriteReq
+from meshd_mps.protocol.payloads import Layout
 
 from .warm import MAX_QUEUES, QUEUES_ENV
 
 DoneCallback = Callable[[Done], None]
 S = TypeVar("S")
+
+
+class Sized(Protocol):
+    alloc: int
+
+
+R = TypeVar("R", bound=Sized)
 
 
 class GpuError(Exception):
@@ -27,6 +35,16 @@ class GpuError(Exception):
     def refused(self) -> bool:
         """The image's fault, not the worker's."""
         return self.word in frames.LOADED_ONLY
+
+
+def write_target(by_slot: Mapping[int, R], req: WriteReq) -> R:
+    """The slot's data region a WRITE goes to: GpuError for a slot without data, or a write past its end."""
+    r = by_slot.get(req.slot)
+    if r is None:
+        raise GpuError(f"slot {req.slot} has no program data")
+    if req.offset + len(req.data) > r.alloc:
+        raise GpuError(f"a write of {len(req.data)} bytes at {req.offset} is past slot {req.slot}'s {r.alloc} bytes")
+    return r
 
 
 class Streams(Generic[S]):
@@ -67,12 +85,30 @@ class Gpu(Protocol):
         """Load ``req.cubin`` as module ``req.module``; its entry is ``mesh_main``."""
         ...
 
+    def payloads(self, module: int, path: str, layout: Layout) -> int:
+        """Module ``module``'s payload region: the file at ``path`` mapped and registered with the
+        context as host-mapped memory; its device address, which each launch of the module writes
+        into its slot (``protocol.payloads.write_slot``) before the kernel starts."""
+        ...
+
     def launch(self, module: int, gen: int, slot: int, nodes: int, on_done: DoneCallback) -> None:
-        """Start ``mesh_main(mailbox_dev, slot)`` on ``nodes`` blocks; ``on_done`` runs once
-        from another thread when the launch's stream finishes (or fails)."""
+        """Start ``mesh_main(mailbox_dev, slot)`` on ``nodes`` blocks, the module's payload region
+        (if it has one) written into the slot first; ``on_done`` runs once from another thread when
+        the launch's stream finishes (or fails)."""
         ...
 
     def unload(self, module: int) -> None: ...
+
+    def data(self, req: DataReq) -> int:
+        """Slot ``req.slot``'s program data: ``req.alloc`` bytes of device memory, the first
+        ``req.length`` copied in from ``req.path`` (the rest zeroed), on a stream of the worker's
+        own; the slot's earlier region freed first (``alloc`` 0: only that).  Its device address."""
+        ...
+
+    def write(self, req: WriteReq) -> None:
+        """``req.data`` copied into slot ``req.slot``'s data at ``req.offset``, complete on the
+        device when this returns; the kernels run on meanwhile."""
+        ...
 
     def stack_limit(self, set_to: int | None) -> int:
         """The context's per-thread stack limit (CU_LIMIT_STACK_SIZE), set first if asked."""

@@ -1,4 +1,4 @@
-"""What a worker keeps so that it can outlive its daemon (live restore, issue 17).
+"""What a worker keeps so that it can outlive its daemon (live restore).
 
 A worker in listen mode (``--listen DIR``) serves its frames on a Unix socket it creates at
 ``DIR/<pid>.sock`` instead of stdin/stdout, one daemon connection at a time.  Its kernels do not

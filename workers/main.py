@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import struct
 import threading
@@ -35,8 +36,9 @@ from collections.abc import Callable
 
 from meshd_mps.deadlines import DEFAULT
 from meshd_mps.protocol import frames
-from meshd_mps.protocol.frames import Done, FrameError, LaunchReq, Load, Op
+from meshd_mps.protocol.frames import DataReq, Done, FrameError, LaunchReq, Load, Op, PayloadsReq, WriteReq
 from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.protocol.payloads import Layout
 
 from . import live, wlog
 from .gpu import Gpu, GpuError
@@ -208,9 +210,8 @@ def _serve(ch: Channel, opened: Opened, inject: dict[str, str], link: live.Link 
                 continue
             return 0
         if gpu is None:
-            if op in (Op.READY, Op.LOAD, Op.LAUNCH, Op.LIMIT):
-                reply_op = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT}[op]
-                ch.write(reply_op, frames.error_reply(opened.error or "no GPU"))
+            if op in frames.REPLY:
+                ch.write(frames.REPLY[op], frames.error_reply(opened.error or "no GPU"))
             continue
         try:
             if op == Op.READY:
@@ -250,12 +251,13 @@ def _serve(ch: Channel, opened: Opened, inject: dict[str, str], link: live.Link 
                 if started is not None:
                     started()
             elif op == Op.LIMIT:
-                set_to = frames.limit_request(body)
-                try:
-                    reply = frames.ok_reply(struct.pack("<Q", gpu.stack_limit(set_to)))
-                except GpuError as e:
-                    reply = frames.error_reply(str(e))
-                ch.write(Op.LIMIT, reply)
+                _answer(ch, op, functools.partial(_limit, gpu, frames.limit_request(body)))
+            elif op == Op.DATA:
+                _answer(ch, op, functools.partial(_data, gpu, DataReq.decode(body)))
+            elif op == Op.WRITE:
+                _answer(ch, op, functools.partial(_write, gpu, WriteReq.decode(body)))
+            elif op == Op.PAYLOADS:
+                _answer(ch, op, functools.partial(_payloads, gpu, PayloadsReq.decode(body)))
             elif op == Op.UNLOAD:
                 module = frames.unload_module(body)
                 try:
@@ -270,6 +272,43 @@ def _serve(ch: Channel, opened: Opened, inject: dict[str, str], link: live.Link 
         except FrameError as e:
             log.error("bad frame from the supervisor; exiting", op=op.name, error=str(e))
             return EXIT_PROTOCOL
+
+
+def _answer(ch: Channel, op: Op, reply: Callable[[], bytes]) -> None:
+    """A request answered by its own op: ``reply()``'s body, or the GPU's error."""
+    try:
+        body = reply()
+    except GpuError as e:
+        body = frames.error_reply(str(e))
+    ch.write(op, body)
+
+
+def _data(gpu: Gpu, req: DataReq) -> bytes:
+    """DATA: the slot's program data placed (or freed), logged with its time."""
+    t0 = time.monotonic()
+    dev = gpu.data(req)
+    log.info("program data placed" if req.alloc else "program data freed", slot=req.slot, bytes=req.alloc,
+             copied=req.length, ms=round((time.monotonic() - t0) * 1e3, 2))
+    return frames.data_reply(dev, req.alloc)
+
+
+def _limit(gpu: Gpu, set_to: int | None) -> bytes:
+    """LIMIT: the context's stack limit, set first if asked."""
+    return frames.ok_reply(struct.pack("<Q", gpu.stack_limit(set_to)))
+
+
+def _payloads(gpu: Gpu, req: PayloadsReq) -> bytes:
+    """PAYLOADS: the module's payload region mapped and registered, logged; its device address."""
+    dev = gpu.payloads(req.module, req.path, Layout(req.max_request, req.max_response))
+    log.info("payload region mapped", module=req.module, path=req.path, max_request=req.max_request,
+             max_response=req.max_response)
+    return frames.ok_reply(struct.pack("<Q", dev))
+
+
+def _write(gpu: Gpu, req: WriteReq) -> bytes:
+    """WRITE: answered once the copy is complete on the device."""
+    gpu.write(req)
+    return frames.ok_reply()
 
 
 def _queues(v: str) -> int:

@@ -2,7 +2,7 @@
 
 The daemon hands a worker its frame pipes as stdin and stdout, but those two descriptors belong
 to every library in the process too: a stray print would land inside the frame stream, and on
-the H200 (2026-12-04, tests/gpu/test_faults_real.py) fd 0 was found closed right after the CUDA
+the H200 (tests/gpu/test_faults_real.py) fd 0 was found closed right after the CUDA
 driver failed to connect to an MPS server that was shutting down, so the worker's next read
 raised EBADF.  So the worker keeps the pipes on descriptors of its own (close-on-exec, above
 the standard three) and leaves fd 0 reading /dev/null and fd 1 writing to stderr, the log.

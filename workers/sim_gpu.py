@@ -8,7 +8,7 @@ finish, fail, hang, die or break the protocol where a test wants it.
 
 The image ("cubin") is either a script, ``MESHSIM1`` then a JSON object, or a
 real cubin (an ELF from nvJitLink).  The simulation does not run GPU code, and
-says so: a real cubin that is a shipped example's (heartbeat, echo, spin, fault;
+says so: a real cubin that is a shipped example's (heartbeat, echo, spin, fault, peek;
 recognised by the cubin's own bytes, never by the program's name nor LOAD's ``tag``:
 meshd_mps/gpu/examples.py) runs as that example, with a warning at load; any
 other is refused at load (sim_images.py, pointing to ``meshd-mps check``), as
@@ -17,11 +17,13 @@ are the image's fault: GpuError(refused=True), or word=frames.NO_ENTRY
 (LOADED's ok word, as CudaGpu sends it); ImageRefused in the daemon.
 
 Script keys (all optional):
-  kernel: sleep | fail | hang | exit | heartbeat | echo | spin | fault
+  kernel: sleep | fail | hang | exit | heartbeat | echo | spin | fault | peek (reads its data: sim_data.py)
   ms: run time of sleep/fail (default 0); message: fail's error text
   start: false  (never write STATE = RUNNING; otherwise as its kernel)
   pause_after, pause_ms: heartbeat/echo stop beating after that many beats, for
       pause_ms (0: until HALT), still seeing HALT: a stalled program
+  answer_bytes, answer_at: echo answers every request over 188 bytes with that
+      length at that offset of its payload region (a misbehaving program)
   entry: false  (the image has no mesh_main: refused at load)
   load, launch, ready: a protocol fault in that reply: hang | exit | garbage |
       wrong-op | short | close-stdout | unsolicited | error:<text>
@@ -33,7 +35,7 @@ after its ring helpers marked the slot served (SERVES), which no other kernel wr
 Startup faults come from MESHD_MPS_SIM_STARTUP (same values as ``ready``, plus
 ``no-mps``: do not connect to the daemon, like a worker with another pipe dir; ``mps-lost``:
 the connection fails with CUDA_ERROR_MPS_CONNECTION_FAILED and fd 0 is closed, as the H200's
-driver left it when the MPS server was shutting down, 2026-12-04).
+driver left it when the MPS server was shutting down).
 
 What the H200 does to resident kernels, simulated so that tests fail where the
 GPU would: the context has ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware work queues
@@ -64,11 +66,10 @@ what runs on the GPU, not the GPU.
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
 import json
 import os
 import socket
-import sys
 import threading
 import time
 from collections import deque
@@ -76,13 +77,17 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from meshd_mps.protocol import abi, frames
-from meshd_mps.protocol.frames import Done, Load, Loaded
+from meshd_mps.protocol.frames import DataReq, Done, Load, Loaded, WriteReq
 from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.protocol.payloads import Layout
 
 from . import pipes, wlog
 from .gpu import DoneCallback, GpuError, Streams
+from .hostmem import PayloadRegions, check_shared, sim_register
+from .sim_data import SimRegions
 from .sim_images import Examples
 from .sim_kernels import POLLER, Script, resident
+from .sim_turns import turn_of
 from .warm import driver_queues
 
 log = wlog.log
@@ -98,13 +103,14 @@ RPC_FAILURE = (
     " simulated)"
 )
 #: The kernels that write STATE = RUNNING themselves, after their set-up, as their sources do.
-RESIDENT = ("heartbeat", "echo")
+RESIDENT = ("heartbeat", "echo", "peek", "knn")
 #: cuModuleGetFunction's text on the H200 for an image without the entry.
-NO_ENTRY = f"cuModuleGetFunction({abi.ENTRY}): CUDA_ERROR_NOT_FOUND (named symbol not found)"
+NO_ENTRY = frames.DRIVER_NO_ENTRY
 
 
 @dataclass
 class _Module:
+    id: int  # the worker's module number
     name: str
     script: Script
     threads: int
@@ -120,6 +126,7 @@ class _Kernel:
 
     module: _Module
     share: Fraction  # of the context's resident blocks
+    nodes: int  # its blocks
     started: bool = False
 
 
@@ -149,25 +156,6 @@ def _script_of(req: Load, examples: Examples) -> tuple[Script, str | None]:
     return {"kernel": kind}, kind
 
 
-#: statfs's f_type of tmpfs, and of shmem (a memfd, /dev/shm).
-TMPFS_MAGIC = 0x01021994
-
-
-def _check_registrable(mailbox: Mailbox) -> None:
-    """The mailbox registered as host memory, as CudaGpu does (cuMemHostRegister): the H200's
-    driver refused a regular file's pages with CUDA_ERROR_INVALID_VALUE and took shared memory's
-    (2026-12-03, docs/reliability.md, "Live restore"), so the simulation refuses every mailbox not
-    on tmpfs or shmem the same way."""
-    buf = ctypes.create_string_buffer(256)  # struct statfs; f_type (a long) first
-    if ctypes.CDLL(None, use_errno=True).fstatfs(mailbox.fd, buf) != 0:
-        raise GpuError(f"cuMemHostRegister: CUDA_ERROR_INVALID_VALUE (simulated: fstatfs: {os.strerror(ctypes.get_errno())})")
-    kind = int.from_bytes(buf.raw[:8], sys.byteorder, signed=True) & 0xFFFFFFFF
-    if kind != TMPFS_MAGIC:
-        raise GpuError(f"cuMemHostRegister: CUDA_ERROR_INVALID_VALUE (invalid argument) (simulated: the mailbox"
-                       f" {mailbox.path} is on a filesystem of type 0x{kind:x}, not shared memory; the H200's driver"
-                       " refuses a regular file's pages)")
-
-
 def _linger_at_exit(seconds: float) -> None:
     """A child that holds this process's frame pipe to the daemon (its stdout, workers/pipes.py),
     and nothing else, open until ``seconds`` after this process has died (``EXIT_LINGER_ENV``);
@@ -193,7 +181,7 @@ class SimGpu:
     def __init__(self, mailbox: Mailbox, sms: int, device: int = 0, examples: str | None = None):
         """``examples``: the known images as the daemon computed them (``--examples``); None: computed
         here, at the first real cubin."""
-        from meshd_mps.gpu.device import simulated_count, simulated_device
+        from meshd_mps.gpu.device import simulated_count, simulated_device, simulated_memory
 
         self.mailbox = mailbox
         self.startup = os.environ.get(STARTUP_ENV, "")
@@ -209,8 +197,9 @@ class SimGpu:
                 f"cuDevSmResourceSplitByCount: CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION ({sms} of {SIM_SMS} SMs)"
             )
         self.sms = -(-sms // 8) * 8 if sms else SIM_SMS  # green contexts come in multiples of 8 SMs
-        _check_registrable(mailbox)
+        check_shared(mailbox.fd, f"the mailbox {mailbox.path}")
         self._examples = Examples(examples, simulated_device(device))
+        self._data = SimRegions(simulated_memory(), device)  # the programs' data, by slot (sim_data.py)
         self._client: socket.socket | None = None
         self._modules: dict[int, _Module] = {}
         self._pending: list[threading.Thread] = []
@@ -227,6 +216,7 @@ class SimGpu:
         self._used = Fraction(0)
         self._cv = threading.Condition()
         self._pong = threading.Event()
+        self._regions = PayloadRegions(mailbox, sim_register(device), lambda _kept: None)
         self._connect()
         if self._client is not None:
             threading.Thread(target=self._listen, args=(self._client,), name="sim mps client", daemon=True).start()
@@ -335,7 +325,7 @@ class SimGpu:
 
         queue, _ = self._streams.take()
         per_sm = num("per_sm", 8)
-        self._modules[req.module] = _Module(req.name, script, req.threads, req.scratch, queue, per_sm)
+        self._modules[req.module] = _Module(req.module, req.name, script, req.threads, req.scratch, queue, per_sm)
         if script.get("quit") == "ignore":
             self._quit = "ignore"
         log.debug("simulated module", program=req.name, module=req.module, queue=queue)
@@ -348,6 +338,15 @@ class SimGpu:
             dev=FAKE_DEV + (self.device << 32),
             scratch=req.scratch,
         )
+
+    def payloads(self, module: int, path: str, layout: Layout) -> int:
+        """The region mapped and "registered" at a simulated device address of its own; the kernels
+        find it through their slot's words."""
+        self._check("cuMemHostRegister")
+        m = self._modules.get(module)
+        if m is None:
+            raise GpuError(f"module {module} is not loaded")
+        return self._regions.map(module, m.name, path, layout)
 
     def launch(self, module: int, gen: int, slot: int, nodes: int, on_done: DoneCallback) -> None:
         self._check("cuLaunchKernel")
@@ -366,7 +365,8 @@ class SimGpu:
                 "cuLaunchKernel: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (too many resources requested for launch;"
                 f" simulated: {m.name} reports {m.per_sm} blocks per SM)"
             )
-        k = _Kernel(m, Fraction(nodes, m.per_sm * self.sms))
+        self._regions.launching(module, slot)  # its payload region in the slot's words, before the kernel reads them
+        k = _Kernel(m, Fraction(nodes, m.per_sm * self.sms), nodes)
         with self._cv:
             m.launched += 1
             self._hw[m.queue].append(k)  # in launch order: its queue runs them in that order
@@ -378,7 +378,7 @@ class SimGpu:
                 if self._admit(k):
                     if m.script.get("start", True) is not False and m.script.get("kernel") not in RESIDENT:
                         self.mailbox.set_u32(slot, abi.STATE, abi.RUNNING)  # the resident examples write their own
-                    ok, msg = self._kernel(m, slot)
+                    ok, msg = self._kernel(k, slot)
                 if self._poison:
                     ok, msg = False, self._poison
             finally:
@@ -425,7 +425,8 @@ class SimGpu:
         for t in pending:
             t.start()
 
-    def _kernel(self, m: _Module, slot: int) -> tuple[bool, str]:
+    def _kernel(self, k: _Kernel, slot: int) -> tuple[bool, str]:
+        m = k.module
         kind = m.script.get("kernel", "sleep")
         mb = self.mailbox
         if kind in ("sleep", "fail"):
@@ -456,9 +457,10 @@ class SimGpu:
             if not self._poison:  # as examples/spin: EXITED as it returns
                 mb.set_u32(slot, abi.STATE, abi.EXITED)
             return True, ""
-        if kind in ("heartbeat", "echo"):
-            resident(mb, slot, echo=kind == "echo", pause=m.script, poisoned=lambda: bool(self._poison),
-                     start=m.script.get("start", True) is not False)
+        if kind in RESIDENT:
+            resident(mb, slot, pause=m.script, poisoned=lambda: bool(self._poison),
+                     start=m.script.get("start", True) is not False, turn=turn_of(kind, functools.partial(self._data.view, slot),
+                                                           functools.partial(self._regions.view, m.id), k.nodes))
             return True, ""
         return False, f"simulated kernel {kind!r} is unknown"
 
@@ -467,6 +469,14 @@ class SimGpu:
         if set_to is not None:
             self._stack = set_to
         return self._stack
+
+    def data(self, req: DataReq) -> int:
+        self._check("cuMemAllocAsync")
+        return self._data.place(req)
+
+    def write(self, req: WriteReq) -> None:
+        self._check("cuMemcpyHtoDAsync")
+        self._data.write(req)
 
     def unload(self, module: int) -> None:
         m = self._modules.pop(module, None)
@@ -478,10 +488,12 @@ class SimGpu:
             self._modules[module] = m
             raise GpuError(f"cuModuleUnload: module {module} ({m.name}) still runs")
         self._streams.give(m.queue)
+        self._regions.unmap(module)
         if m.script.get("quit") == "ignore" and self.startup != "ignore-quit":
             self._quit = None
 
     def close(self) -> None:
+        self._data.close()
         if self._client is not None:
             self._client.close()
             self._client = None

@@ -32,12 +32,14 @@ def parse(text: str) -> dict[int, str]:
 
 
 def refusal(name: str, tag: int, cubin: int, known: dict[int, str]) -> str:
-    """Why a real cubin is refused: the simulation runs only the shipped examples, by their cubin."""
+    """Why a real cubin is refused: the simulation runs only the shipped examples, by their cubin.  It
+    names the image in the two words every surface uses: its ``hash`` (the PTX's, as ``load``, ``ps``
+    and ``check`` show it) and its ``cubin`` (the compiled image's id, as ``check`` shows it too)."""
     images = ", ".join(f"{n} {h:016x}" for h, n in sorted(known.items(), key=lambda kv: kv[1])) or "none found here"
-    return (f"simulated GPU: {name} (image {tag:016x}) is not one of the shipped examples, and the simulation does not"
-            f" run GPU code: it runs only the examples, recognised by their cubin (the compiled image; this one's"
-            f" sha256 starts {cubin:016x}) whatever their name ({images}); check your own program without a GPU"
-            " with `meshd-mps check DIR`, and run it on a GPU")
+    return (f"simulated GPU: {name} (hash {tag:016x}, cubin {cubin:016x}) is not one of the shipped examples, and"
+            f" the simulation does not run GPU code: it runs only the examples, recognised by their cubin whatever"
+            f" their name (the examples' cubins: {images}); `meshd-mps check DIR` shows your program's hash and"
+            " cubin and checks it without a GPU; run it on a GPU")
 
 
 class Examples:

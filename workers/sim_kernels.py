@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +33,7 @@ POLL_S = 0.002
 #: 6.5 % of a core against 3 % at 0.5 ms and 10 % at 50 us.  At 0.5 ms a request waited ~0.3 ms for
 #: the next poll, past the daemon's Calls.YIELDS (0.2 ms) of a call's wait, which then backs off
 #: to 1 ms sleeps: most calls paid 1.3 ms for a ring the GPU answers in microseconds
-#: (docs/benchmarks.md, "Issue 34: (l3) the call path").  An idle kernel polls at POLL_S.  Only
+#: (docs/runs/fleet.md, the (l3) call path).  An idle kernel polls at POLL_S.  Only
 #: where no doorbell rings (``MeshRing.rung``): a kernel whose slot is rung parks at once.
 HOT_POLL_S = 100e-6
 HOT_S = 0.02
@@ -41,6 +42,8 @@ HOT_NS = int(HOT_S * 1e9)
 #: poke lost costs this, never a hang); the poller's looks beat for it meanwhile.
 BELL_WAIT_S = 1.0
 
+#: A view of a kernel's memory (its data, its payload region); None where it has none.
+View = Callable[[], "memoryview | None"]
 #: A kernel's look at its slot while it waits: True when it has something to do (a request, HALT,
 #: its context poisoned); else it beats, if its beat is due.
 Look = Callable[[], bool]
@@ -54,7 +57,7 @@ class Poller:
     """The idle polls of a process's resident kernels, made by one thread.  A kernel thread that
     slept POLL_S between its own polls cost ~1.7 % of a core idle (a thread's wake-up and the GIL
     each time), and 200 of them asked for ~3.4 cores of the 2-core CPU machine before anything
-    ran (docs/benchmarks.md, "2026-12-06 22:31 UTC"); a GPU's idle kernels cost the host nothing.
+    ran (docs/runs/fleet.md); a GPU's idle kernels cost the host nothing.
     So an idle kernel parks: this thread makes each parked kernel's poll (``Look``: the same reads
     and the same beat on the same timer) every POLL_S, and wakes the kernel only when its look
     finds something to do.  What the mailbox sees is what the kernel's own polls wrote.
@@ -178,10 +181,14 @@ class MeshRing:
     the mailbox's doorbell on and working) it parks as soon as it finds nothing to do: the bell
     brings the next request, and a dozen hot kernels polling each 100 us took the worker's GIL
     from the one rung (one daemon's calls to its 30 replicas in turn, p50: 1.38 ms with hot polls,
-    0.065 ms parked at once on the bell; the 2-core machine, 2026-12-07)."""
+    0.065 ms parked at once on the bell, on the 2-core machine)."""
 
-    def __init__(self, mb: Mailbox, slot: int, beat: MeshBeat, every: int, poller: Poller | None = None):
+    def __init__(self, mb: Mailbox, slot: int, beat: MeshBeat, every: int, poller: Poller | None = None,
+                 wrong: Script | None = None):
         self.mb, self.slot, self.b, self.every = mb, slot, beat, every
+        #: A misbehaving program, on script: every answer over 188 bytes says this length
+        #: (``answer_bytes``) at this offset of the region (``answer_at``), for the host's checks.
+        self.wrong = {k: v for k, v in (wrong or {}).items() if k in ("answer_bytes", "answer_at") and isinstance(v, int)}
         self.poller = poller  # idle: parked on it (a worker's kernels), else a sleep of POLL_S between polls
         self.base = slot * abi.SLOT_BYTES
         self.next = mb.u32(slot, abi.RESP_HEAD)
@@ -237,6 +244,12 @@ class MeshRing:
         words = 1 + (n + 3) // 4
         self.mb.mm[at : at + 4 * words] = n.to_bytes(4, "little") + entry[4 : 4 * words]
 
+    def store_region(self, seq: int, n: int, at: int) -> None:
+        """``mesh_ring_store_region``: the response to ``seq`` is ``n`` bytes at offset ``at`` of the
+        payload region (written there already)."""
+        at_entry = self.base + abi.RESP_BASE + (seq % abi.RING) * abi.ENTRY_BYTES
+        self.mb.mm[at_entry : at_entry + 8] = n.to_bytes(4, "little") + at.to_bytes(4, "little")
+
     def post(self, n: int) -> None:
         self.next = (self.next + n) & 0xFFFFFFFF
         self.mb.set_u32(self.slot, abi.RESP_HEAD, self.next)
@@ -247,31 +260,85 @@ def mesh_entry_len(entry: bytes) -> int:
     return min(int.from_bytes(entry[:4], "little"), abi.ENTRY_PAYLOAD)
 
 
+def mesh_entry_size(entry: bytes) -> int:
+    """``mesh_entry_size``: the length word as it is (over 188: the payload is in the region)."""
+    return int.from_bytes(entry[:4], "little")
+
+
+def mesh_entry_offset(entry: bytes) -> int:
+    """``mesh_entry_offset``: a payload's offset in the region (word 1, for a size over 188)."""
+    return int.from_bytes(entry[4:8], "little")
+
+
 def echo_turn(r: MeshRing, poisoned: Callable[[], bool]) -> int:
     """One turn of examples/echo/echo.cu's loop, line for line: how many requests it answered
-    (0: HALT)."""
+    (0: HALT).  A request over 188 bytes is answered in place: its response names the request's own
+    bytes in the region (its length and offset), nothing copied."""
     n = r.wait(poisoned)
     e = [r.load(r.next + k) for k in range(n)]
     for k in range(n):
-        r.store(r.next + k, e[k], mesh_entry_len(e[k]))
+        size = mesh_entry_size(e[k])
+        if size <= abi.ENTRY_PAYLOAD:
+            r.store(r.next + k, e[k], size)
+        else:
+            r.store_region(r.next + k, r.wrong.get("answer_bytes", size), r.wrong.get("answer_at", mesh_entry_offset(e[k])))
     if n:
         r.post(n)
     return n
 
 
-def resident(mb: Mailbox, slot: int, echo: bool, pause: Script, poisoned: Callable[[], bool], start: bool = True) -> None:
+#: peek's request: the offset (u64) and length (u32) of a range of its data; its response: the data's
+#: size (u64), DATA_SEQ as read before the data (u32), the range's byte sum (u32), then its first bytes.
+PEEK_REQ = struct.Struct("<QI")
+PEEK_HEAD = struct.Struct("<QII")
+PEEK_BYTES = abi.ENTRY_PAYLOAD - PEEK_HEAD.size  # 172
+
+
+def peek_answer(mb: Mailbox, slot: int, data: memoryview | None, req: bytes) -> bytes:
+    """examples/peek/peek.cu's answer to one request, line for line: the range clamped to the
+    data, DATA_SEQ read (an acquire) before any of the data."""
+    off = int.from_bytes(req[0:8], "little") if len(req) >= 8 else 0
+    n = int.from_bytes(req[8:12], "little") if len(req) >= 12 else 0
+    seq = mb.u32(slot, abi.DATA_SEQ)
+    size = 0 if data is None else len(data)
+    m = min(n, size - off) if off < size else 0
+    part = b"" if data is None or m == 0 else data[off : off + m]
+    total = sum(part) & 0xFFFFFFFF if m else 0
+    return PEEK_HEAD.pack(size, seq, total) + bytes(part[:PEEK_BYTES])
+
+
+def peek_turn(r: MeshRing, poisoned: Callable[[], bool], data: View) -> int:
+    """One turn of examples/peek/peek.cu's loop: each pending request answered from the data."""
+    n = r.wait(poisoned)
+    for k in range(n):
+        e = r.load(r.next + k)
+        out = peek_answer(r.mb, r.slot, data(), e[4 : 4 + mesh_entry_len(e)])
+        r.store(r.next + k, len(out).to_bytes(4, "little") + out + bytes(-len(out) % 4), len(out))
+    if n:
+        r.post(n)
+    return n
+
+
+#: One turn of a serving example's loop over its ring (echo_turn, or peek's, knn's with their memory
+#: bound): how many requests it answered, 0 at HALT.
+Turn = Callable[[MeshRing, Callable[[], bool]], int]
+
+
+def resident(mb: Mailbox, slot: int, pause: Script, poisoned: Callable[[], bool], start: bool = True,
+             turn: Turn | None = None) -> None:
     """A resident program: beat (and serve the ring) until the host writes HALT.  A stall, on
     script: after ``pause_after`` beats no beat for ``pause_ms`` (0: until HALT), HALT still seen.
     heartbeat beats every poll (``mesh_beat``) and never polls its ring (its slot's SERVES stays 0);
-    echo serves the ring as the header's warp-wide helpers do (``MeshRing``: SERVES before RUNNING)
-    and beats on their timer.  STATE = RUNNING where the example's source writes it (``start``:
-    at all).  ``poisoned``: the context's sticky error is set (the kernel ends with the rest, unheard)."""
+    a serving example (``turn``: echo, peek, knn) serves the ring as the header's warp-wide helpers
+    do (``MeshRing``: SERVES before RUNNING) and beats on their timer.  STATE = RUNNING where the
+    example's source writes it (``start``: at all).  ``poisoned``: the context's sticky error is set
+    (the kernel ends with the rest, unheard)."""
     b = MeshBeat(mb, slot, pause, poisoned)
-    ring = MeshRing(mb, slot, b, abi.BEAT_EVERY, POLLER) if echo else None
+    ring = MeshRing(mb, slot, b, abi.BEAT_EVERY, POLLER, wrong=pause) if turn is not None else None
     if start:
         mb.set_u32(slot, abi.STATE, abi.RUNNING)
-    if ring is not None:
-        while echo_turn(ring, poisoned):
+    if ring is not None and turn is not None:
+        while turn(ring, poisoned):
             pass
     else:
         def look() -> bool:  # heartbeat's poll, made by the process's poller: a beat each time

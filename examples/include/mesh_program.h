@@ -327,4 +327,130 @@ static __device__ __forceinline__ void mesh_ring_post(mesh_ring_t *r, unsigned i
         mesh_store_release(mesh_u32(r->s, MESH_RESP_HEAD), r->next);
 }
 
+/* ---- the program's data (section "Data" of docs/program-abi.md) ------------------------------ */
+/* Device memory the program owns: loaded with it (`meshd-mps load DIR --data FILE`, or the
+ * manifest's `data`/`data_bytes`), kept across its halts, relaunches and upgrades, and written by
+ * the host while it runs (`meshd-mps write`).  The worker sets `mesh_data` and `mesh_data_bytes`
+ * before each launch (0 and 0 without data).  The host adds 1 to the slot's DATA_SEQ once a
+ * write's copy is complete on the device (zeroed at each launch): read it with mesh_data_seq(),
+ * an acquire, before the data that a write may have changed, and compare it with the value you
+ * last read, never with 0. */
+
+#define MESH_DATA_SEQ 76u /* u32, host increments after each write to the program's data is complete */
+
+/* Defines the u64 globals `mesh_data` (the data's device address) and `mesh_data_bytes` (its size). */
+#define MESH_DEFINE_DATA()                                         \
+    extern "C" __device__ unsigned long long mesh_data = 0;        \
+    extern "C" __device__ unsigned long long mesh_data_bytes = 0
+
+/* DATA_SEQ, as an acquire: the data read after it includes every write it counts. */
+static __device__ __forceinline__ unsigned int mesh_data_seq(mesh_slot_t s) {
+#if MESH_RING_ACQREL
+    return mesh_load_acquire(mesh_u32(s, MESH_DATA_SEQ));
+#else
+    const unsigned int v = *mesh_u32(s, MESH_DATA_SEQ);
+    __threadfence_system();
+    return v;
+#endif
+}
+
+/* ==== payloads of any size (docs/program-abi.md, section 6.2) ================================= */
+/* A program whose manifest declares max_request or max_response over MESH_ENTRY_PAYLOAD (188 bytes)
+ * has a payload region: host memory mapped into the GPU (as the mailbox is), with an area per ring
+ * entry and direction.  A payload over 188 bytes lies there, and its ring entry holds its length
+ * (word 0, over 188) and its offset in the region (word 1).  Request seq's area is at
+ * (seq % MESH_RING) * REQUEST_STRIDE; its response's at MESH_RING * REQUEST_STRIDE + (seq % MESH_RING)
+ * * RESPONSE_STRIDE.  meshd-mps writes the region's device address and layout into these slot words
+ * before each launch, and rewrites an area only once its entry is free again: after the program has
+ * answered its request (RESP_HEAD past it) and the host has read the answer.  So a request's bytes
+ * stay as they are until the program answers it, and a response may name its own request's bytes (an
+ * answer made in place, as echo's). */
+
+#define MESH_PAYLOADS 96u         /* u64: the region's device address (0: the program has none) */
+#define MESH_REQUEST_MAX 104u     /* u32: the most bytes a request may have (188 if none declared) */
+#define MESH_RESPONSE_MAX 108u    /* u32: the most bytes a response may have */
+#define MESH_REQUEST_STRIDE 112u  /* u32: bytes from one request area to the next (0: requests are inline) */
+#define MESH_RESPONSE_STRIDE 116u /* u32: the same for the response areas */
+
+typedef struct {
+    unsigned char *base; /* the region's device address (0: none) */
+    unsigned int request_max, response_max, request_stride, response_stride;
+} mesh_payloads_t;
+
+/* Any thread, once after the launch: the region's address and layout, from the slot. */
+static __device__ __forceinline__ void mesh_payloads_init(mesh_slot_t s, mesh_payloads_t *p) {
+    p->base = (unsigned char *)*mesh_u64(s, MESH_PAYLOADS);
+    p->request_max = *mesh_u32(s, MESH_REQUEST_MAX);
+    p->response_max = *mesh_u32(s, MESH_RESPONSE_MAX);
+    p->request_stride = *mesh_u32(s, MESH_REQUEST_STRIDE);
+    p->response_stride = *mesh_u32(s, MESH_RESPONSE_STRIDE);
+}
+
+/* An entry's payload length as it is, in every lane: over MESH_ENTRY_PAYLOAD, the payload lies in
+ * the region (mesh_entry_len clamps it to the entry's). */
+static __device__ __forceinline__ unsigned int mesh_entry_size(mesh_entry_t w) {
+    return __shfl_sync(MESH_WARP, w.lo, 0);
+}
+
+/* A region payload's offset in the region (the entry's word 1), in every lane. */
+static __device__ __forceinline__ unsigned int mesh_entry_offset(mesh_entry_t w) {
+    return __shfl_sync(MESH_WARP, w.lo, 1);
+}
+
+/* Warp-wide: where request seq's bytes are (`w` its entry, from mesh_ring_load): its entry's payload
+ * words in the mailbox, or its area of the region.  Read them after mesh_ring_wait (whose acquire
+ * orders them after the head that published them) and past the L1 cache, which the host does not
+ * keep coherent: volatile, or __ldcv (mesh_copy does). */
+static __device__ __forceinline__ const volatile unsigned char *mesh_request_bytes(const mesh_ring_t *r,
+                                                                                  const mesh_payloads_t *p,
+                                                                                  unsigned int seq, mesh_entry_t w) {
+    const unsigned int n = mesh_entry_size(w);
+    if (n <= MESH_ENTRY_PAYLOAD)
+        return r->s + MESH_REQ_BASE + (seq % MESH_RING) * MESH_ENTRY_BYTES + 4u;
+    return p->base + mesh_entry_offset(w);
+}
+
+/* Where the response to request seq goes when it is over MESH_ENTRY_PAYLOAD bytes: its entry's
+ * response area, p->response_max bytes. */
+static __device__ __forceinline__ volatile unsigned char *mesh_response_area(const mesh_payloads_t *p, unsigned int seq) {
+    return p->base + MESH_RING * p->request_stride + (seq % MESH_RING) * p->response_stride;
+}
+
+/* Warp-wide: the response to request seq is `len` bytes (over MESH_ENTRY_PAYLOAD) at offset `off`
+ * of the region: in its own response area (off = mesh_response_area(p, seq) - p->base), or in its
+ * request's (an answer made in place: off = mesh_entry_offset of its request).  The host refuses
+ * (BadResponse) and never reads one that is longer than max_response or outside those two areas.
+ * Published by mesh_ring_post, whose barrier and release order every byte this warp wrote before
+ * RESP_HEAD; bytes written by other warps or blocks must be made visible by their writers first
+ * (__threadfence_system(), then a flag this warp waits for). */
+static __device__ __forceinline__ void mesh_ring_store_region(const mesh_ring_t *r, unsigned int seq, unsigned int len,
+                                                              unsigned int off) {
+    const unsigned int lane = threadIdx.x & 31u;
+    volatile unsigned int *e = (volatile unsigned int *)(r->s + MESH_RESP_BASE + (seq % MESH_RING) * MESH_ENTRY_BYTES);
+    if (lane == 0)
+        e[0] = len;
+    if (lane == 1)
+        e[1] = off;
+}
+
+/* Warp-wide: n bytes from src to dst (host or device memory), 16 bytes a lane per load where both
+ * are 16-byte aligned (the region's areas are), read past the L1 cache (__ldcv) and written through
+ * it (__stwt). */
+static __device__ __forceinline__ void mesh_copy(volatile unsigned char *dst, const volatile unsigned char *src,
+                                                 unsigned int n) {
+    const unsigned int lane = threadIdx.x & 31u;
+    unsigned int done = 0;
+    if ((((unsigned long long)dst | (unsigned long long)src) & 15ull) == 0) {
+        const uint4 *s4 = (const uint4 *)src;
+        uint4 *d4 = (uint4 *)dst;
+        const unsigned int v = n / 16u;
+        for (unsigned int k = lane; k < v; k += 32u)
+            __stwt(d4 + k, __ldcv(s4 + k));
+        done = v * 16u;
+    }
+    for (unsigned int k = done + lane; k < n; k += 32u)
+        dst[k] = src[k];
+}
+/* ==== end of payloads of any size ============================================================== */
+
 #endif /* MESH_PROGRAM_H */

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Awaitable, Callable, Collection, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, Literal
 
 import anyio
@@ -27,24 +27,28 @@ import structlog
 
 from meshd_mps import defaults
 from meshd_mps.backend import leftovers
+from meshd_mps.backend.data import DataRegions
 from meshd_mps.backend.inventory import inventory
 from meshd_mps.backend.leftovers import live_mailbox, live_paths
 from meshd_mps.backend.native import NativeClients
+from meshd_mps.backend.opening import Opening
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import ConfigError, MailboxError, NotServedHere, Unavailable
 from meshd_mps.faults import Stray
 from meshd_mps.gpu.compiler import Compiler, Manifest
-from meshd_mps.gpu.device import Caps, DeviceInfo, check_unique, ordinals_text
+from meshd_mps.gpu.device import Caps, DeviceInfo, check_driver, check_unique, ordinals_text
 from meshd_mps.isolation import limits
 from meshd_mps.isolation.base import Admit, BlinkStats, Evidence, Found, Image, Isolation, Kernel, Mode
 from meshd_mps.isolation.blink import Blink, last_blink_ms
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.isolation.mps import Mps
+from meshd_mps.isolation.preflight import preflight
 from meshd_mps.log import setup_logging
 from meshd_mps.mps.clients import MAX_CLIENTS
 from meshd_mps.mps.control import ControlDaemon
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.protocol.payloads import Region
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
 
@@ -53,55 +57,7 @@ log = structlog.get_logger("meshd_mps")
 IsolationName = Literal["blink", "mps"]
 
 
-class Opening:
-    """What ``Backend.open`` returns.  Awaited: the open backend, its supervisor's task group in a
-    task of its own (for a host that cannot nest; ``close`` ends it).  ``async with``: the group
-    entered in the caller's task, so that a failure of one of its tasks reaches the caller, and the
-    backend closed at the block's end.  Either way a failed open leaves nothing behind."""
-
-    def __init__(self, make: Callable[[], Backend]):
-        self._make = make
-        self._b: Backend | None = None
-
-    def __await__(self) -> Generator[Any, None, Backend]:
-        return self._detached().__await__()
-
-    async def _detached(self) -> Backend:
-        b = self._make()
-        try:
-            await b.sup.start()
-            await b._open()
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await b._give_up()
-            raise
-        return b
-
-    async def __aenter__(self) -> Backend:
-        b = self._b = self._make()
-        await b.sup.__aenter__()
-        try:
-            await b._open()
-        except BaseException as e:
-            with anyio.CancelScope(shield=True):
-                await b._give_up()
-            await self.__aexit__(type(e), e, e.__traceback__)
-            raise
-        return b
-
-    async def __aexit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool | None:
-        assert self._b is not None
-        with anyio.CancelScope(shield=True):
-            await self._b.close()
-        if isinstance(exc, Exception):
-            # The block's own error (or the open's) is raised as it is, not inside the group's
-            # ExceptionGroup; a failure of the group's tasks still is (with it as the context).
-            await self._b.sup.__aexit__(None, None, None)
-            return False
-        return await self._b.sup.__aexit__(typ, exc, tb)
-
-
-class Backend(NativeClients):
+class Backend(NativeClients, DataRegions):
     def __init__(self, isolation: IsolationName, sms: int, mps_dir: str | None, pool: int, gpu: str,
                  cache_dir: str | None, deadlines: Deadlines, max_clients: int, devices: Sequence[int] | None = None,
                  live: str | None = None, clear: str | None = None):
@@ -145,7 +101,7 @@ class Backend(NativeClients):
     def open(cls, *, isolation: IsolationName = defaults.ISOLATION, sms: int = defaults.SMS, mps_dir: str | None = None,
              pool: int = 0, gpu: str = defaults.GPU, cache_dir: str | None = None, deadlines: Deadlines = Deadlines(),
              max_clients: int = MAX_CLIENTS, devices: Sequence[int] | None = None, live: str | None = None,
-             clear: str | None = None) -> Opening:
+             clear: str | None = None) -> Opening[Backend]:
         """Start the backend: in MPS mode the private daemon and the pools first.  ``devices``: the
         GPUs to drive (CUDA ordinals; None: every visible one); ``pool`` idle workers per GPU.
         ``live``: a directory of ours (the state dir) where the workers, the mailbox and the MPS
@@ -178,6 +134,8 @@ class Backend(NativeClients):
         return Blink(self.sup, self.mailbox, self.sms, self.gpu, listen)
 
     async def _open(self) -> None:
+        if self.gpu == "cuda":  # first, whatever the isolation: no MPS daemon started for a machine without one
+            check_driver()
         if self._clear is not None:
             await leftovers.clear_left(self.sup, self._clear)
         self.mode = self._choose()
@@ -275,16 +233,20 @@ class Backend(NativeClients):
         return c
 
     async def prepare(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, hash: int | None = None,
-                      device: int | None = None, new: bool = False) -> Image:
+                      device: int | None = None, new: bool = False, payloads: Region | None = None) -> Image:
         """Checks, PTX -> cubin (cached), and in MPS mode the preload into a worker; on GPU
         ``device``, else on the least loaded one (``least_loaded``).  ``hash``: the image hash the
         caller requires (HashMismatch otherwise).  ``new``: a new program's (MPS: not into the
-        pool's reserve, which upgrades and relaunches take)."""
+        pool's reserve, which upgrades and relaunches take).  ``payloads``: the program's payload
+        region (backend/payloads.py), which ``load`` has its worker map."""
         if self._closed or not self.devices:
             raise Unavailable("backend closed")
         d = self.least_loaded() if device is None else self.device_or_first(device)
         p = await self._compiler(d).prepare(manifest, ptx, hash)
-        return await self.isolations[d].prepare(p, new)
+        preflight(p, self.gpu, self.infos[d])  # before any worker sees it: in blink mode a load halts them all
+        img = await self.isolations[d].prepare(p, new)
+        img.payloads = payloads
+        return img
 
     def admit(self, device: int, name: str, nodes: int, used: float, new: bool = True) -> None:
         """Before anything changes: CapacityError if GPU ``device`` cannot take a program of
@@ -318,7 +280,10 @@ class Backend(NativeClients):
         return k.isolation.query(k)
 
     async def unload(self, k: Kernel) -> None:
-        """MPS: the worker back to the pool (UNLOAD) or retired; blink: the module unloaded (a blink)."""
+        """MPS: the worker back to the pool (UNLOAD, its program data freed) or retired; blink: the
+        module unloaded (a blink; the slot's data stays: backend/data.py)."""
+        if self._mps is not None and not k.unloaded:
+            await self.free(k.proc)
         await k.isolation.unload(k)
 
     async def abandon(self, k: Kernel, slot: int) -> None:
@@ -327,10 +292,14 @@ class Backend(NativeClients):
         is retired (the server ends its context first); blink: in one blink, which halts the
         kernels it may be queued behind."""
         self.mailbox.halt(slot)
+        if self._mps is not None and not k.unloaded:
+            await self.free(k.proc)
         await k.isolation.abandon(k, slot)
 
     async def drop(self, img: Image) -> None:
-        """An image prepared but never loaded: its worker goes back."""
+        """An image prepared but never loaded: its worker goes back (its program data freed first)."""
+        if img.preloaded is not None:
+            await self.free(img.preloaded.proc)
         await self._on(img.device).drop(img)
 
     def retire_stuck(self, k: Kernel) -> bool:

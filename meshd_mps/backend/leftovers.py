@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import anyio
 import structlog
 
+from meshd_mps.backend import payloads
 from meshd_mps.errors import MailboxError, MpsError, ProtocolMismatch, WorkerError, WorkerGone
 from meshd_mps.mps.control import ControlDaemon, Owner
 from meshd_mps.protocol import abi
@@ -29,7 +30,7 @@ log = structlog.get_logger("meshd_mps")
 
 #: Where the live-restore mailbox lives: shared memory (tmpfs).  The GPU maps the mailbox as host
 #: memory (cuMemHostRegister), which the H200's driver refused for a regular file's pages
-#: (CUDA_ERROR_INVALID_VALUE, 2026-12-03) and takes for shmem, as for today's memfd.
+#: (CUDA_ERROR_INVALID_VALUE) and takes for shmem, as for the memfd without live restore.
 SHM_DIR = "/dev/shm"
 
 
@@ -158,7 +159,7 @@ async def halt_slots(mb: Mailbox, slots: list[int], halt: float, ending: bool = 
 
 async def clear_left(sup: Supervisor, dir: str) -> None:
     """Without live restore: what an earlier meshd-mps with live restore left under ``dir`` (workers
-    on sockets, their kernels, the MPS daemon, the mailbox file) halted and ended, so that nothing
+    on sockets, their kernels, the MPS daemon, the mailbox file and the payload regions) halted and ended, so that nothing
     of it runs on unseen: kernels halted through that mailbox, workers told to QUIT (killed past
     ``retire_quit``), the daemon adopted and quit."""
     paths = live_paths(dir)
@@ -195,6 +196,7 @@ async def clear_left(sup: Supervisor, dir: str) -> None:
             mb.close()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(paths.mailbox)
+    payloads.sweep(paths.mailbox)  # the programs' payload regions beside it
     if Owner.read(paths.mps) is not None:  # a marker: a daemon of ours may run there
         left = ControlDaemon(paths.mps, temporary=False, deadlines=sup.deadlines)
         try:

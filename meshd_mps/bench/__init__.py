@@ -3,7 +3,7 @@
 Every figure stands beside a baseline measured in the same run, with the
 ratio, the target and PASS / MISS ("-": a figure without a target, shown
 for comparison).  The examples are compiled from CUDA C here (NVRTC, then
-the backend's nvJitLink); nothing ships as PTX.  Rows (issue 6), a module
+the backend's nvJitLink); nothing ships as PTX.  Rows, a module
 each, whose docstring says what its figures and baselines are:
 
 (a) stall.py, (b) ask.py, (c) done.py, (d) pool.py, (e) load.py, (f) ring.py

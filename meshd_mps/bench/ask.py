@@ -19,7 +19,7 @@ import time
 import anyio
 
 from meshd_mps.bench.measure import ROUNDS, launch_sync, median, pct, timed, until
-from meshd_mps.bench.report import Row
+from meshd_mps.bench.report import Row, quantiles
 from meshd_mps.bench.rig import Bench, daemon_cpu, placement, returning_worker
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.isolation.base import Module
@@ -155,7 +155,9 @@ async def sec_ask(bench: Bench) -> list[Row]:
     each_round = "; rounds (p50/p99, CPU per ask): " + ", ".join(f"{r[0]:.0f}/{r[1]:.0f} us, {r[2]:.1f} us" for r in rounds)
     busy_note = f"the same asks while {nw} other workers each run a heartbeat kernel"
     rows = [
-        Row("b", "ask p50, 1 worker", "us", p50, rp50, "raw pipe p50", "<= 3x raw pipe", p50 <= 3 * rp50, note + f"; {n1} asks"),
+        Row("b", "ask p50, 1 worker", "us", p50, rp50, "raw pipe p50", "<= 3x raw pipe", p50 <= 3 * rp50, note + f"; {n1} asks",
+            dist={"ask, 1 worker": quantiles(one), f"ask, {nw} workers busy": quantiles(busy_one),
+                  "a child that answers at once": quantiles(bare), "raw pipe": quantiles(raw)}),
         Row("b", "ask p99, 1 worker", "us", p99, rp99, "raw pipe p99", note=f"{n1} asks"),
         Row("b", "ask p50, a child that answers at once", "us", b50, rp50, "raw pipe p50",
             note="the supervisor's own share: WorkerProc.ask to a child that answers every frame with LAUNCHED at once"),

@@ -1,13 +1,16 @@
 """``meshd-mps bench`` and ``python -m meshd_mps.bench``: the arguments checked as serve checks its
-own (exit 2, the fault named), the sections run, the table printed and the JSON written; exit 1 on an
-ERROR row or a child process left behind."""
+own (exit 2, the fault named), the sections run, the table printed, the JSON written and the plots
+drawn (``--plot DIR``; ``--from FILE``: a kept run's, running nothing); exit 1 on an ERROR row or a
+child process left behind."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from meshd_mps import defaults, eventloop
 from meshd_mps.bench.children import leftovers
@@ -28,10 +31,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mps-dir", metavar="DIR", help="where the private MPS daemons' directories go (default: a temporary one)")
     ap.add_argument("--loop", choices=eventloop.CHOICES, default="auto",
                     help="the event loop (default auto: uvloop where installed; (b) then runs once more on asyncio)")
-    ap.add_argument("--only", metavar="a,b,...", help="run only these sections (letters a-j, comma-separated)")
+    ap.add_argument("--only", metavar="a,b,...", help="run only these sections (letters a-j, m, p and v, or their names,"
+                    " e.g. versus; comma-separated)")
     ap.add_argument("--cpu", default="auto", metavar="N|auto|off",
                     help="the host CPU that (f)'s floor and ring spin on (default auto: the fastest floor of a survey)")
+    ap.add_argument("--plot", metavar="DIR", help="also draw the figures as SVG plots into DIR (matplotlib: the plot"
+                    " extra): latency distributions, stalls, a fault's recovery by step")
+    ap.add_argument("--from", dest="source", metavar="FILE",
+                    help="with --plot: draw the plots of a run's --json FILE, running nothing")
     args = ap.parse_args(argv)
+    if args.source is not None:
+        return replot(args.source, args.plot)
+    if args.plot:
+        from meshd_mps.bench.plots import check
+
+        try:
+            check()  # before the run, not after it
+        except ConfigError as e:
+            print(f"meshd-mps bench: {e}", file=sys.stderr)
+            return 2
     if args.cpu not in ("auto", "off"):
         try:  # checked as serve checks --daemon-cpus: (f) and (b) place the bench's process so
             one = cpus.parse(args.cpu, "--cpu")
@@ -48,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     except eventloop.LoopError as e:
         print(f"meshd-mps bench: {e}", file=sys.stderr)
         return 2
-    if args.only and not set(args.only.split(",")) <= {sec[0] for sec in SECTIONS}:
-        print(f"meshd-mps bench: --only {args.only}: expected letters a-j, comma-separated", file=sys.stderr)
+    if args.only and not set(args.only.split(",")) <= {x for sec in SECTIONS for x in sec[:2]}:
+        letters = ", ".join(f"{sec[0]} ({sec[1]})" for sec in SECTIONS)
+        print(f"meshd-mps bench: --only {args.only}: expected some of the letters (or names) {letters}, comma-separated",
+              file=sys.stderr)
         return 2
     bench = Bench(args.gpu, args.quick, args.mps_dir, args.loop, args.cpu)
     try:
@@ -61,6 +81,37 @@ def main(argv: list[str] | None = None) -> int:
     print(table(h, rows))
     if left:
         print(f"ERROR: child processes left behind (killed): {left}")
+    report = as_json(h, rows, left)
     if args.json:
-        Path(args.json).write_text(as_json(h, rows, left))
+        Path(args.json).write_text(report)
+    if args.plot and draw(json.loads(report), args.plot) != 0:
+        return 2
     return 1 if left or any(r.error for r in rows) else 0
+
+
+def draw(report: dict[str, Any], out: str, prog: str = "meshd-mps bench") -> int:
+    """The plots of ``report`` into ``out``, each named; 2 (said why) without matplotlib."""
+    from meshd_mps.bench.plots import plot
+
+    try:
+        made = plot(report, out)
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    print(f"plots: {', '.join(str(p) for p in made) or 'none (no row to draw)'}")
+    return 0
+
+
+def replot(source: str, out: str | None, prog: str = "meshd-mps bench") -> int:
+    """``--from FILE --plot DIR``: a kept run's plots drawn again; exit 2 for a file that is not one."""
+    if out is None:
+        print(f"{prog}: --from {source}: with --plot DIR (what to draw it into)", file=sys.stderr)
+        return 2
+    try:
+        report = json.loads(Path(source).read_text())
+        if not isinstance(report, dict) or not isinstance(report.get("rows"), list):
+            raise ValueError("not a bench's --json output (no rows)")
+    except (OSError, ValueError) as e:
+        print(f"{prog}: --from {source}: {e}", file=sys.stderr)
+        return 2
+    return draw(report, out, prog)

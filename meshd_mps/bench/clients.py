@@ -12,7 +12,7 @@ import time
 import anyio
 
 from meshd_mps.backend import Backend
-from meshd_mps.bench.measure import vmrss_mib
+from meshd_mps.bench.measure import gpu_mib, vmrss_mib
 from meshd_mps.bench.rig import Bench, mps_gpu
 from meshd_mps.supervision import child
 
@@ -85,8 +85,9 @@ async def spawned(procs: list[child.Child], code: str, env: dict[str, str], n: i
             await said(p, word, what)
 
 
-async def bare_clients(bench: Bench, b: Backend, n: int) -> tuple[float, float, int | None]:
-    """n bare clients under b's daemon: (all ready s, median VmRSS MiB, how many are in the client list)."""
+async def bare_clients(bench: Bench, b: Backend, n: int) -> tuple[float, float, int | None, float | None]:
+    """n bare clients under b's daemon: (all ready s, median VmRSS MiB, how many are in the client
+    list, median GPU memory MiB as NVML says it: None on the simulated GPU)."""
     mps = mps_gpu(b).mps
     env = {**os.environ, **mps.daemon.env}
     code = BARE_CUDA if bench.gpu == "cuda" else BARE_SIM
@@ -101,7 +102,7 @@ async def bare_clients(bench: Bench, b: Backend, n: int) -> tuple[float, float, 
             server = await mps.server_pid()
             listed = set(await mps.clients(server)) if server else set()
             seen = sum(p.pid in listed for p in procs)
-        return t, rss, seen
+        return t, rss, seen, gpu_mib(bench.gpu, [p.pid for p in procs])
     finally:
         await end_all(procs)
 

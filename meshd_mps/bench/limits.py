@@ -1,9 +1,9 @@
-"""Row (h) limits (issue 14): as many resident heartbeats as each mode takes (blink
+"""Row (h) limits: as many resident heartbeats as each mode takes (blink
 32, one per hardware queue; MPS 44: 48 clients less a pool of 4; 8 with
 --quick), how many beat, the next load refused; an upgrade at the limit:
 in blink mode the blink's length against the same with one program, in
 MPS mode a neighbour's MAX_GAP against its idle gap (target: within 2x: the
-upgrade takes the pool's reserve and makes no MPS client, issue 33); the
+upgrade takes the pool's reserve and makes no MPS client); the
 start check's share of a load (LAUNCHED to STATE = RUNNING) against the
 whole load.  And in MPS mode the cost of one new MPS client by the clients
 there (8, 16, 32, 44): a neighbour's MAX_GAP across a load beyond the pool

@@ -20,7 +20,7 @@ def pct(xs: list[float], q: float) -> float:
 
 #: Rounds of (f) and of (b)'s concurrent asks: each figure is the median of its rounds, each round's
 #: value beside its baseline from the same round.  The lent GPU host is a shared VM whose speed moves
-#: by 1.5x within seconds (docs/benchmarks.md, Issue 18): one round is a coin toss near a target.
+#: by 1.5x within seconds (docs/runs/ring-and-control-path.md): one round is a coin toss near a target.
 ROUNDS = 5
 
 
@@ -81,3 +81,20 @@ async def beat(b: Backend, slot: int, reset: bool = False) -> None:
 def vmrss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 1024
+
+
+def gpu_mib(gpu: str, pids: list[int], device: int = 0) -> float | None:
+    """The median GPU memory NVML says ``pids`` use on ``device`` (MiB); None on the simulated GPU,
+    where NVML is not there, or where it does not say for these processes."""
+    if gpu != "cuda" or not pids:
+        return None
+    from meshd_mps.errors import DeviceError, NvmlUnavailable
+    from meshd_mps.gpu.nvml import Nvml
+
+    try:
+        with Nvml.open() as nvml:
+            used = {p.pid: p.used_bytes for p in nvml.view(device).processes}
+    except (NvmlUnavailable, DeviceError):
+        return None
+    got = [u / 2**20 for pid in pids if (u := used.get(pid)) is not None]
+    return median(got) if got else None

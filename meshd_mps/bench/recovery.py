@@ -1,4 +1,4 @@
-"""Row (i) recovery (issues 16 and 33): n resident heartbeats (1, 8, 32 in MPS mode with a pool of 4; 1, 8
+"""Row (i) recovery: n resident heartbeats (1, 8, 32 in MPS mode with a pool of 4; 1, 8
 in blink mode; --quick: 1), then a fault: from its start to every heartbeat beating again, with the recovery's
 steps (detect, decide, teardown, server_ready, contexts, relaunch).  The fault is a program that
 faults its GPU (``fault``, restart policy never: from its load's return), or, the killed-worker
@@ -22,7 +22,7 @@ from meshd_mps.bench.report import Row
 from meshd_mps.bench.rig import Bench, mps_gpu
 from meshd_mps.programs import Programs, ProgramState
 
-#: Issue 33's target: 8 programs back within this (s), from the fault, in MPS mode, with and without
+#: The target: 8 programs back within this (s), from the fault, in MPS mode, with and without
 #: live restore, the killed program included.
 TARGET_S = 0.8
 
@@ -41,8 +41,8 @@ class Case:
 
 
 def cases(bench: Bench) -> list[Case]:
-    """Every (i) case, in order: the plain ones by size, then the 8-program ones of issue 33 (--quick:
-    one program each in the plain ones, and the two 8-program cases that take both of issue 33's
+    """Every (i) case, in order: the plain ones by size, then the 8-program ones (--quick:
+    one program each in the plain ones, and the two 8-program cases that take both of the
     changes, live restore and a kill: every path of the section, a third less of the suite's time)."""
     sizes = {"mps": (1,), "blink": (1,)} if bench.quick else {"mps": (1, 8, 32), "blink": (1, 8)}
     plain = [Case(mode, n) for mode, ns in sizes.items() for n in ns]
@@ -73,7 +73,8 @@ async def recovery(bench: Bench, c: Case) -> tuple[float, dict[str, float], floa
             innocents = {f"heartbeat-{i}" for i in range(1 if c.kill else 0, c.n)}
             if not r.gpu_wide or not innocents <= set(r.relaunched):
                 raise RuntimeError(f"the recovery did not relaunch every innocent heartbeat: {r}")
-            # The killed one may come back after the recovery (its restart policy, before issue 33).
+            # The killed one may come back after the recovery (by its restart policy), where the recovery
+            # did not take it.
             beating = [progs.by_name[f"heartbeat-{i}"] for i in range(c.n)]
             await until(lambda: all(p.restarts and p.seen() is ProgramState.RUNNING for p in beating), 30,
                         "every heartbeat relaunched")
@@ -111,5 +112,6 @@ async def sec_recovery(bench: Bench) -> list[Row]:
         target = f"<= {TARGET_S:g} s" if c.n == 8 and c.mode == "mps" else "-"
         rows.append(Row("i", c.name, "ms", total * 1e3, floor * 1e3, "floor: detect + teardown + bare contexts", target,
                         total <= TARGET_S if target != "-" else None,
-                        f"steps (ms): {parts}; bare contexts {ctx * 1e3:.0f} ms for {c.n if c.mode == 'mps' else 1}"))
+                        f"steps (ms): {parts}; bare contexts {ctx * 1e3:.0f} ms for {c.n if c.mode == 'mps' else 1}",
+                        parts=dict(steps)))
     return rows

@@ -8,7 +8,7 @@ import datetime
 import json
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -29,6 +29,10 @@ class Row:
     ok: bool | None = None
     note: str = ""
     error: str = ""
+    #: For the plots (bench/plots.py): each series' latency at the quantiles ``QS`` (the row's unit),
+    #: the figure's and its baselines'; a figure made of steps, each step's share (the row's unit).
+    dist: dict[str, list[float]] = field(default_factory=dict)
+    parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float | None:
@@ -95,6 +99,18 @@ def table(h: dict[str, str], rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+#: The quantiles a row's ``dist`` gives each series at (the plots' latency distributions).
+QS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 0.999)
+
+
+def quantiles(xs: list[float], scale: float = 1e6) -> list[float]:
+    """``xs`` (seconds) at each of ``QS``, times ``scale`` (default: in us), as a row's ``dist`` keeps them."""
+    s = sorted(xs)
+    return [round(s[min(len(s) - 1, int(q * len(s)))] * scale, 3) for q in QS]
+
+
 def as_json(h: dict[str, str], rows: list[Row], left: list[int]) -> str:
-    """What ``--json`` writes: the header, the rows and the child processes left behind."""
-    return json.dumps({"header": h, "rows": [r.as_dict() for r in rows], "left_behind": left}, indent=1)
+    """What ``--json`` writes: the header, the rows and the child processes left behind (and the
+    quantiles of the rows' ``dist``)."""
+    return json.dumps({"header": h, "rows": [r.as_dict() for r in rows], "left_behind": left, "quantiles": list(QS)},
+                      indent=1)

@@ -1,14 +1,14 @@
 """Rows (j) and (k), meshd-mps itself restarted:
 
-(j) restart (issue 17): ``meshd-mps serve`` with a state dir and ``heartbeat``, stopped (SIGTERM)
+(j) restart: ``meshd-mps serve`` with a state dir and ``heartbeat``, stopped (SIGTERM)
     and started again: the heartbeat's largest beat gap across it (polled through the control API)
     against its idle gap, and the stop to the API answering again against the first start's.
     Restore by reload: the program is halted, loaded and launched again.
-(k) live restore (issue 17): ``serve --live-restore`` with ``heartbeat``, across a restart
+(k) live restore: ``serve --live-restore`` with ``heartbeat``, across a restart
     (SIGTERM), an upgrade (a copy of this source tree with a later version started) and a SIGKILL
     followed by a start: the kernel's own largest beat gap (MAX_GAP, read from the mailbox file)
     against its idle MAX_GAP over a window as long as the longest of them (target: within 2x),
-    and the stop to the API answering again against (j)'s.  And (issue 33) with ``--pool 2`` and a
+    and the stop to the API answering again against (j)'s.  And with ``--pool 2`` and a
     second program, a restart (SIGTERM) while the pool refills (a pooled worker killed, the stop
     sent as the refill's worker starts) and just after a fault's recovery (a program's worker
     killed, the stop sent as the heartbeat beats again): the same gaps (target: within 2x) and the

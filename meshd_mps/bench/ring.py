@@ -14,7 +14,7 @@ from typing import Any
 from meshd_mps.backend import Backend
 from meshd_mps.bench.floor import SWEEP, place_ring, ring_floor
 from meshd_mps.bench.measure import ROUNDS, launch_sync, median, pct, timed
-from meshd_mps.bench.report import Row
+from meshd_mps.bench.report import Row, quantiles
 from meshd_mps.bench.rig import Bench, echo_loaded, placement, returning_worker
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
@@ -46,11 +46,13 @@ async def throughput(progs: Programs, payload: bytes, window: int, n: int) -> fl
     return n / dt
 
 
-async def ring_round(bench: Bench, b: Backend, n: int, nf: int, nt: int, sweep: bool) -> dict[str, float]:
+async def ring_round(bench: Bench, b: Backend, n: int, nf: int, nt: int, sweep: bool) -> dict[str, Any]:
     """One round of (f): the floor first (no kernel of ours resident: two contexts' kernels would
-    time-slice), then echo loaded and asked, then unloaded.  Its figures in us and k/s."""
+    time-slice), then echo loaded and asked, then unloaded.  Its figures in us and k/s, and under
+    ``dist.`` the 64 B round trips' distributions (report.quantiles)."""
     floor = await ring_floor(bench, b, nf)
-    out = {f"floor{k}.{q}": pct(v, q) * 1e6 for k, v in floor.items() for q in (0.5, 0.99)}
+    out: dict[str, Any] = {f"floor{k}.{q}": pct(v, q) * 1e6 for k, v in floor.items() for q in (0.5, 0.99)}
+    out["dist.floor 64 B"] = quantiles(floor[64])
     async with echo_loaded(bench, b) as (progs, ring):
 
         def caller(payload: bytes) -> Any:
@@ -62,6 +64,7 @@ async def ring_round(bench: Bench, b: Backend, n: int, nf: int, nt: int, sweep: 
         payload = bytes(range(64))
         for key, xs in (("call64", await timed(n, caller(payload))), ("spin64", spun_round_trips(ring, payload, n))):
             out[f"{key}.0.5"], out[f"{key}.0.99"] = pct(xs, 0.5) * 1e6, pct(xs, 0.99) * 1e6
+            out[f"dist.{'Programs.call' if key == 'call64' else 'host spin'} 64 B"] = quantiles(xs)
         for w in (1, 4, 8):
             out[f"rate{w}"] = await throughput(progs, payload, w, nt) / 1e3
         if sweep:
@@ -83,7 +86,8 @@ async def sec_ring(bench: Bench) -> list[Row]:
     with placement(bench.ring_cpu):
         async with await bench.backend("mps", pool=2) as b:
             rounds = [await ring_round(bench, b, n, nf, nt, sweep=i == k - 1) for i in range(k)]
-    m = {key: median([r[key] for r in rounds if key in r]) for key in rounds[-1]}
+    m = {key: median([r[key] for r in rounds if key in r]) for key in rounds[-1] if not key.startswith("dist.")}
+    dist = {k.removeprefix("dist."): v for k, v in rounds[-1].items() if k.startswith("dist.")}  # the last round's
     us = {size: (m[f"floor{size}.0.5"], m[f"floor{size}.0.99"]) for size in (-1, 0, *SWEEP)}
     c50, c99, s50, s99 = m["call64.0.5"], m["call64.0.99"], m["spin64.0.5"], m["spin64.0.99"]
     lb = m["launch_sync"]
@@ -108,7 +112,7 @@ async def sec_ring(bench: Bench) -> list[Row]:
         Row("f", "ring floor: 64 B, p50", "us", us[64][0], us[0][0], "doorbell alone", note=fnote),
         Row("f", "ring floor: 64 B, p99", "us", us[64][1], us[0][1], "doorbell alone p99"),
         Row("f", "ring: Programs.call 64 B, p50", "us", c50, us[64][0], "floor 64 B p50", "<= 2x", c50 <= 2 * us[64][0],
-            call_note),
+            call_note, dist=dist),
         Row("f", "ring: Programs.call 64 B, p99", "us", c99, us[64][1], "floor 64 B p99", "<= 3x", c99 <= 3 * us[64][1],
             call_note),
         Row("f", "ring: host spin 64 B, p50", "us", s50, us[64][0], "floor 64 B p50", "<= 1.3x", s50 <= 1.3 * us[64][0],

@@ -12,10 +12,12 @@ import anyio
 
 from meshd_mps import eventloop
 from meshd_mps.bench.ask import sec_ask
+from meshd_mps.bench.data import sec_data
 from meshd_mps.bench.done import sec_done
 from meshd_mps.bench.idle import sec_idle
 from meshd_mps.bench.limits import sec_limits
 from meshd_mps.bench.load import sec_load
+from meshd_mps.bench.payloads import sec_payloads
 from meshd_mps.bench.pool import sec_pool
 from meshd_mps.bench.recovery import sec_recovery
 from meshd_mps.bench.report import Row, describe
@@ -23,10 +25,12 @@ from meshd_mps.bench.restart import sec_restart
 from meshd_mps.bench.rig import Bench
 from meshd_mps.bench.ring import sec_ring
 from meshd_mps.bench.stall import sec_stall
+from meshd_mps.bench.versus import sec_versus
 
 SECTIONS = [("a", "stall", sec_stall), ("b", "ask", sec_ask), ("c", "done", sec_done), ("d", "pool", sec_pool),
             ("e", "load", sec_load), ("f", "ring", sec_ring), ("g", "idle", sec_idle),
-            ("h", "limits", sec_limits), ("i", "recovery", sec_recovery), ("j", "restart", sec_restart)]  # (k): sec_restart
+            ("h", "limits", sec_limits), ("i", "recovery", sec_recovery), ("j", "restart", sec_restart),  # (k): sec_restart
+            ("m", "data", sec_data), ("p", "payloads", sec_payloads), ("v", "versus", sec_versus)]
 
 
 async def run_all(bench: Bench, sections: list[tuple[str, str, Any]] | None = None) -> list[Row]:
@@ -46,8 +50,8 @@ async def run_all(bench: Bench, sections: list[tuple[str, str, Any]] | None = No
 
 
 def run_bench(bench: Bench, only: str | None = None) -> list[Row]:
-    """The sections: all, or those whose letters ``only`` lists."""
-    chosen = [sec for sec in SECTIONS if only is None or sec[0] in only.split(",")]
+    """The sections: all, or those whose letters (or names) ``only`` lists."""
+    chosen = [sec for sec in SECTIONS if only is None or {sec[0], sec[1]} & set(only.split(","))]
     rows = eventloop.run(lambda: run_all(bench, chosen), bench.loop)
     other = "asyncio" if eventloop.factory(bench.loop)[1] is not None else None
     if other is None or "b" not in {sec[0] for sec in chosen}:

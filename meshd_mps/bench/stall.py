@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 
+from meshd_mps import defaults
 from meshd_mps.backend import Backend
 from meshd_mps.bench.measure import beat, until
 from meshd_mps.bench.report import Row
@@ -76,11 +77,40 @@ async def stall_window(b: Backend, progs: Programs, slot: int, echo: tuple[dict[
     return gap / 1e3, idle / 1e3, beside / 1e3
 
 
+async def first_contact(b: Backend, progs: Programs, slot: int, echo: tuple[dict[str, Any], bytes]) -> tuple[float, float, int]:
+    """The README's first contact after its first load (the heartbeat running): ``echo`` loaded until
+    its first beat, then upgraded until the new version's first beat.  (The heartbeat's max gap us
+    across both, its idle max gap us over as long with nothing, MPS clients made meanwhile.)"""
+    mb, mps = b.mailbox, b.mps
+    assert mps is not None
+    made = mps.created
+    await beat(b, slot, reset=True)
+    t0 = time.perf_counter()
+    p = await progs.load(*echo)
+    await until(lambda: mb.heartbeat(p.slot) > 0, 10, "echo's first beat")
+    await progs.upgrade(p.name, *echo)  # its launch zeroed the slot: a beat now is the new version's
+    await until(lambda: mb.heartbeat(p.slot) > 0, 10, "the upgraded echo's first beat")
+    window = time.perf_counter() - t0
+    await beat(b, slot)
+    gap = float(mb.u64(slot, abi.MAX_GAP))
+    made = mps.created - made
+    await progs.unload(p.name)
+    await beat(b, slot, reset=True)
+    await anyio.sleep(window)
+    await beat(b, slot)
+    return gap / 1e3, float(mb.u64(slot, abi.MAX_GAP)) / 1e3, made
+
+
 async def sec_stall(bench: Bench) -> list[Row]:
+    """Row (a): a load's stall of a running program, in each mode, and the README's first contact at
+    serve's defaults (MPS mode's default pool: POOL_BY_ISOLATION), whose loads and upgrade must make no
+    MPS client after the start.  The pooled case loads into a worker above the pool's reserve, as a
+    new program's load does."""
     reps, rows = bench.n(3, 1), []
-    note = f"echo loaded until its first beat; worst of {bench.n(3, 1)}; heartbeat's MAX_GAP (%globaltimer)"
+    pool = defaults.POOL_BY_ISOLATION["mps"]
+    note = f"echo loaded until its first beat; worst of {reps}; heartbeat's MAX_GAP (%globaltimer)"
     for mode in ("mps", "blink"):
-        async with await bench.backend(mode, pool=2) as b:
+        async with await bench.backend(mode, pool=pool if mode == "mps" else 0) as b:
             progs = Programs(b)
             try:
                 hb = await progs.load(*await bench.src(b, "heartbeat"))
@@ -88,13 +118,24 @@ async def sec_stall(bench: Bench) -> list[Row]:
                 assert b.compiler is not None
                 await b.compiler.prepare(*echo)  # the JIT outside the windows
                 await until(lambda s=hb.slot: b.mailbox.heartbeat(s) > 0, 10, "the heartbeat's first beat")
+                if mode == "mps":
+                    gap = idle = 0.0
+                    made = 0
+                    for _ in range(reps):
+                        g, i, m = await first_contact(b, progs, hb.slot, echo)
+                        gap, idle, made = max(gap, g), max(idle, i), made + m
+                    rows.append(Row("a", "stall: README first contact (load echo, upgrade it), MPS at serve's"
+                                    " defaults", "us", gap, idle, "idle gap", "<= 2x idle, no client",
+                                    gap <= 2 * idle and made == 0,
+                                    f"the heartbeat running; pool {pool}; worst of {reps}; MPS clients made in the"
+                                    f" windows: {made}"))
                 for case in ("pooled", "fresh") if mode == "mps" else ("blink",):
                     gap = idle = beside = 0.0
                     for _ in range(reps):
                         if case == "fresh":
                             await retire_idle(b)
-                        elif case == "pooled" and not len(mps_gpu(b).pool):
-                            raise RuntimeError("no pooled worker left for the pooled case")
+                        elif case == "pooled" and not mps_gpu(b).pool.for_loads():
+                            raise RuntimeError("no pooled worker above the reserve left for the pooled case")
                         g, i, e = await stall_window(b, progs, hb.slot, echo, sampled=case == "blink")
                         gap, idle, beside = max(gap, g), max(idle, i), max(beside, e)
                     r = Row("a", f"stall: load into a {case} MPS worker" if mode == "mps" else "stall: load in blink mode",

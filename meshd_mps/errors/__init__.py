@@ -5,7 +5,7 @@ kind of failure it is for a caller (a bad request, something not found, a confli
 a timeout, a failure of ours); its fields say who and what.  The API maps branches to HTTP statuses
 in one table (``serving/status.py``), as supervisord maps its ``Faults``; nothing parses a message.
 This package imports nothing else of meshd-mps: the workers and the frame code use it too.  Its
-modules are the tree's sections (base: the root and the branches; config, programs, processes, fleet);
+modules are the tree's sections (base: the root and the branches; config, programs, data, processes, fleet);
 every type is imported from here, ``meshd_mps.errors``.
 """
 
@@ -28,6 +28,12 @@ from meshd_mps.errors.config import (
     StateDirRefused as StateDirRefused,
     StateFileNewer as StateFileNewer,
     StateIOError as StateIOError,
+)
+from meshd_mps.errors.data import (
+    DataNotFound as DataNotFound,
+    DataTooLarge as DataTooLarge,
+    NoData as NoData,
+    WriteOutOfRange as WriteOutOfRange,
 )
 from meshd_mps.errors.fleet import (
     AlreadyDeclared as AlreadyDeclared,
@@ -65,6 +71,7 @@ from meshd_mps.errors.programs import (
     AbiMismatch as AbiMismatch,
     AlreadyLoaded as AlreadyLoaded,
     BadName as BadName,
+    BadResponse as BadResponse,
     BadRestartPolicy as BadRestartPolicy,
     BadRestoreMode as BadRestoreMode,
     CallTimeout as CallTimeout,
@@ -84,6 +91,7 @@ from meshd_mps.errors.programs import (
     NotRunning as NotRunning,
     NotServing as NotServing,
     NotStarted as NotStarted,
+    OldWorker as OldWorker,
     PayloadTooLarge as PayloadTooLarge,
     SlotTaken as SlotTaken,
     StillRunning as StillRunning,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from meshd_mps.errors.base import BadRequest, Conflict, NotFound, Timeout
+from meshd_mps.errors.base import BadRequest, Conflict, MeshError, NotFound, Timeout
 
 # ---- programs: requests -----------------------------------------------------------------------
 
@@ -91,14 +91,17 @@ class UpgradeMismatch(BadRequest):
 
 
 class PayloadTooLarge(BadRequest):
-    """A request over what one ring entry holds."""
+    """A request over the most its program declared (its manifest's ``max_request``; 188 bytes, a ring
+    entry's, where it declared none): refused before anything is posted.  ``program``: None where
+    no program is named (a bare ring's)."""
 
-    FIELDS = ("size", "limit")
+    FIELDS = ("size", "limit", "program")
 
-    def __init__(self, message: str, *, size: int, limit: int):
+    def __init__(self, message: str, *, size: int, limit: int, program: str | None):
         super().__init__(message)
         self.size = size
         self.limit = limit
+        self.program = program
 
 
 # ---- programs: state ----------------------------------------------------------------------------
@@ -257,6 +260,31 @@ class CallTimeout(Timeout):
     def __init__(self, program: str, within: float):
         super().__init__(f"program {program}: no response in {within:g}s")
         self.program, self.within = program, within
+
+
+class BadResponse(MeshError):
+    """A program that wrote a response the host does not read: longer than its manifest's
+    ``max_response``, or outside its own entry's areas of its payload region (docs/program-abi.md,
+    section 6.2).  The program's fault, not the caller's nor the daemon's: a bad gateway's (502).
+    Nothing past the region is read; the response counts as read, and the program runs on."""
+
+    FIELDS = ("program", "size", "offset", "limit", "region")
+
+    def __init__(self, message: str, *, program: str | None, size: int, offset: int, limit: int, region: int):
+        super().__init__(message)
+        self.program, self.size, self.offset, self.limit, self.region = program, size, offset, limit, region
+
+
+class OldWorker(Conflict):
+    """A program with a payload region loaded into a worker that an older meshd-mps started (adopted
+    at a live restore) and that does not speak PAYLOADS (``frames.PAYLOADS_SINCE``): ``version``,
+    its protocol's, ``needs``, the first that does."""
+
+    FIELDS = ("program", "pid", "version", "needs")
+
+    def __init__(self, message: str, *, program: str, pid: int, version: int, needs: int):
+        super().__init__(message)
+        self.program, self.pid, self.version, self.needs = program, pid, version, needs
 
 
 class NotServing(Conflict):

@@ -78,6 +78,7 @@ class NodeAgent:
         self.threads = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="meshd-agent")
         self.share: Share | None = None  # None: no share yet: touch nothing
         self.images: dict[str, dict[str, Any]] = {}
+        self.data_keys: dict[str, str] = {}  # image hash -> the key its data has in this node's daemon
         self.errors: dict[str, tuple[str, str]] = {}  # replica -> (hash, why) of its last failed load/upgrade
         self.retry_at: dict[str, float] = {}
         self.busy: dict[str, str] = {}  # replica -> "loading" | "upgrading" | "unloading", while it is done
@@ -91,6 +92,8 @@ class NodeAgent:
         self.said: tuple[Any, ...] | None = None  # what the report at ``version`` said of no one replica
         self.rows: dict[str, tuple[Any, ...]] = {}  # ... and of each replica (its heartbeat aside)
         self.held: tuple[str, int] | None = None  # ... and the share it held
+        self.figures: dict[str, tuple[Any, ...]] = {}  # ... and each replica's heartbeat and calls
+        self.published = -math.inf  # when ``version`` last moved on (monotonic)
         self.history: collections.deque[tuple[int, frozenset[str] | None]] = collections.deque(maxlen=HISTORY)
         self.changed = asyncio.Event()  # set (and made anew) when ``version`` moves on
         self.wake = asyncio.Event()
@@ -113,6 +116,7 @@ class NodeAgent:
             self.images.update(share.images)
             used = {o.hash for o in share.orders}  # what no order names is forgotten: an old image, a removed program's
             self.images = {h: im for h, im in self.images.items() if h in used}
+            self.data_keys = {h: k for h, k in self.data_keys.items() if h in used}
             names = {o.name for o in share.orders}
             self.errors = {n: e for n, e in self.errors.items() if n in names}
             self.fleet = share.fleet or self.fleet
@@ -170,11 +174,15 @@ class NodeAgent:
         for name, what in self.busy.items():
             rows[name] = (*rows.get(name, ()), what)
         names = frozenset(n for n in rows.keys() | self.rows.keys() if rows.get(n) != self.rows.get(n))
-        if said == self.said and not names and share == self.held:
+        figures = {name: p.figures() for name, p in (self.programs or {}).items()}
+        moved = frozenset(n for n, f in figures.items() if f != self.figures.get(n))
+        now = time.monotonic()
+        if said == self.said and not names and share == self.held and \
+                not (moved and now - self.published >= self.d.fleet_report):
             return
         self.version += 1
-        self.history.append((self.version, names if said == self.said else None))
-        self.said, self.rows, self.held = said, rows, share
+        self.history.append((self.version, names | moved if said == self.said else None))
+        self.said, self.rows, self.held, self.figures, self.published = said, rows, share, figures, now
         self.changed.set()
         self.changed = asyncio.Event()
 
@@ -285,6 +293,14 @@ class NodeAgent:
         """Replica ``o`` loaded or upgraded to its image; whether it now runs it."""
         image = self.images[o.hash]
         body: dict[str, Any] = {"manifest": {**image["manifest"], "name": o.name}, "ptx": image["ptx"], "hash": o.hash}
+        if image.get("data_bytes") and image.get("data") is None:
+            return self._refused(o, "its data is no longer in Ray's object store (the fleet's controller restarted"
+                                 " since its deploy): deploy the program again with its data")
+        if image.get("data") is not None:
+            try:
+                body["data"] = await self._data(o.hash, image["data"])
+            except (ray.exceptions.RayError, ClientError) as e:
+                return self._refused(o, f"its data not had from Ray's object store: {type(e).__name__}: {e}")
         if not upgrade and o.gpu is not None:
             device = await self._device(o.gpu)
             if device is not None:
@@ -292,8 +308,7 @@ class NodeAgent:
         s = self.share
         until = s.lease_until if s is not None else None
         if not upgrade and o.unique and (until is None or s is None or o.name not in s.leased):
-            self.errors[o.name] = (o.hash, "unique: no lease granted for it here (the controller's next share grants it)")
-            return False
+            return self._refused(o, "unique: no lease granted for it here (the controller's next share grants it)")
         self.busy[o.name] = "upgrading" if upgrade else "loading"
         try:
             if upgrade:
@@ -310,12 +325,31 @@ class NodeAgent:
         except ClientError as e:
             if e.status == 0:
                 raise
+            if e.status == 404:  # its data gone from the daemon since it was sent: sent again next time
+                self.data_keys.pop(o.hash, None)
             verb = "upgrade" if upgrade else "load"
-            self.errors[o.name] = (o.hash, f"{verb} refused by the node's daemon (HTTP {e.status}): {e}")
-            self.retry_at[o.name] = time.monotonic() + RETRY_S
-            return False
+            return self._refused(o, f"{verb} refused by the node's daemon (HTTP {e.status}): {e}")
         finally:
             self.busy.pop(o.name, None)
+
+    def _refused(self, o: Order, why: str) -> bool:
+        """Order ``o`` not carried out, and why: said in the report, tried again after RETRY_S."""
+        self.errors[o.name] = (o.hash, why)
+        self.retry_at[o.name] = time.monotonic() + RETRY_S
+        return False
+
+    async def _data(self, image: str, ref: Any) -> str:
+        """An image's data in this node's daemon (docs/program-abi.md, "Data"): taken from Ray's
+        object store (a view of the object in this node's shared memory, read-only: no copy) and
+        streamed to the daemon, which keeps it by its SHA-256; once per image while the agent lives
+        (a daemon that dropped it since refuses the load, and the next round sends it again)."""
+        key = self.data_keys.get(image)
+        if key is None:
+            arr = await ref
+            view = memoryview(arr).cast("B")
+            key = await self._blocking(functools.partial(Client.upload_bytes, data=view), self.d.fleet_node)
+            self.data_keys[image] = key
+        return key
 
     async def _renew(self) -> None:
         """The leases of the unique replicas the share grants this node, held until its

@@ -22,6 +22,7 @@ import asyncio
 import collections
 import datetime
 import itertools
+import json
 import os
 import platform
 import sys
@@ -34,8 +35,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from meshd_mps.bench.cli import draw, replot
 from meshd_mps.bench.measure import pct, vmrss_mib
-from meshd_mps.bench.report import Row, as_json, describe, table
+from meshd_mps.bench.report import Row, as_json, describe, quantiles, table
 from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
 from meshd_mps.fleet.local import LocalFleet, Node
 from meshd_mps.fleet.spec import FleetProgram
@@ -159,8 +161,10 @@ async def call_rows(fleet: Fleet, local: LocalFleet, calls: int) -> list[Row]:
     ray.kill(echo)
     p50, b50, d50 = pct(ours, 0.5) * 1e3, pct(theirs, 0.5) * 1e3, pct(direct, 0.5) * 1e3
     p99, b99 = pct(ours, 0.99) * 1e3, pct(theirs, 0.99) * 1e3
+    dist = {"fleet.call": quantiles(ours, 1e3), "Ray async actor echo": quantiles(theirs, 1e3),
+            "a node's socket": quantiles(direct, 1e3)}
     return [Row("l3", f"fleet.call p50 ({calls} calls, 16 B)", "ms", p50, b50, "Ray async actor echo", "<= 1.5x",
-                p50 <= 1.5 * b50),
+                p50 <= 1.5 * b50, dist=dist),
             Row("l3", f"fleet.call p99 ({calls} calls, 16 B)", "ms", p99, b99, "Ray async actor echo"),
             Row("l3", f"the same calls on a node's socket, p50 ({calls} calls, its {len(names)} replicas in turn)", "ms",
                 d50, b50, "Ray async actor echo",
@@ -286,10 +290,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--only", metavar="ROW", action="append", choices=ROWS,
                     help="only this row (again for more: --only l3 --only l4); default every row")
     ap.add_argument("--json", metavar="FILE", help="also write the header and rows as JSON")
+    ap.add_argument("--plot", metavar="DIR", help="also draw the figures as SVG plots into DIR (matplotlib: the plot"
+                    " extra): (l3)'s call latencies, (l1) and (l2) beside their baselines")
+    ap.add_argument("--from", dest="source", metavar="FILE", help="with --plot: draw a run's --json FILE, running nothing")
     ap.add_argument("--simulate", type=int, metavar="N",
                     help="instead: the controller alone at 10, 100, ... N simulated nodes of 48 slots, no Ray"
                          " (rows (s1)-(s6), fleet/simbench.py)")
     args = ap.parse_args(argv)
+    if args.source is not None:
+        return replot(args.source, args.plot, "meshd-mps fleet bench")
     if args.simulate is not None:
         return simulated(argv, args.simulate, args.json)
     for k in ("nodes", "sim_gpus", "replicas", "calls"):
@@ -306,7 +315,10 @@ def main(argv: list[str]) -> int:
         local.close()
     h = header(argv, args.nodes, args.sim_gpus)
     print(table(h, out))
+    report = as_json(h, out, [])
     if args.json:
         with open(args.json, "w") as f:
-            f.write(as_json(h, out, []))
+            f.write(report)
+    if args.plot and draw(json.loads(report), args.plot, "meshd-mps fleet bench") != 0:
+        return 2
     return 1 if any(r.error for r in out) else 0

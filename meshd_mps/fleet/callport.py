@@ -28,14 +28,17 @@ import hmac
 import os
 import secrets
 import urllib.parse
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
 
 from meshd_mps import errors as E
-from meshd_mps.fleet.nodecalls import MAX_ANSWER, NodeAnswer, NodeCalls
+from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.fleet.spec import CallPort, parse_replica_name
-from meshd_mps.serving.api import answer, refused
+from meshd_mps.serving import schemas
+from meshd_mps.serving.answers import answer, refused
+from meshd_mps.serving.client import MAX_BODY
 from meshd_mps.serving.status import BodyTooLarge, LengthRequired, MethodNotAllowed, NoRoute
 from meshd_mps.strictjson import parse_json
 
@@ -68,8 +71,14 @@ class CallPortServer:
 
     async def open(self, host: str, port: int) -> CallPort:
         """Listen on ``host``:``port`` (OSError if it is taken); the address and token to call it."""
-        handler = web.Server(self._handle, client_max_size=MAX_ANSWER)
-        self.server = await asyncio.get_running_loop().create_server(handler, host, port, reuse_address=True)
+        loop = asyncio.get_running_loop()
+
+        def request(message: Any, payload: Any, protocol: Any, writer: Any, task: Any) -> web.BaseRequest:
+            # a body up to the daemon's own limit (a payload's most): aiohttp's default is 1 MiB
+            return web.BaseRequest(message, payload, protocol, writer, task, loop, client_max_size=MAX_BODY)
+
+        handler = web.Server(self._handle, request_factory=request)
+        self.server = await loop.create_server(handler, host, port, reuse_address=True)
         bound = self.server.sockets[0].getsockname()[1]
         self.port = CallPort(host, int(bound), self.token)
         return self.port
@@ -84,13 +93,15 @@ class CallPortServer:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         try:
             name, body = await self._read(request)
-            got = await self.calls.relay(name, body, _timeout(body))
+            binary = schemas.binary(request)
+            got = await self.calls.relay(name, body, _timeout(body, request.query, binary), binary=binary,
+                                         query=request.query_string)
             if isinstance(got, NodeAnswer):  # no daemon answered: said with ``lost`` (nodecalls._parsed)
                 raise E.CallPortRelay(f"call port {self.port}: {got.error}", lost=got.lost)
         except E.MeshError as e:
             return answer(*refused(e))
-        status, raw = got
-        return web.Response(status=status, body=raw, content_type="application/json")
+        status, kind, raw = got
+        return web.Response(status=status, body=raw, content_type=kind or "application/json")
 
     async def _read(self, request: web.BaseRequest) -> tuple[str, bytes]:
         """The replica a call names and its body, or the typed refusal (nothing relayed)."""
@@ -108,16 +119,17 @@ class CallPortServer:
         size = request.content_length
         if size is None:
             raise LengthRequired("a call's body needs a Content-Length")
-        if size > MAX_ANSWER:
-            raise BodyTooLarge(f"a call's body of {size} bytes: at most {MAX_ANSWER}", size=size, limit=MAX_ANSWER)
+        if size > MAX_BODY:
+            raise BodyTooLarge(f"a call's body of {size} bytes: at most {MAX_BODY}", size=size, limit=MAX_BODY)
         return name, await request.read()
 
 
-def _timeout(body: bytes) -> float | None:
-    """The call's own ``timeout`` (the relay waits as long), if its body says one; the daemon checks
-    the body itself and answers for it."""
+def _timeout(body: bytes, query: Mapping[str, str], binary: bool) -> float | None:
+    """The call's own ``timeout`` (the relay waits as long), if its query or its JSON body says one;
+    the daemon checks them itself and answers for them."""
+    t: Any = query.get("timeout")
     try:
-        t = parse_json(body, strict=False).get("timeout")
+        t = float(t) if t is not None else None if binary else parse_json(body, strict=False).get("timeout")
     except (ValueError, AttributeError):
         return None
     return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e6 else None

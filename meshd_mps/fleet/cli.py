@@ -23,6 +23,8 @@ from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
 from meshd_mps.fleet.checkpoint import NAMESPACE
 from meshd_mps.fleet.metrics import exposition
 from meshd_mps.fleet.tables import Watch, as_json, events_table, node, node_table, replicas, status_table
+from meshd_mps.serving import callio
+from meshd_mps.serving.client import ClientError
 
 PROG = "meshd-mps fleet"
 DESCRIPTION = "Many meshd-mps nodes run as one, on Ray: programs declared once, placed by Ray, kept by each node's daemon."
@@ -35,6 +37,7 @@ examples:
   meshd-mps fleet status --nodes            # a row per node: slots, replicas, free, why not usable
   meshd-mps fleet events                    # what happened: replicas moved, nodes lost, another fleet's daemon
   meshd-mps fleet metrics                   # the fleet's Prometheus metrics (text format)
+  meshd-mps fleet top                       # live: programs, replicas and nodes, their calls, the events
   meshd-mps fleet call echo hello           # by name, from anywhere in the cluster: the caller's node first
   meshd-mps fleet upgrade echo examples/echo   # rolling: at most one replica unavailable
   meshd-mps fleet remove echo
@@ -49,8 +52,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "meshd-mps fleet status\n  meshd-mps fleet status echo --watch\n  meshd-mps fleet status --json"),
     "events": ("what happened, oldest first: replicas placed, moved, failed; nodes joined, lost, held by another fleet",
                "meshd-mps fleet events\n  meshd-mps fleet events echo --json"),
-    "metrics": ("the fleet's metrics in Prometheus' text format: replicas per program and state, slots per node, moves",
+    "metrics": ("the fleet's metrics in Prometheus' text format: replicas per program and state, slots per node, moves,"
+                " each replica's state, heartbeat and calls",
                 "meshd-mps fleet metrics > /var/lib/node_exporter/textfile/meshd-mps-fleet.prom"),
+    "top": ("a live view, refreshed every second: programs, replicas and nodes across the fleet, their calls, the"
+            " latest events (keys: s sort, r reverse, / filter, q quit)", "meshd-mps fleet top --filter echo"),
     "upgrade": ("a new image for a declared program, replica by replica (at most one unavailable)",
                 "meshd-mps fleet upgrade echo examples/echo"),
     "remove": ("remove a program from the fleet: every replica halted and unloaded", "meshd-mps fleet remove echo"),
@@ -112,6 +118,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--unique", action="store_true",
                    help="no replica ever runs on two nodes at once (fenced by a lease; a node or head away longer than"
                         " the lease halts its replicas); without it a replica may briefly run twice while it moves")
+    p.add_argument("--data", metavar="FILE", help="the program's data (default: the manifest's data file): put once into"
+                   " Ray's object store, each node's daemon gets it from there")
     p.add_argument("--wait", action="store_true", help="wait until every replica runs")
     p.add_argument("--timeout", type=float, metavar="S", default=Deadlines().fleet_node,
                    help="with --wait: at most S seconds (default %(default)s)")
@@ -129,6 +137,13 @@ def parser() -> argparse.ArgumentParser:
 
     _sub(sub, "metrics")
 
+    p = _sub(sub, "top")  # fleet/top.py, on the node's screen (serving/screen.py)
+    p.add_argument("--sort", metavar="COLUMN", help="the programs' column to sort by (default program; key s)")
+    p.add_argument("--reverse", action="store_true", help="sort the other way (key r)")
+    p.add_argument("--filter", metavar="TEXT", help="only the programs whose name holds TEXT (key /)")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between looks (default 1)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+
     p = _sub(sub, "upgrade")
     p.add_argument("name", metavar="NAME", help="the declared program")
     _image_opts(p)
@@ -139,8 +154,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = _sub(sub, "call")
     p.add_argument("name", metavar="NAME", help="the declared program")
-    p.add_argument("data", metavar="DATA", help="the request: text (UTF-8), or hex digits with --hex")
-    p.add_argument("--hex", action="store_true", help="DATA is hex; the response is printed in hex")
+    callio.add_options(p)
     p.add_argument("--timeout", type=float, metavar="S", help="seconds to wait for the response")
     p.add_argument("--idempotent", action="store_true",
                    help="the request may run twice: retried on another replica if the one asked is lost")
@@ -196,7 +210,8 @@ async def _with_fleet(address: str | None, namespace: str, ask: Command) -> int:
 def source(args: argparse.Namespace) -> ProgramSource:
     """The program's files as ``meshd-mps load`` reads them; ProgramFilesError (a BadRequest) names
     the file at fault."""
-    return ProgramSource.read(args.dir, manifest=args.manifest, ptx=args.ptx, cuda=args.cuda)
+    return ProgramSource.read(args.dir, manifest=args.manifest, ptx=args.ptx, cuda=args.cuda,
+                              data=getattr(args, "data", None))
 
 
 def _command(args: argparse.Namespace) -> Command:
@@ -239,7 +254,11 @@ def _command(args: argparse.Namespace) -> Command:
 
         return remove
     if args.cmd == "call":
-        data = _data(args.data, args.hex)
+        try:
+            asked = callio.request(args)
+        except ClientError as e:
+            raise BadRequest(str(e)) from e
+        data = asked.encode("utf-8") if isinstance(asked, str) else asked
 
         async def call(fleet: Fleet) -> int:
             reply = await fleet.call(args.name, data, timeout=args.timeout, idempotent=args.idempotent)
@@ -247,7 +266,10 @@ def _command(args: argparse.Namespace) -> Command:
             if args.json:
                 return _print_json({"hex": reply.data.hex(), "data": reply.data.decode("utf-8", "replace"),
                                     "replica": r, "via": reply.via})
-            print(reply.data.hex() if args.hex else reply.data.decode("utf-8", "replace"))
+            try:
+                callio.respond(reply.data, args)
+            except ClientError as e:
+                raise BadRequest(str(e)) from e
             print(f"# {r.program}[{r.index}] on node {node(r)}, GPU {r.gpu}, slot {r.slot}, via {reply.via}",
                   file=sys.stderr)
             return 0
@@ -262,6 +284,8 @@ def _command(args: argparse.Namespace) -> Command:
             return 0
 
         return events
+    if args.cmd == "top":
+        return _top(args)
     if args.cmd == "metrics":
         async def metrics(fleet: Fleet) -> int:
             sys.stdout.buffer.write(exposition(await fleet.status()))
@@ -269,6 +293,20 @@ def _command(args: argparse.Namespace) -> Command:
 
         return metrics
     return _status(args)
+
+
+def _top(args: argparse.Namespace) -> Command:
+    """``fleet top``: its options checked (BadRequest, exit 2) before the cluster is asked."""
+    from meshd_mps.fleet.top import PROGRAM_HEAD, FleetTop
+    from meshd_mps.serving.screen import need_rich, run, view_of
+
+    need_rich()
+    view = view_of(args.sort, args.reverse, args.filter, args.interval, PROGRAM_HEAD)
+
+    async def top(fleet: Fleet) -> int:
+        return await run(view, FleetTop(fleet, args.namespace).look, every=args.interval, once=args.once)
+
+    return top
 
 
 def _status(args: argparse.Namespace) -> Command:
@@ -295,15 +333,6 @@ def _status(args: argparse.Namespace) -> Command:
     return status
 
 
-def _data(text: str, hex: bool) -> bytes:
-    if not hex:
-        return text.encode("utf-8")
-    try:
-        return bytes.fromhex(text)
-    except ValueError as e:
-        raise BadRequest(f"DATA: not hex: {e}") from e
-
-
 def _print_json(obj: Any) -> int:
     print(json.dumps(as_json(obj), indent=2))
     return 0
@@ -313,7 +342,7 @@ def resources(socket: str | None, node: str | None = None, slots: int | None = N
     """This node's capacity as Ray resources, read from its running daemon's status: the JSON that
     ``ray start --resources`` takes."""
     from meshd_mps.fleet.capacity import node_resources
-    from meshd_mps.serving.client import Client, ClientError
+    from meshd_mps.serving.client import Client
 
     try:
         status = Client(socket).status()

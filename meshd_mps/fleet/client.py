@@ -15,6 +15,7 @@ or agent died on the way is sent again only if ``idempotent``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -106,9 +107,29 @@ class Fleet:
         """Declare ``spec``: Ray places its replicas, their nodes load them (``wait`` for them)."""
         spec.check()
         image = Image(manifest=spec.source.manifest, ptx=spec.source.ptx, hash=spec.source.hash)
+        data_node = None
+        if spec.source.data is not None:
+            ref, size = await asyncio.to_thread(self._put_data, spec.source.data)
+            image = dataclasses.replace(image, data=ref, data_bytes=size)
+            data_node = ray.get_runtime_context().get_node_id()  # where its bytes are (fleet/data.py)
         declared = Spec(name=spec.name, replicas=spec.replicas, restart=spec.restart, strategy=spec.strategy,
                         image=image, gpu=spec.gpu, node=spec.node, unique=spec.unique)
-        return await self._ask(self.controller.deploy.remote(declared))
+        return await self._ask(self.controller.deploy.remote(declared, data_node))
+
+    def _put_data(self, path: str) -> tuple[Any, int]:
+        """A data file into Ray's object store, read through a memory map (this process holds no
+        copy); the controller makes the object its own and keeps its ref in the program's declared
+        spec (fleet/data.py), and each node's agent takes it from there for its daemon."""
+        import numpy as np
+
+        from meshd_mps.errors import BadSpec
+
+        try:
+            size = os.path.getsize(path)
+            arr = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        except (OSError, ValueError) as e:
+            raise BadSpec(f"data {path}: {getattr(e, 'strerror', None) or e}", field="data") from e
+        return ray.put(arr), size  # the controller makes it its own (fleet/data.py)
 
     async def upgrade(self, name: str, source: ProgramSource, *, hash: str | None = None) -> FleetProgram:
         """A rolling upgrade to ``source``: one replica at a time, each passing its node's start check

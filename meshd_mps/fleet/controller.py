@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import time
 from typing import Any
 
 import ray
 
 from meshd_mps.deadlines import DEFAULT, Deadlines
+from meshd_mps.fleet import data as fleet_data
 from meshd_mps.fleet.capacity import SLOT, gpu_models
 from meshd_mps.fleet.checkpoint import Checkpoint, fleet_state_dir
 from meshd_mps.fleet.claim import FleetId
@@ -50,8 +52,13 @@ class FleetController:
         await self.loop.ticked.wait()
         return True
 
-    async def deploy(self, spec: Spec) -> FleetProgram:
+    async def deploy(self, spec: Spec, data_node: str | None = None) -> FleetProgram:
+        """``spec`` declared; its data (if any: a ref the deploying client owns, put on its node
+        ``data_node``) made the controller's first (fleet/data.py)."""
         self._start()
+        if spec.image.data is not None:
+            got = await fleet_data.owned({"data": spec.image.data, "data_node": data_node})
+            spec = dataclasses.replace(spec, image=dataclasses.replace(spec.image, data=got["data"]))
         return await self.loop.declare(spec)
 
     async def upgrade(self, name: str, image: Image) -> FleetProgram:

@@ -30,16 +30,32 @@ WHOLE = ("PACK", "STRICT_SPREAD")
 
 @dataclass(frozen=True)
 class Image:
+    """A declared program's image, and its data: ``data`` a Ray ObjectRef that the controller owns
+    (the bytes are in the object store, never here), ``data_bytes`` its size for the events.  The
+    checkpoint keeps neither: an ObjectRef does not outlive its owner, so after the head's restart
+    a replica placed anew has no data (its load is refused, said in its reason) until the program
+    is deployed again with it."""
+
     manifest: dict[str, Any]
     ptx: str
     hash: str
+    data: Any = None
+    data_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"manifest": self.manifest, "ptx": self.ptx, "hash": self.hash}
+        """For the checkpoint: the data's size, not the data (a replica placed anew without it is
+        refused, with the reason)."""
+        out = {"manifest": self.manifest, "ptx": self.ptx, "hash": self.hash}
+        return {**out, "data_bytes": self.data_bytes} if self.data_bytes else out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Image:
-        return cls(manifest=d["manifest"], ptx=d["ptx"], hash=d["hash"])
+        return cls(manifest=d["manifest"], ptx=d["ptx"], hash=d["hash"], data=d.get("data"),
+                   data_bytes=int(d.get("data_bytes") or 0))
+
+    def shipped(self) -> dict[str, Any]:
+        """What a node's agent is sent of it (a share's ``images``): the ref of its data, not the data."""
+        return {"manifest": self.manifest, "ptx": self.ptx, "data": self.data, "data_bytes": self.data_bytes}
 
 
 @dataclass(frozen=True)
@@ -93,7 +109,10 @@ class Spec:
     # ---- images --------------------------------------------------------------------------------
 
     def upgraded(self, image: Image) -> Spec:
-        """The next generation, declaring ``image``."""
+        """The next generation, declaring ``image`` (which keeps the program's data if it brings
+        none: each node's daemon keeps it too)."""
+        if image.data is None:
+            image = dataclasses.replace(image, data=self.image.data, data_bytes=self.image.data_bytes)
         previous = self.image if image.hash != self.image.hash else self.previous
         return dataclasses.replace(self, image=image, generation=self.generation + 1, previous=previous)
 

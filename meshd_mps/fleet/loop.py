@@ -371,7 +371,7 @@ class Reconciler:
                 if o.hash not in have and o.hash not in images:
                     im = self._image(o.name, o.hash)
                     if im is not None:
-                        images[o.hash] = {"manifest": im.manifest, "ptx": im.ptx}
+                        images[o.hash] = im.shipped()
             s = Share(version=version, orders=share[0], keep=share[1], images=images, fleet=self.fleet,
                       leased=share[2], lease_until=until)
             lk.remember(s)

@@ -62,16 +62,26 @@ class DaemonProgram:
     beat_age: float | None = None
     heartbeat: int | None = None
     lease_until: float | None = None
+    calls: dict[str, Any] | None = None  # its calls' figures on the daemon (callstats.CallStats.as_dict)
+    restarts: int = 0
+    faults: int = 0
 
     @classmethod
     def from_row(cls, d: Mapping[str, Any]) -> DaemonProgram:
         return cls(name=str(d.get("name")), state=str(d.get("state")), hash=d.get("hash"), pid=d.get("pid"),
                    slot=d.get("slot"), device=d.get("device"), error=d.get("error"), beat_age=d.get("beat_age_s"),
-                   heartbeat=d.get("heartbeat"), lease_until=d.get("lease_until"))
+                   heartbeat=d.get("heartbeat"), lease_until=d.get("lease_until"), calls=d.get("calls"),
+                   restarts=int(d.get("restarts") or 0), faults=int(d.get("faults") or 0))
 
     def key(self) -> tuple[Any, ...]:
-        """What a change of is news (the heartbeat's count and age move all the time)."""
-        return (self.name, self.state, self.hash, self.pid, self.slot, self.device, self.error, self.lease_until)
+        """What a change of is news at once (the heartbeat and the calls' figures move all the time:
+        they are reported at most every ``Deadlines.fleet_report``)."""
+        return (self.name, self.state, self.hash, self.pid, self.slot, self.device, self.error, self.lease_until,
+                self.restarts, self.faults)
+
+    def figures(self) -> tuple[Any, ...]:
+        """What moves all the time: its heartbeat and its calls."""
+        return (self.heartbeat, (self.calls or {}).get("total"))
 
 
 @dataclass(frozen=True)

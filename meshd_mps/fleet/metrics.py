@@ -2,7 +2,8 @@
 
 The node daemon's own metrics (serving/metrics.py) are its programs; these are the fleet's: per
 program the replicas wanted and in each state, per node its slots and the replicas placed there,
-the moves and node losses the controller counted, and the age of its last look.  Read from the
+the moves and node losses the controller counted, the age of its last look, and per replica its
+state, heartbeat age, relaunches, faults and calls (as its node's daemon counts them).  Read from the
 same views ``fleet status`` shows, never counted twice, with the daemon's families
 (``serving.metrics.Family``) and a registry of their own.  Names: ``meshd_mps_fleet_*``, in the
 API's words (``replicas``, ``slots``, ``node``, ``program``).
@@ -19,8 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from meshd_mps.fleet.spec import FleetStatus, NodeView
-from meshd_mps.serving.metrics import CONTENT_TYPE, Family, Labels, Live, new_registry
+from meshd_mps.callstats import BUCKETS, OUTCOMES
+from meshd_mps.fleet.spec import FleetStatus, NodeView, ReplicaView
+from meshd_mps.serving.metrics import CONTENT_TYPE, Buckets, Family, Labels, Live, new_registry
 
 __all__ = ["CONTENT_TYPE", "STATES", "exposition", "families"]
 
@@ -30,6 +32,52 @@ STATES = ("pending", "placing", "starting", "running", "failed", "stopping")
 
 def _node(n: NodeView) -> Labels:
     return {"node": n.name}
+
+
+def _replica(r: ReplicaView) -> dict[str, str]:
+    return {"program": r.program, "replica": str(r.index), "node": r.node_name or r.node or ""}
+
+
+def replica_families(st: FleetStatus) -> list[Family]:
+    """Per replica: its state, heartbeat age, relaunches and faults, and its calls (outcomes,
+    latency, bytes) as its node's daemon counts them.  A replica that moved to another node is
+    another series (its ``node``), whose counters start again, as a restarted target's do."""
+    reps = [r for p in st.programs for r in p.replicas]
+    placed = [r for r in reps if r.node is not None]
+    counted = [r for r in placed if r.calls]
+    keys = ("program", "replica", "node")
+
+    def calls(r: ReplicaView) -> dict:
+        return r.calls or {}
+
+    def latency() -> list[tuple[Labels, Buckets]]:
+        out: list[tuple[Labels, Buckets]] = []
+        for r in counted:
+            counts = list(calls(r).get("counts") or [])
+            if len(counts) == len(BUCKETS) + 1:  # a daemon of another version's buckets: left out
+                out.append((_replica(r), (counts, float(calls(r).get("seconds", 0.0)))))
+        return out
+
+    return [
+        Family("meshd_mps_fleet_replica_state", "gauge", "Each replica's state (always 1, in the label state).",
+               lambda: [({**_replica(r), "state": r.state}, 1.0) for r in reps], (*keys, "state")),
+        Family("meshd_mps_fleet_replica_beat_age_seconds", "gauge",
+               "Seconds since each placed replica's heartbeat was last seen advancing on its node.",
+               lambda: [(_replica(r), float(r.heartbeat_age)) for r in placed if r.heartbeat_age is not None], keys),
+        Family("meshd_mps_fleet_replica_restarts", "gauge", "Each placed replica's relaunches since its last load or"
+               " upgrade on its node.", lambda: [(_replica(r), float(r.restarts)) for r in placed], keys),
+        Family("meshd_mps_fleet_replica_faults_total", "counter", "Each placed replica's launches that failed on its"
+               " node.", lambda: [(_replica(r), float(r.faults)) for r in placed], keys),
+        Family("meshd_mps_fleet_replica_calls_total", "counter", "Calls through each replica's ring on its node, by"
+               " outcome.", lambda: [({**_replica(r), "outcome": o}, float((calls(r).get("outcomes") or {}).get(o, 0)))
+                                    for r in counted for o in OUTCOMES], (*keys, "outcome")),
+        Family("meshd_mps_fleet_replica_call_seconds", "histogram", "Each answered call's time on the replica's node,"
+               " from the call to its response.", latency, keys),
+        Family("meshd_mps_fleet_replica_bytes_in_total", "counter", "Request bytes sent into each replica's ring.",
+               lambda: [(_replica(r), float(calls(r).get("bytes_in", 0))) for r in counted], keys),
+        Family("meshd_mps_fleet_replica_bytes_out_total", "counter", "Response bytes read from each replica's ring.",
+               lambda: [(_replica(r), float(calls(r).get("bytes_out", 0))) for r in counted], keys),
+    ]
 
 
 def families(st: FleetStatus) -> list[Family]:
@@ -75,6 +123,7 @@ def families(st: FleetStatus) -> list[Family]:
         Family("meshd_mps_fleet_tick_age_seconds", "gauge",
                "Seconds since the controller's last look at the cluster (no sample before the first).",
                lambda: st.tick_age),
+        *replica_families(st),
     ]
 
 

@@ -21,6 +21,10 @@ the token in its ``Authorization`` header, and the port relays it to its daemon 
 connection to a call port is made within ``Deadlines.fleet_connect`` (a dead host drops it: the
 caller then goes through Ray).
 
+A call is sent in the daemon's binary form (the body is the payload, ``?timeout=S``; the answer is
+the response's bytes, or a JSON refusal), so that a payload of any size the program declares travels
+as it is, never as hex in JSON.
+
 An answer is a ``NodeAnswer`` (the node agent hands back its bytes alone when it is ``ok``):
 ``ok`` and the response's bytes, or the daemon's HTTP ``status`` (0: the call reached no daemon,
 or no answer came), its ``error``, ``lost``: the call was sent and its answer never came (it
@@ -31,21 +35,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import time
 import urllib.parse
 from typing import NamedTuple
 
 from meshd_mps.fleet.spec import CallPort
-from meshd_mps.serving.client import ClientError, check_peer, check_socket_owner
+from meshd_mps.serving.client import BINARY, MAX_BODY, ClientError, check_peer, check_socket_owner
 from meshd_mps.strictjson import parse_json
 
 #: A connection idle longer than this is closed, not used again: the daemon closes an idle one
 #: after its ``Deadlines.http_head`` (30 s), and a request written as it closes would be lost.
 IDLE_S = 5.0
-#: The most bytes an answer's head or body may have (a call's answer is a ring entry's, in JSON).
-MAX_ANSWER = 1 << 20
+#: The most bytes an answer's head may have (the reader's buffer), and its body: a response's bytes,
+#: at most the daemon's largest body (a payload's most), or a refusal in JSON.
+MAX_HEAD = 1 << 20
+MAX_ANSWER = MAX_BODY
 #: The most connections to one daemon at once (aiohttp's connector had the same limit): calls past
 #: it wait for one, within their deadline.
 CONNECTIONS = 64
@@ -86,20 +91,24 @@ class NodeCalls:
         self.slots = asyncio.Semaphore(CONNECTIONS)
 
     async def call(self, name: str, data: bytes, timeout: float | None = None) -> NodeAnswer:  # noqa: ASYNC109
-        body: dict[str, object] = {"hex": data.hex()}
+        query = ""
         if timeout is not None:
             if not 0 < timeout < math.inf:
                 return NodeAnswer(False, status=400, error=f"timeout {timeout:g}: seconds, a finite number more than 0")
-            body["timeout"] = timeout
-        got = await self.relay(name, json.dumps(body).encode(), timeout)
+            query = f"timeout={timeout!r}"
+        got = await self.relay(name, data, timeout, binary=True, query=query)
         return got if isinstance(got, NodeAnswer) else _parsed(*got)
 
-    async def relay(self, name: str, body: bytes, timeout: float | None = None) -> tuple[int, bytes] | NodeAnswer:  # noqa: ASYNC109
-        """``body`` (a call's JSON, as the daemon reads it) to program ``name``: the daemon's status
-        and answer as they are, or the ``NodeAnswer`` that says why none came."""
+    async def relay(self, name: str, body: bytes, timeout: float | None = None, *, binary: bool = False,  # noqa: ASYNC109
+                    query: str = "") -> tuple[int, str, bytes] | NodeAnswer:
+        """``body`` (a call's, as the daemon reads it: its payload with ``binary``, else its JSON) to
+        program ``name``, ``query`` its query string: the daemon's status, answer's content type and
+        answer as they are, or the ``NodeAnswer`` that says why none came."""
         wait = self.within if timeout is None else max(self.within, timeout + 10)
-        req = (f"POST /v1/programs/{urllib.parse.quote(name, safe='')}/call HTTP/1.1\r\nHost: meshd-mps\r\n"
-               f"{self.auth}Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+        target = f"/v1/programs/{urllib.parse.quote(name, safe='')}/call" + (f"?{query}" if query else "")
+        kind = BINARY if binary else "application/json"
+        req = (f"POST {target} HTTP/1.1\r\nHost: meshd-mps\r\n"
+               f"{self.auth}Content-Type: {kind}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
         deadline = asyncio.get_running_loop().time() + wait
         try:
             async with asyncio.timeout_at(deadline):
@@ -115,7 +124,7 @@ class NodeCalls:
         finally:
             self.slots.release()
 
-    async def _exchange(self, req: bytes) -> tuple[int, bytes] | NodeAnswer:
+    async def _exchange(self, req: bytes) -> tuple[int, str, bytes] | NodeAnswer:
         conn: _Conn | None = None
         try:
             try:
@@ -127,7 +136,7 @@ class NodeCalls:
                 return NodeAnswer(False, status=0, error=f"{what} on {self.path} ({type(e).__name__}: {e})",
                                   unreachable=True)
             conn.writer.write(req)
-            status, answer, keep = await _read_answer(conn.reader)
+            status, kind, answer, keep = await _read_answer(conn.reader)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
             self._drop(conn)
             return NodeAnswer(False, status=0, error=f"{self.path}: no answer: {type(e).__name__}: {e}", lost=True)
@@ -141,7 +150,7 @@ class NodeCalls:
             self.idle.append(_Conn(conn.reader, conn.writer, time.monotonic()))
         else:
             self._drop(conn)
-        return status, answer
+        return status, kind, answer
 
     async def _connection(self) -> _Conn:
         """The connection used last, if it is still open and not idle too long; else a new one:
@@ -155,10 +164,10 @@ class NodeCalls:
             c.writer.close()
         if self.port is not None:
             async with asyncio.timeout(self.connect):
-                reader, writer = await asyncio.open_connection(self.port.host, self.port.port, limit=MAX_ANSWER)
+                reader, writer = await asyncio.open_connection(self.port.host, self.port.port, limit=MAX_HEAD)
             return _Conn(reader, writer, now)
         check_socket_owner(self.socket)
-        reader, writer = await asyncio.open_unix_connection(self.socket, limit=MAX_ANSWER)
+        reader, writer = await asyncio.open_unix_connection(self.socket, limit=MAX_HEAD)
         try:
             check_peer(writer.get_extra_info("socket"), self.socket)
         except BaseException:
@@ -181,9 +190,12 @@ class NodeCalls:
                 await c.writer.wait_closed()
 
 
-def _parsed(status: int, answer: bytes) -> NodeAnswer:
-    """A daemon's answer to a call, or a call port's own refusal (its ``lost`` field: the port
-    reached no daemon, ``CallPortRelay``; its status is then 0, as a daemon not reached here)."""
+def _parsed(status: int, kind: str, answer: bytes) -> NodeAnswer:
+    """A daemon's answer to a call (the response's bytes, ``kind`` BINARY; or JSON), or a call
+    port's own refusal (its ``lost`` field: the port reached no daemon, ``CallPortRelay``; its
+    status is then 0, as a daemon not reached here)."""
+    if status == 200 and kind == BINARY:
+        return NodeAnswer(True, answer)
     try:
         ans = parse_json(answer, strict=False)
     except ValueError as e:
@@ -199,8 +211,9 @@ def _parsed(status: int, answer: bytes) -> NodeAnswer:
         return NodeAnswer(False, status=status, error=f"HTTP {status}: an answer without its bytes ('hex')")
 
 
-async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
-    """One answer: its status, its body, and whether its connection may carry the next request."""
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, str, bytes, bool]:
+    """One answer: its status, its content type, its body, and whether its connection may carry the
+    next request."""
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     version, _, rest = lines[0].partition(" ")
@@ -217,4 +230,4 @@ async def _read_answer(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]:
         raise _BadAnswer(f"HTTP {code}: an answer without a Content-Length of at most {MAX_ANSWER} bytes")
     body = await reader.readexactly(int(size))
     keep = version == "HTTP/1.1" and fields.get("connection", "").lower() != "close"
-    return int(code), body, keep
+    return int(code), fields.get("content-type", "").split(";")[0].strip(), body, keep

@@ -5,6 +5,7 @@ the controller and the CLI share one definition of each word."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -59,14 +60,19 @@ class ProgramSource:
 
     manifest: dict[str, Any]
     ptx: str
+    #: Its data file (docs/program-abi.md, "Data"), read by ``Fleet.deploy`` into Ray's object store.
+    data: str | None = None
 
     @classmethod
     def read(cls, dir: str | None = None, *, manifest: str | None = None, ptx: str | None = None,
-             cuda: str | None = None, arch: str | None = None) -> ProgramSource:
+             cuda: str | None = None, arch: str | None = None, data: str | None = None) -> ProgramSource:
         """From files, exactly as ``meshd-mps load`` reads them (ProgramFilesError, a BadRequest,
-        says what is wrong); CUDA C is compiled for ``arch`` (default compute_90)."""
+        says what is wrong); CUDA C is compiled for ``arch`` (default compute_90); ``data``: its data
+        file (default: the manifest's ``data``, beside it)."""
         body = program_body(dir, manifest, ptx, cuda, arch=arch)
-        return cls(manifest=body["manifest"], ptx=body["ptx"])
+        if data is None and isinstance(body["manifest"], dict) and body["manifest"].get("data"):
+            data = os.path.join(os.path.dirname(manifest) if manifest else (dir or "."), body["manifest"]["data"])
+        return cls(manifest=body["manifest"], ptx=body["ptx"], data=data)
 
     def check(self) -> Manifest:
         """The manifest parsed (ManifestError, as the node API says it)."""
@@ -137,8 +143,8 @@ def resource_key(name: str) -> str:
 class ReplicaView:
     """One replica as the controller sees it: where Ray placed its bundle (``node``: the Ray node
     id, ``node_name``), and what that node's daemon says of it (``gpu``, ``slot``, ``pid``, ``hash``,
-    ``heartbeat_age``); ``reason`` says why it is pending or failed.  ``generation``: the program's
-    generation whose image it runs (or is starting)."""
+    ``heartbeat_age``, ``calls``, ``restarts``, ``faults``); ``reason`` says why it is pending or failed.
+    ``generation``: the program's generation whose image it runs (or is starting)."""
 
     program: str
     index: int
@@ -153,6 +159,11 @@ class ReplicaView:
     heartbeat_age: float | None = None
     heartbeat: int | None = None
     generation: int = 0
+    #: Its program's figures on its node's daemon: calls (callstats.CallStats.as_dict: outcomes,
+    #: latency counts, bytes), relaunches since its last load or upgrade, launches failed.
+    calls: dict[str, Any] | None = None
+    restarts: int = 0
+    faults: int = 0
 
     @property
     def name(self) -> str:

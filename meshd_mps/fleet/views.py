@@ -60,7 +60,7 @@ def replica(spec: Spec, r: Rollout, obs: Observed, i: int, nid: str) -> ReplicaV
     def seen(state: ReplicaState, why: str | None) -> ReplicaView:
         assert p is not None
         return ReplicaView(spec.name, i, state, why, nid, node.name, p.device, p.slot, p.pid, p.hash, p.beat_age,
-                           p.heartbeat, spec.generation_of(p.hash))
+                           p.heartbeat, spec.generation_of(p.hash), p.calls, p.restarts, p.faults)
 
     if rep.busy.get(name) == "unloading":
         # An earlier share's (the program removed, then declared again): gone in a moment, then loaded

@@ -36,6 +36,7 @@ from meshd_mps.errors import CompileError, HashMismatch, LimitError, ManifestErr
 from meshd_mps.gpu.device import DeviceInfo
 from meshd_mps.names import check_name
 from meshd_mps.protocol import abi
+from meshd_mps.protocol.payloads import MAX_PAYLOAD, Layout
 from meshd_mps.strictjson import parse_json
 
 #: The device-side header's folder, passed to NVRTC with -I (a source checkout only).
@@ -59,10 +60,23 @@ class Manifest:
     param: int = 0
     smem: int = 0
     scratch: int = 0
+    # The program's data (docs/program-abi.md, "Data"): a file beside the manifest, which the client
+    # that reads the directory sends with the load, and the device memory it needs if more than the file.
+    data: str = ""
+    data_bytes: int = 0
+    #: The most bytes a request and a response may have (0: not declared, a ring entry's 188);
+    #: beyond 188 they travel through the program's payload region (protocol/payloads.py).
+    max_request: int = 0
+    max_response: int = 0
 
     @property
     def threads(self) -> int:
         return self.warps * 32
+
+    @property
+    def layout(self) -> Layout:
+        """Its payload region's layout (size 0: it has none)."""
+        return Layout(self.max_request, self.max_response)
 
     @classmethod
     def parse(cls, data: bytes | str | Mapping[str, Any]) -> Manifest:
@@ -103,10 +117,33 @@ class Manifest:
             param=_int(obj, "param", 0, U64_MAX, 0),
             smem=_int(obj, "smem", 0, U32_MAX, 0),
             scratch=_int(obj, "scratch", 0, U32_MAX, 0),
+            data=_data_file(obj),
+            data_bytes=_int(obj, "data_bytes", 0, U64_MAX, 0),
+            max_request=_int(obj, "max_request", 0, MAX_PAYLOAD, 0),
+            max_response=_int(obj, "max_response", 0, MAX_PAYLOAD, 0),
         )
 
+    def as_dict(self) -> dict[str, Any]:
+        """Its fields as a manifest says them (a record's): the payload sizes only where declared,
+        so that a daemon older than them reads the record of a program that declares none."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in OPTIONAL or getattr(self, f.name)}
+
     def to_json(self) -> str:
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+        return json.dumps(self.as_dict())
+
+
+#: Manifest fields written by ``to_json`` only where they are not 0 (newer than some readers).
+OPTIONAL = ("max_request", "max_response")
+
+
+def _data_file(obj: Mapping[str, Any]) -> str:
+    """The manifest's ``data``: a file's name beside the manifest ("" for none)."""
+    v = obj.get("data", "")
+    if not isinstance(v, str):
+        raise ManifestError(f"manifest: field 'data' must be a string (a file beside the manifest), got {_tname(v)}")
+    if v and ("/" in v or v in (".", "..") or "\0" in v):
+        raise ManifestError(f"manifest: field 'data' {v[:80]!r}: the name of a file beside the manifest, without '/'")
+    return v
 
 
 def _tname(v: Any) -> str:

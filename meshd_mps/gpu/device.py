@@ -85,6 +85,22 @@ def simulated_count() -> int:
     return int(raw)
 
 
+#: The simulated GPU's memory in bytes (an H200's 143771 MiB unless set): what a program's data is
+#: allocated from, so that data that does not fit fails there as it fails on the GPU.
+SIM_MEMORY_ENV = "MESHD_MPS_SIM_GPU_MEMORY"
+SIM_MEMORY = 143771 << 20
+
+
+def simulated_memory() -> int:
+    """The simulated GPU's memory in bytes (``$MESHD_MPS_SIM_GPU_MEMORY``); ConfigError if it is not a size."""
+    raw = os.environ.get(SIM_MEMORY_ENV, "").strip()
+    if not raw:
+        return SIM_MEMORY
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"{SIM_MEMORY_ENV}={raw}: the simulated GPU's memory in bytes (1 or more) expected")
+    return int(raw)
+
+
 def simulated_device(ordinal: int = 0) -> DeviceInfo:
     """The CPU simulation's device ``ordinal``: an NVIDIA H200's figures (probe/RESULTS.md)."""
     return DeviceInfo(
@@ -174,6 +190,22 @@ def _driver_errors(what: str) -> Iterator[None]:
         if is_no_driver(e):
             raise NoDriver(str(e)) from e
         raise DeviceError(f"{what}: {type(e).__name__}: {e}") from e
+
+
+#: The CUDA driver's library, as cuda.bindings loads it.
+DRIVER_LIBRARY = "libcuda.so.1"
+
+
+def check_driver() -> None:
+    """NoDriver where the CUDA driver's library cannot be loaded.  It initialises nothing (no cuInit:
+    in MPS mode that waits until the daemon's own pipe directory is set), so a start checks it before
+    it makes anything (a socket, a state directory, the MPS daemon), whatever the isolation."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(DRIVER_LIBRARY)
+    except OSError as e:
+        raise NoDriver(str(e)) from e
 
 
 def device_count() -> int:

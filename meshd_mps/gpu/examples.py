@@ -1,4 +1,4 @@
-"""The shipped example programs (examples/heartbeat, echo, spin, fault) and their images.
+"""The shipped example programs (examples/heartbeat, echo, spin, fault, peek) and their images.
 
 The simulated GPU (``--gpu sim``) runs no GPU code: it runs these examples' device code as
 Python (workers/sim_kernels.py), so it must know that a cubin *is* one of them.  It knows by the
@@ -10,9 +10,12 @@ register cap) is another image.  The cubins are not written down here: they chan
 NVRTC and nvJitLink release, so they are derived at run time from the example sources this
 package ships, compiled as a load compiles them (``cuda_to_ptx`` as ``meshd-mps load
 examples/NAME`` does, then the daemon's JIT, ``Compiler.check``'s register cap and
-``ptx_to_cubin``), once per process and device kind: ~0.5 s, which the daemon spends once and
-hands to each simulated worker on its command line (``--examples``, ``as_arg``), so that a worker
-started for one load does not spend it again.
+``ptx_to_cubin``), once per process and device kind, which the daemon hands to each simulated
+worker on its command line (``--examples``, ``as_arg``), so that a worker started for one load does
+not spend it again.  The compile (~3 s of CPU with knn's kernel) is kept in the user's cache
+directory (``$XDG_CACHE_HOME/meshd-mps/examples``), named by everything it depends on: the
+examples' files, the GPU's kind and the compilers' versions, so that a daemon's next start, or
+another daemon's, reads it, and a change to any of them compiles again.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
+import os
+import tempfile
+from importlib import metadata
 from pathlib import Path
 
 from meshd_mps.gpu.compiler import Compiler, Manifest, cuda_to_ptx, ptx_to_cubin
@@ -28,7 +35,7 @@ from meshd_mps.gpu.device import DeviceInfo
 #: The examples folder of a source checkout (the wheel ships none: then nothing is recognised).
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 #: The examples the simulation runs, by name (each is a kernel of workers/sim_gpu.py).
-NAMES = ("heartbeat", "echo", "spin", "fault")
+NAMES = ("heartbeat", "echo", "spin", "fault", "peek", "knn")
 
 
 def cubin_id(cubin: bytes) -> int:
@@ -44,8 +51,54 @@ def example_images(info: DeviceInfo) -> dict[int, str]:
     return _images(dataclasses.replace(info, ordinal=0))  # one compile per kind of GPU, not per GPU
 
 
+def _cache_key(info: DeviceInfo) -> str:
+    """What the examples' cubins depend on, hashed: their files, the GPU's kind, the compilers."""
+    h = hashlib.sha256(repr(info).encode())
+    for pkg in ("cuda-bindings", "nvidia-cuda-nvrtc", "nvidia-nvjitlink"):
+        try:
+            h.update(f"{pkg} {metadata.version(pkg)}".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{pkg} -".encode())
+    for path in sorted(p for p in EXAMPLES_DIR.rglob("*") if p.is_file() and p.suffix in (".cu", ".h", ".json")):
+        h.update(str(path.relative_to(EXAMPLES_DIR)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def _cache_dir() -> Path:
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "meshd-mps" / "examples"
+
+
+def _cached(key: str) -> dict[int, str] | None:
+    try:
+        return {int(h, 16): n for h, n in json.loads((_cache_dir() / f"{key}.json").read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _keep(key: str, images: dict[int, str]) -> None:
+    """Written whole or not at all (another process may read it meanwhile); a cache that cannot be
+    written is no error: the next start compiles again."""
+    try:
+        d = _cache_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".images.")
+        with os.fdopen(fd, "w") as f:
+            json.dump({f"{h:016x}": n for h, n in images.items()}, f)
+        os.replace(tmp, d / f"{key}.json")
+    except OSError:
+        pass
+
+
 @functools.cache
 def _images(info: DeviceInfo) -> dict[int, str]:
+    try:
+        key = _cache_key(info)
+    except OSError:  # no examples to read: nothing is known, as below
+        key = ""
+    if key and (got := _cached(key)) is not None:
+        return got
     out: dict[int, str] = {}
     jit = Compiler(info)  # no cache: its checks and register cap only, the JIT is ptx_to_cubin as its _build runs it
     for name in NAMES:
@@ -58,6 +111,8 @@ def _images(info: DeviceInfo) -> dict[int, str]:
         except Exception:  # OSError, ManifestError, CompileError, NVRTC or nvJitLink missing: not known here
             continue
         out[cubin_id(cubin)] = name
+    if key and len(out) == len(NAMES):  # a partial answer (a compiler missing) is not kept
+        _keep(key, out)
     return out
 
 

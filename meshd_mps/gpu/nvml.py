@@ -19,7 +19,7 @@ which is in both the MPS list and the compute list.  Before Volta, "all MPS clie
 will be attributed to the MPS server process by system monitoring and accounting tools (for
 example, nvidia-smi, NVML API)" (NVIDIA's MPS documentation, docs.nvidia.com/deploy/mps,
 "Limitations"): only the server was listed.  Seen on an NVIDIA H200 (driver 580.159.04,
-nvidia-ml-py 13, 2026-12-03 19:03 UTC), a plain context and two clients of a private MPS
+nvidia-ml-py 13; docs/gpu-runs.md), a plain context and two clients of a private MPS
 server on GPU 0:
 
 - compute list: the plain context (520 MiB), the server ``nvidia-cuda-mps-server`` (66 MiB)
@@ -63,6 +63,8 @@ from meshd_mps.errors import ConfigError, DeviceError, NoDriver, NvmlUnavailable
 
 #: The JSON file of processes that the simulated NVML shows (``--gpu sim``); unset: none.
 SIM_NVML_ENV = "MESHD_MPS_SIM_NVML"
+#: The simulated GPU's memory (bytes): an H200's, as its NVML reports it (143771 MiB).
+SIM_MEMORY = 143771 * 1024 * 1024
 
 Kind = Literal["compute", "graphics"]
 
@@ -95,11 +97,13 @@ class GpuProcess:
 
 @dataclass(frozen=True)
 class DeviceView:
-    """What NVML shows of GPU ``device`` (CUDA's ordinal) at one moment."""
+    """What NVML shows of GPU ``device`` (CUDA's ordinal) at one moment; ``memory``: its memory
+    used and in all, bytes (None where NVML cannot say)."""
 
     device: int
     compute_mode: ComputeMode
     processes: tuple[GpuProcess, ...]
+    memory: tuple[int, int] | None = None
 
 
 class NvmlLike(Protocol):
@@ -234,7 +238,26 @@ class Nvml:
         compute = self._list("nvmlDeviceGetComputeRunningProcesses", h, device, optional=False)
         graphics = self._list("nvmlDeviceGetGraphicsRunningProcesses", h, device, optional=True)
         mps = self._list("nvmlDeviceGetMPSComputeRunningProcesses", h, device, optional=True)
-        return DeviceView(device, mode, merge(compute, graphics, mps, self._process_name))
+        return DeviceView(device, mode, merge(compute, graphics, mps, self._process_name), self._memory(h, device))
+
+    def _memory(self, h: Any, device: int) -> tuple[int, int] | None:
+        """nvmlDeviceGetMemoryInfo's used and total bytes; None where the board does not say."""
+        n = self._n
+        try:
+            m = n.nvmlDeviceGetMemoryInfo(h)
+        except (n.NVMLError_NotSupported, n.NVMLError_FunctionNotFound):
+            return None
+        except n.NVMLError as e:
+            raise DeviceError(f"GPU {device}: nvmlDeviceGetMemoryInfo: {e}") from e
+        return int(m.used), int(m.total)
+
+    def memory(self, device: int) -> tuple[int, int]:
+        """GPU ``device``'s memory, (total, free) bytes, every process's use counted; DeviceError."""
+        try:
+            m = self._n.nvmlDeviceGetMemoryInfo(self._handle(device))
+        except self._n.NVMLError as e:
+            raise DeviceError(f"GPU {device}: nvmlDeviceGetMemoryInfo: {e}") from e
+        return int(m.total), int(m.free)
 
     def _process_name(self, pid: int) -> str:
         """/proc's name where we see the pid, else NVML's (nvmlSystemGetProcessName), else "?".
@@ -369,7 +392,8 @@ class SimNvml:
         own = tuple(self._residents(device)) if self._residents else ()
         seen = {p.pid for p in own}
         procs = own + tuple(p for p in listed if p.pid not in seen)
-        return DeviceView(device, mode, tuple(sorted(procs, key=lambda p: p.pid)))
+        used = sum(p.used_bytes or 0 for p in procs)  # the simulated GPU's memory: what its processes hold
+        return DeviceView(device, mode, tuple(sorted(procs, key=lambda p: p.pid)), (used, SIM_MEMORY))
 
     def close(self) -> None:
         self._open = False

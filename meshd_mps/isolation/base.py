@@ -21,13 +21,15 @@ from typing import Any
 import anyio
 import structlog
 
-from meshd_mps.errors import AbiMismatch, MeshError, WorkerError
+from meshd_mps.errors import FrameError, MeshError, OldWorker, WorkerError
 from meshd_mps.faults import Stray
 from meshd_mps.gpu.compiler import Manifest, Prepared
 from meshd_mps.isolation.launch import Launch
+from meshd_mps.isolation.preflight import abi_mismatch
 from meshd_mps.mps.clients import NewClient
 from meshd_mps.protocol import abi, frames
-from meshd_mps.protocol.frames import Done, HelloModule, Loaded, Op
+from meshd_mps.protocol.frames import Done, HelloModule, Loaded, Op, PayloadsReq
+from meshd_mps.protocol.payloads import Region
 from meshd_mps.supervision.proc import WorkerProc
 from meshd_mps.supervision.supervisor import Supervisor
 
@@ -76,6 +78,9 @@ class Image:
     prepared: Prepared
     device: int | None = None  # the GPU it is for (None: the backend's first)
     preloaded: Module | None = None  # MPS: its worker's module, until load takes it or drop gives it back
+    #: Its program's payload region (None: none declared), which ``load`` has its worker map: the
+    #: program's, made and closed by whoever owns the program (Registry.payloads, backend/payloads.py).
+    payloads: Region | None = None
 
     @property
     def name(self) -> str:
@@ -140,6 +145,9 @@ class Kernel:
     isolation: Isolation = field(repr=False)
     launch: Launch | None = None
     unloaded: bool = False  # unloaded or abandoned: a second time is nothing to do
+    #: Its program's payload region, mapped by its worker (None: none; an adopted module's is set
+    #: by whoever takes it: the worker maps it still, the daemon opens it again).
+    payloads: Region | None = None
     # What its worker reported at LOADED:
     regs: int = field(init=False)
     local: int = field(init=False)
@@ -332,7 +340,7 @@ class Isolation(ABC):
         a teardown starts them and does not wait for them, ``held_started`` does (``refill``).  A
         worker on a socket (live restore) is spawned only once it listens and has said HELLO, after
         its imports (~0.15 s): started one after another inside the teardown, 7 of them made the
-        teardown 1.3 s on the H100 against 0.25 s on pipes (issue 33).  One that fails is logged:
+        teardown 1.3 s on the H100 against 0.25 s on pipes.  One that fails is logged:
         ``refill`` starts its own then."""
         done = self._holding = anyio.Event()
 
@@ -403,12 +411,27 @@ class Isolation(ABC):
         """Live restore's stop, before the supervisor detaches the workers: nothing more is started
         (MPS: the pool is not refilled); every worker, pooled ones too, is left for the next meshd-mps."""
 
+    async def _map_payloads(self, name: str, p: WorkerProc, module: int, region: Region) -> None:
+        """Module ``module`` of worker ``p`` given its program's payload region (PAYLOADS): mapped and
+        registered there, with nothing of the module running (blink: within the load's blink).
+        OldWorker for a worker an older meshd-mps started that does not speak PAYLOADS."""
+        version = p.hello.version if p.hello is not None else frames.PROTOCOL_VERSION
+        if version < frames.PAYLOADS_SINCE:
+            raise OldWorker(f"{name}: its payload region cannot be given to worker {p.pid}, which an older meshd-mps"
+                            f" started (frame protocol {version}; PAYLOADS needs {frames.PAYLOADS_SINCE}): start"
+                            " meshd-mps without live restore once, or load it where no such worker is",
+                            program=name, pid=p.pid, version=version, needs=frames.PAYLOADS_SINCE)
+        req = PayloadsReq(module, region.layout.max_request, region.layout.max_response, region.path)
+        try:
+            frames.u64_value(Op.PAYLOADS, await p.ask(Op.PAYLOADS, req.encode()))
+        except (WorkerError, FrameError) as e:
+            raise e.prefixed(f"{name}: payload region") from e
+
     async def _check_abi(self, k: Kernel) -> None:
         """A module built for another program ABI is unloaded and refused."""
         if k.rt_abi != abi.RT_ABI:
             await self.unload(k)
-            raise AbiMismatch(f"{k.name}: {abi.RT_ABI_SYMBOL} is {k.rt_abi}, this meshd-mps runs program ABI {abi.RT_ABI}",
-                              program=k.name, abi=k.rt_abi, expected=abi.RT_ABI)
+            raise abi_mismatch(k.name, k.rt_abi)
 
 
 class Mode(ABC):

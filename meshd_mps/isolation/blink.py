@@ -83,7 +83,8 @@ class BlinkIsolation(Isolation):
         self.dev = 0
         #: Hardware work queues the context's worker asks for; a module gets a stream of its own queue.
         self.queues = BLINK_QUEUES
-        self._held: WorkerProc | None = None  # the next context's worker, started during a teardown
+        self._held: WorkerProc | None = None  # the next context's worker, standing by (``_stand_by``)
+        self._opened = False
         self._torn: WorkerProc | None = None  # the context the last teardown retired
         #: Blinks: module changes that halted and relaunched every running program of the GPU, the
         #: last one's length (ms) and its monotonic end.
@@ -92,27 +93,68 @@ class BlinkIsolation(Isolation):
         self.last_blink_at = 0.0
 
     async def open(self, adopted: Sequence[WorkerProc] = ()) -> None:
-        """The context: the adopted one that holds modules (live restore), else a new one."""
+        """The context: the adopted one that holds modules (live restore), else a new one: the
+        standby's (``_stand_by``), whose context is made already, else a fresh worker's.  Then the
+        next standby is started."""
+        first, self._opened = not self._opened, True
         ctx = next((p for p in adopted if p.hello is not None and p.hello.modules), None)
         for p in adopted:
             if p is not ctx:  # no module of ours in it, or a second context of this GPU
                 self.sup.retire(p, before_exit=False)
-        self.proc = ctx or self._held or await self._spawn()
-        if ctx is None:
-            self._held = None
+        held, self._held = self._held, None
+        if held is not None and (ctx is not None or not held.idle()):
+            self.sup.retire(held)  # not needed, or it died while it stood by
+            held = None
+        self.proc = ctx or held or await self._spawn()
+        if first and ctx is None:
+            self._stand_by(context=True)  # its context made beside this one's, before any program runs
         await self.proc.ask(Op.READY)
         self.first_context_at = time.perf_counter()
         if ctx is not None:
+            # Adopted programs run: a context made now would stall them once (as a new MPS client
+            # does); the standby waits without one, and a recovery then makes it.
+            self._stand_by(context=False)
             self.found = self.found_in(ctx, self._adopted_module)
             self._next = max(self.modules) + 1
             log.info(f"blink: GPU {self.device}: context {ctx.pid} adopted with {len(self.found)} modules",
                      device=self.device, pid=ctx.pid, found=[f.name for f in self.found])
+        elif first:
+            await self.held_started()  # the start's two contexts made before anything runs
+        else:
+            # After a fault's recovery, beside the relaunched programs: its context stalls them once,
+            # as the MPS pool's refill after a recovery does.
+            self._stand_by(context=True)
 
     def _adopted_module(self, hm: frames.HelloModule) -> BlinkModule:
         assert self.proc is not None
         m = self.modules[hm.id] = BlinkModule(hm.name, self.proc, hm.id, hm.info)
         self.dev = hm.info.dev
         return m
+
+    def _stand_by(self, context: bool) -> None:
+        """The next context's worker, started now for a fault's recovery.  With ``context`` its CUDA
+        context is made now too: a blink context (32 hardware queues) takes ~0.6 s to make on an
+        H100, cuInit included, most of a recovery, and another process's idle context costs the
+        running ones nothing (plain contexts are isolated from each other's faults).  Without, it is
+        held (imported only: nothing of the GPU touched), and saves the recovery the imports."""
+        if self._held is None:
+            self.hold_ahead(1, functools.partial(self._standby_worker, context), self._keep_held)
+
+    async def _standby_worker(self, context: bool) -> WorkerProc:
+        p = await self._spawn(hold=not context)
+        if context:
+            try:
+                await p.ask(Op.READY)
+            except MeshError as e:
+                # A GPU that takes one context at a time (compute mode EXCLUSIVE_PROCESS): held, then.
+                self.sup.retire(p)
+                log.info(f"blink: GPU {self.device}: no second context for the standby ({e}); it waits held",
+                         device=self.device)
+                return await self._spawn(hold=True)
+            except BaseException:
+                self.sup.retire(p)
+                raise
+        return p
 
     async def _spawn(self, hold: bool = False) -> WorkerProc:
         """The context's worker (``hold``: imported, its context created at READY)."""
@@ -227,17 +269,20 @@ class BlinkIsolation(Isolation):
                     await p.send(Op.UNLOAD, frames.unload_body(module))
                 raise
             self.dev = info.dev
-            if admit is not None:
-                try:
+            try:
+                if admit is not None:
                     admit(info)
-                except BaseException:
+                if img.payloads is not None:  # registered here, with every kernel of the context halted
+                    await self._map_payloads(m.name, p, module, img.payloads)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
                     await p.send(Op.UNLOAD, frames.unload_body(module))
-                    raise
+                raise
             mod = self.modules[module] = BlinkModule(m.name, p, module, info)
             return mod
 
         mod = await self._blink(f"load {m.name}", work)
-        k = Kernel(m.name, m, mod, self)
+        k = Kernel(m.name, m, mod, self, payloads=img.payloads)
         await self._check_abi(k)
         if self.sms and mod.info.sms != self.sms:
             await self.unload(k)
@@ -295,7 +340,7 @@ class BlinkIsolation(Isolation):
         async def ask() -> int:
             try:
                 payload = await p.ask(Op.LIMIT, frames.limit_body(set_to))
-                return frames.limit_value(payload)
+                return frames.u64_value(Op.LIMIT, payload)
             except frames.FrameError as e:
                 raise e.prefixed(f"stack limit: worker {p.pid}") from e
 
@@ -312,7 +357,7 @@ class BlinkIsolation(Isolation):
     def status(self) -> dict[str, Any]:
         pid = self.proc.pid if self.proc else None
         return {"workers": [pid] if pid else [], "blinks": self.blinks, "last_blink_ms": self.last_blink_ms,
-                "context_pid": pid}
+                "context_pid": pid, "standby_pid": self._held.pid if self._held is not None else None}
 
     # ---- a fault of the context -------------------------------------------------------------
     async def teardown(self, ahead: int = 0) -> list[WorkerProc]:
@@ -327,10 +372,25 @@ class BlinkIsolation(Isolation):
             return []
         log.info(f"blink: GPU {self.device}: retiring its context after a fault", device=self.device, pid=p.pid)
         self.sup.retire(p, before_exit=False, at_once=True)
+        if self._held is not None and not self._held.idle():  # the standby died meanwhile
+            self.sup.retire(self._held)
+            self._held = None
         self.hold_ahead(0 if self._held else 1, functools.partial(self._spawn, hold=True), self._keep_held)
         with anyio.move_on_after(self.sup.deadlines.recover):
             await p.process.wait()
         return [p]
+
+    @property
+    def standby(self) -> WorkerProc | None:
+        """The next context's worker (``_stand_by``), if it is up."""
+        return self._held
+
+    def detach(self) -> None:
+        """Live restore's stop: the standby is retired, not left for the next daemon (which would
+        retire it: it holds no module)."""
+        held, self._held = self._held, None
+        if held is not None:
+            self.sup.retire(held)
 
     def _keep_held(self, p: WorkerProc) -> None:
         """The next context's worker, started ahead of the refill; retired if one came meanwhile."""
@@ -402,7 +462,8 @@ class Blink(Mode):
             return {}
         first = self.gpus[min(self.gpus)]
         return {"blinks": sum(c.blinks for c in self.gpus.values()), "last_blink_ms": last_blink_ms(self.gpus.values()),
-                "context_pid": first.proc.pid if first.proc else None}
+                "context_pid": first.proc.pid if first.proc else None,
+                "standby_pid": first.standby.pid if first.standby is not None else None}
 
 
 def last_blink_ms(contexts: Iterable[Isolation]) -> float | None:

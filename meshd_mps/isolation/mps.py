@@ -296,14 +296,16 @@ class MpsIsolation(Isolation):
         w, img.preloaded = img.preloaded, None
         if w is None:
             raise MeshError("internal: an image prepared for the other isolation mode")
-        k = Kernel(img.name, img.prepared.manifest, w, self)
-        if admit is not None:
-            try:
+        k = Kernel(img.name, img.prepared.manifest, w, self, payloads=img.payloads)
+        try:
+            if admit is not None:
                 admit(w.info)
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await self.unload(k)
-                raise
+            if img.payloads is not None:  # its own worker: no kernel of its context runs
+                await self._map_payloads(img.name, w.proc, w.module, img.payloads)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.unload(k)
+            raise
         await self._check_abi(k)
         return k
 

@@ -36,8 +36,8 @@ log = structlog.get_logger("meshd_mps")
 MAX_CLIENTS = 48
 
 #: What one new MPS client cost every running client, measured: a resident probe program's worst
-#: beat gap when a client was created beside it, by the clients there then (an H100, 2026-12-06,
-#: issue 33; the H200 gave 0.44 ms at 8).  ``stall_estimate_us`` draws a line through them.
+#: beat gap when a client was created beside it, by the clients there then (an H100, bench row (h);
+#: the H200 gave 0.44 ms at 8).  ``stall_estimate_us`` draws a line through them.
 CLIENT_STALL_US: tuple[tuple[int, float], tuple[int, float]] = ((8, 505.0), (44, 1614.0))
 
 

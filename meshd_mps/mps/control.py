@@ -159,7 +159,7 @@ class ControlDaemon:
         finally:
             if proc.returncode is None:
                 proc.kill()
-                with anyio.move_on_after(2, shield=True):
+                with anyio.move_on_after(self.deadlines.control_kill, shield=True):
                     await proc.wait()
             proc.close()
         assert proc.returncode is not None
@@ -219,7 +219,7 @@ class ControlDaemon:
         except TimeoutError as e:
             within = self.deadlines.control_start
             raise MpsError(f"mps: the control daemon did not answer within {within:g}s: {out.strip()}") from e
-        with anyio.move_on_after(2.0):  # the daemonized process is re-parented to us soon after -d
+        with anyio.move_on_after(self.deadlines.control_adopt):  # the daemonized process is re-parented to us soon after -d
             while not (pids := _children_running(CONTROL) - before):
                 await anyio.sleep(0.005)
         self.pid = min(pids) if pids else None

@@ -1,5 +1,6 @@
 """Requests through a program's ring, and their responses: one (``call``) or many pipelined
-(``call_many``)."""
+(``call_many``).  Each is counted in its program's ``calls`` (meshd_mps/callstats.py): its outcome,
+its time from the call to the response, its bytes."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from meshd_mps.errors import CallTimeout, NotRunning, NotServing
 from meshd_mps.protocol import abi
-from meshd_mps.protocol.ring import MASK, SPIN, Ring, check_payload
+from meshd_mps.protocol.payloads import Layout
+from meshd_mps.protocol.ring import MASK, SPIN, Ring
 
 if TYPE_CHECKING:
     from meshd_mps.programs.program import Program
@@ -22,6 +24,10 @@ class Calls:
     #: After the spin (ring.SPIN), a wait yields to the loop for this long, then sleeps BACKOFF.
     YIELDS = 200e-6
     BACKOFF = 1e-3
+    #: A program whose calls take longer (a search over a table) has its waits yield up to 1.5 times
+    #: its typical answer (``Program.answer_s``), at most this long: a 1 ms sleep past a 0.2 ms answer
+    #: would be most of the call.
+    YIELD_MOST = 2e-3
     #: How long ``call_many`` holds the loop between yields while its responses keep coming (s):
     #: a yield each ring.SPIN (20 us) cost ~5 % of its throughput at 8 outstanding against one each
     #: 50 or 100 us (the 2-core CPU machine, uvloop, a process answering; on the H200:
@@ -35,10 +41,22 @@ class Calls:
         """The program, the generation whose ring this is, the ring."""
         p = self.reg.get(name)
         if p.launch.finished():
-            raise NotRunning(f"program {name} is not running ({p.state()[0]})", program=name, state=p.state()[0])
+            e = NotRunning(f"program {name} is not running ({p.state()[0]})", program=name, state=p.state()[0])
+            p.calls.failed(e, 0)
+            raise e
         if p.ring is None:
-            p.ring = Ring(self.reg.b.mailbox, p.slot, name)
+            p.ring = self.ring(p)
         return p, p.generation, p.ring
+
+    def ring(self, p: Program) -> Ring:
+        """The host's end of ``p``'s ring as its launch runs: its payload sizes and region."""
+        layout = p.manifest.layout if p.manifest is not None else Layout()
+        return Ring(self.reg.b.mailbox, p.slot, p.name, layout, p.kernel.payloads)
+
+    def check(self, name: str, size: int) -> None:
+        """PayloadTooLarge if a request of ``size`` bytes is over the most program ``name`` takes
+        (before its body is read: the API's); NotLoaded, NotRunning as a call."""
+        self._ring(name)[2].check(size)
 
     def _current_ring(self, p: Program, generation: int) -> None:
         """A response read from ``p``'s slot is its own only while ``p`` still runs the launch of
@@ -77,6 +95,7 @@ class Calls:
         then yields to the loop for YIELDS, then BACKOFF sleeps, until ``deadline`` (monotonic)."""
         got = ring.spin(seq, SPIN)
         t0 = time.monotonic()
+        yields = max(self.YIELDS, min(self.YIELD_MOST, 1.5 * p.answer_s))
         while got is None:
             if p.generation != gen or p.launch.finished():  # its launch of ``gen`` ended
                 raise NotRunning(f"program {p.name} ended before answering ({p.state()[1] or p.state()[0]})",
@@ -86,7 +105,7 @@ class Calls:
             if now >= deadline:
                 raise CallTimeout(p.name, timeout)
             # asyncio.sleep, not anyio's: this is the hot path (anyio's costs its backend lookup).
-            await asyncio.sleep(0 if now - t0 < self.YIELDS else self.BACKOFF)
+            await asyncio.sleep(0 if now - t0 < yields else self.BACKOFF)
             got = ring.response(seq)
         self._current_ring(p, gen)
         return got
@@ -97,18 +116,28 @@ class Calls:
         call deadline).  The wait gives the loop back once first (other callers post meanwhile,
         while the GPU answers), then spins for at most ring.SPIN, then backs off: nothing is spent
         while nothing is asked.  Spinning at once instead measured no faster on the H200, and slower
-        at p99 (docs/benchmarks.md, Issue 18)."""
+        at p99 (docs/runs/ring-and-control-path.md)."""
         timeout = self.reg.d.call if timeout is None else timeout
+        t0 = time.perf_counter()
         p, gen, ring = self._ring(name)
-        if not ring.serving:
-            await self._serving(p, gen, ring, timeout, time.monotonic() + timeout)
-        seq = ring.post(payload)
+        try:
+            if not ring.serving:
+                await self._serving(p, gen, ring, timeout, time.monotonic() + timeout)
+            seq = ring.post(payload)
+        except BaseException as e:  # nothing posted
+            p.calls.failed(e, 0)
+            raise
         try:
             await asyncio.sleep(0)
-            return await self._answer(p, gen, ring, seq, timeout, time.monotonic() + timeout)
-        except BaseException:
+            got = await self._answer(p, gen, ring, seq, timeout, time.monotonic() + timeout)
+        except BaseException as e:
             ring.forget(seq)
+            p.calls.failed(e, len(payload))
             raise
+        took = time.perf_counter() - t0
+        p.calls.answered(len(payload), len(got), took)
+        p.answer_s += (took - p.answer_s) / 8  # its typical answer, as the next wait's yields read it
+        return got
 
     async def call_many(self, name: str, payloads: Sequence[bytes], timeout: float | None = None,  # noqa: ASYNC109
                         window: int = abi.RING) -> list[bytes]:
@@ -124,11 +153,16 @@ class Calls:
         timeout = self.reg.d.call if timeout is None else timeout
         window = max(1, min(window, abi.RING))
         half = (window + 1) // 2
-        for x in payloads:
-            check_payload(x)
+        t0 = time.perf_counter()
         p, gen, ring = self._ring(name)
-        if not ring.serving:
-            await self._serving(p, gen, ring, timeout, time.monotonic() + timeout)
+        try:
+            for x in payloads:  # every one before any is posted
+                ring.check(len(x))
+            if not ring.serving:
+                await self._serving(p, gen, ring, timeout, time.monotonic() + timeout)
+        except BaseException as e:  # nothing posted
+            p.calls.failed(e, 0, len(payloads))
+            raise
         total = len(payloads)
         out: list[bytes] = []
         sent = done = 0
@@ -164,10 +198,16 @@ class Calls:
                 if (now := clock()) - held > self.HOLD:
                     await asyncio.sleep(0)
                     held = now
-        except BaseException:
+        except BaseException as e:
             for first, at, k in batches:  # the requests posted and not read: this caller's own
                 for i in range(max(len(out), at), at + k):
                     ring.forget((first + i - at) & MASK)
+            n = len(out)
+            if n:
+                p.calls.answered(sum(map(len, payloads[:n])), sum(map(len, out)), (time.perf_counter() - t0) / n, n)
+            p.calls.failed(e, sum(map(len, payloads[n:sent])), total - n)
             raise
+        if total:  # each request at the batch's time over its count: a pipeline has no time per request
+            p.calls.answered(sum(map(len, payloads)), sum(map(len, out)), (time.perf_counter() - t0) / total, total)
         return out
 

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from meshd_mps.errors import ConfigError, MeshError
 from meshd_mps.programs.adoption import Adoption
 from meshd_mps.programs.calls import Calls
+from meshd_mps.programs.data import DataSource, Recorded, Written
+from meshd_mps.programs.datastore import DataStore
 from meshd_mps.programs.heartbeats import Heartbeats
 from meshd_mps.programs.launching import Launching
 from meshd_mps.programs.lifecycle import Lifecycle
@@ -38,26 +40,21 @@ if TYPE_CHECKING:
     from meshd_mps.programs.recorder import Recorder
     from meshd_mps.programs.report import FaultReport
 
-def _either(new: Any, old: Any, names: str) -> Any:
-    """Issue 31's one vocabulary: the new keyword, or (for one release) its old name."""
-    if new is not None and old is not None:
-        raise TypeError(f"{names}: give one of them")
-    return new if new is not None else old
-
 
 class Programs:
-    """``restart``: the restart policy of a program loaded without one (restart.py; ``policy`` is
-    its old name); ``stall_after``: seconds without a heartbeat before a running program is
-    stalled (None: the deadlines' ``stall``)."""
+    """``restart``: the restart policy of a program loaded without one (restart.py);
+    ``stall_after``: seconds without a heartbeat before a running program is stalled (None: the
+    deadlines' ``stall``); ``data``: where the programs' data files are kept (datastore.py; None: a
+    temporary directory, removed at close)."""
 
     def __init__(self, backend: Backend, restart: Policy | str | None = None, stall_after: float | None = None, *,
-                 policy: Policy | str | None = None):
+                 data: DataStore | None = None):
         d = backend.deadlines
         stall_after = d.stall if stall_after is None else stall_after
         if not stall_after > 0:
             raise ConfigError(f"stall_after {stall_after!r}: seconds, more than 0")
-        pol = _either(restart, policy, "restart or policy")
-        self.reg = Registry(backend, Policy.parse(DEFAULT_RESTART if pol is None else pol), stall_after)
+        self.reg = Registry(backend, Policy.parse(DEFAULT_RESTART if restart is None else restart), stall_after,
+                            data if data is not None else DataStore.temp())
         self.launching = Launching(self.reg)
         self.recovery = Recovery(self.reg, self.launching)
         self.lifecycle = Lifecycle(self.reg, self.launching, self.recovery)
@@ -78,8 +75,6 @@ class Programs:
     @property
     def restart(self) -> Policy:
         return self.reg.restart
-
-    policy = restart  # its old name (issue 31's one vocabulary), for one release
 
     @property
     def stall_after(self) -> float:
@@ -152,8 +147,10 @@ class Programs:
         await self.reg.b.ahead(loads)
 
     def settled(self) -> None:
-        """The start's loads are done: what ``ahead`` made and they did not take goes to the pools."""
+        """The start's loads are done: what ``ahead`` made and they did not take goes to the pools,
+        and (live restore) the payload regions no program holds are removed."""
         self.reg.b.settled()
+        self.reg.sweep_payloads()
 
     def _free_slot(self, want: int | None = None) -> int:
         return self.reg.free_slot(want)
@@ -161,40 +158,51 @@ class Programs:
     # ---- changes ------------------------------------------------------------------------------
     async def load(self, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes, hash: int | None = None,
                    nodes: int = 1, device: int | None = None, restart: Policy | str | None = None,
-                   slot: int | None = None, *, restore: Restore | str = Restore.RELOAD, expect: int | None = None,
-                   policy: Policy | str | None = None) -> Program:
+                   slot: int | None = None, *, restore: Restore | str = Restore.RELOAD,
+                   data: DataSource | None = None) -> Program:
         """Compile, preload and launch on a free slot (``slot``: that one, a restore's), on GPU
         ``device`` (None: ``place``'s choice); ``hash``: the image hash it must have; ``restart``:
         its restart policy (None: the default of these Programs); ``restore``: what the daemon's
-        next start does with it (restore.py: reload, or adopt only while it runs).  ``expect`` and
-        ``policy``: the old names of ``hash`` and ``restart``, for one release."""
-        return await self.lifecycle.load(manifest, ptx, _either(hash, expect, "hash or expect"), nodes, device,
-                                         _either(restart, policy, "restart or policy"), slot, restore)
+        next start does with it (restore.py: reload, or adopt only while it runs); ``data``: its
+        data (a path, bytes, a binary file, ``DataRef``: docs/program-abi.md, "Data")."""
+        return await self.lifecycle.load(manifest, ptx, hash, nodes, device, restart, slot, restore, data)
 
     async def upgrade(self, name: str, manifest: Manifest | bytes | str | Mapping[str, Any], ptx: bytes,
-                      hash: int | None = None, restart: Policy | str | None = None, *, expect: int | None = None,
-                      policy: Policy | str | None = None) -> Program:
-        """A new image on the program's slot (Lifecycle.upgrade)."""
-        return await self.lifecycle.upgrade(name, manifest, ptx, _either(hash, expect, "hash or expect"),
-                                            _either(restart, policy, "restart or policy"))
+                      hash: int | None = None, restart: Policy | str | None = None, *,
+                      data: DataSource | None = None) -> Program:
+        """A new image on the program's slot (Lifecycle.upgrade); ``data``: other data (None: its
+        data kept, with their writes)."""
+        return await self.lifecycle.upgrade(name, manifest, ptx, hash, restart, data)
+
+    async def write(self, name: str, offset: int, data: bytes) -> Written:
+        """``data`` into the program's data at ``offset`` while its kernel runs, on its worker's own
+        stream: nothing is halted; the slot's DATA_SEQ counts it once the copy is complete
+        (programs/data.py).  WriteOutOfRange past its end, NoData for a program without data."""
+        return await self.launching.data.write(name, offset, bytes(data))
 
     async def unload(self, name: str) -> None:
         await self.lifecycle.unload(name)
 
     async def close(self) -> None:
         """Every program halted (briefly) and unloaded, before the backend closes."""
-        await self.lifecycle.close()
+        try:
+            await self.lifecycle.close()
+        finally:
+            self.reg.data.remove()  # a temporary store only
 
     async def detach(self) -> None:
         """Live restore's stop: the programs left running for the next meshd-mps."""
-        await self.lifecycle.detach()
+        try:
+            await self.lifecycle.detach()
+        finally:
+            self.reg.data.remove()
 
     # ---- live restore -------------------------------------------------------------------------
     async def adopt(self, f: Found, manifest: Manifest, ptx: bytes, hash: int, nodes: int,
                     restart: Policy | str | None = None, *, started_wall: float | None = None, restarts: int = 0,
-                    policy: Policy | str | None = None, restore: Restore | str = Restore.RELOAD) -> Program:
-        return await self.adoption.adopt(f, manifest, ptx, hash, nodes, _either(restart, policy, "restart or policy"),
-                                         started_wall=started_wall, restarts=restarts, restore=restore)
+                    restore: Restore | str = Restore.RELOAD, data: Recorded | None = None) -> Program:
+        return await self.adoption.adopt(f, manifest, ptx, hash, nodes, restart,
+                                         started_wall=started_wall, restarts=restarts, restore=restore, data=data)
 
     async def discard(self, f: Found, why: str) -> None:
         await self.adoption.discard(f, why)
@@ -204,16 +212,19 @@ class Programs:
         self.reg.faults[:0] = list(reports)
 
     # ---- calls --------------------------------------------------------------------------------
-    async def call(self, name: str, payload: bytes, timeout: float | None = None, *,  # noqa: ASYNC109
-                   within: float | None = None) -> bytes:
-        """A request through the program's ring, and its response (Calls.call); ``within``: the old
-        name of ``timeout``, for one release."""
-        return await self.calls.call(name, payload, _either(timeout, within, "timeout or within"))
+    async def call(self, name: str, payload: bytes, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        """A request through the program's ring, and its response (Calls.call)."""
+        return await self.calls.call(name, payload, timeout)
+
+    def check_request(self, name: str, size: int) -> None:
+        """PayloadTooLarge if a request of ``size`` bytes is over the most program ``name`` takes,
+        before anything of it is read (Calls.check)."""
+        self.calls.check(name, size)
 
     async def call_many(self, name: str, payloads: Sequence[bytes], timeout: float | None = None,  # noqa: ASYNC109
-                        window: int = abi.RING, *, within: float | None = None) -> list[bytes]:
+                        window: int = abi.RING) -> list[bytes]:
         """Requests through the program's ring, pipelined (Calls.call_many)."""
-        return await self.calls.call_many(name, payloads, _either(timeout, within, "timeout or within"), window)
+        return await self.calls.call_many(name, payloads, timeout, window)
 
     # ---- reads --------------------------------------------------------------------------------
     def sample(self) -> None:
@@ -242,7 +253,24 @@ class Programs:
             "restore": p.restore.value,
             "regs": p.kernel.regs,
             "nodes": p.nodes,
+            # Its data (docs/program-abi.md, "Data"): the device memory it owns, the file it was
+            # loaded with (its SHA-256), the writes since.
+            "data_bytes": p.data_bytes,
+            "data": p.data.spec.key if p.data else None,
+            "data_writes": p.data.writes if p.data else 0,
+            "faults": p.faults,
+            "calls": p.calls.as_dict(),
+            # The most bytes a request and a response may have (its manifest's; a ring entry's 188
+            # where it declares none): larger ones travel through its payload region.
+            "max_request": p.manifest.layout.request_limit if p.manifest else None,
+            "max_response": p.manifest.layout.response_limit if p.manifest else None,
         }
+
+    def sm_share(self, device: int) -> float:
+        """The part of GPU ``device``'s resident blocks that its running programs hold (0..1): its
+        SMs' use by resident kernels, which is what an operator can still place there (NVML's
+        utilization reads 100 % while any resident kernel polls)."""
+        return min(1.0, sum(p.share() for p in self.reg.on_device(device)))
 
     def list(self) -> list[dict[str, Any]]:
         """Every program, by slot, as ``describe`` shows it."""

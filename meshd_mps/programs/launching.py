@@ -12,11 +12,13 @@ import structlog
 
 from meshd_mps.errors import HaltTimeout, NotStarted, WorkerError
 from meshd_mps.isolation import limits
+from meshd_mps.programs.data import Data
 from meshd_mps.protocol import abi, frames
 
 if TYPE_CHECKING:
     from meshd_mps.backend import Image, Kernel
     from meshd_mps.isolation.launch import Launch
+    from meshd_mps.programs.datastore import ProgramData
     from meshd_mps.programs.program import Program
     from meshd_mps.programs.registry import Registry
 
@@ -26,8 +28,10 @@ log = structlog.get_logger("meshd_mps")
 class Launching:
     def __init__(self, reg: Registry):
         self.reg = reg
+        self.data = Data(reg)
 
-    async def start(self, img: Image, slot: int, nodes: int, used: float) -> tuple[Kernel, Launch]:
+    async def start(self, img: Image, slot: int, nodes: int, used: float,
+                    data: ProgramData | None = None) -> tuple[Kernel, Launch]:
         """Loaded, launched, and seen started; anything less is rolled back.  ``used``: the shares
         of its GPU's blocks that the other programs hold (the module's real occupancy is checked
         against what they leave before it is launched)."""
@@ -37,12 +41,14 @@ class Launching:
             limits.check_resident(name, nodes, info.per_sm, info.sms, used)
 
         k = await self.reg.b.load(img, admit)
-        return k, await self.launch(k, slot, nodes)
+        return k, await self.launch(k, slot, nodes, data=data)
 
-    async def launch(self, k: Kernel, slot: int, nodes: int) -> Launch:
-        """A loaded kernel launched on ``slot`` and seen started; anything less is rolled back."""
+    async def launch(self, k: Kernel, slot: int, nodes: int, *, data: ProgramData | None) -> Launch:
+        """A loaded kernel launched on ``slot`` and seen started, its program's ``data`` placed in
+        its worker first; anything less is rolled back."""
         b = self.reg.b
         try:
+            await self.data.place(k.proc, k.name, slot, data)
             b.mailbox.reset_slot(slot)
             run = await b.launch(k, slot, nodes)
         except BaseException:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from meshd_mps.callstats import CallStats
 from meshd_mps.errors import StateError
 from meshd_mps.isolation import limits
 from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from meshd_mps.backend import Kernel
     from meshd_mps.gpu.compiler import Manifest
     from meshd_mps.isolation.launch import Launch
+    from meshd_mps.programs.datastore import ProgramData
     from meshd_mps.protocol.frames import Done
     from meshd_mps.protocol.ring import Ring
 
@@ -128,22 +130,27 @@ class Program:
     sampled_at: float = field(default_factory=time.monotonic)  # when ``beat`` was read (or its launch)
     stalled_at: float = 0.0  # monotonic time it was found stalled (0: not stalled)
     ring: Ring | None = field(default=None, repr=False)  # the host's end of its slot's ring (Calls.ring)
+    data: ProgramData | None = None  # its data (programs/data.py): set at load, replaced by an upgrade to other data
+    #: Its calls (calls.py records them): observations, as ``beat`` is, kept across its launches.
+    calls: CallStats = field(default_factory=CallStats, repr=False)
+    answer_s: float = 0.0  # its calls' typical time to an answer (a moving mean): an observation, as ``calls``
+    faults: int = 0  # its launches seen failing (``to`` with ``failed_at``), across its launches
     generation: int = field(default_factory=lambda: next(_GENERATIONS))  # its launch's (see the module's doc)
+
+    @property
+    def data_bytes(self) -> int:
+        """The device memory its data holds (0: it has none)."""
+        return self.data.spec.alloc if self.data is not None else 0
 
     @property
     def device(self) -> int:
         """The GPU it runs on."""
         return self.kernel.device
 
-    @property
-    def policy(self) -> Policy:
-        """The old name of ``restart`` (issue 31's one vocabulary), kept for one release."""
-        return self.restart
-
     def to(self, state: ProgramState | None, error: str = "", *, run: Run | None = None, upgraded: bool = False,
            restart: Policy | None = None, lost_to: str | None = None, failures: tuple[float, ...] | None = None,
            restart_at: float | None = None, settled: bool | None = None, failed_at: float | None = None,
-           stalled_at: float | None = None) -> bool:
+           stalled_at: float | None = None, data: ProgramData | object | None = _KEEP) -> bool:
         """The one writer of a program's state: its phase, and the fields that go with a move (each
         keyword not None is written, whether the phase moves or not; ``state`` None: it stays
         where it is, only the fields are written).  A move PROGRAM_MOVES does
@@ -167,10 +174,14 @@ class Program:
             self.phase = state
         if error:
             self.error = error
+        if data is not _KEEP:
+            self.data = data  # type: ignore[assignment]
         for k, v in (("restart", restart), ("lost_to", lost_to), ("failures", failures), ("restart_at", restart_at),
                      ("settled", settled), ("failed_at", failed_at), ("stalled_at", stalled_at)):
             if v is not None:
                 setattr(self, k, v)
+        if failed_at:  # a launch seen failing: counted (the metrics' faults of this program)
+            self.faults += 1
         return moved or run is not None
 
     def _launched(self, run: Run, upgraded: bool) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from meshd_mps.programs.datastore import Kept
     from meshd_mps.programs.program import Program
     from meshd_mps.programs.report import FaultReport
 
@@ -21,3 +22,7 @@ class Recorder(Protocol):
     async def history(self, programs: Sequence[Program], faults: Sequence[FaultReport]) -> None:
         """What a live restore carries over changed (a launch, a relaunch, a fault's report): each
         program's launch time and restarts, and the recent fault reports."""
+
+    def data_kept(self) -> Kept:
+        """The data the desired state names (records not loaded now included): kept by the data's gc."""
+        ...

@@ -258,7 +258,7 @@ class Recovery:
                 shares[q.device] += limits.share(q.nodes, info.per_sm, info.sms)
 
             try:
-                img = await b.prepare(q.manifest, q.ptx, device=q.device)
+                img = await b.prepare(q.manifest, q.ptx, device=q.device, payloads=q.kernel.payloads)
                 try:
                     loaded.append((q, await b.load(img, admit), img))
                 except BaseException:
@@ -282,7 +282,7 @@ class Recovery:
                             program=q.name)
         for q, k, img in loaded:
             try:
-                run = await self.launching.launch(k, q.slot, q.nodes)
+                run = await self.launching.launch(k, q.slot, q.nodes, data=q.data)
             except MeshError as e:
                 failed[q.name] = e
                 continue

@@ -11,15 +11,19 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
+from meshd_mps.backend import payloads
 from meshd_mps.errors import MeshError, NoFreeSlot, NotLoaded, SlotTaken
 from meshd_mps.protocol import abi
 from meshd_mps.restart import Policy
 
 if TYPE_CHECKING:
     from meshd_mps.backend import Backend
+    from meshd_mps.gpu.compiler import Manifest
+    from meshd_mps.programs.datastore import DataStore
     from meshd_mps.programs.program import Program
     from meshd_mps.programs.recorder import Recorder
     from meshd_mps.programs.report import FaultReport
+    from meshd_mps.protocol.payloads import Region
 
 log = structlog.get_logger("meshd_mps")
 
@@ -31,12 +35,13 @@ class Registry:
     """``restart``: the restart policy of a program loaded without one; ``stall_after``: seconds
     without a heartbeat before a running program is stalled."""
 
-    def __init__(self, backend: Backend, restart: Policy, stall_after: float):
+    def __init__(self, backend: Backend, restart: Policy, stall_after: float, data: DataStore):
         self.b = backend
         self.d = backend.deadlines
         self.restart = restart
         self.stall_after = stall_after
         self.by_name: dict[str, Program] = {}
+        self.data = data  # the programs' data files (datastore.py)
         self.lock = anyio.Lock()  # one load/upgrade/unload/recovery at a time
         self.closing = False  # set by the close or detach: nothing starts from then on
         #: Where successful loads, upgrades and unloads are recorded (state/desired.py); None: nowhere.
@@ -65,6 +70,19 @@ class Registry:
 
     def closed(self) -> bool:
         return self.closing or self.b.closed
+
+    # ---- payload regions ----------------------------------------------------------------------
+    def payloads(self, m: Manifest, existing: bool = False) -> Region | None:
+        """The payload region for a program of manifest ``m`` (None: it needs none): made, or,
+        ``existing``, the one an earlier daemon left it (live restore; MailboxError if it is gone)."""
+        return payloads.region(self.b.mailbox.path if self.b.live is not None else None, m.name, m.layout, existing)
+
+    def sweep_payloads(self) -> None:
+        """Live restore, after a start's restore: the regions no program holds removed (programs
+        halted at the restore, or not adopted)."""
+        if self.b.live is not None:
+            keep = {p.kernel.payloads.path for p in self.by_name.values() if p.kernel.payloads is not None}
+            payloads.sweep(self.b.mailbox.path, keep)
 
     # ---- slots and GPUs -----------------------------------------------------------------------
     def free_slot(self, want: int | None = None) -> int:

@@ -23,13 +23,18 @@ HEADER = struct.Struct("<I")
 #: The frame protocol's version, sent in HELLO.  Bumped at any change of a frame's layout or meaning
 #: (1: the ops below, HELLO included; 2: LOAD carries the program's tag, HELLO each module's tag and
 #: LOADED report, so that a daemon that did not load a module can adopt it; 3: LOADED's ok word 3,
-#: an image without ``mesh_main``).
-PROTOCOL_VERSION = 3
+#: an image without ``mesh_main``; 4: DATA and WRITE, a program's data in device memory, and PAYLOADS,
+#: a module's payload region).
+PROTOCOL_VERSION = 4
 #: The versions whose workers this daemon adopts (docs/protocol.md, "Versions").  A worker of
 #: another version is told to QUIT (it halts its kernels first) and its programs are reloaded:
 #: what stays readable across every version is the frame header, the op numbers of HELLO and
 #: QUIT, and HELLO's first two words (version, pid).
-ADOPTS = frozenset({2, 3})  # a worker of 2 is answered as before: it never sends ok word 3
+ADOPTS = frozenset({2, 3, 4})  # a worker of 2 is answered as before: it never sends ok word 3
+#: The first version whose workers take DATA and WRITE: an older one adopted is never sent them.
+DATA_SINCE = 4
+#: The first version whose workers take PAYLOADS: an older one (adopted) is never sent it.
+PAYLOADS_SINCE = 4
 #: Largest ``length`` accepted (op + body): a cubin travels in one LOAD frame.
 MAX_FRAME = 64 << 20
 
@@ -45,16 +50,20 @@ class Op(enum.IntEnum):
     QUIT = 8
     LIMIT = 9  # the context's stack limit: get, or set then get
     HELLO = 10  # a --listen worker's first frame on each connection: who it is, what it runs
+    DATA = 11  # a slot's program data: allocated and copied in from a file (alloc 0: freed)
+    WRITE = 12  # bytes copied into a slot's program data at an offset, on the worker's own stream
+    PAYLOADS = 13  # a module's payload region: mapped and registered by its worker, get its device address
 
 
 #: LIMIT's body: set (u32 0/1), bytes (u64); its reply: ok, bytes (u64)
 LIMIT_BODY = struct.Struct("<IQ")
 
 
-#: Ops a worker sends only in answer to a request.
-REPLIES = {Op.READY, Op.LOADED, Op.LAUNCHED}  # and LIMIT, answered with LIMIT
 #: The reply each request is answered with (UNLOAD and QUIT are not answered; DONE comes on its own).
-REPLY = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT}
+REPLY = {Op.READY: Op.READY, Op.LOAD: Op.LOADED, Op.LAUNCH: Op.LAUNCHED, Op.LIMIT: Op.LIMIT, Op.DATA: Op.DATA,
+         Op.WRITE: Op.WRITE, Op.PAYLOADS: Op.PAYLOADS}
+#: Ops a worker sends only in answer to a request (LIMIT, DATA, WRITE and PAYLOADS answer themselves).
+REPLIES = frozenset(REPLY.values())
 
 
 _HEAD_OP = struct.Struct("<IB")  # a frame's length and op: one pack on every ask's path
@@ -109,6 +118,7 @@ LOAD_HEAD = struct.Struct("<IIIIQI")  # module, threads, smem, scratch, tag, nam
 LOADED_BODY = struct.Struct("<IIIIIIQQ")  # ok, rt_abi, regs, per_sm, local, sms, dev, scratch
 LAUNCH_BODY = struct.Struct("<IIII")  # module, gen, slot, nodes
 UNLOAD_BODY = struct.Struct("<I")  # module
+PAYLOADS_HEAD = struct.Struct("<III")  # module, max_request, max_response; then the region's path
 DONE_HEAD = struct.Struct("<III")  # module, gen, ok
 MAX_NAME = 255
 
@@ -191,6 +201,28 @@ class LaunchReq:
     @classmethod
     def decode(cls, body: bytes) -> LaunchReq:
         return cls(*_exact("LAUNCH", LAUNCH_BODY, body))
+
+
+@dataclass(frozen=True)
+class PayloadsReq:
+    """A PAYLOADS request's body: module ``module``'s payload region, the file at ``path`` laid out for
+    requests of ``max_request`` and responses of ``max_response`` bytes (protocol/payloads.py);
+    answered with its device address (``u64_value``), which the worker writes into the slot too."""
+
+    module: int
+    max_request: int
+    max_response: int
+    path: str
+
+    def encode(self) -> bytes:
+        return PAYLOADS_HEAD.pack(self.module, self.max_request, self.max_response) + self.path.encode()
+
+    @classmethod
+    def decode(cls, body: bytes) -> PayloadsReq:
+        if len(body) <= PAYLOADS_HEAD.size:
+            raise FrameError(f"PAYLOADS body of {len(body)} bytes: its {PAYLOADS_HEAD.size}-byte head and a path expected")
+        module, req, resp = PAYLOADS_HEAD.unpack_from(body)
+        return cls(module, req, resp, _text(body[PAYLOADS_HEAD.size :]))
 
 
 @dataclass(slots=True)
@@ -307,6 +339,64 @@ class Hello:
         return cls(version, pid, device, tuple(modules), tuple(launches), _text(body[at:]))
 
 
+DATA_HEAD = struct.Struct("<IQQ")  # slot, alloc, length; then the file's path (UTF-8)
+DATA_REPLY = struct.Struct("<QQ")  # dev (the data's device address), alloc
+WRITE_HEAD = struct.Struct("<IQ")  # slot, offset; then the bytes
+
+
+@dataclass(frozen=True)
+class DataReq:
+    """DATA's body: slot ``slot``'s program data, ``alloc`` bytes of device memory holding the first
+    ``length`` bytes of the file ``path`` (the rest zeroed); a region the slot had is freed first.
+    ``alloc`` 0: the slot's region freed, nothing else (``length`` 0, no path)."""
+
+    slot: int
+    alloc: int
+    length: int = 0
+    path: str = ""
+
+    def encode(self) -> bytes:
+        return DATA_HEAD.pack(self.slot, self.alloc, self.length) + self.path.encode()
+
+    @classmethod
+    def decode(cls, body: bytes) -> DataReq:
+        if len(body) < DATA_HEAD.size:
+            raise FrameError(f"DATA body of {len(body)} bytes, shorter than its {DATA_HEAD.size}-byte head")
+        slot, alloc, length = DATA_HEAD.unpack_from(body)
+        if length > alloc:
+            raise FrameError(f"DATA length {length} is over its allocation of {alloc} bytes")
+        return cls(slot, alloc, length, _text(body[DATA_HEAD.size :]))
+
+
+@dataclass(frozen=True)
+class WriteReq:
+    """WRITE's body: ``data`` copied into slot ``slot``'s program data at ``offset``; answered once
+    the copy is complete on the device."""
+
+    slot: int
+    offset: int
+    data: bytes
+
+    def encode(self) -> bytes:
+        return WRITE_HEAD.pack(self.slot, self.offset) + self.data
+
+    @classmethod
+    def decode(cls, body: bytes) -> WriteReq:
+        if len(body) < WRITE_HEAD.size:
+            raise FrameError(f"WRITE body of {len(body)} bytes, shorter than its {WRITE_HEAD.size}-byte head")
+        slot, offset = WRITE_HEAD.unpack_from(body)
+        return cls(slot, offset, bytes(body[WRITE_HEAD.size :]))
+
+
+def data_reply(dev: int, alloc: int) -> bytes:
+    return ok_reply(DATA_REPLY.pack(dev, alloc))
+
+
+def data_placed(payload: bytes) -> tuple[int, int]:
+    """A DATA reply's payload: (the data's device address, its allocation)."""
+    return _exact("DATA reply", DATA_REPLY, payload)  # type: ignore[return-value]
+
+
 #: AF_UNIX paths stop at 107 bytes (sun_path is 108, with its NUL); a pid has at most 7 digits
 #: (pid_max is at most 4194304).
 SUN_PATH_MAX = 107
@@ -341,9 +431,10 @@ def limit_request(body: bytes) -> int | None:
     return value if set_ else None
 
 
-def limit_value(payload: bytes) -> int:
+def u64_value(op: Op, payload: bytes) -> int:
+    """The u64 of an ok reply that carries one (LIMIT's bytes, PAYLOADS' device address)."""
     if len(payload) != 8:
-        raise FrameError(f"LIMIT reply payload of {len(payload)} bytes, expected a u64")
+        raise FrameError(f"{op.name} reply payload of {len(payload)} bytes, expected a u64")
     return struct.unpack("<Q", payload)[0]
 
 
@@ -363,13 +454,20 @@ LOADED_ONLY = (REFUSED, NO_ENTRY)
 ENTRY_DECL = f'extern "C" __global__ void {ENTRY}(unsigned long long mailbox, unsigned int slot)'
 
 
+#: The driver's words for an image without the entry (cuModuleGetFunction), as a worker reports them.
+DRIVER_NO_ENTRY = f"cuModuleGetFunction({ENTRY}): CUDA_ERROR_NOT_FOUND (named symbol not found)"
+
+
 class NoEntry(ImageRefused):
     """LOADED's ok word NO_ENTRY as the daemon says it: an image without ``mesh_main``, most often
-    declared without ``extern "C"``, so that its name is mangled.  ``driver``: the driver's words."""
+    declared without ``extern "C"``, so that its name is mangled.  ``driver``: the driver's words;
+    ``read``: found in the cubin before any load (the driver's words are then what it would say)."""
 
-    def __init__(self, *, driver: str):
+    def __init__(self, *, driver: str, read: bool = False):
+        said = (f"read from the cubin before it was loaded (the driver would say {driver})" if read
+                else f"the driver said {driver}")
         super().__init__(f"no `{ENTRY_DECL}` in the program: declare the entry so, with extern \"C\" (without it the"
-                         f" name is mangled; docs/program-abi.md); the driver said {driver}", driver=driver)
+                         f" name is mangled; docs/program-abi.md); {said}", driver=driver)
 
 
 def error_reply(message: str, refused: bool = False, *, word: int | None = None) -> bytes:

@@ -20,6 +20,13 @@ under a number the host had given to the new caller.  A ring full of requests gi
 as the program answers them, or at the slot's next launch (``reset_slot``: an upgrade, an unload
 and load), with no kernel reading it.  A program that never polls its ring (SERVES, written by the
 header's ring helpers) is refused before anything is posted (``Calls``, ``NotServing``).
+
+A payload over a ring entry's 188 bytes lies in the program's payload region (protocol/payloads.py),
+in its entry's own area, with the entry's length and offset words saying where: the area is free
+exactly when the entry is, by the same count.  The host writes a request's bytes there before its
+entry and REQ_HEAD, and copies a response's out as it reads it, once it has checked that the
+program's entry names its own areas within the declared size (``BadResponse`` otherwise: nothing
+past the region is read).
 """
 
 from __future__ import annotations
@@ -28,10 +35,11 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from meshd_mps.errors import PayloadTooLarge, RingFull
+from meshd_mps.errors import BadResponse, PayloadTooLarge, RingFull
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.doorbell import wake
 from meshd_mps.protocol.mailbox import Mailbox
+from meshd_mps.protocol.payloads import Layout, Region
 
 MASK = 0xFFFFFFFF
 RING, PAYLOAD = abi.RING, abi.ENTRY_PAYLOAD  # module globals: the hot path's lookups
@@ -46,20 +54,27 @@ def _answered(resp_head: int, seq: int) -> bool:
     return (resp_head - seq - 1) & MASK < 0x7FFFFFFF
 
 
-def check_payload(payload: bytes) -> None:
-    """PayloadTooLarge for a request that no ring entry holds."""
-    if len(payload) > abi.ENTRY_PAYLOAD:
-        raise PayloadTooLarge(f"request of {len(payload)} bytes: a ring entry holds at most {abi.ENTRY_PAYLOAD}",
-                              size=len(payload), limit=abi.ENTRY_PAYLOAD)
-
-
 class Ring:
-    def __init__(self, mailbox: Mailbox, slot: int, program: str | None = None):
+    """``layout``: the program's payload sizes (its manifest's); ``region``: its payload region,
+    where a request or a response over a ring entry's 188 bytes lies (None where the layout needs
+    none: then a response's length over 188 is clamped, as program ABI v1 says)."""
+
+    def __init__(self, mailbox: Mailbox, slot: int, program: str | None = None, layout: Layout | None = None,
+                 region: Region | None = None):
+        layout = layout or Layout()
         base = mailbox.offset(slot, 0)
         self._w = mailbox.words
         self._mm = mailbox.mm
         self.slot = slot
         self.program = program  # whose ring, for RingFull's message (None: a bare slot's)
+        if layout.size and region is None:
+            raise ValueError(f"slot {slot}: a layout of {layout.size} bytes needs its payload region")
+        self.layout = layout
+        self.region = region if layout.size else None
+        #: The most bytes a request may have, and the most ``post`` writes without a second look (a
+        #: ring entry's, or less where the program declared less).
+        self.limit = layout.request_limit
+        self.inline = min(PAYLOAD, self.limit)
         self._serves = (base + abi.SERVES) >> 2
         self.serving = False  # SERVES seen set: kept, since only the slot's next launch (a new Ring) zeroes it
         self._req_head = (base + abi.REQ_HEAD) >> 2
@@ -70,6 +85,16 @@ class Ring:
         #: The slot's doorbell, rung after each publish (the simulated GPU's: protocol/doorbell.py).
         self._bell = mailbox.word(slot, abi.REQ_HEAD) if mailbox.doorbell else 0
         self._read: set[int] = set()  # of those, read out of order
+
+    def check(self, n: int) -> None:
+        """PayloadTooLarge for a request of ``n`` bytes over the most its program takes (nothing is
+        posted)."""
+        if n > self.limit:
+            who = f"program {self.program}" if self.program else f"slot {self.slot}"
+            how = (f"its manifest's max_request is {self.layout.max_request}" if self.layout.max_request else
+                   f"a ring entry holds {PAYLOAD} and its manifest declares no max_request")
+            raise PayloadTooLarge(f"{who}: request of {n} bytes is over its most, {self.limit} bytes ({how})",
+                                  size=n, limit=self.limit, program=self.program)
 
     def serves(self) -> bool:
         """The kernel has polled this ring (its slot's SERVES): it serves requests."""
@@ -108,10 +133,11 @@ class Ring:
 
     def post(self, payload: bytes) -> int:
         """Write the next request and publish it; its sequence number.  PayloadTooLarge, RingFull.
-        ``post_many`` of one, written out: this is a call's hot path."""
+        ``post_many`` of one, written out: this is a call's hot path (a payload over 188 bytes
+        goes through ``post_many``)."""
         n = len(payload)
-        if n > PAYLOAD:
-            check_payload(payload)
+        if n > self.inline:
+            return self.post_many((payload,))
         w, unread = self._w, self._unread
         head = w[self._req_head]
         if self._used(head) >= RING:
@@ -131,7 +157,7 @@ class Ring:
         ``checked``: every payload's size was checked already."""
         if not checked:
             for p in payloads:
-                check_payload(p)
+                self.check(len(p))
         if len(payloads) > self.room():
             raise self.full()
         return self._publish(payloads)
@@ -156,7 +182,14 @@ class Ring:
             at = req[head % RING]
             n = len(p)
             w[at >> 2] = n
-            mm[at + 4 : at + 4 + n] = p
+            if n > PAYLOAD:  # in the region, its entry's request area; the entry says where
+                region = self.region
+                assert region is not None  # a layout that takes it has a region (the constructor's check)
+                off = self.layout.request_at(head)
+                region.mm[off : off + n] = p
+                w[(at >> 2) + 1] = off
+            else:
+                mm[at + 4 : at + 4 + n] = p
             unread.append(head)
             head = (head + 1) & MASK
         w[self._req_head] = head  # published last
@@ -185,10 +218,8 @@ class Ring:
         for i in range(k):
             at = resp[(seq + i) % RING]  # 2**32 is a multiple of RING: no mask needed
             n = w[at >> 2]
-            if n > PAYLOAD:
-                n = PAYLOAD
-            out.append(mm[at + 4 : at + 4 + n])
             unread.popleft()
+            out.append(mm[at + 4 : at + 4 + n] if n <= PAYLOAD else self._large((seq + i) & MASK, n, at))
         return k
 
     def response(self, seq: int) -> bytes | None:
@@ -219,15 +250,32 @@ class Ring:
     def _take(self, seq: int) -> bytes:
         at = self._resp[seq % RING]
         n = self._w[at >> 2]
-        if n > PAYLOAD:
-            n = PAYLOAD
-        got = self._mm[at + 4 : at + 4 + n]
         unread = self._unread
         if unread and unread[0] == seq and not self._read:  # the usual case: in order, nothing read out of it
             unread.popleft()
         elif seq in unread:
             self._done(seq)
-        return got
+        # Read at once, counted as read: nothing is posted meanwhile (one thread, the loop's).
+        return self._mm[at + 4 : at + 4 + n] if n <= PAYLOAD else self._large(seq, n, at)
+
+    def _large(self, seq: int, n: int, at: int) -> bytes:
+        """A response over a ring entry's 188 bytes: its bytes in the payload region, where its entry
+        says (``n`` its length, ``at`` its entry's offset in the mailbox); BadResponse unless it lies
+        in its own entry's areas and within the declared size.  Without a region: clamped (ABI v1)."""
+        region = self.region
+        if region is None:
+            return self._mm[at + 4 : at + 4 + PAYLOAD]
+        off = self._w[(at >> 2) + 1]
+        lay = self.layout
+        if not lay.response_fits(seq, n, off):
+            who = f"program {self.program}" if self.program else f"slot {self.slot}"
+            why = (f"over its manifest's max_response, {lay.response_limit} bytes" if n > lay.response_limit else
+                   f"not in its own entry's areas of its {region.size}-byte payload region (its response's at"
+                   f" {lay.response_at(seq)}, {lay.response_stride} bytes; its request's at {lay.request_at(seq)},"
+                   f" {lay.request_stride} bytes)")
+            raise BadResponse(f"{who} wrote a response of {n} bytes at offset {off}: {why}; not read",
+                              program=self.program, size=n, offset=off, limit=lay.response_limit, region=region.size)
+        return region.mm[off : off + n]
 
     def _done(self, seq: int) -> None:
         unread = self._unread

@@ -8,93 +8,62 @@ answered by its type through the one table (``status.status_of``) in one middlew
 request changes nothing: its body is checked whole (``schemas``) and Programs and Backend make
 their own typed checks before they change anything.
 
-:class:`Protocol` is aiohttp's connection handler with what aiohttp has no hook for
-(aio-libs/aiohttp#3287): a head its parser refuses is answered like every other refusal (JSON, by
-type, counted, no traceback in the log), and a connection's first head that does not come in
-``Deadlines.http_head`` gets a 408 (aiohttp's keep-alive timer would only close the connection).
-aiohttp's parser bounds each line of a head, not the head: a head over ``MAX_HEAD`` as a whole is
-refused (431) by the middleware, before anything else is looked at.  A client that hangs up
-before its answer is counted as ``CLIENT_GONE`` (499), not as an internal error.
+Its connections are served by ``serving/connection.py``'s handler (a refused head answered as every
+refusal is, a deadline for the first head).  aiohttp's parser bounds each line of a head, not the
+head: a head over ``MAX_HEAD`` as a whole is refused (431) by the middleware, before anything else
+is looked at.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 import traceback
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from http import HTTPStatus
 from typing import Any
 
 import anyio
 import structlog
 from aiohttp import web
 from aiohttp.http import HttpVersion11
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from meshd_mps.backend import Backend
 from meshd_mps.deadlines import Deadlines
 from meshd_mps.errors import MeshError, NotNative, NotServedHere, Unavailable, UpgradeMismatch
 from meshd_mps.names import check_name
 from meshd_mps.programs import Program, Programs
+from meshd_mps.programs.data import DataRef
 from meshd_mps.restore import Restore
 from meshd_mps.serving import schemas
+from meshd_mps.serving.answers import SERVER, answer, refused
 from meshd_mps.serving.client import MAX_BODY
+from meshd_mps.serving.connection import Protocol
+from meshd_mps.serving.data_api import MAX_DATA, DataRoutes
 from meshd_mps.serving.heads import MAX_HEAD, MAX_HEADERS, check_path, head_size, path_of
 from meshd_mps.serving.leases import Leases
 from meshd_mps.serving.metrics import CONTENT_TYPE as METRICS_TYPE, Metrics
 from meshd_mps.serving.status import (
     ExpectRefused,
-    HeadRefused,
     HeadTooLarge,
     MethodNotAllowed,
     NoRoute,
-    RequestTimeout,
     VersionNotSupported,
     log_level,
-    status_of,
 )
 from meshd_mps.supervision import cpus
 
 log = structlog.get_logger("meshd_mps")
 
-#: The status counted (meshd_mps_http_requests_total{code="499"}) for a client that hung up before
-#: its answer (in the middle of its body, say): nginx's "client closed request", as aiohttp's
-#: access log writes it too.  Never sent: there is nobody to send it to.
-CLIENT_GONE = 499
-#: How long an answered request's unread body is still taken before the connection is closed
-#: (so that a client still sending it reads the answer).
-LINGER_S = 2.0
 #: One trailing slash names the same route.
 SLASH = "{slash:/?}"
-#: On every answer of ours: which server, without aiohttp's and Python's versions.
-SERVER = {"Server": "meshd-mps"}
-INTERNAL = "internal error (the daemon's log has the traceback)"
 #: The request's key for the program a load names (its manifest's), once its body was read.
 PROGRAM = web.RequestKey("program", str)
 #: The request's key for its verb where it is a load or an upgrade ("load", "upgrade"; None otherwise).
 LOADING = web.RequestKey("loading", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _body(obj: dict[str, Any]) -> bytes:
-    return (json.dumps(obj, default=str) + "\n").encode()
-
-
-def answer(status: int, obj: dict[str, Any]) -> web.Response:
-    return web.Response(status=status, body=_body(obj), content_type="application/json", charset="utf-8",
-                        headers=SERVER)
-
-
-def refused(e: MeshError | None) -> tuple[int, dict[str, Any]]:
-    """An error's status and answer (None: an internal error, said in generic words)."""
-    if e is None:
-        return 500, {"ok": False, "error": INTERNAL}
-    return status_of(e), {"ok": False, **e.fields(), "error": str(e)}  # the message wins over a field
 
 
 def _name(request: web.Request) -> str:
@@ -122,7 +91,10 @@ class Api:
         self.stopping = False
         #: The desired state's dir and what the start restored from it (serving/server.py).
         self.state: dict[str, Any] | None = None
+        #: Where serve --metrics-address serves /metrics over TCP (None: off).
+        self.metrics_address: str | None = None
         self.busy: set[asyncio.Task[Any]] = set()
+        self.data = DataRoutes(programs, deadlines, answer)  # POST /v1/data, .../write (data_api.py)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -134,6 +106,8 @@ class Api:
             ("/v1/programs/{name}", {"GET": self.get_program, "PUT": self.put_program, "DELETE": self.delete_program}),
             ("/v1/programs/{name}/call", {"POST": self.post_call}),
             ("/v1/leases", {"POST": self.post_leases}),
+            ("/v1/programs/{name}/write", {"POST": self.data.post_write}),
+            ("/v1/data", {"POST": self.data.post_data}),
             ("/v1/native", {"GET": self.get_native, "POST": self.post_native}),
             ("/v1/native/{pid}", {"DELETE": self.delete_native}),
             ("/metrics", {"GET": self.get_metrics}),
@@ -165,7 +139,7 @@ class Api:
         # as the body arrives (a body that was not what it said was an unhandled error there).
         return lambda: Protocol(server, self, loop=loop, keepalive_timeout=head, tcp_keepalive=False, access_log=None,
                                 max_line_size=MAX_HEAD, max_field_size=MAX_HEAD, max_headers=MAX_HEADERS,
-                                lingering_time=LINGER_S, auto_decompress=False)
+                                lingering_time=self.deadlines.http_linger, auto_decompress=False)
 
     # ---- every request ----------------------------------------------------------------------
     @web.middleware
@@ -207,7 +181,7 @@ class Api:
             v = request.version
             raise VersionNotSupported(f"HTTP/{v.major}.{v.minor}: only HTTP/1.x is served")
         check_path(request)
-        schemas.check_framing(request)
+        schemas.check_framing(request, MAX_DATA if request.match_info.handler == self.data.post_data else MAX_BODY)
         if self.stopping:
             raise Unavailable("meshd-mps is shutting down")
         try:
@@ -270,12 +244,19 @@ class Api:
 
     def _describe(self, p: Program) -> dict[str, Any]:
         d = self.ps.describe(p)
-        d["worker_pid"] = d["pid"]  # deprecated: the same as "pid" (docs/api.md, "Words")
         d["started"] = datetime.fromtimestamp(p.started_wall, UTC).isoformat()
         d["compile_ms"] = round(p.compile_ms, 3)
         d["cached"] = p.cached
         d["lease_until"] = self.leases.until.get(p.name)
         return d
+
+    def _device(self, d: dict[str, Any]) -> dict[str, Any]:
+        """A GPU as status shows it: the backend's view, its programs, the part of its resident
+        blocks they hold, and its memory as NVML last saw it (None before its first look)."""
+        n = self.metrics.watch.latest.get(d["device"]) if self.metrics.watch is not None else None
+        used, total = n.memory if n is not None and n.memory is not None else (None, None)
+        return {**d, "programs": len(self.ps.on_device(d["device"])), "sm_share": round(self.ps.sm_share(d["device"]), 4),
+                "memory_used": used, "memory_total": total}
 
     async def get_status(self, request: web.Request) -> web.Response:
         b, ps = self.b, self.ps
@@ -301,10 +282,12 @@ class Api:
             "cpus": cpus.status(),  # serve --daemon-cpus: the daemon's CPUs and its children's
             "programs": len(ps.by_name),
             "leases": {"count": len(self.leases.until), "stop_within": self.leases.stop_within},
+            "data_bytes": sum(p.data_bytes for p in ps.by_name.values()),  # the programs' data, together
             "stalled": sum(1 for p in ps.by_name.values() if ps.describe(p)["state"] == "stalled"),
-            "devices": [{**d, "programs": len(ps.on_device(d["device"]))} for d in s["devices"]],
+            "devices": [self._device(d) for d in s["devices"]],
             "loads": ps.loads,
             "requests_in_flight": len(self.busy),  # this one included
+            "metrics_address": self.metrics_address,
             "faults": [_fault(f) for f in getattr(ps, "faults", [])[-10:]],
             "state": self.state,
             "uptime_s": round(time.monotonic() - self.t0, 3),
@@ -322,7 +305,8 @@ class Api:
             except MeshError as e:
                 out["clients_error"] = str(e)
         else:
-            out.update(blinks=s.get("blinks", 0), last_blink_ms=s.get("last_blink_ms"), context_pid=s.get("context_pid"))
+            out.update(blinks=s.get("blinks", 0), last_blink_ms=s.get("last_blink_ms"), context_pid=s.get("context_pid"),
+                       standby_pid=s.get("standby_pid"))
         return answer(200, out)
 
     async def get_programs(self, request: web.Request) -> web.Response:
@@ -332,10 +316,9 @@ class Api:
     async def get_program(self, request: web.Request) -> web.Response:
         return answer(200, {"ok": True, "program": self._describe(self.ps.get(_name(request)))})
 
-    def _loaded(self, p: Program, status: int, verb: str) -> web.Response:
+    def _loaded(self, p: Program, status: int) -> web.Response:
         self.metrics.loaded()
-        # "program": the program's row, in every verb's answer; "loaded"/"upgraded": its name, deprecated.
-        out = {"ok": True, "program": self._describe(p), verb: p.name}
+        out = {"ok": True, "program": self._describe(p)}  # the program's row, as in every verb's answer
         made = p.kernel.module.new_client
         if made is not None:  # an MPS client made for it now (the pool was down to its reserve): said, with its cost
             out["new_client"] = made.as_dict()
@@ -350,7 +333,7 @@ class Api:
             self.leases.take(name, until)
         try:
             p = await self.ps.load(body.manifest, body.text.encode(), body.hash, body.nodes or 1, body.device, body.restart,
-                                   restore=body.restore or Restore.RELOAD)
+                                   restore=body.restore or Restore.RELOAD, data=body.data and DataRef(body.data))
         except BaseException as e:
             if until is not None:
                 self.leases.drop(name)
@@ -358,7 +341,7 @@ class Api:
                 raise NotServedHere(f"field 'device' {e.device}: this daemon serves GPU {', '.join(map(str, e.devices))}"
                                     " (--devices)", device=e.device, devices=e.devices) from e
             raise
-        return self._loaded(p, 201, "loaded")
+        return self._loaded(p, 201)
 
     async def put_program(self, request: web.Request) -> web.Response:
         name = _name(request)
@@ -378,16 +361,16 @@ class Api:
             if body.restore is not None and body.restore is not old.restore:
                 raise UpgradeMismatch(f"field 'restore' {body.restore.value!r}: an upgrade keeps the program's"
                                       f" {old.restore.value!r} (unload and load to change it)", program=name, field="restore")
-        p = await self.ps.upgrade(name, body.manifest, body.text.encode(), body.hash, body.restart)
-        return self._loaded(p, 200, "upgraded")
+        p = await self.ps.upgrade(name, body.manifest, body.text.encode(), body.hash, body.restart,
+                                  data=body.data and DataRef(body.data))
+        return self._loaded(p, 200)
 
     async def delete_program(self, request: web.Request) -> web.Response:
         name = _name(request)
         row = self._describe(self.ps.get(name))  # as it was before it was unloaded
         await self.ps.unload(name)
         self.leases.drop(name)
-        out = {"ok": True, "program": row, "unloaded": name, "slot": row["slot"]}
-        # "unloaded" (its name) and "slot": deprecated, the same as "program"'s "name" and "slot".
+        out = {"ok": True, "program": row}
         if warning := self._declared(name):
             log.warning(f"unload: {warning}", program=name)
             out["warning"] = warning
@@ -408,12 +391,24 @@ class Api:
         return answer(200, {"ok": True, "until": until, "renewed": renewed, "missing": missing})
 
     async def post_call(self, request: web.Request) -> web.Response:
+        """A call: the JSON form (``data`` or ``hex``, answered in JSON), or the binary one (the body
+        is the payload, ``Content-Type: application/octet-stream``, ``?timeout=S``; answered with the
+        response's bytes, the call's time in ``Server-Timing``).  A payload over its program's most is
+        refused (413) before its body is read."""
         name = _name(request)
-        c = schemas.call(await self._json(request), self.deadlines)
+        if not schemas.binary(request):
+            c = schemas.call(await self._json(request), self.deadlines, request.query)
+            t0 = time.perf_counter()
+            got = await self.ps.call(name, c.payload, c.timeout)
+            return answer(200, {"ok": True, "program": name, "data": got.decode("utf-8", "replace"), "hex": got.hex(),
+                                "bytes": len(got), "ms": round((time.perf_counter() - t0) * 1e3, 3)})
+        timeout = schemas.call_timeout(request.query, self.deadlines)
+        self.ps.check_request(name, request.content_length or 0)
+        payload = await schemas.binary_body(request, self.deadlines.http_body)
         t0 = time.perf_counter()
-        got = await self.ps.call(name, c.payload, c.timeout)
-        return answer(200, {"ok": True, "program": name, "data": got.decode("utf-8", "replace"), "hex": got.hex(),
-                            "bytes": len(got), "ms": round((time.perf_counter() - t0) * 1e3, 3)})
+        got = await self.ps.call(name, payload, timeout)
+        return web.Response(body=got, content_type=schemas.BINARY,
+                            headers={**SERVER, "Server-Timing": f"call;dur={(time.perf_counter() - t0) * 1e3:.3f}"})
 
     async def get_native(self, request: web.Request) -> web.Response:
         """What a CUDA process needs to join our MPS server, and the native clients registered."""
@@ -432,69 +427,3 @@ class Api:
 
     async def get_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(), headers={**SERVER, "Content-Type": METRICS_TYPE})
-
-
-class Protocol(web.RequestHandler):
-    """One connection: aiohttp's handler, with a refused head answered like every other refusal
-    and a deadline for the first head (see the module's docstring)."""
-
-    def __init__(self, manager: web.Server, api: Api, **kw: Any):
-        super().__init__(manager, **kw)
-        self.api = api
-        self.heard = False  # a request's head arrived (set by Api.checked)
-        self._head_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # Armed before aiohttp's own keep-alive timer, which it arms here as long: this one answers
-        # 408 where that one would only close.
-        self._head_timer = asyncio.get_running_loop().call_later(self.api.deadlines.http_head, self._head_late)
-        super().connection_made(transport)
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-        super().connection_lost(exc)
-
-    def _head_late(self) -> None:
-        """No request in time: a 408, unasked for (RFC 9110 allows it), and the connection closed.
-        Written to the transport as it is, since there is no request to answer through aiohttp."""
-        if self.heard or self.transport is None:
-            return
-        within = self.api.deadlines.http_head
-        status, obj = refused(RequestTimeout(f"no request in {within:g}s", within=within))
-        body = _body(obj)
-        head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json; charset=utf-8\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\nServer: {SERVER['Server']}\r\n\r\n")
-        self.transport.write(head.encode("latin-1") + body)
-        self.api.metrics.answered(status)
-        log.debug(f"http - {status}")
-        self.force_close()
-
-    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
-        """aiohttp's answer to a head its parser refused (and to an error a handler let escape)."""
-        if request.writer.output_size > 0:
-            raise ConnectionError("the answer was begun; no other can be sent")
-        e: MeshError | None = None
-        if isinstance(exc, HttpProcessingError):
-            words = " ".join((exc.message or str(exc)).split())[:300]
-            e = HeadTooLarge(f"request head: {words}") if isinstance(exc, LineTooLong) else HeadRefused(f"request head: {words}")
-        elif isinstance(exc, ConnectionError) and (self.transport is None or self.transport.is_closing()):
-            # The client hung up (in the middle of its body, say): nobody to answer, and no fault of
-            # ours.  Said once, and counted as such (log_access), never as a 500.
-            log.info(f"{request.method} {path_of(request)[:200]}: the client went away before its answer",
-                     code=CLIENT_GONE, error=f"{type(exc).__name__}: {exc}")
-            resp = web.Response(status=CLIENT_GONE, reason="Client Closed Request", headers=SERVER)
-            resp.force_close()
-            return resp
-        else:
-            tb = "".join(traceback.format_exception(exc)) if exc is not None else f"status {status}: {message}"
-            log.error(f"{request.method} {path_of(request)}: internal error", traceback=tb)
-        resp = self.api.refusal(request, e)
-        resp.force_close()
-        log.debug(f"http - {resp.status}")
-        return resp
-
-    def log_access(self, request: web.BaseRequest, response: web.StreamResponse, started: float | None) -> None:
-        """Every answer sent, counted (meshd_mps_http_requests_total); aiohttp's access log is off."""
-        self.api.metrics.answered(response.status)

@@ -59,7 +59,7 @@ def parse_arch(arch: str) -> tuple[int, int]:
     return int(m[1]), int(m[2])
 
 
-def target(arch: str | None, socket: str | None) -> Target:
+def target(arch: str | None, socket: str) -> Target:
     """The GPU to check for: ``arch`` (an H200's figures otherwise), else the daemon's oldest GPU,
     else DEFAULT_ARCH."""
     h200 = simulated_device()
@@ -142,7 +142,8 @@ def run(t: Target, dir: str | None, manifest: str | None, ptx: str | None, cuda:
     except MeshError as e:
         return fail("limits", str(e))
     steps.append(Step("limits", True, f"{m.threads} threads and {m.smem} bytes of shared memory per block: {info.name}"
-                      f" allows {info.max_threads} and {info.max_shared}", {"image": f"{image:016x}"}))
+                      f" allows {info.max_threads} and {info.max_shared}; hash {image:016x} (as load and ps show it)",
+                      {"hash": f"{image:016x}"}))
     try:
         cubin = ptx_to_cubin(text, info.arch, cap)
     except MeshError as e:
@@ -152,8 +153,8 @@ def run(t: Target, dir: str | None, manifest: str | None, ptx: str | None, cuda:
     from meshd_mps.gpu.examples import cubin_id
 
     steps.append(Step("compile", True, f"nvJitLink for {info.arch}, at most {cap} registers a thread: a cubin of"
-                      f" {len(cubin)} bytes, image {image:016x}", {"arch": info.arch, "reg_cap": cap,
-                                                                    "cubin": f"{cubin_id(cubin):016x}"}))
+                      f" {len(cubin)} bytes, cubin {cubin_id(cubin):016x} (the simulated GPU knows an example by it)",
+                      {"arch": info.arch, "reg_cap": cap, "cubin": f"{cubin_id(cubin):016x}"}))
     try:
         elf = Cubin(cubin)
     except CubinError as e:
@@ -201,12 +202,12 @@ def sim_verdict(t: Target, steps: list[Step]) -> str:
             " run it on a GPU")
 
 
-def main(args: Any) -> int:
+def main(args: Any, socket: str) -> int:
     """The command: one line per check, then the verdict; 0 if every check passes, else 1 (2: a
-    bad option)."""
+    bad option).  ``socket``: the daemon whose GPU is the target unless ``--arch`` names one."""
     nodes = 1 if args.nodes is None else args.nodes
     try:
-        t = target(args.arch, args.socket)
+        t = target(args.arch, socket)
     except ValueError as e:
         print(f"meshd-mps: check: {e}", file=sys.stderr)
         return 2

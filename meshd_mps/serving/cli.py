@@ -27,6 +27,7 @@ examples:
   meshd-mps load examples/heartbeat        # a program directory: manifest.json + one .cu or .ptx
   meshd-mps check my_prog                  # a program checked without a GPU (the simulation runs only the examples)
   meshd-mps ps                             # the loaded programs
+  meshd-mps top                            # live: programs, calls, GPUs, events (pip install 'meshd-mps[top]')
   meshd-mps call echo hello                # a request through a program's ring
   meshd-mps upgrade echo examples/echo     # a new image on the same slot
   meshd-mps unload echo
@@ -60,10 +61,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
            "meshd-mps ps\n  meshd-mps ps --json"),
     "status": ("the daemon's state: GPUs, isolation, pools, MPS server and clients, versions",
                "meshd-mps status\n  meshd-mps status --json"),
+    "top": ("a live view, refreshed every second: each program's state, heartbeat, calls per second and p50/p99,"
+            " each GPU's use, the latest events (keys: s sort, r reverse, / filter, q quit)",
+            "meshd-mps top\n  meshd-mps top --sort calls/s --filter echo"),
     "native": ("join a CUDA process of yours to our MPS server: print its environment, register its pid",
                'eval "$(meshd-mps native)"; python train.py &  meshd-mps native --add $!'),
-    "call": ("send DATA to a program's request ring and print its response",
-             "meshd-mps call echo hello\n  meshd-mps call echo --hex 00ff10 --timeout 2"),
+    "write": ("write FILE (- for stdin) into a running program's data at OFFSET, while it runs",
+              "meshd-mps write table 4096 rows.bin"),
+    "call": ("send DATA (or a file's bytes) to a program's request ring and print its response (or write it)",
+             "meshd-mps call echo hello\n  meshd-mps call echo --hex 00ff10 --timeout 2\n"
+             "  meshd-mps call echo --in query.bin --out answer.bin"),
 }
 
 
@@ -89,14 +96,15 @@ class _ServeHelp(argparse.RawDescriptionHelpFormatter):
         return super()._expand_help(action)
 
 
-def _client_opts(p: argparse.ArgumentParser) -> None:
+def _client_opts(p: argparse.ArgumentParser, json: bool = True) -> None:
     p.add_argument("--socket", metavar="PATH", help="the daemon's socket (default: $MESHD_MPS_SOCKET, else --config's"
                    " socket, else $XDG_RUNTIME_DIR/meshd-mps.sock, /run/meshd-mps/meshd-mps.sock for root, else"
                    " /tmp/meshd-mps-$UID/meshd-mps.sock); refused if another user owns it")
     p.add_argument("--config", metavar="FILE", help="the file serve reads (serve --config): its socket is used")
     p.add_argument("--gpu", choices=("cuda", "sim"), help="whose default socket: the daemon on the GPU (cuda, the"
                    " default) or a serve --gpu sim (meshd-mps-sim.sock beside it)")
-    p.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
+    if json:
+        p.add_argument("--json", action="store_true", help="print the daemon's JSON answer")
 
 
 def _image_opts(p: argparse.ArgumentParser, nodes: bool) -> None:
@@ -107,6 +115,8 @@ def _image_opts(p: argparse.ArgumentParser, nodes: bool) -> None:
     src.add_argument("--cuda", metavar="FILE", help="the program's CUDA C source: compiled here, as you, with NVRTC for"
                      " the daemon's oldest GPU, and sent as PTX (the daemon takes PTX only)")
     p.add_argument("--hash", metavar="H", help="the image hash expected (16 hex digits); another image is refused")
+    p.add_argument("--data", metavar="FILE", help="the program's data: device memory it owns, FILE copied in (default: the"
+                   " manifest's data file; an upgrade keeps the program's data unless given)")
     p.add_argument("--restart", choices=("on-failure", "always", "never"),
                    help="when it comes back by itself: on-failure (when it fails or faults; the default), always (also"
                         " when it returns), never; with backoff, and not after 5 failures within 60 s (crash-loop)"
@@ -168,6 +178,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--daemon-cpus", metavar="LIST",
                    help="host CPUs for the daemon alone (3, 2,3 or 0-3,8): its workers and the MPS daemon run on the"
                         " others, so that none takes the event loop's CPU (default: the scheduler places every thread)")
+    s.add_argument("--metrics-address", metavar="HOST:PORT",
+                   help="also serve GET /metrics over TCP there, for a Prometheus to scrape (PORT alone: 127.0.0.1's;"
+                        " [::1]:PORT for IPv6; default: off, /metrics on the control socket only)")
     s.add_argument("--orphan-timeout", type=float, metavar="S",
                    help="with --live-restore: how long the programs run on with no daemon before their workers halt"
                         " them and exit (default %(default)s)")
@@ -206,16 +219,31 @@ def parser() -> argparse.ArgumentParser:
     _client_opts(_sub(sub, "ps"))
     _client_opts(_sub(sub, "status"))
 
+    p = _sub(sub, "top")  # serving/top.py
+    p.add_argument("--sort", metavar="COLUMN", help="the column to sort by (default name; key s: the next one)")
+    p.add_argument("--reverse", action="store_true", help="sort the other way (key r)")
+    p.add_argument("--filter", metavar="TEXT", help="only the programs whose name holds TEXT (key /)")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between looks (default 1)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    _client_opts(p, json=False)
+
     p = _sub(sub, "native")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--add", type=int, metavar="PID", help="register PID (a client of our MPS server) as a native client")
     g.add_argument("--drop", type=int, metavar="PID", help="no longer count PID as a native client")
     _client_opts(p)
 
+    p = _sub(sub, "write")
+    p.add_argument("name", metavar="NAME", help="the loaded program")
+    p.add_argument("offset", type=int, metavar="OFFSET", help="where in its data, in bytes")
+    p.add_argument("file", metavar="FILE", help="the bytes to write (at most 64 MiB; - for stdin)")
+    _client_opts(p)
+
     p = _sub(sub, "call")
     p.add_argument("name", metavar="NAME", help="the loaded program")
-    p.add_argument("data", metavar="DATA", help="the request: text (UTF-8), or hex digits with --hex")
-    p.add_argument("--hex", action="store_true", help="DATA is hex; the response is printed in hex")
+    from meshd_mps.serving import callio
+
+    callio.add_options(p)
     p.add_argument("--timeout", type=float, metavar="S", help="seconds to wait for the response (default 5)")
     _client_opts(p)
     return ap
@@ -244,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         return server.main(cfg)
     if args.cmd == "unit":
         from meshd_mps.errors import ConfigError
+        from meshd_mps.serving.unit import unit_text
 
         try:
             print(unit_text(args.executable), end="")
@@ -253,8 +282,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "check":
         from meshd_mps.serving import check
+        from meshd_mps.serving.client import ClientError
 
-        return check.main(args)
+        try:  # the daemon asked for its GPU is the one every client command asks (--gpu sim's too)
+            socket = _socket_of(args)
+        except ClientError as e:
+            print(f"meshd-mps: {e}", file=sys.stderr)
+            return 2
+        return check.main(args, socket)
+    if args.cmd == "top":
+        from meshd_mps.serving import top
+
+        return top.main(args, lambda: _socket_of(args))  # its ClientError (a bad --config) said by top
     return _client(args)
 
 
@@ -268,7 +307,7 @@ def serve_config(args: argparse.Namespace) -> Config:
     from meshd_mps.errors import ConfigError
     from meshd_mps.gpu.device import parse_devices
     from meshd_mps.serving import server
-    from meshd_mps.state.config import check_seconds, load_config, merge_serve
+    from meshd_mps.state.config import check_seconds, load_config, merge_serve, metrics_address
     from meshd_mps.supervision import cpus
 
     file = load_config(args.config) if args.config is not None else None
@@ -292,11 +331,13 @@ def serve_config(args: argparse.Namespace) -> Config:
                          stall_after=o["stall_after"], state_dir=o["state_dir"], live_restore=o["live_restore"],
                          orphan_timeout=o["orphan_timeout"],
                          daemon_cpus=daemon_cpus,
+                         metrics_address=None if o["metrics_address"] is None
+                         else metrics_address(o["metrics_address"], "--metrics-address"),
                          config_file=None if file is None else os.path.abspath(file.path),
                          programs=() if file is None else tuple(file.programs.values()))
 
 
-# ---- --version and the unit file ----------------------------------------------------------------
+# ---- --version ----------------------------------------------------------------
 
 
 def version_line() -> str:
@@ -318,49 +359,11 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-UNIT = "data/meshd-mps.service"
-
-
-def unit_text(executable: str | None = None) -> str:
-    """The shipped unit file, ``executable`` (default: this installation's meshd-mps, where it is
-    found) in ExecStart= instead of the bare name systemd would look up in its own PATH."""
-    from importlib.resources import files
-
-    from meshd_mps.errors import ConfigError
-
-    if executable is not None and (not os.path.isabs(executable)
-                                   or any(not c.isprintable() or c in '"\\' for c in executable)):
-        # systemd wants an absolute path in ExecStart=; a line break would end the line there and
-        # start another directive, a quote or a backslash would change its quoting.
-        raise ConfigError(f"--exec {executable!r}: an absolute path without control characters, quotes or"
-                          " backslashes expected")
-    text = files("meshd_mps").joinpath(UNIT).read_text(encoding="utf-8")
-    exe = executable or own_executable()
-    if exe is not None:
-        quoted = f'"{exe}"' if any(c.isspace() for c in exe) else exe  # systemd splits ExecStart= at blanks
-        text = text.replace("\nExecStart=meshd-mps ", f"\nExecStart={quoted} ")
-    return text
-
-
-def own_executable() -> str | None:
-    """The meshd-mps script of this installation: the one running, else the one beside this
-    Python (a virtual environment's), else the one on PATH; None if none is found."""
-    import shutil
-
-    if os.path.basename(sys.argv[0]) == "meshd-mps" and os.access(sys.argv[0], os.X_OK):
-        return os.path.abspath(sys.argv[0])
-    beside = os.path.join(os.path.dirname(sys.executable), "meshd-mps")
-    if os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("meshd-mps")
-    return os.path.abspath(found) if found else None
-
-
 # ---- the client commands ------------------------------------------------------------------
 
 
 def _client(args: argparse.Namespace) -> int:
-    from meshd_mps.serving.client import Client, ClientError, NoDaemon
+    from meshd_mps.serving.client import Client, ClientError, NoDaemon, read_input
 
     try:
         c = Client(_socket_of(args), gpu=args.gpu)
@@ -374,6 +377,7 @@ def _client(args: argparse.Namespace) -> int:
                                   getattr(args, "device", None), restart=args.restart, loading=args.cmd == "load")
             if getattr(args, "restore", None) is not None:
                 body["restore"] = args.restore
+            c.with_data(body, args.data, args.dir, args.manifest)
             ans = c.load(body) if args.cmd == "load" else c.upgrade(args.name, body)
             if args.json:
                 return _json(ans)
@@ -393,7 +397,7 @@ def _client(args: argparse.Namespace) -> int:
             ans = c.unload(args.name)
             if args.json:
                 return _json(ans)
-            p = ans.get("program") or {"name": args.name, "slot": ans.get("slot")}  # "slot": an older daemon's
+            p = ans["program"]
             print(f"{p['name']} unloaded from slot {p.get('slot')}")
             if ans.get("warning"):
                 print(f"meshd-mps: warning: {ans['warning']}", file=sys.stderr)
@@ -415,18 +419,17 @@ def _client(args: argparse.Namespace) -> int:
                 for k, v in ans["env"].items():
                     print(f"export {k}={shlex.quote(v)}")
             print(f"# native clients: {' '.join(map(str, ans['clients'])) or 'none'}")
-        elif args.cmd == "call":
-            if args.hex:
-                try:
-                    data: bytes | str = bytes.fromhex(args.data)
-                except ValueError as e:
-                    raise ClientError(f"DATA: not hex: {e}") from e
-            else:
-                data = args.data
-            ans = c.call(args.name, data, args.timeout)
+        elif args.cmd == "write":
+            ans = c.write(args.name, args.offset, read_input(args.file))
             if args.json:
                 return _json(ans)
-            print(ans["hex"] if args.hex else ans["data"])
+            print(f"{args.name}: {ans['bytes']} bytes written at {ans['offset']}"
+                  + (f" (DATA_SEQ {ans['seq']})" if ans.get("seq") is not None else " (placed at its next launch)"))
+        elif args.cmd == "call":
+            from meshd_mps.serving import callio
+
+            if (answer := callio.call(c, args)) is not None:  # --json
+                return _json(answer)
         else:  # pragma: no cover - argparse knows the commands
             raise ClientError(f"unknown command {args.cmd}")
     except NoDaemon as e:

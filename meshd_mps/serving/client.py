@@ -53,6 +53,8 @@ from meshd_mps.strictjson import (
 SOCKET_ENV = defaults.SOCKET_ENV
 #: The daemon refuses bodies over this (413); the client does not send them.
 MAX_BODY = 64 << 20
+#: The content type of a call in the binary form, and of its answer (serving/schemas.py says it too).
+BINARY = "application/octet-stream"
 #: The default socket's directory for root (without $XDG_RUNTIME_DIR); the daemon creates it 0700.
 RUN_DIR = "/run/meshd-mps"
 #: Where other users' default socket directory, ``meshd-mps-$UID``, is made (0700, by the daemon).
@@ -194,6 +196,7 @@ class Client:
             timeout: float | None = None) -> tuple[int, dict[str, str], bytes]:
         """One request: (status, headers with lower-case names, body bytes)."""
         conn = UnixHTTPConnection(self.socket, timeout=timeout or self.timeout)
+        conn.blocksize = 1 << 20  # a file body (program data) is sent a MiB at a time
         try:
             try:
                 conn.connect()
@@ -222,15 +225,7 @@ class Client:
         """A JSON request; the JSON answer if ``ok``, else ClientError with the daemon's error."""
         body = None if obj is None else json.dumps(obj).encode()
         status, _headers, data = self.raw(method, path, body, timeout=timeout)
-        try:
-            ans = parse_json(data, strict=False)
-        except ValueError as e:
-            raise ClientError(f"HTTP {status}: not JSON ({e}): {data[:200]!r}", status) from e
-        if not isinstance(ans, dict):
-            raise ClientError(f"HTTP {status}: a JSON object expected", status)
-        if not ans.get("ok") or status >= 400:
-            raise ClientError(str(ans.get("error") or f"HTTP {status}"), status, ans)
-        return ans
+        return self._answer(status, data)
 
     # ---- the API --------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -304,8 +299,95 @@ class Client:
         wait = None if timeout is None else max(self.timeout, timeout + 10)
         return self.request("POST", f"/v1/programs/{quote(name)}/call", body, timeout=wait)
 
+    def call_bytes(self, name: str, payload: bytes, timeout: float | None = None) -> bytes:
+        """A request through the program's ring in the binary form (the body is the payload, the
+        answer the response's bytes): any size the program declares, up to ``MAX_BODY``."""
+        path = f"/v1/programs/{quote(name)}/call"
+        if timeout is not None:
+            if not 0 < timeout < math.inf:
+                raise ClientError(f"timeout {timeout:g}: seconds, a finite number more than 0")
+            path += f"?timeout={timeout!r}"
+        if len(payload) > MAX_BODY:
+            raise ClientError(f"request of {len(payload)} bytes: the daemon takes bodies of at most {MAX_BODY} (64 MiB)")
+        wait = None if timeout is None else max(self.timeout, timeout + 10)
+        status, headers, data = self.raw("POST", path, payload, {"Content-Type": BINARY}, timeout=wait)
+        if status == 200 and headers.get("content-type", "").split(";")[0].strip() == BINARY:
+            return data
+        ans = self._answer(status, data)  # a refusal (raised here), or not the binary form's answer
+        raise ClientError(f"HTTP {status}: JSON where the response's bytes were expected", status, ans)
+
+    # ---- a program's data (docs/program-abi.md, "Data"; docs/api.md) ----------------------------------
+    def upload(self, path: str) -> str:
+        """The file ``path`` sent to the daemon (read here, as you, and streamed: neither side holds
+        it whole), which keeps it by its SHA-256; that key, for a load's or upgrade's ``data``."""
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - closed below, after the request that streams it
+        except OSError as e:
+            raise ClientError(f"data {path}: {e.strerror or e}") from e
+        with f:
+            size = os.fstat(f.fileno()).st_size
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ClientError(f"data {path}: not a regular file")
+            return self.upload_bytes(f, size)  # type: ignore[arg-type]
+
+    def upload_bytes(self, data: bytes | memoryview, size: int | None = None) -> str:
+        """Data in memory (or a file object of ``size`` bytes) sent as ``upload`` sends a file: its key."""
+        n = len(data) if size is None else size
+        status, _h, ans = self.raw("POST", "/v1/data", data, {"Content-Type": "application/octet-stream",  # type: ignore[arg-type]
+                                                             "Content-Length": str(n)})
+        return str(self._answer(status, ans)["data"])
+
+    def with_data(self, body: dict[str, Any], data: str | None, dir: str | None = None,
+                  manifest: str | None = None) -> dict[str, Any]:
+        """A load or upgrade ``body`` with its data: the file ``data``, else the manifest's own
+        ``data`` file beside it (``DIR/manifest.json`` or ``manifest``), sent first (``upload``)."""
+        if data is None:
+            mname = body.get("manifest", {}).get("data") if isinstance(body.get("manifest"), dict) else None
+            if mname:
+                base = os.path.dirname(manifest) if manifest else (dir or ".")
+                data = os.path.join(base, mname)
+        if data is not None:
+            body["data"] = self.upload(data)
+        return body
+
+    def write(self, name: str, offset: int, data: bytes) -> dict[str, Any]:
+        """``data`` into the program's data at ``offset``, while it runs; the answer's ``seq`` is
+        the slot's DATA_SEQ after it (None: placed at the program's next launch)."""
+        status, _h, raw = self.raw("POST", f"/v1/programs/{quote(name)}/write?offset={int(offset)}", data,
+                                   {"Content-Type": "application/octet-stream"})
+        return self._answer(status, raw)
+
+    def _answer(self, status: int, data: bytes) -> dict[str, Any]:
+        """A JSON answer: itself if ``ok``, else ClientError with the daemon's error."""
+        try:
+            ans = parse_json(data, strict=False)
+        except ValueError as e:
+            raise ClientError(f"HTTP {status}: not JSON ({e}): {data[:200]!r}", status) from e
+        if not isinstance(ans, dict):
+            raise ClientError(f"HTTP {status}: a JSON object expected", status)
+        if not ans.get("ok") or status >= 400:
+            raise ClientError(str(ans.get("error") or f"HTTP {status}"), status, ans)
+        return ans
+
     def metrics(self) -> str:
         status, _h, data = self.raw("GET", "/metrics")
         if status != 200:
             raise ClientError(f"/metrics: HTTP {status}", status)
         return data.decode()
+
+
+def read_input(path: str) -> bytes:
+    """A file's bytes (``-``: stdin's), at most MAX_BODY; ClientError otherwise."""
+    import sys
+
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read(MAX_BODY + 1)
+        else:
+            with open(path, "rb") as f:
+                data = f.read(MAX_BODY + 1)
+    except OSError as e:
+        raise ClientError(f"{path}: {e.strerror or e}") from e
+    if len(data) > MAX_BODY:
+        raise ClientError(f"{path}: over the limit of {MAX_BODY} bytes (64 MiB) a body may have")
+    return data

@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from meshd_mps.callstats import BUCKETS
 
 if TYPE_CHECKING:
     from meshd_mps.backend import Backend
     from meshd_mps.neighbours import NeighbourWatch
-    from meshd_mps.programs import Programs
+    from meshd_mps.programs import Program, Programs
 
 log = structlog.get_logger("meshd_mps")
 
@@ -37,8 +40,11 @@ LOAD_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 STATES = ("running", "stalled", "exited", "failed", "faulted", "restarting", "crash-loop")
 
 Labels = Mapping[str, str]
-#: What a reader returns: one value (None: no sample), or (labels, value) pairs.
-Read = float | int | None | Iterable[tuple[Labels, float]]
+#: A histogram's sample: its count per bucket of ``BUCKETS`` (the last: past every bound), and their sum.
+Buckets = tuple[Sequence[int], float]
+#: What a reader returns: one value (None: no sample), (labels, value) pairs, or for a histogram
+#: (labels, Buckets) pairs.
+Read = float | int | None | Iterable[tuple[Labels, float]] | Iterable[tuple[Labels, Buckets]]
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,7 @@ class Family:
     """One metric family and the function that reads its samples from the live objects."""
 
     name: str
-    kind: str  # "counter" | "gauge"
+    kind: str  # "counter" | "gauge" | "histogram" (its buckets are the calls' BUCKETS)
     help: str
     read: Callable[[], Read]
     labels: tuple[str, ...] = ()
@@ -56,6 +62,8 @@ class Family:
             raise ValueError(f"metrics: counter {self.name} must end in _total")  # its sample's name is its own
 
     def collect(self) -> Metric:
+        if self.kind == "histogram":
+            return self._histogram()
         make = CounterMetricFamily if self.kind == "counter" else GaugeMetricFamily
         got = self.read()
         if not self.labels:
@@ -64,7 +72,17 @@ class Family:
         assert got is not None and not isinstance(got, (int, float)), f"{self.name}: samples with labels expected"
         m = make(self.name, self.help, labels=self.labels)
         for labels, value in got:
-            m.add_metric([labels[k] for k in self.labels], value)
+            m.add_metric([labels[k] for k in self.labels], value)  # type: ignore[arg-type]
+        return m
+
+    def _histogram(self) -> Metric:
+        m = HistogramMetricFamily(self.name, self.help, labels=self.labels)
+        for labels, (counts, total) in self.read():  # type: ignore[union-attr, misc]
+            cumulative, acc = [], 0
+            for le, c in zip((*map(floatToGoString, BUCKETS), "+Inf"), counts, strict=True):
+                acc += c
+                cumulative.append((le, float(acc)))
+            m.add_metric([labels[k] for k in self.labels], cumulative, total)
         return m
 
 
@@ -123,6 +141,47 @@ class Metrics:
         """Each GPU NVML was read for (none without NVML): its foreign processes."""
         latest = self.watch.latest if self.watch is not None else {}
         return [({"device": str(d)}, float(len(n.foreign))) for d, n in sorted(latest.items())]
+
+    def _memory(self, i: int) -> list[tuple[Labels, float]]:
+        """Each GPU's memory used (``i`` 0) or in all (1), from NVML's last look."""
+        latest = self.watch.latest if self.watch is not None else {}
+        return [({"device": str(d)}, float(n.memory[i])) for d, n in sorted(latest.items()) if n.memory is not None]
+
+    def _program_families(self) -> list[Family]:
+        """Per program: its state, faults and restarts, its calls (outcomes, latency, bytes) and
+        its data, each labelled ``program``."""
+        ps = self.ps
+
+        def each(value: Callable[[Program], float]) -> Callable[[], list[tuple[Labels, float]]]:
+            return lambda: [({"program": p.name}, float(value(p))) for p in ps.by_name.values()]
+
+        def outcomes() -> list[tuple[Labels, float]]:
+            return [({"program": p.name, "outcome": k}, float(v)) for p in ps.by_name.values()
+                    for k, v in p.calls.outcomes.items()]
+
+        def latency() -> list[tuple[Labels, Buckets]]:
+            return [({"program": p.name}, (p.calls.counts, p.calls.seconds)) for p in ps.by_name.values()]
+
+        return [
+            Family("meshd_mps_program_state", "gauge", "Each program's state (always 1, in the label state).",
+                   lambda: [({"program": p.name, "state": ps.describe(p)["state"]}, 1.0) for p in ps.by_name.values()],
+                   ("program", "state")),
+            Family("meshd_mps_program_faults_total", "counter",
+                   "Each program's launches that failed (its own error, a GPU fault, its worker's death).",
+                   each(lambda p: p.faults), ("program",)),
+            Family("meshd_mps_program_restarts", "gauge", "Each program's relaunches since its last load or upgrade.",
+                   each(lambda p: p.restarts), ("program",)),
+            Family("meshd_mps_program_calls_total", "counter", "Calls through each program's ring, by outcome (ok,"
+                   " timeout, not_running, not_serving, ring_full, too_large, cancelled, error).", outcomes,
+                   ("program", "outcome")),
+            Family("meshd_mps_program_call_seconds", "histogram",
+                   "Each answered call's time, from the call to its response (a pipelined batch: its time over its"
+                   " requests).", latency, ("program",)),
+            Family("meshd_mps_program_bytes_in_total", "counter", "Request bytes sent into each program's ring.",
+                   each(lambda p: p.calls.bytes_in), ("program",)),
+            Family("meshd_mps_program_bytes_out_total", "counter", "Response bytes read from each program's ring.",
+                   each(lambda p: p.calls.bytes_out), ("program",)),
+        ]
 
     def families(self) -> list[Family]:
         b, ps = self.b, self.ps
@@ -186,6 +245,13 @@ class Metrics:
                    by_device(lambda d: len(ps.on_device(d))), ("device",)),
             Family("meshd_mps_device_pool_idle", "gauge", "Idle pooled workers on each GPU (MPS mode).",
                    by_device(lambda d: b.isolations[d].pooled()[0]), ("device",)),
+            Family("meshd_mps_device_sm_share", "gauge",
+                   "The part of each GPU's resident blocks its running programs hold (0-1): what is left to place there.",
+                   by_device(ps.sm_share), ("device",)),
+            Family("meshd_mps_device_memory_used_bytes", "gauge", "Each GPU's memory in use, per NVML (the simulation's"
+                   " figures with --gpu sim; no sample before NVML's first look).", lambda: self._memory(0), ("device",)),
+            Family("meshd_mps_device_memory_total_bytes", "gauge", "Each GPU's memory, per NVML.",
+                   lambda: self._memory(1), ("device",)),
             Family("meshd_mps_device_foreign_processes", "gauge",
                    "Processes with a context on each GPU outside our MPS server (blink: beside our context), per NVML.",
                    self._foreign, ("device",)),
@@ -209,9 +275,14 @@ class Metrics:
                    "Each program's heartbeat counter (its mailbox slot's HEARTBEAT word).",
                    lambda: [({"program": p.name}, b.mailbox.heartbeat(p.slot)) for p in ps.by_name.values()],
                    ("program",)),
+            Family("meshd_mps_program_data_bytes", "gauge",
+                   "Each program's data: the device memory it owns (docs/program-abi.md, \"Data\"); 0 without.",
+                   lambda: [({"program": p.name}, p.data_bytes) for p in ps.by_name.values()],
+                   ("program",)),
             Family("meshd_mps_program_beat_age_seconds", "gauge",
                    "Seconds since each program's heartbeat was last seen advancing (no sample for one that never beat).",
                    beat_ages, ("program",)),
+            *self._program_families(),
             Family("meshd_mps_sms", "gauge", "SMs a program may use (--sms, else the device's).", lambda: caps.sms),
             Family("meshd_mps_http_requests_total", "counter", "Control API requests answered, by status code.",
                    lambda: [({"code": str(k)}, v) for k, v in sorted(self.http_codes.items())], ("code",)),

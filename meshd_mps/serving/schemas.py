@@ -12,7 +12,9 @@ as its user), so that no request makes it read a file (``#include``).
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +26,13 @@ from meshd_mps.errors import BadRestartPolicy, BadRestoreMode
 from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.restart import Policy
 from meshd_mps.restore import Restore
-from meshd_mps.serving.client import MAX_BODY
+from meshd_mps.serving.client import BINARY, MAX_BODY
 from meshd_mps.serving.status import BadBody, BodyTooLarge, EncodingRefused, LengthRequired, RequestTimeout
 from meshd_mps.strictjson import parse_json
 
-LOAD_FIELDS = ("manifest", "ptx", "hash", "nodes", "device", "restart", "restore", "lease_until")
+LOAD_FIELDS = ("manifest", "ptx", "hash", "nodes", "device", "restart", "restore", "data", "lease_until")
 LEASE_FIELDS = ("until", "programs")
+_KEY = re.compile(r"[0-9a-f]{64}")
 CALL_FIELDS = ("data", "hex", "timeout")
 #: The answer to a body with CUDA C: the daemon never compiles it (an ``#include`` would read any
 #: file the daemon can read, and the compile log would echo it to the client).
@@ -38,8 +41,9 @@ PTX_ONLY = ("field 'cuda': this daemon takes PTX only; it does not compile CUDA 
             " .cu file), or meshd-mps load --manifest FILE --cuda FILE")
 
 
-def check_framing(request: web.BaseRequest) -> None:
-    """Before the route: a body the daemon can refuse by its size before reading any of it."""
+def check_framing(request: web.BaseRequest, limit: int = MAX_BODY) -> None:
+    """Before the route: a body the daemon can refuse by its size before reading any of it
+    (``limit``: the route's; a data file's is larger, serving/data_api.py)."""
     if "Transfer-Encoding" in request.headers:
         raise LengthRequired("chunked bodies are not supported: send Content-Length")
     coding = request.headers.get("Content-Encoding", "identity")
@@ -47,8 +51,8 @@ def check_framing(request: web.BaseRequest) -> None:
         raise EncodingRefused(f"Content-Encoding {coding[:40]!r} is not supported: send the body as it is",
                               encoding=coding[:40])
     n = request.content_length  # the parser took only digits
-    if n is not None and n > MAX_BODY:
-        raise BodyTooLarge(f"body of {n} bytes is over the limit of {MAX_BODY} bytes (64 MiB)", size=n, limit=MAX_BODY)
+    if n is not None and n > limit:
+        raise BodyTooLarge(f"body of {n} bytes is over the limit of {limit} bytes ({limit >> 20} MiB)", size=n, limit=limit)
 
 
 _HEX = re.compile(r"(?:[0-9a-fA-F]{2})*")
@@ -122,6 +126,7 @@ class LoadBody:
     device: int | None = None
     restart: Policy | None = None  # None: the daemon's default (a load), the program's own (an upgrade)
     restore: Restore | None = None  # None: reload (a load), the program's own (an upgrade, which keeps it)
+    data: str | None = None  # the SHA-256 of data the daemon holds (POST /v1/data); None: none (an upgrade: kept)
     lease_until: float | None = None  # unloaded by the daemon past this wall-clock time unless renewed (leases.py)
 
 
@@ -168,7 +173,13 @@ def load_body(obj: dict[str, Any]) -> LoadBody:
             restore = Restore.parse(obj["restore"])
         except BadRestoreMode as e:
             raise e.prefixed("field 'restore'") from e
-    return LoadBody(m, text, required, nodes, _int_field(obj, "device"), restart, restore,
+    data = None
+    if obj.get("data") is not None:
+        data = obj["data"]
+        if not isinstance(data, str) or not _KEY.fullmatch(data):
+            raise BadBody(f"field 'data' {_show(data)}: the SHA-256 (64 lowercase hex digits) that POST /v1/data answered",
+                          field="data")
+    return LoadBody(m, text, required, nodes, _int_field(obj, "device"), restart, restore, data,
                     _time_field(obj, "lease_until"))
 
 
@@ -202,8 +213,53 @@ class Call:
     timeout: float  # seconds to wait for the answer (field "timeout")
 
 
-def call(obj: dict[str, Any], deadlines: Deadlines) -> Call:
-    """A call body.  The payload's size is the mailbox's to check (a ring entry's, PayloadTooLarge)."""
+CALL_QUERY = ("timeout",)
+
+
+def binary(request: web.BaseRequest) -> bool:
+    """The call's body is its payload's bytes: it says ``Content-Type: application/octet-stream``
+    (a body that says no type is the JSON form's, as before, though aiohttp reads it as that type)."""
+    return "Content-Type" in request.headers and request.content_type == BINARY
+
+
+def call_timeout(query: Mapping[str, str], deadlines: Deadlines) -> float | None:
+    """A call's ``?timeout=S`` (None: not given); BadBody for any other parameter, or a value that is
+    not seconds within the call's bounds."""
+    for k in query:
+        if k not in CALL_QUERY:
+            raise BadBody(f"unknown query parameter {_show(k)} (expected {', '.join(CALL_QUERY)})", field=k[:80])
+    if "timeout" not in query:
+        return None
+    text = query["timeout"]
+    try:
+        t = float(text)
+    except ValueError:
+        t = math.nan
+    return _timeout(t if t == t else text, deadlines)  # NaN (or no number) is refused by _timeout
+
+
+def _timeout(t: Any, deadlines: Deadlines) -> float:
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= deadlines.call_max:
+        raise BadBody(f"field 'timeout' {_show(t)}: seconds, more than 0 and at most {deadlines.call_max:g}",
+                      field="timeout")
+    return float(t)
+
+
+async def binary_body(request: web.BaseRequest, within: float) -> bytes:
+    """A binary call's payload, received within ``within`` seconds (RequestTimeout otherwise)."""
+    try:
+        with anyio.fail_after(within):
+            return await request.read()
+    except TimeoutError as e:
+        raise RequestTimeout(f"body not received in {within:g}s", within=within) from e
+    except web.HTTPRequestEntityTooLarge as e:  # check_framing refuses it first; aiohttp's client_max_size as well
+        raise BodyTooLarge(f"body over the limit of {MAX_BODY} bytes (64 MiB)", size=MAX_BODY + 1, limit=MAX_BODY) from e
+
+
+def call(obj: dict[str, Any], deadlines: Deadlines, query: Mapping[str, str] | None = None) -> Call:
+    """A call body (the JSON form).  The payload's size is the program's to check (its manifest's
+    max_request, PayloadTooLarge).  ``query``: the request's (``?timeout=S``, said once: here or in
+    the body)."""
     check_fields(obj, CALL_FIELDS)
     if ("data" in obj) == ("hex" in obj):
         raise BadBody("one of the fields 'data' (text) or 'hex' (bytes in hex) is needed")
@@ -215,14 +271,12 @@ def call(obj: dict[str, Any], deadlines: Deadlines) -> Call:
             raise BadBody(f"field 'hex' {_show(text)}: pairs of hex digits (0-9, a-f) expected, no blanks",
                           field="hex")
         payload = bytes.fromhex(text)
-    timeout = deadlines.call
+    timeout = call_timeout(query or {}, deadlines)
     if obj.get("timeout") is not None:
-        t = obj["timeout"]
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= deadlines.call_max:
-            raise BadBody(f"field 'timeout' {_show(t)}: seconds, more than 0 and at most {deadlines.call_max:g}",
-                          field="timeout")
-        timeout = float(t)
-    return Call(payload, timeout)
+        if timeout is not None:
+            raise BadBody("field 'timeout' and the query's timeout: say it once", field="timeout")
+        timeout = _timeout(obj["timeout"], deadlines)
+    return Call(payload, deadlines.call if timeout is None else timeout)
 
 
 NATIVE_FIELDS = ("pid",)

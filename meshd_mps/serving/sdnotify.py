@@ -15,14 +15,13 @@ from collections.abc import Mapping
 
 import structlog
 
+from meshd_mps.deadlines import DEFAULT
+
 log = structlog.get_logger("meshd_mps")
 
-#: A datagram to a full queue waits this long (systemd drains its queue at once; this only bounds a stuck one).
-SEND_S = 1.0
-
-
-def notify(*fields: str, environ: Mapping[str, str] = os.environ) -> bool:
-    """Sends ``fields`` (e.g. ``"READY=1"``, ``"STATUS=serving"``), one per line; whether they were sent."""
+def notify(*fields: str, environ: Mapping[str, str] = os.environ, within: float = DEFAULT.notify) -> bool:
+    """Sends ``fields`` (e.g. ``"READY=1"``, ``"STATUS=serving"``), one per line, a full queue waited
+    for ``within`` (``Deadlines.notify``); whether they were sent."""
     addr = environ.get("NOTIFY_SOCKET", "")
     if not addr:
         return False
@@ -36,7 +35,7 @@ def notify(*fields: str, environ: Mapping[str, str] = os.environ) -> bool:
         return False
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-            s.settimeout(SEND_S)
+            s.settimeout(within)
             s.sendto("\n".join(fields).encode(), target)
     except OSError as e:
         log.warning(f"sd_notify: {addr}: {e.strerror or type(e).__name__}; not sent", socket=addr, fields=list(fields))

@@ -22,6 +22,7 @@ Every task of the daemon (the signal watcher, the NVML watch) lives in the one t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
@@ -48,19 +49,23 @@ from meshd_mps.backend import Backend
 from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.errors import MeshError, NoDriver
 from meshd_mps.gpu.compiler import nvjitlink_version
+from meshd_mps.gpu.device import check_driver
 from meshd_mps.gpu.nvml import Nvml, NvmlLike, SimNvml
 from meshd_mps.log import setup_logging
 from meshd_mps.mps.control import become_subreaper
 from meshd_mps.neighbours import NeighbourWatch, classify, look
 from meshd_mps.programs import Programs
+from meshd_mps.programs.datastore import DataStore
 from meshd_mps.serving import leases, reaper, sdnotify
 from meshd_mps.serving.api import Api
 from meshd_mps.serving.client import default_socket, program_body
+from meshd_mps.serving.exporter import Exporter
 from meshd_mps.serving.leases import Leases
 from meshd_mps.serving.metrics import Metrics
 from meshd_mps.serving.unix_socket import BACKLOG, ControlSocket
 from meshd_mps.state.config import SERVE_DEFAULTS, DeclaredProgram, pool_of
 from meshd_mps.state.desired import Recorder, Restored, restore
+from meshd_mps.state.statedir import DATA_DIR, resolve_state_dir
 from meshd_mps.state.store import Store
 from meshd_mps.supervision import cpus
 from meshd_mps.version import version
@@ -72,8 +77,6 @@ NO_DRIVER_HINT = "on the command line: meshd-mps serve --gpu sim"
 
 NEIGHBOURS_S = 2.0  # NVML is asked this often for the processes on our GPUs
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-#: The forced exit's deadline to kill and reap every child.
-REAP_S = 3.0
 
 
 # ---- configuration ---------------------------------------------------------------------------
@@ -95,7 +98,7 @@ class Config:
     loop: str = SERVE_DEFAULTS["loop"]  # auto (uvloop if installed) | uvloop | asyncio
     devices: tuple[int, ...] | None = None  # the GPUs to drive (None: every visible one, SERVE_DEFAULTS' "all")
     stall_after: float | None = SERVE_DEFAULTS["stall_after"]  # seconds without a heartbeat before "stalled"
-    # Issue 17: --state-dir as given (None: state.store.resolve_state_dir's default), --live-restore and the
+    # --state-dir as given (None: state.store.resolve_state_dir's default), --live-restore and the
     # workers' --orphan-timeout (None: Deadlines.orphan), the --config file (absolute) and its [program.NAME] tables.
     state_dir: str | None = SERVE_DEFAULTS["state_dir"]
     live_restore: bool = SERVE_DEFAULTS["live_restore"]
@@ -103,6 +106,7 @@ class Config:
     config_file: str | None = None
     programs: tuple[DeclaredProgram, ...] = ()
     daemon_cpus: frozenset[int] | None = None  # --daemon-cpus (supervision/cpus.py); None: unplaced
+    metrics_address: tuple[str, int] | None = None  # --metrics-address (exporter.py); None: off
 
 
 def main(cfg: Config) -> int:
@@ -168,6 +172,7 @@ class Daemon:
         self.cfg = cfg
         self.deadlines = deadlines
         self.socket_path = os.path.abspath(cfg.socket or default_socket(cfg.gpu))
+        self.state_path = resolve_state_dir(cfg.state_dir, gpu=cfg.gpu)
         self.backend: Backend | None = None
         self.programs: Programs | None = None
         self.metrics: Metrics | None = None
@@ -179,6 +184,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._starting: anyio.CancelScope | None = None  # the start-up's scope, cancelled by the first signal
         self.sock = ControlSocket(self.socket_path)
+        self.exporter = Exporter(cfg.metrics_address) if cfg.metrics_address is not None else None
         self.t0 = time.monotonic()
         self.started = datetime.now(UTC)
         self.versions: dict[str, str] = {}
@@ -203,13 +209,22 @@ class Daemon:
         return status
 
     async def _run(self, tg: anyio.abc.TaskGroup) -> int:
+        if self.cfg.gpu == "cuda":
+            check_driver()  # before anything is made, whatever the isolation
         try:
             become_subreaper()  # orphans of ours (the MPS daemon's) are ours to reap
         except MeshError as e:
             log.warning(str(e))
-        sock = self._bind()
-        served = False
+        fresh = self._fresh()
+        served = refused = False
         try:
+            sock = self._bind()
+        except BaseException:
+            self._unmake(fresh)
+            raise
+        try:
+            if self.exporter is not None:
+                self.exporter.bind()  # a port in use stops the start before anything runs
             with anyio.CancelScope() as starting:
                 self._starting = starting
                 if self._stop.is_set():  # the signal came before this scope did
@@ -222,13 +237,36 @@ class Daemon:
             served = True
             await self._serve(sock, tg)
             return 0
+        except Exception:
+            refused = not served
+            raise
         finally:
             with anyio.CancelScope(shield=True):
                 sock.close()  # closing it twice is nothing
+                if self.exporter is not None:
+                    await self.exporter.close()
                 await self._close_backend()
                 self._remove_socket()
             if served:
                 log.info("meshd-mps stopped")
+            if refused:
+                self._unmake(fresh)
+
+    def _fresh(self) -> list[str]:
+        """What this start would make (the socket's directory, the state dir), for a refusal to remove."""
+        return [d for d in (os.path.dirname(self.socket_path), self.state_path) if not os.path.lexists(d)]
+
+    def _unmake(self, fresh: list[str]) -> None:
+        """A refused start leaves nothing of its own: the state dir, if it was not there before and
+        this start held it (its lock: no other daemon used it), goes with what the start put in it
+        (the lock, ptx/); the socket's directory, if it was not there before, goes if it is empty
+        (another daemon's socket in it stays)."""
+        if self.state_path in fresh and self.store is not None:
+            shutil.rmtree(self.state_path, ignore_errors=True)
+        sock_dir = os.path.dirname(self.socket_path)
+        if sock_dir in fresh:
+            with contextlib.suppress(OSError):
+                os.rmdir(sock_dir)
 
     async def _open(self) -> None:
         c = self.cfg
@@ -236,7 +274,7 @@ class Daemon:
         self.versions = await anyio.to_thread.run_sync(versions)
         # First: its lock makes the state dir ours alone, and with it (live restore) the mailbox file, the MPS
         # directory and the workers' sockets under it.  Refused: another user's dir, another daemon on it.
-        self.store = await anyio.to_thread.run_sync(functools.partial(Store.open, c.state_dir, gpu=c.gpu,
+        self.store = await anyio.to_thread.run_sync(functools.partial(Store.open, self.state_path, gpu=c.gpu,
                                                                       socket=self.socket_path))
         d = self.deadlines if c.orphan_timeout is None else dataclasses.replace(self.deadlines, orphan=c.orphan_timeout)
         b = await Backend.open(isolation=c.isolation, sms=c.sms, mps_dir=c.mps_dir, pool=pool,  # type: ignore[arg-type]
@@ -246,7 +284,8 @@ class Daemon:
         self.backend = b
         self.leases = Leases(self.store.dir, d, live=c.live_restore)  # read before the restore adopts their programs
         # stall_after only when given: Programs' own default (Deadlines.stall) otherwise.
-        self.programs = Programs(b) if c.stall_after is None else Programs(b, stall_after=c.stall_after)
+        data = await anyio.to_thread.run_sync(DataStore, os.path.join(self.store.dir, DATA_DIR))
+        self.programs = Programs(b, data=data) if c.stall_after is None else Programs(b, stall_after=c.stall_after, data=data)
         self.metrics = Metrics(b, self.programs, self.versions.get("meshd-mps", ""), self.t0)
         await self._restore()
 
@@ -259,7 +298,11 @@ class Daemon:
         arch = b.info.compute
 
         def body(d: DeclaredProgram) -> dict[str, Any]:
-            return program_body(d.dir, d.manifest, d.ptx, d.cuda, d.hash, d.nodes, d.device, arch=arch, restart=d.restart)
+            out = program_body(d.dir, d.manifest, d.ptx, d.cuda, d.hash, d.nodes, d.device, arch=arch, restart=d.restart)
+            m = out["manifest"]
+            if isinstance(m, dict) and m.get("data"):  # its data file, beside the manifest (the operator's, as the PTX)
+                out["data_file"] = os.path.join(os.path.dirname(d.manifest), m["data"])
+            return out
 
         ps.recorder = Recorder(store)  # the declared programs loaded now are recorded too
         self.restored = await restore(ps, store, c.programs, body, b.found)
@@ -293,7 +336,11 @@ class Daemon:
                 f" gpu {b.gpu}, {where}",
                 socket=self.socket_path, isolation=b.isolation, gpu=b.gpu, device=b.caps.name, devices=list(b.devices),
             )
-            sdnotify.notify("READY=1", f"STATUS=serving on {self.socket_path}")  # systemd's Type=notify
+            if self.exporter is not None:
+                await self.exporter.serve(metrics)
+                api.metrics_address = self.exporter.where
+                log.info(f"the metrics at http://{self.exporter.where}/metrics", metrics_address=self.exporter.where)
+            sdnotify.notify("READY=1", f"STATUS=serving on {self.socket_path}", within=self.deadlines.notify)  # Type=notify
             watch: anyio.CancelScope = await tg.start(self._neighbours, name="neighbours")
             lease: anyio.CancelScope = await tg.start(functools.partial(leases.keep, api.leases, ps), name="leases")
             try:
@@ -384,7 +431,8 @@ class Daemon:
                              " request, passed on by a parent (make) or sent to the whole job; a later one forces the exit")
                 elif handled == 1:
                     log.info(f"{signal.Signals(sig).name}: shutting down (a second signal forces the exit)")
-                    sdnotify.notify("STOPPING=1", f"STATUS=shutting down on {signal.Signals(sig).name}")
+                    sdnotify.notify("STOPPING=1", f"STATUS=shutting down on {signal.Signals(sig).name}",
+                                    within=self.deadlines.notify)
                     self._stop.set()
                     if self._starting is not None:
                         self._starting.cancel()
@@ -404,7 +452,7 @@ class Daemon:
         kids = reaper.descendants(os.getpid())
         log.error(f"{name} during shutdown: forcing the exit; killing {len(kids)} processes", pids=sorted(kids))
         reaper.kill_all(kids)
-        reaper.reap_all(within=REAP_S)
+        reaper.reap_all(within=self.deadlines.reap)
         self._remove_socket()
         if b is not None and b.daemon is not None and b.daemon.temporary:
             shutil.rmtree(b.daemon.dir, ignore_errors=True)

@@ -110,6 +110,8 @@ STATUS: dict[type[BaseException], int] = {
     # LimitError, ImageRefused, BadBody, ...; StateIOError is a failure of ours: 500, not in the table.
     E.BadSpec: 422,  # the fleet's: a spec it cannot deploy (meshd_mps/fleet/spec.py)
     E.CallRefused: 502,  # the fleet's: a node's daemon refused a call (its own status in the error's fields)
+    E.BadResponse: 502,  # a program's response the host does not read (past its region): the program's fault
+    E.PayloadTooLarge: 413,  # a call's payload over its program's declared size (a ring entry's, undeclared)
     E.CallPortToken: 401,  # the fleet's: a call port's request without its token (fleet/callport.py)
     E.BadRequest: 400,
     E.MailboxError: 400,  # a slot or an entry out of the layout

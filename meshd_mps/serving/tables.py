@@ -41,15 +41,25 @@ def restarts(p: dict[str, Any]) -> str:
     return str(n) if restart == "on-failure" else f"{n} ({restart})"
 
 
+def size(n: int | None) -> str:
+    """A program's data size, for people ("-": none)."""
+    if not n:
+        return "-"
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
 def ps_table(programs: list[dict[str, Any]]) -> str:
-    head = ["NAME", "SLOT", "STATE", "PID", "GPU", "HEARTBEAT", "BEAT-AGE", "UPTIME", "UPGRADES", "RESTARTS", "HASH"]
+    head = ["NAME", "SLOT", "STATE", "PID", "GPU", "HEARTBEAT", "BEAT-AGE", "UPTIME", "UPGRADES", "RESTARTS", "HASH", "DATA"]
     errors = any(p.get("error") for p in programs)
     if errors:
         head.append("ERROR")
     rows = [head]
     for p in programs:
         r = [p["name"], str(p["slot"]), p["state"], str(p["pid"]), str(p.get("device", "-")), str(p["heartbeat"]),
-             beat_age(p), duration(p["uptime_s"]), str(p["upgrades"]), restarts(p), p["hash"]]
+             beat_age(p), duration(p["uptime_s"]), str(p["upgrades"]), restarts(p), p["hash"], size(p.get("data_bytes"))]
         if errors:
             r.append(p.get("error") or "")
         rows.append(r)
@@ -96,7 +106,7 @@ def status_table(s: dict[str, Any]) -> str:
                  ["blinks", f"{s.get('blinks', 0)}" + (f", the last {last:.2f} ms" if last is not None else "")]]
     rows += [
         ["workers", f"{len(s.get('workers', []))} {_pids(s.get('workers', []))}, {s.get('retired', 0)} retired"],
-        ["programs", str(s.get("programs", 0))],
+        ["programs", str(s.get("programs", 0)) + (f" (their data: {size(s['data_bytes'])})" if s.get("data_bytes") else "")],
         ["stalled", str(s.get("stalled", 0))],
         ["loads", str(s.get("loads", 0))],
         ["uptime", duration(float(s.get("uptime_s", 0)))],

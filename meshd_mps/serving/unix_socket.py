@@ -15,6 +15,7 @@ import stat
 
 import structlog
 
+from meshd_mps.deadlines import DEFAULT
 from meshd_mps.errors import MeshError
 from meshd_mps.serving.client import private_dirs
 
@@ -130,10 +131,10 @@ def check_socket_dir(d: str) -> None:
                          f" (they could remove or replace the socket): {hint}")
 
 
-def serves(path: str) -> bool:
+def serves(path: str, within: float = DEFAULT.socket_probe) -> bool:
     """Someone accepts connections on the socket ``path`` (a stale socket refuses them)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(2.0)
+    s.settimeout(within)
     try:
         s.connect(path)
         return True

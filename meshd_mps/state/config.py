@@ -42,7 +42,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "isolation": defaults.ISOLATION,
     "sms": defaults.SMS,
     "mps_dir": None,  # a temporary directory, removed at exit
-    "pool": None,  # POOL_BY_ISOLATION: 2 in MPS mode, 0 in blink mode
+    "pool": None,  # POOL_BY_ISOLATION: 4 in MPS mode, 0 in blink mode
     "devices": "all",
     "gpu": defaults.GPU,
     "socket": None,  # client.default_socket(gpu): meshd-mps-sim.sock for --gpu sim (defaults.named)
@@ -55,6 +55,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "live_restore": False,
     "orphan_timeout": None,  # Deadlines.orphan
     "daemon_cpus": None,  # unplaced: the scheduler decides (supervision/cpus.py)
+    "metrics_address": None,  # off: /metrics on the control socket only (serving/exporter.py)
 }
 
 #: ``pool`` when it is None: the idle workers kept ready on each GPU, by isolation (meshd_mps/defaults.py).
@@ -91,6 +92,30 @@ def check_seconds(v: float, what: str = "") -> float:
         raise ConfigError(f"{what + ' ' if what else ''}{v:g}: seconds, more than 0 and at most {MAX_SECONDS:.0f}"
                           " (30 days)")
     return v
+
+#: ``metrics_address``'s host where only a port is given: this machine alone, as exporters default.
+METRICS_HOST = "127.0.0.1"
+
+
+def metrics_address(text: str, what: str = "") -> tuple[str, int]:
+    """``metrics_address`` as ``--metrics-address`` takes it: ``HOST:PORT``, ``[IPV6]:PORT``, or
+    ``PORT`` (or ``:PORT``) for METRICS_HOST's (port 0: one the kernel picks, which status shows);
+    (host, port), else ConfigError after ``what``."""
+    head = f"{what} {text!r}: " if what else f"{text!r}: "
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "", text
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ConfigError(head + "an IPv6 address goes in brackets: [::1]:9400")
+    if not port.isascii() or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(head + "HOST:PORT or PORT expected, the port a number from 0 to 65535")
+    if any(c.isspace() or not c.isprintable() for c in host):
+        raise ConfigError(head + "the host is a name or an address, without blanks")
+    return host or METRICS_HOST, int(port)
+
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "isolation": ("blink", "mps"),
@@ -228,6 +253,14 @@ class _Reader:
                 raise self.fail(keys, str(e)) from e
         if k == "daemon_cpus":
             return self.cpus(keys, v)
+        if k == "metrics_address":
+            if not isinstance(v, str):
+                raise self.fail(keys, f"\"HOST:PORT\" or \"PORT\" expected, got {_tname(v)}")
+            try:
+                metrics_address(v)
+            except ConfigError as e:
+                raise self.fail(keys, str(e)) from e
+            return v
         assert k == "devices"
         return self.devices(keys, v)
 

@@ -1,4 +1,4 @@
-"""The desired state kept as the programs change, and brought back at start (issue 17).
+"""The desired state kept as the programs change, and brought back at start.
 
 ``Recorder`` writes every successful load, upgrade and unload into the :class:`Store` before the
 request is answered (off the event loop: each write is fsynced).  ``restore`` runs at ``serve``'s
@@ -27,6 +27,8 @@ from meshd_mps.errors import MeshError
 from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.isolation.base import Found
 from meshd_mps.programs import FaultReport, Program, Programs
+from meshd_mps.programs.data import Recorded
+from meshd_mps.programs.datastore import Kept
 from meshd_mps.protocol import abi
 from meshd_mps.restore import LEFT, Restore
 from meshd_mps.state.config import DeclaredProgram
@@ -46,12 +48,18 @@ class Recorder:
     async def loaded(self, p: Program) -> None:
         """A load or an upgrade: the program as it runs now."""
         assert p.manifest is not None
-        rec = ProgramRecord.of(p.name, dataclasses.asdict(p.manifest), p.ptx, slot=p.slot, nodes=p.nodes,
-                               device=p.device, hash=p.hash, restart=p.restart.value, restore=p.restore.value)
+        rec = ProgramRecord.of(p.name, p.manifest.as_dict(), p.ptx, slot=p.slot, nodes=p.nodes,
+                               device=p.device, hash=p.hash, restart=p.restart.value, restore=p.restore.value,
+                               data={**p.data.spec.as_dict(), "written": p.data.written} if p.data else None)
         await anyio.to_thread.run_sync(self.store.record, rec, p.ptx)
 
     async def unloaded(self, name: str) -> None:
         await anyio.to_thread.run_sync(self.store.forget, name)
+
+    def data_kept(self) -> Kept:
+        """The data every record names (one not loaded now too: the next start loads it)."""
+        recs = [r for r in self.store.programs().values() if r.data is not None]
+        return Kept([k for r in recs if (k := (r.data or {}).get("key"))], [r.name for r in recs])
 
     async def history(self, programs: Sequence[Program], faults: Sequence[FaultReport]) -> None:
         """Each program's launch (its wall time, worker, restarts) and the recent fault reports, for
@@ -135,7 +143,7 @@ async def restore(programs: Programs, store: Store, declared: Sequence[DeclaredP
                 seen = None  # another launch's (a relaunch the last daemon did not live to keep)
             await programs.adopt(f, Manifest.parse(rec.manifest), ptx, int(rec.hash, 16), rec.nodes, rec.restart,
                                  started_wall=seen.started_at if seen else None, restarts=seen.restarts if seen else 0,
-                                 restore=rec.restore)
+                                 restore=rec.restore, data=_data(rec))
             out.adopted.append(rec.name)
         except MeshError as e:
             drop.append((f, f"not adopted: {e}"))
@@ -194,7 +202,8 @@ async def _load_all(programs: Programs, store: Store, declared: Sequence[Declare
             continue
         try:
             ptx = await anyio.to_thread.run_sync(store.ptx, rec)
-            await programs.load(rec.manifest, ptx, int(rec.hash, 16), rec.nodes, rec.device, rec.restart, slot=rec.slot)
+            await programs.load(rec.manifest, ptx, int(rec.hash, 16), rec.nodes, rec.device, rec.restart, slot=rec.slot,
+                                data=_data(rec))
             out.restored.append(rec.name)
         except MeshError as e:
             out.skipped[rec.name] = str(e)
@@ -209,7 +218,8 @@ async def _load_all(programs: Programs, store: Store, declared: Sequence[Declare
         try:
             b = await anyio.to_thread.run_sync(body, d)  # its files read, CUDA C compiled: ProgramFilesError
             want = None if d.hash is None else int(d.hash, 16)
-            await programs.load(b["manifest"], b["ptx"].encode(), want, d.nodes or 1, d.device, d.restart)
+            await programs.load(b["manifest"], b["ptx"].encode(), want, d.nodes or 1, d.device, d.restart,
+                                data=b.get("data_file"))
             out.declared.append(d.name)
             if unused is not None:
                 log.warning(f"restore: program {d.name} loaded from its declaration (config line {d.line}), not from its"
@@ -218,6 +228,10 @@ async def _load_all(programs: Programs, store: Store, declared: Sequence[Declare
             out.skipped[d.name] = str(e) if unused is None else f"{unused}; from its declaration: {e}"
             # A refusal of the user's program (as a refused load is), not a failure of the daemon's.
             log.warning(f"restore: declared program {d.name} (config line {d.line}) not loaded: {e}", program=d.name)
+
+
+def _data(rec: ProgramRecord) -> Recorded | None:
+    return None if rec.data is None else Recorded.from_dict(rec.data)
 
 
 def _reports(h: History) -> list[FaultReport]:

@@ -121,10 +121,15 @@ def program_body(dir: str | None = None, manifest: str | None = None, ptx: str |
     src = Path(ptx if ptx is not None else cuda)  # type: ignore[arg-type]
     raw = read_file(src)
     if ptx is not None:
+        from meshd_mps.gpu.compiler import ptx_version
+
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ProgramFilesError(f"{src}: not UTF-8 text: {e}", src) from e
+        if ptx_version(raw) is None:  # every PTX module begins with its .version: this file is something else
+            raise ProgramFilesError(f"{src}: not PTX (no .version directive, with which every PTX file begins);"
+                                    " give a program's CUDA C with --cuda", src)
     else:
         given = mobj.get("name") if isinstance(mobj, dict) else None
         name = given if isinstance(given, str) else src.stem

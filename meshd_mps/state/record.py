@@ -12,6 +12,7 @@ from typing import Any
 
 from meshd_mps.errors import BadName
 from meshd_mps.names import check_name
+from meshd_mps.programs.datastore import DataSpec
 from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
 from meshd_mps.restore import DEFAULT as DEFAULT_RESTORE, Restore
 
@@ -51,16 +52,18 @@ class ProgramRecord:
     hash: str
     recorded_at: float
     restore: str = DEFAULT_RESTORE.value
+    #: Its data (programs/datastore.py ``DataSpec.as_dict``): written only for a program that has some.
+    data: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, name: str, manifest: Mapping[str, Any], ptx: bytes, *, slot: int, nodes: int, device: int,
            hash: int | str, restart: str = DEFAULT_RESTART.value,
-           restore: str = DEFAULT_RESTORE.value) -> ProgramRecord:
+           restore: str = DEFAULT_RESTORE.value, data: dict[str, Any] | None = None) -> ProgramRecord:
         """The record of a program just loaded: ``ptx_key`` computed from ``ptx``, ``hash`` as
         ``Program.hash`` (an int) or its 16 hex digits, recorded now; checked."""
         h = f"{hash:016x}" if isinstance(hash, int) else hash
         return cls(name=name, manifest=dict(manifest), ptx_key=ptx_key(ptx), slot=slot, nodes=nodes, device=device,
-                   restart=restart, hash=h, recorded_at=time.time(), restore=restore).check()
+                   restart=restart, hash=h, recorded_at=time.time(), restore=restore, data=data).check()
 
     def check(self) -> ProgramRecord:
         """Itself, or ValueError naming the field that is wrong."""
@@ -82,6 +85,8 @@ class ProgramRecord:
             raise ValueError(f"restore {self.restore!r}: one of {', '.join(RESTORE)} expected")
         if not isinstance(self.hash, str) or not _HASH.fullmatch(self.hash):
             raise ValueError(f"hash {self.hash!r}: 16 lowercase hex digits expected")
+        if self.data is not None:
+            DataSpec.from_dict(self.data)  # ValueError naming what is wrong
         t = self.recorded_at
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
             raise ValueError(f"recorded_at {t!r}: a time in seconds expected")
@@ -91,6 +96,8 @@ class ProgramRecord:
         out = asdict(self)
         if self.restore == DEFAULT_RESTORE.value:
             del out["restore"]  # as records were before it: see the class's doc
+        if self.data is None:
+            del out["data"]  # likewise
         return out
 
     @classmethod
@@ -109,4 +116,4 @@ class ProgramRecord:
 
 
 #: Fields a record may lack (their defaults): those added after the schema's first records.
-_OPTIONAL = frozenset({"restore"})
+_OPTIONAL = frozenset({"restore", "data"})

@@ -18,6 +18,8 @@ from meshd_mps.errors import StateDirRefused, StateIOError
 
 log = structlog.get_logger("meshd_mps")
 
+#: The programs' data (programs/datastore.py): content-addressed files, and each program's own once written.
+DATA_DIR = "data"
 PTX_DIR = "ptx"
 TMP_SUFFIX = ".tmp"
 #: Root's default state directory's parent: ``/var/lib/meshd-mps`` (``-sim`` for the simulated GPU).

@@ -1,5 +1,5 @@
 """The desired state on disk: which programs meshd-mps was asked to run, with what, so that a
-restarted daemon can run them again (issue 17).  Restoring them is serve's; this module only keeps
+restarted daemon can run them again.  Restoring them is serve's; this module only keeps
 the records, and keeps them whole.
 
 The state directory (``resolve_state_dir``; made and checked by ``open_state_dir``) holds:

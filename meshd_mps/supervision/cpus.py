@@ -1,8 +1,8 @@
 """Which host CPUs the daemon runs on, and which its children do (``serve --daemon-cpus``).
 
 The event loop is the one thread every ask, DONE and ring call goes through.  Left to the
-scheduler, a worker woken on its CPU takes the CPU from it: on the lent H200 (2026-12-05,
-``scripts/issue18_probes.py ask-cpu``), with 32 workers asking at once, p99 2368-3175 us as the
+scheduler, a worker woken on its CPU takes the CPU from it: on an H200 (``scripts/issue18_probes.py
+ask-cpu``; docs/runs/ring-and-control-path.md), with 32 workers asking at once, p99 2368-3175 us as the
 scheduler placed the threads, and 954-1593 us with the loop's CPU its own and every worker kept
 off it.  A host spin on a program's ring (``Ring.spin``) is as fast as the CPU it spins on, and
 on that VM the CPUs differed by up to 0.9 us of a 4-5 us round trip (docs/benchmarks.md).

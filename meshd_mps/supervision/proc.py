@@ -181,7 +181,7 @@ class WorkerProc:
             if waiter is not None and not waiter.done():
                 waiter.set_result(d)
             return
-        if op not in frames.REPLIES and op != Op.LIMIT:
+        if op not in frames.REPLIES:
             raise FrameError(f"op {op.name} is not a worker's frame")
         asked = self._asked
         if not asked:
@@ -350,7 +350,7 @@ class WorkerProc:
     def _on_loop(self) -> asyncio.AbstractEventLoop:
         """The loop the worker is asked on (its transport's), looked up once: get_running_loop()
         costs a getpid(2) a call on CPython 3.11 (its fork check), a syscall a launch on row b's
-        hot path (strace, 2026-12-05)."""
+        hot path (as strace showed)."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()

@@ -10,7 +10,7 @@ in one task of the supervisor's that ``close()`` awaits, re-raising what it rais
 to exit, SIGKILL, 2 s more, else "left behind".  Cleanup is the seed's too:
 idle workers get EOF, every worker SIGKILL, one shared 500 ms reap deadline.
 
-Live restore (issue 17): a worker spawned with ``listen=DIR`` serves its frames on
+Live restore: a worker spawned with ``listen=DIR`` serves its frames on
 ``DIR/<pid>.sock`` and outlives us; ``detach()`` stops the supervisor without retiring such
 workers (their connections closed, nothing killed), and the next meshd-mps's supervisor
 ``adopt()``s each one by its socket: the same process, its HELLO (docs/protocol.md) saying what it
@@ -129,11 +129,24 @@ class Supervisor:
             process = await child.spawn(argv, env, framed=True)
         except OSError as e:
             raise SpawnFailed(f"mps worker: {argv[0]}: {e.strerror or e}") from e
+        await self._closed_meanwhile(process)
         w = WorkerProc(process, self._unfit, self.deadlines)
         w.program = program
         self._own(w)
         log.debug("worker spawned", pid=w.pid)
         return w
+
+    async def _closed_meanwhile(self, process: child.Child) -> None:
+        """A process whose start ``close`` came during (it kills only the workers it knows): ended
+        here, and the spawn refused, so that nothing is left behind."""
+        if not self.closed:
+            return
+        process.kill()
+        with anyio.move_on_after(self.deadlines.retire_kill, shield=True):
+            await process.wait()
+        if process.returncode is None:
+            self.left_behind.append(process.pid)
+        raise WorkerError("supervisor closed")
 
     def _own(self, w: WorkerProc) -> None:
         self.workers[w.pid] = w
@@ -171,6 +184,12 @@ class Supervisor:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             raise
+        if self.closed:
+            link[1].close()
+            for left in (path, log_file):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(left)
+            await self._closed_meanwhile(process)
         w = WorkerProc(process, self._unfit, self.deadlines, link=link)
         w.program, w.socket, w.log_file, w.hello = program, path, log_file, hello
         self._own(w)

@@ -5,6 +5,7 @@ one adopts, halts and loads; ``gpu`` is serve's ``--gpu``."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import textwrap
 
 from meshd_mps.backend import live_paths
 from meshd_mps.mps.control import Owner
-from meshd_mps.protocol import abi
+from meshd_mps.protocol import abi, payloads
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.serving.client import program_body
 from meshd_mps.state.store import Store
@@ -65,6 +66,12 @@ def nothing_left(state: str) -> None:
 
     poll(clean, 20.0, f"no process of the state dir left: {leftovers([state])}")
     assert not os.path.exists(live_paths(state).mailbox), "the mailbox left in shared memory"
+    assert regions(state) == [], "a payload region left in shared memory"
+
+
+def regions(state: str) -> list[str]:
+    """The payload regions in shared memory beside the state dir's live mailbox."""
+    return glob.glob(glob.escape(payloads.live_prefix(live_paths(state).mailbox)) + "*")
 
 
 def wait_beats(mb: Mailbox, slot: int, more_than: int) -> int:
@@ -78,6 +85,9 @@ def adopt_case(tmp: str, isolation: str, how: int, gpu: str = "sim") -> None:
         a.client.load(program_body(str(EXAMPLES / "heartbeat")))
         a.client.load(program_body(str(EXAMPLES / "echo")))
         pool = pooled(a) if isolation == "mps" else []
+        # Blink: the next context's worker stands by (no context); a stop retires it, a SIGKILL leaves it
+        # for the next daemon, which adopts it and retires it (it holds no module).
+        standby = poll(lambda: a.client.status()["standby_pid"], 20.0, "the standby") if isolation == "blink" else None
         before = rows(a)
         mb = Mailbox.open(live_paths(state).mailbox)  # the file the kernels beat in: it outlives the daemon
         try:
@@ -91,8 +101,11 @@ def adopt_case(tmp: str, isolation: str, how: int, gpu: str = "sim") -> None:
             else:
                 assert a.stop() == 0, a.log()[-4000:]
             last = mb.heartbeat(slot)
+            assert len(regions(state)) == 1, "echo's payload region outlives its daemon, as the mailbox does"
             pids = {p["pid"] for p in before.values()} | set(pool)
             assert all(alive(p) for p in pids), "the workers run on with no daemon"
+            if how == signal.SIGKILL and standby is not None:
+                pids.add(standby)
             last = wait_beats(mb, slot, last + 2)  # and the kernel beats meanwhile
             b = serve(tmp, state, isolation, name="b", gpu=gpu)
             try:
@@ -111,8 +124,11 @@ def adopt_case(tmp: str, isolation: str, how: int, gpu: str = "sim") -> None:
                 if isolation == "mps":
                     assert st["pool"]["idle"] == pool, "the pooled worker adopted into the pool"
                 assert b.client.call("echo", "adopted")["data"] == "adopted"
+                big = os.urandom(20_000)  # through its payload region, found again by the new daemon
+                assert b.client.call_bytes("echo", big) == big
                 up = b.client.upgrade("echo", program_body(str(EXAMPLES / "echo")))["program"]
                 assert up["state"] == "running" and b.client.call("echo", "upgraded")["data"] == "upgraded"
+                assert b.client.call_bytes("echo", big[::-1]) == big[::-1]
                 for n in ("echo", "heartbeat"):
                     b.client.unload(n)
                 assert b.stop() == 0  # nothing runs: a full stop, which leaves nothing behind
@@ -132,6 +148,7 @@ def orphan_case(tmp: str, gpu: str = "sim") -> None:
     a = serve(tmp, state, "mps", "--orphan-timeout", "1", name="a", gpu=gpu)
     try:
         a.client.load(program_body(str(EXAMPLES / "heartbeat")))
+        a.client.load(program_body(str(EXAMPLES / "echo")))  # its payload region in shared memory, left too
         pids = a.client.status()["workers"]
         a.proc.kill()
         a.proc.wait(10)
@@ -147,9 +164,11 @@ def orphan_case(tmp: str, gpu: str = "sim") -> None:
     b = serve(tmp, state, "mps", name="b", live=False, gpu=gpu)
     try:
         assert Owner.read(live_paths(state).mps) is None, "the daemon left in the state dir was quit"
-        assert not os.path.exists(live_paths(state).mailbox)
+        assert not os.path.exists(live_paths(state).mailbox) and regions(state) == []
         st = b.client.status()["state"]
-        assert st["restore"]["restored"] == ["heartbeat"] and not st["restore"]["adopted"], st
+        assert st["restore"]["restored"] == ["heartbeat", "echo"] and not st["restore"]["adopted"], st
+        big = os.urandom(30_000)
+        assert b.client.call_bytes("echo", big) == big
         assert b.stop() == 0, b.log()[-4000:]
     finally:
         b.kill()

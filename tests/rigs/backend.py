@@ -1,20 +1,23 @@
 """A ``Backend`` on the simulated GPU: the example programs compiled as the API takes them
-(real NVRTC), their heartbeats, a backend opened with the tests' deadlines, and a compiler that
-also takes a simulated GPU's script as the image."""
+(real NVRTC), their heartbeats, a backend opened with the tests' deadlines, a compiler that
+also takes a simulated GPU's script as the image, and ``Programs`` on both."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import pathlib
 import signal
+from collections.abc import AsyncIterator
 
 import anyio
 import pytest
 
 from meshd_mps.backend import Backend
 from meshd_mps.gpu.compiler import Compiler, Prepared, cuda_to_ptx
+from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 
 from .deadlines import TEST_DEADLINES
@@ -52,6 +55,20 @@ async def open_sim(isolation: str = "blink", deadlines=TEST_DEADLINES, **kw) -> 
 def man(name: str) -> dict:
     """The least manifest of a program named ``name`` (for scripted images, ``ScriptCompiler``)."""
     return {"name": name, "backend": "cuda", "warps": 1, "abi": 1}
+
+
+@contextlib.asynccontextmanager
+async def sim_programs(isolation: str, deadlines=TEST_DEADLINES) -> AsyncIterator[Programs]:
+    """``Programs`` on a simulated GPU (``open_sim``, a pool of one in MPS mode) whose compiler also
+    takes scripts (``ScriptCompiler``); every program closed, then the backend."""
+    b = await open_sim(isolation, pool=1, deadlines=deadlines)
+    b.compiler = ScriptCompiler(b.infos[b.devices[0]])
+    ps = Programs(b)
+    try:
+        yield ps
+    finally:
+        await ps.close()
+        await b.close()
 
 
 class ScriptCompiler(Compiler):

@@ -1,0 +1,262 @@
+"""Row (v) versus: examples/knn's exact top-k (k = 10) over a table of N vectors of 128 fp16 numbers
+(N = 1,000,000; 100,000 with --quick), batches of 1, 8 and 64 queries, resident in meshd-mps beside
+what a user runs instead, the same table and queries for every contender:
+
+- meshd-mps resident, both isolation modes: ``Programs.call`` in this process, and through a
+  daemon's socket as a client process calls it (``Client.call_bytes``, the CLI's HTTP client);
+- PyTorch eager and a CUDA graph, and the same search launched once per batch (``knn_once``): in a
+  process of their own (``bench/contenders.py``), on the GPU only, each "skipped" with its reason
+  where it cannot run (no torch, the simulated GPU).
+
+Per contender and batch: p50 and p99 (``reps`` batches after a warm-up), batches a second with 8 in
+flight (meshd-mps's), and the scan's bandwidth (the table's bytes over the p50) against the device's
+copy bandwidth measured in the same run.  Every contender's answer to the same check queries equals
+numpy's exact one (ties at the k-th score aside, which topk orders as it likes).  Also shown: a
+resident heartbeat's largest gap while knn answers at full rate, against its idle one.  The table's
+numbers are whole (-8..8), so that every contender's sums are exact and the answers comparable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from types import ModuleType
+from typing import Any
+
+import anyio
+import numpy as np
+
+from meshd_mps.bench.measure import beat, pct, until
+from meshd_mps.bench.report import Row, quantiles
+from meshd_mps.bench.rig import EXAMPLES, Bench
+from meshd_mps.programs import Programs
+from meshd_mps.protocol import abi
+
+K, DIM, BATCHES = 10, 128, (1, 8, 64)
+#: Blocks of knn a launch: two an SM (as many as its registers and shared memory let be resident), on
+#: every SM but one, which is left for the heartbeat beside it.
+NODES_PER_SM = 2
+
+
+def nodes_for(sms: int) -> int:
+    return NODES_PER_SM * (sms - 1)
+
+
+def _example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"knn_{name}", EXAMPLES / "knn" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    sys.path.insert(0, str(EXAMPLES / "knn"))  # make_table imports its sibling knn_client
+    try:
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(EXAMPLES / "knn"))
+    return mod
+
+
+def same(a_ids: np.ndarray, a_scores: np.ndarray, b_ids: np.ndarray, b_scores: np.ndarray) -> bool:
+    """Two answers are the same: equal scores, rank by rank, and the same rows at every rank whose
+    score is above the k-th (rows tied with the k-th may be any of the tied ones)."""
+    if a_scores.shape != b_scores.shape or not np.array_equal(a_scores, b_scores):
+        return False
+    for i in range(a_ids.shape[0]):
+        above = a_scores[i] > a_scores[i, -1]
+        if set(a_ids[i][above].tolist()) != set(b_ids[i][above].tolist()):
+            return False
+    return True
+
+
+async def resident(bench: Bench, mode: str, path: str, qs: np.ndarray, check: np.ndarray,
+                   reps: int) -> tuple[dict[int, list[float]], dict[int, float], Any, tuple[float, float]]:
+    """knn resident, called in this process: (latencies by batch, batches a second with 8 in flight by
+    batch, its answer to ``check``, (heartbeat's gap at full rate, idle) us)."""
+    kc = _example("knn_client")
+    async with await bench.backend(mode, pool=3 if mode == "mps" else 0) as b:
+        ps = Programs(b)
+        try:
+            hb = await ps.load(*await bench.src(b, "heartbeat"))
+            assert b.info is not None
+            await ps.load(*await bench.src(b, "knn"), nodes=nodes_for(b.info.sms_total), data=path)
+            await until(lambda: b.mailbox.heartbeat(hb.slot) > 0, 10, "the heartbeat's first beat")
+            lat: dict[int, list[float]] = {}
+            rate: dict[int, float] = {}
+            for nq in BATCHES:
+                req = kc.request(qs[:nq], K)
+                for _ in range(bench.n(5, 1)):
+                    await ps.call("knn", req, timeout=60)
+                xs = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    await ps.call("knn", req, timeout=60)
+                    xs.append(time.perf_counter() - t0)
+                lat[nq] = xs
+                await beat(b, hb.slot, reset=True)
+                t0 = time.perf_counter()
+                await ps.call_many("knn", [req] * reps, timeout=60, window=8)
+                rate[nq] = reps / (time.perf_counter() - t0)
+                busy = float(b.mailbox.u64(hb.slot, abi.MAX_GAP))
+            await beat(b, hb.slot, reset=True)
+            await asyncio.sleep(0.2)
+            await beat(b, hb.slot)
+            idle = float(b.mailbox.u64(hb.slot, abi.MAX_GAP))
+            got = kc.answer(await ps.call("knn", kc.request(check, K), timeout=60))
+            return lat, rate, got, (busy / 1e3, idle / 1e3)
+        finally:
+            await ps.close()
+
+
+def through_socket(bench: Bench, mode: str, path: str, qs: np.ndarray, reps: int) -> dict[int, list[float]]:
+    """knn behind a ``meshd-mps serve`` of its own, called through its socket by the CLI's client
+    (blocking, as a client process is: run in a thread)."""
+    from meshd_mps.serving.client import Client
+
+    kc = _example("knn_client")
+    d = os.path.join(bench.base, f"versus-{mode}")
+    os.makedirs(d, exist_ok=True)
+    sock = os.path.join(d, "s.sock")
+    argv = [sys.executable, "-m", "meshd_mps", "serve", "--gpu", bench.gpu, "--isolation", mode, "--socket", sock,
+            "--state-dir", os.path.join(d, "state"), "--pool", "1", "--devices", "0"]
+    with open(os.path.join(d, "serve.log"), "wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        c = Client(sock, timeout=120)
+        end = time.monotonic() + 120
+        while not (os.path.exists(sock) and _answers(c)):
+            if time.monotonic() > end or proc.poll() is not None:
+                raise RuntimeError(f"the daemon at {sock} did not answer (exit status {proc.poll()})")
+            time.sleep(0.05)
+        nodes = nodes_for(int(c.status()["caps"]["sms_total"]))
+        c.load(c.with_data(c.program_body(str(EXAMPLES / "knn"), nodes=nodes, loading=True), path))
+        out: dict[int, list[float]] = {}
+        for nq in BATCHES:
+            req = kc.request(qs[:nq], K)
+            for _ in range(bench.n(5, 1)):
+                c.call_bytes("knn", req, timeout=60)
+            xs = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                c.call_bytes("knn", req, timeout=60)
+                xs.append(time.perf_counter() - t0)
+            out[nq] = xs
+        return out
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _answers(c: Any) -> bool:
+    try:
+        c.status()
+        return True
+    except Exception:
+        return False
+
+
+def contenders(bench: Bench, x_path: str, qs_path: str, check_path: str, reps: int) -> dict[str, Any]:
+    """PyTorch eager, its CUDA graph and knn launched once a batch, in a process of their own."""
+    if bench.gpu != "cuda":
+        return {"torch": {"skipped": "the simulated GPU: no GPU to run them on"},
+                "once": {"skipped": "the simulated GPU: no GPU to run them on"}}
+    manifest = json.loads((EXAMPLES / "knn" / "manifest.json").read_text())
+    spec = {"table": x_path, "queries": qs_path, "check": check_path, "batches": list(BATCHES), "k": K, "reps": reps,
+            "warm": 20, "source": str(EXAMPLES / "knn" / "knn.cu"), "include": str(EXAMPLES / "include"),
+            "smem": manifest["smem"], "scratch": manifest["scratch"], "nodes_per_sm": NODES_PER_SM}
+    spec_path = os.path.join(bench.base, "versus-spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    r = subprocess.run([sys.executable, "-m", "meshd_mps.bench.contenders", spec_path], capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1]
+        return {"torch": {"skipped": f"the contenders' process failed: {why}"}, "once": {"skipped": why}}
+    out: dict[str, Any] = json.loads(r.stdout)
+    return out
+
+
+async def sec_versus(bench: Bench) -> list[Row]:
+    rows: list[Row] = []
+    n, reps = bench.n(1_000_000, 100_000), bench.n(1000, 3)
+    gpu = bench.gpu == "cuda"  # the targets are the GPU's: the simulated GPU's figures only show the path runs
+    make_table, kc = _example("make_table"), _example("knn_client")
+    x = make_table.table(n, DIM, "f16", seed=11, integers=True)
+    rng = np.random.default_rng(12)
+    qs = rng.integers(-8, 9, size=(max(BATCHES), DIM)).astype(np.float32)
+    check = qs[:4]
+    d = os.path.join(bench.base, "versus")
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, "table.bin")
+    make_table.write(path, x)
+    for name, arr in (("x", x), ("qs", qs), ("check", check)):
+        np.save(os.path.join(d, f"{name}.npy"), arr)
+    want = kc.search(x, check, K)
+    table_bytes = x.nbytes
+    files = [os.path.join(d, f"{name}.npy") for name in ("x", "qs", "check")]
+    x_path, qs_path, check_path = files
+    other = await anyio.to_thread.run_sync(functools.partial(contenders, bench, x_path, qs_path, check_path, reps))
+    copy_gbs = other.get("torch", {}).get("copy_gbs")
+    skipped = {k: v["skipped"] for k, v in other.items() if "skipped" in v}
+    base: dict[str, dict[int, list[float]]] = {}
+    if "torch" not in skipped:
+        base["PyTorch eager"] = {int(k): v for k, v in other["torch"]["eager"].items()}
+        base["CUDA graph"] = {int(k): v for k, v in other["torch"]["graph"].items()}
+    if "once" not in skipped:
+        base["a launch per batch"] = {int(k): v for k, v in other["once"]["once"].items()}
+    for who in ("torch", "once"):
+        if who not in skipped:
+            a = other[who]["answer"]
+            ok = same(np.array(a["ids"]), np.array(a["scores"], np.float32), want.ids, want.scores)
+            rows.append(Row("v", f"versus: {'PyTorch' if who == 'torch' else 'a launch per batch'}'s answer is numpy's",
+                            target="equal", ok=ok, note=f"{len(check)} queries, k {K}"))
+    eager = base.get("PyTorch eager")
+    graph = base.get("CUDA graph")
+    note0 = f"N {n}, D {DIM} fp16, k {K}; {reps} batches after a warm-up"
+    for mode in ("blink", "mps"):
+        lat, rate, got, (busy, idle) = await resident(bench, mode, path, qs, check, reps)
+        rows.append(Row("v", f"versus: meshd-mps ({mode})'s answer is numpy's", target="equal",
+                        ok=same(got.ids, got.scores, want.ids, want.scores), note=f"{len(check)} queries, k {K}"))
+        sock = await anyio.to_thread.run_sync(functools.partial(through_socket, bench, mode, path, qs, reps))
+        for nq in BATCHES:
+            p50, p99 = pct(lat[nq], 0.5), pct(lat[nq], 0.99)
+            r = Row("v", f"versus: meshd-mps resident ({mode}, in-process), batch {nq}, p50", "us", p50 * 1e6,
+                    pct(eager[nq], 0.5) * 1e6 if eager else None, "PyTorch eager p50" if eager else "")
+            if nq == 1 and eager and gpu:
+                r.target, r.ok = "<= 0.5x eager", p50 <= 0.5 * pct(eager[nq], 0.5)
+            r.note = (f"{note0}; p99 {p99 * 1e6:.0f} us; {rate[nq] * nq:.0f} queries/s with 8 in flight; the scan"
+                      f" {table_bytes / p50 / 1e9:.0f} GB/s at the p50" + (f"; {skipped['torch']}" if not eager else ""))
+            r.dist = {"meshd-mps": quantiles(lat[nq])}
+            rows.append(r)
+            if nq == 1 and graph:
+                rows.append(Row("v", f"versus: meshd-mps resident ({mode}, in-process), batch 1, p50 against the graph", "us",
+                                p50 * 1e6, pct(graph[1], 0.5) * 1e6, "CUDA graph p50", "<= 0.8x graph",
+                                p50 <= 0.8 * pct(graph[1], 0.5)))
+            rows.append(Row("v", f"versus: meshd-mps resident ({mode}, in-process), batch {nq}, p99", "us", p99 * 1e6,
+                            p50 * 1e6, "its own p50", "<= 2x" if gpu else "-", p99 <= 2 * p50 if gpu else None))
+            if nq == 64:
+                gbs = table_bytes / p50 / 1e9
+                rows.append(Row("v", f"versus: the scan's bandwidth ({mode}), batch 64", "GB/s", gbs, copy_gbs,
+                                "device copy (read + write)" if copy_gbs else "", ">= 0.7x copy" if copy_gbs else "-",
+                                gbs >= 0.7 * copy_gbs if copy_gbs else None, "the table's bytes over the call's p50"))
+            s50 = pct(sock[nq], 0.5)
+            rows.append(Row("v", f"versus: meshd-mps resident ({mode}, through its socket), batch {nq}, p50", "us",
+                            s50 * 1e6, p50 * 1e6, "in-process p50", note=f"p99 {pct(sock[nq], 0.99) * 1e6:.0f} us"))
+        rows.append(Row("v", f"versus: a resident heartbeat's largest gap while knn answers at full rate ({mode})", "us",
+                        busy, idle, "idle gap", note="the batches of 64, 8 in flight"))
+    for who, by in base.items():
+        for nq in BATCHES:
+            rows.append(Row("v", f"versus: {who}, batch {nq}, p50", "us", pct(by[nq], 0.5) * 1e6, None,
+                            note=f"{note0}; p99 {pct(by[nq], 0.99) * 1e6:.0f} us",
+                            dist={who: quantiles(by[nq])}))
+    for who, why in skipped.items():
+        rows.append(Row("v", f"versus: {'PyTorch eager and its CUDA graph' if who == 'torch' else 'a launch per batch'}",
+                        note=f"skipped: {why}"))
+    return rows
