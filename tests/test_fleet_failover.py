@@ -72,6 +72,14 @@ def once(rig: FleetRig) -> None:
     assert not twice, f"replicas run on two nodes: {twice}"
 
 
+async def removed(rig, fleet: Fleet, *names: str) -> None:
+    """The programs removed, and every replica unloaded from its daemon: the next test deploys
+    programs of the same names, on the same daemons' slots."""
+    for name in names:
+        await fleet.remove(name)
+    await until(lambda: not any(n.ps() for n in rig.nodes.values()), UP_S, "every replica unloaded")
+
+
 async def test_a_lost_nodes_replicas_run_elsewhere_or_wait_with_the_reason_and_its_return_runs_none_twice(
         rig, sources):
     fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
@@ -145,8 +153,7 @@ async def test_a_lost_nodes_replicas_run_elsewhere_or_wait_with_the_reason_and_i
     for _ in range(10):  # and stays so
         assert set(runs(rig).values()) == {1} and len(runs(rig)) == 4, runs(rig)
         await asyncio.sleep(FLEET_DEADLINES.fleet_tick)
-    for name in ("echo", "heartbeat"):
-        await fleet.remove(name)
+    await removed(rig, fleet, "echo", "heartbeat")
     await stale.close()
     await fleet.close()
 
@@ -181,8 +188,7 @@ async def test_the_head_restarted_loses_no_program_and_halts_none(rig, sources):
     assert not [e for e in st.events if e.kind in ("moved", "failed")], st.events
     reply = await fleet.call("echo", b"after the head")
     assert reply.data == b"after the head"
-    for name in declared:
-        await fleet.remove(name)
+    await removed(rig, fleet, *declared)
     await fleet.close()
 
 
@@ -218,7 +224,7 @@ async def test_a_raylet_restarted_with_no_room_elsewhere_halts_none_of_its_repli
     assert after.keys() == before.keys()
     for key, row in after.items():
         assert row["pid"] == before[key]["pid"] and row["restarts"] == 0 and row["heartbeat"] > before[key]["heartbeat"]
-    await fleet.remove("heartbeat")
+    await removed(rig, fleet, "heartbeat")
     await fleet.close()
 
 
@@ -278,6 +284,5 @@ async def test_the_head_restarted_and_its_nodes_back_late_runs_no_unique_replica
     assert set(on_n0.items()) <= {(k, row["pid"]) for k, row in rig.nodes["n0"].ps().items()}, "n0's not halted"
     assert twice.looks > 20 and not twice.seen, f"a unique replica ran on two daemons: {twice.seen[:3]}"
     assert sorted(r.name for r in p.replicas) == [f"heartbeat.fleet-{i}" for i in range(3)]
-    await fleet.remove("heartbeat")
-    await until(lambda: not any(n.ps() for n in rig.nodes.values()), UP_S, "every replica unloaded")
+    await removed(rig, fleet, "heartbeat")
     await fleet.close()

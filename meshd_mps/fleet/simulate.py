@@ -181,7 +181,8 @@ class SimCluster:
             self.agents[nid].lose()
         for name, pl in self.placements.items():
             if gone & set(pl.nodes):
-                self._release(name)
+                self.placements[name] = Placement(tuple(None if n in gone else n for n in pl.nodes), "RESCHEDULING")
+                self.changed.add(name)
                 self.pending[name] = None
 
     # ---- the loop's side -------------------------------------------------------------------------
@@ -227,8 +228,11 @@ class SimCluster:
         return self.free[nid] >= b.get(SLOT, 0) and all(k in res for k in b)
 
     def _place(self, name: str) -> bool:
+        """The group's bundles placed nowhere placed, all or none (a lost node's alone: as Ray
+        does, the others stay where they are)."""
         bundles, strategy = self.groups[name]
-        at: list[str] = []
+        pl = self.placements.get(name)
+        at: list[str | None] = list(pl.nodes) if pl is not None else [None] * len(bundles)
         if len(bundles) == 1 and set(bundles[0]) == {SLOT}:
             nid = self._roomiest()
             if nid is None:
@@ -236,7 +240,9 @@ class SimCluster:
             at = [nid]
         else:
             taken = dict(self.free)
-            for b in bundles:
+            for j, b in enumerate(bundles):
+                if at[j] is not None:
+                    continue
                 order = sorted(self.nodes, key=lambda n: (-taken[n], n))
                 if strategy == "PACK":
                     order = sorted(self.nodes, key=lambda n: (n not in at, taken[n] == 0, n))
@@ -246,11 +252,13 @@ class SimCluster:
                     fit.sort(key=lambda n: (n in at, -taken[n], n))
                 if not fit:
                     return False
-                at.append(fit[0])
+                at[j] = fit[0]
                 taken[fit[0]] -= 1
-        for nid in at:
-            self.free[nid] -= 1
-            heapq.heappush(self.heap, (-self.free[nid], nid))
+        was = pl.nodes if pl is not None else (None,) * len(bundles)
+        for nid, before in zip(at, was, strict=True):
+            if before is None and nid is not None:
+                self.free[nid] -= 1
+                heapq.heappush(self.heap, (-self.free[nid], nid))
         self.placements[name] = Placement(tuple(at), "CREATED")
         self.changed.add(name)
         return True
@@ -266,15 +274,12 @@ class SimCluster:
         return None
 
     def _release(self, name: str) -> None:
+        """A removed group's slots freed."""
         pl = self.placements.get(name)
-        if pl is None:
-            return
-        for nid in pl.nodes:
+        for nid in pl.nodes if pl is not None else ():
             if nid is not None and nid in self.free:
                 self.free[nid] += 1
                 heapq.heappush(self.heap, (-self.free[nid], nid))
-        self.placements[name] = Placement((None,) * len(pl.nodes), "RESCHEDULING")
-        self.changed.add(name)
 
 
 def replicas(cluster: SimCluster, lost: bool = False) -> dict[str, list[str]]:
