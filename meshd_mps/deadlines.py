@@ -75,11 +75,15 @@ class Deadlines:
     fleet_busy_tick: float = 0.1  # ... while a replica is on its way (placed, starting, moving, upgrading)
     fleet_agent: float = 10.0  # one answer of a node agent to the controller (else: its node not heard)
     fleet_watch: float = 30.0  # a node agent's watch (fleet/agent.py): it answers after a change it made, else this
+    fleet_report: float = 2.0  # ... and with its replicas' heartbeats and call figures alone at most this often
     fleet_node: float = 60.0  # one request of an agent to its node daemon (a load compiles and starts)
     fleet_upgrade: float = 300.0  # a rolling upgrade, every replica (fleet.upgrade's wait)
     fleet_rejoin: float = 60.0  # after the head's restart, a node that ran replicas has this long to rejoin
     fleet_connect: float = 1.0  # a TCP connect to a node agent's call port (unanswered: the call goes through Ray)
     fleet_claim: float = 60.0  # a node daemon's fleet keeps it this long after its agent last looked (fleet/claim.py)
+    fleet_lease: float = 30.0  # a unique replica's lease on its node: it stops there this long after the controller
+    #                            last granted it (a head or node away longer halts it), and starts elsewhere only then
+    fleet_skew: float = 1.0  # the hosts' clocks (NTP) agree within this: a lease is taken as running out this much later
 
     def reply(self, op: enum.Enum) -> float:
         """The deadline of the reply to request ``op`` (a ``frames.Op``; ``WorkerProc.ask``; no dict

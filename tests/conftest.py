@@ -164,7 +164,7 @@ LONGEST_FIRST = (
 SHARED_CLUSTER = "tests/test_fleet"
 CLUSTER_LAST = "tests/test_fleet_failover.py::"
 OWN_CLUSTER = ("tests/test_fleet_bench.py::", "tests/test_fleet_api.py::", "tests/test_fleet_cli.py::",
-               "tests/test_fleet_claim.py::", "tests/test_fleet_pace.py::")
+               "tests/test_fleet_claim.py::", "tests/test_fleet_plan.py::", "tests/test_fleet_sim.py::")
 
 
 def shares_cluster(nodeid: str) -> bool:

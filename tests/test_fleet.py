@@ -57,13 +57,15 @@ def by_node(rig: FleetRig) -> dict[str, str]:
 
 async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_answered(rig, fleet, echo):
     agent = ray.get_actor(agent_name(rig.nodes["n0"].id), namespace=NAMESPACE)
-    rounds = (await agent.observe.remote())["rounds"]
-    watch = agent.watch.remote(rounds)  # the controller's, made by the test: it answers once n0's agent loaded
-    p = await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
+    version = (await agent.watch.remote(-1)).version  # its report now
+    watch = agent.watch.remote(version)  # the controller's, made by the test: it answers once n0's agent loaded
+    # STRICT_SPREAD: a replica on each node, always (SPREAD's replicas, each placed on its own, spread as
+    # far as Ray's view of each node's room at that moment allows: two made at once may share a node).
+    p = await fleet.deploy(ProgramSpec("echo", echo, replicas=3, strategy="STRICT_SPREAD"))
     assert [r.state for r in p.replicas] != ["running"] * 3 or p.running == 3
     p = await fleet.wait("echo", running=3, timeout=UP_S)
     nodes = by_node(rig)
-    assert sorted(nodes[r.node] for r in p.replicas) == ["n0", "n1", "n2"], "SPREAD: a replica on each node"
+    assert sorted(nodes[r.node] for r in p.replicas) == ["n0", "n1", "n2"], "a replica on each node"
     one, st = await fleet.program("echo"), await fleet.status("echo")
     assert [(r.index, r.node, r.state) for r in one.replicas] == \
         [(r.index, r.node, r.state) for r in st.programs[0].replicas], "program(name): status(name)'s view alone"
@@ -77,15 +79,21 @@ async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_a
         assert reply.via == "call-port", "the test's driver is on the head (no replica there): the agents' call ports"
         seen.add(reply.replica.index)
     assert len(seen) >= 2, f"the calls all went to one replica: {seen}"
-    # Within the test's deadline, not after Deadlines.fleet_watch (30 s): the round that loaded it answered.
-    report = await asyncio.wait_for(watch, 20)
-    assert report["rounds"] > rounds, "the agent's watch answered after its loads"
-    assert any(p["name"] in {replica_name("echo", i) for i in range(3)} for p in report["programs"]), \
-        f"its report (the controller's views take it at once) holds the replica it loaded: {report}"
+    # Within the test's deadline, not after Deadlines.fleet_watch (30 s): each change of its report
+    # answers the watch (the share taken, then the round that loaded it), each a later version.
+    mine = {replica_name("echo", i) for i in range(3)}
+    deadline = time.monotonic() + 20
+    while True:
+        report = await asyncio.wait_for(watch, max(0.1, deadline - time.monotonic()))
+        assert report.version > version, "a watch answers with a later report"
+        if mine & (report.programs or {}).keys():
+            break  # its report (the controller's views take it at once) holds the replica it loaded
+        version = report.version
+        watch = agent.watch.remote(version)
 
 
 async def test_calls_of_any_size_go_through_the_call_ports_and_through_ray_where_a_port_cannot_be_reached(fleet, echo):
-    await fleet.deploy(ProgramSpec("echo", echo, replicas=2))
+    await fleet.deploy(ProgramSpec("echo", echo, replicas=2, strategy="STRICT_SPREAD"))  # two nodes, two ports
     await fleet.wait("echo", running=2, timeout=UP_S)
     assert (await fleet.call("echo", b"first")).via == "call-port"
     big = os.urandom(60_000)  # in echo's payload region (its manifest declares 64 KiB), through a call port
@@ -131,20 +139,28 @@ async def test_fleet_status_agrees_with_each_nodes_ps(rig, fleet, echo, heartbea
         assert views[name].agent == "up" and views[name].slots == 2
 
 
-async def test_capacity_exhausted_leaves_replicas_pending_with_the_reason(rig, fleet, echo, heartbeat):
+async def test_what_fits_runs_and_the_rest_waits_with_the_reason(rig, fleet, echo, heartbeat):
     await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
     await fleet.wait("echo", running=3, timeout=UP_S)
+    # 3 slots free for 4 replicas (SPREAD: a placement group each): 3 run, 1 waits, as a Deployment's would.
     await fleet.deploy(ProgramSpec("heartbeat", heartbeat, replicas=4))
     await fleet.deploy(ProgramSpec("spin", ProgramSource.read(str(EXAMPLES / "spin")), replicas=4,
                                    strategy="STRICT_SPREAD"))
     await fleet.deploy(ProgramSpec("echo2", echo, replicas=1, gpu="A100"))
-    assert await pending_reason(fleet, "heartbeat") == "no node has a free slot (4 wanted, 3 free of 6)"
+    deadline = time.monotonic() + UP_S
+    while True:
+        hb = (await fleet.status("heartbeat")).programs[0]
+        waits = [(r.state, r.reason) for r in hb.replicas if r.state != "running"]
+        if hb.running == 3 and waits == [("pending", "no node has a free slot (1 wanted, 0 free of 6)")]:
+            break
+        assert time.monotonic() < deadline, f"not 3 running and 1 pending for want of a slot: {hb.replicas}"
+        await asyncio.sleep(0.05)  # the polling interval
     assert await pending_reason(fleet, "spin") == ("STRICT_SPREAD needs 4 nodes with a free slot; 3 such nodes are in"
                                                    " the cluster")
     assert await pending_reason(fleet, "echo2") == "no node has a GPU of kind a100 (the fleet's: simulated_h200)"
     p = await fleet.wait("echo", running=3, timeout=1)  # the running ones unchanged
     assert all(r.state == "running" for r in p.replicas)
-    await fleet.remove("echo")  # room again: Ray places the pending heartbeat replicas
+    await fleet.remove("echo")  # room again: Ray places the pending heartbeat replica, which starts
     await fleet.wait("heartbeat", running=4, timeout=UP_S)
 
 
@@ -154,7 +170,7 @@ async def test_the_agent_killed_changes_no_worker_and_resets_no_heartbeat(rig, f
     before = {(name, k): row for name, n in rig.nodes.items() for k, row in n.ps().items()}
     agents_before = {n.name: n.agent_pid for n in (await fleet.status()).nodes}
     assert all(n.call_port for n in (await fleet.status()).nodes), "every agent has a call port"
-    # The controller learns an agent's end from its watch failing (fleet/controller.py _watch):
+    # The controller learns an agent's end from its watch failing (fleet/loop.py, links.py):
     # one watch of the test's own, which no change answers before the kill.
     watch = ray.get_actor(agent_name(rig.nodes["n1"].id), namespace=NAMESPACE).watch.remote(2**40)
     for n in rig.nodes.values():
@@ -232,8 +248,49 @@ async def test_a_rolling_upgrade_with_calls_in_flight_fails_no_call_and_keeps_tw
     assert sorted(drained) == [0, 1, 2], f"one replica at a time, each once: {drained}"
 
 
+async def test_with_one_agent_hung_the_api_answers_at_once_and_the_other_nodes_go_on(rig, fleet, echo):
+    """n2's agent stopped (SIGSTOP: it answers nothing, its node alive to Ray): deploy, status and
+    remove answer within 100 ms, and the replicas on n0 and n1 are placed and upgraded as if it
+    were not there.  The API waits on no agent (fleet/controller.py)."""
+    agent = next(n.agent_pid for n in (await fleet.status()).nodes if n.name == "n2")
+    assert agent is not None
+    new = ProgramSource(echo.manifest, echo.ptx + "\n// v2\n")
+    os.kill(agent, signal.SIGSTOP)
+    try:
+        took = {}
+        t0 = time.perf_counter()
+        await fleet.deploy(ProgramSpec("echo", echo, replicas=3, strategy="STRICT_SPREAD"))
+        took["deploy"] = time.perf_counter() - t0
+
+        async def others(hash: str) -> bool:
+            p = await fleet.program("echo")
+            return sorted(r.node_name for r in p.replicas if r.state == "running" and r.hash == hash) == ["n0", "n1"]
+
+        await until_async(lambda: others(echo.hash), "n0's and n1's replicas running")
+        upgrading = asyncio.create_task(fleet.upgrade("echo", new))  # waits for n2's too: let run
+        await until_async(lambda: others(new.hash), "n0's and n1's replicas upgraded")
+        t0 = time.perf_counter()
+        st = await fleet.status()
+        took["status"] = time.perf_counter() - t0
+        assert {n.name: n.agent for n in st.nodes}["n2"] in ("up", "not answering")
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    await asyncio.wait_for(upgrading, UP_S)  # n2's agent back: its replica upgraded too
+    t0 = time.perf_counter()
+    await fleet.remove("echo")
+    took["remove"] = time.perf_counter() - t0
+    assert max(took.values()) < 0.1, took
+
+
+async def until_async(cond, what: str) -> None:
+    deadline = time.monotonic() + UP_S
+    while not await cond():
+        assert time.monotonic() < deadline, f"not within {UP_S:g}s: {what}"
+        await asyncio.sleep(0.05)  # the polling interval
+
+
 async def test_a_call_from_a_node_goes_to_the_replica_on_that_node(rig, fleet, echo):
-    await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
+    await fleet.deploy(ProgramSpec("echo", echo, replicas=3, strategy="STRICT_SPREAD"))  # one on n1
     await fleet.wait("echo", running=3, timeout=UP_S)
 
     @ray.remote(num_cpus=0)

@@ -1,8 +1,10 @@
 """The fleet's pieces that need no cluster: the spec's checks, the capacity's words, the rolling
-upgrade's budget (``Declared.step``), the checkpoint, and the fleet without Ray or without a cluster."""
+upgrade's budget (``Rollout.step``), the checkpoint (and one of the schema before the spec and
+the rollout were apart), and the fleet without Ray or without a cluster."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +14,8 @@ import pytest
 from meshd_mps.errors import BadName, BadRestartPolicy, BadSpec, ManifestError, StateFileNewer
 from meshd_mps.fleet.capacity import bundle, why_pending
 from meshd_mps.fleet.checkpoint import Checkpoint
-from meshd_mps.fleet.desired import Declared, Image
+from meshd_mps.fleet.desired import Image, Spec
+from meshd_mps.fleet.rollout import Rollout
 from meshd_mps.fleet.spec import ProgramSource, ProgramSpec, gpu_model, parse_replica_name, replica_name
 
 from .rigs.serve import EXAMPLES, env
@@ -57,10 +60,14 @@ def test_why_pending_says_what_is_missing():
     assert why_pending(bundle(), [{"CPU": 1.0}], {}, 1, "SPREAD").startswith("no node of the fleet")
 
 
-def rollout(replicas: int = 3) -> Declared:
-    d = Declared("echo", replicas, "on-failure", "SPREAD", None, None, Image({}, "v1", "1" * 16))
-    d.upgrade_to(Image({}, "v2", "2" * 16))
-    return d
+V1, V2 = Image({}, "v1", "1" * 16), Image({}, "v2", "2" * 16)
+
+
+def rollout(replicas: int = 3) -> Rollout:
+    s = Spec("echo", replicas, "on-failure", "SPREAD", V1).upgraded(V2)
+    r = Rollout.start(Spec("echo", replicas, "on-failure", "SPREAD", V1))
+    r.follow(s)
+    return r
 
 
 def test_a_rolling_upgrade_drains_one_replica_at_a_time_and_waits_for_it_to_run():
@@ -81,7 +88,7 @@ def test_a_rolling_upgrade_drains_one_replica_at_a_time_and_waits_for_it_to_run(
     d.step(up, [new, new, old], drain=1.0, now=5.0)
     d.step(up, [new, new, old], drain=1.0, now=6.0)
     d.step(up, [new, new, new], drain=1.0, now=7.0)
-    assert d.assigned == [new] * 3 and not d.upgrading and d.old is None
+    assert d.assigned == [new] * 3 and not d.upgrading
 
 
 def test_replicas_not_running_take_the_new_image_at_once_and_a_refusal_rolls_back():
@@ -89,22 +96,36 @@ def test_replicas_not_running_take_the_new_image_at_once_and_a_refusal_rolls_bac
     old, new = "1" * 16, "2" * 16
     d.step([True, False, True], [old, None, old], drain=1.0, now=0.0)
     assert d.assigned == [old, new, old] and d.draining == 0
-    d.roll_back("refused")
-    assert d.image.hash == old and d.upgrade_error == "refused" and d.draining is None
+    d.roll_back(Spec("echo", 3, "on-failure", "SPREAD", V1).upgraded(V2), "refused")
+    assert d.target == old and d.error == "refused" and d.draining is None
     d.step([True, False, True], [old, None, old], drain=1.0, now=1.0)
     assert d.assigned == [old, old, old]
 
 
-def test_the_checkpoint_keeps_the_declared_programs(tmp):
+def test_the_checkpoint_keeps_the_declared_programs_and_reads_the_schema_before(tmp):
+    s = Spec("echo", 3, "on-failure", "SPREAD", V1, unique=True).upgraded(V2)
     d = rollout()
     d.where = ["n0", None, "n2"]
     c = Checkpoint(os.path.join(tmp, "fleet"))
     assert c.load() == {}
-    c.save({"echo": d.to_json()})
-    back = Declared.from_json(Checkpoint(os.path.join(tmp, "fleet")).load()["echo"])
-    assert back.to_json() == d.to_json() and back.pg_name == d.pg_name
-    back.pin_where_running()
-    assert back.bundles()[0] == {"meshd_slot": 1.0, "meshd_node_n0": 1.0} and back.bundles()[1] == {"meshd_slot": 1.0}
+    c.save({"echo": {"spec": s.to_json(), "rollout": d.to_json()}})
+    got = Checkpoint(os.path.join(tmp, "fleet")).load()["echo"]
+    back = Spec.from_json(got["spec"])
+    assert back == s and back.pg_prefix == s.pg_prefix and back.unique
+    r = Rollout.from_json(got["rollout"], back)
+    assert r.kept() == d.kept() and r.owner == ["?"] * 3, "a unique replica's owner is not known after a start"
+    assert back.bundle(r.where[0]) == {"meshd_slot": 1.0, "meshd_node_n0": 1.0}
+    # Schema 1: one record per program, the API's and the loop's fields together.
+    v1 = {"name": "echo", "replicas": 2, "restart": "always", "strategy": "PACK", "gpu": None, "node": None,
+          "image": V2.to_json(), "generation": 2, "assigned": ["1" * 16, "2" * 16], "old": V1.to_json(),
+          "upgrade_error": None, "where": ["n0", "n1"], "pins": [None, None], "token": "abcd0123"}
+    with open(c.path, "w") as f:
+        f.write(json.dumps({"schema": 1, "fleet": "f1", "programs": {"echo": v1}}))
+    got = Checkpoint(os.path.join(tmp, "fleet")).load()["echo"]
+    back = Spec.from_json(got["spec"])
+    assert (back.image, back.previous, back.generation, back.token, back.unique) == (V2, V1, 2, "abcd0123", False)
+    r = Rollout.from_json(got["rollout"], back)
+    assert (r.assigned, r.target, r.where) == (["1" * 16, "2" * 16], V2.hash, ["n0", "n1"])
     with open(c.path, "w") as f:
         f.write('{"schema": 99, "programs": {}}')
     with pytest.raises(StateFileNewer):

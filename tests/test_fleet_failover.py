@@ -10,7 +10,9 @@ cluster is not the one it found."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import threading
 import time
 from collections import Counter
 
@@ -18,10 +20,12 @@ import pytest
 
 from meshd_mps.errors import ReplicaLost
 from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
+from meshd_mps.serving.client import ClientError
 
 from .rigs import fleet as shared
 from .rigs.fleet import FLEET_DEADLINES, NAMESPACE, UP_S, FleetRig
 from .rigs.serve import EXAMPLES
+from .rigs.waits import until
 
 rig = shared.rig  # the fleet tests' cluster (tests/rigs/fleet.py)
 
@@ -68,6 +72,14 @@ def once(rig: FleetRig) -> None:
     assert not twice, f"replicas run on two nodes: {twice}"
 
 
+async def removed(rig, fleet: Fleet, *names: str) -> None:
+    """The programs removed, and every replica unloaded from its daemon: the next test deploys
+    programs of the same names, on the same daemons' slots."""
+    for name in names:
+        await fleet.remove(name)
+    await until(lambda: not any(n.ps() for n in rig.nodes.values()), UP_S, "every replica unloaded")
+
+
 async def test_a_lost_nodes_replicas_run_elsewhere_or_wait_with_the_reason_and_its_return_runs_none_twice(
         rig, sources):
     fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
@@ -75,35 +87,39 @@ async def test_a_lost_nodes_replicas_run_elsewhere_or_wait_with_the_reason_and_i
     await fleet.deploy(ProgramSpec("echo", sources["echo"], replicas=3))
     await fleet.deploy(ProgramSpec("heartbeat", sources["heartbeat"], replicas=1))
     where = await running_where(fleet, "echo", 3)
-    assert sorted(where.values()) == ["n0", "n1", "n2"]  # type: ignore[type-var]
+    assert len(set(where.values())) >= 2, f"SPREAD: over more than one node: {where}"
+    victim = where[0]  # the node of replica 0 (SPREAD: Ray's choice)
+    assert victim is not None
+    on_victim = sorted(i for i, n in where.items() if n == victim)
     await running_where(fleet, "heartbeat", 1)
     for i in range(3):
         assert (await stale.call("echo", b"before %d" % i)).data == b"before %d" % i
 
-    rig.kill("n0")
-    # A call sent to the lost node's replica: not sent again unless idempotent.
+    rig.kill(victim)
+    # A call sent to the lost node's replica: not sent again unless idempotent (each replica is the
+    # first a call tries once in 3 calls).
     lost = []
     for i in range(3):
         try:
             reply = await stale.call("echo", b"after %d" % i)
-            assert reply.replica.node_name != "n0" and reply.data == b"after %d" % i
+            assert reply.replica.node_name != victim and reply.data == b"after %d" % i
         except ReplicaLost as e:
             lost.append(e)
-    assert len(lost) == 1, lost
-    assert lost[0].program == "echo" and lost[0].replica == str(next(i for i, n in where.items() if n == "n0"))
+    assert sorted(int(e.replica) for e in lost) == on_victim and {e.program for e in lost} == {"echo"}, lost
     for i in range(6):
         reply = await stale.call("echo", b"again %d" % i, idempotent=True)
-        assert reply.data == b"again %d" % i and reply.replica.node_name != "n0"
+        assert reply.data == b"again %d" % i and reply.replica.node_name != victim
 
     # Re-placed on the 4 slots left (echo's 3 and heartbeat's 1), all running again.
-    where = await running_where(fleet, "echo", 3, not_on=("n0",))
+    where = await running_where(fleet, "echo", 3, not_on=(victim,))
     assert sorted(Counter(where.values()).values()) == [1, 2]
-    await running_where(fleet, "heartbeat", 1, not_on=("n0",))
+    await running_where(fleet, "heartbeat", 1, not_on=(victim,))
     moved = [e for e in (await fleet.status()).events if e.kind in ("moved", "node-lost")]
     assert any(e.kind == "node-lost" for e in moved) and any(e.kind == "moved" for e in moved), moved
 
     # A second node lost: 2 slots left for 4 replicas; those without a slot pending with the reason.
-    rig.kill("n1")
+    second, last = sorted(set(rig.nodes) - {victim})
+    rig.kill(second)
     deadline = time.monotonic() + UP_S
     while True:
         st = await fleet.status()
@@ -115,14 +131,14 @@ async def test_a_lost_nodes_replicas_run_elsewhere_or_wait_with_the_reason_and_i
         assert time.monotonic() < deadline, f"no replica pending with the reason: {reps}"
         await asyncio.sleep(0.05)  # the polling interval
     assert len(reps) == 4, "no replica dropped"
-    assert all(r.node_name == "n2" for r in reps if r.state == "running")
+    assert all(r.node_name == last for r in reps if r.state == "running")
 
     # The nodes come back, their daemons restarting from their state dirs (the replicas they ran
     # were loaded with restore adopt: not running, they are left to the fleet, not loaded again):
     # every replica runs again, and at no observation on two nodes.
-    rig.add("n0")
+    rig.add(victim)
     once(rig)
-    rig.add("n1")
+    rig.add(second)
     once(rig)
     deadline = time.monotonic() + UP_S
     while True:
@@ -137,8 +153,7 @@ async def test_a_lost_nodes_replicas_run_elsewhere_or_wait_with_the_reason_and_i
     for _ in range(10):  # and stays so
         assert set(runs(rig).values()) == {1} and len(runs(rig)) == 4, runs(rig)
         await asyncio.sleep(FLEET_DEADLINES.fleet_tick)
-    for name in ("echo", "heartbeat"):
-        await fleet.remove(name)
+    await removed(rig, fleet, "echo", "heartbeat")
     await stale.close()
     await fleet.close()
 
@@ -173,8 +188,7 @@ async def test_the_head_restarted_loses_no_program_and_halts_none(rig, sources):
     assert not [e for e in st.events if e.kind in ("moved", "failed")], st.events
     reply = await fleet.call("echo", b"after the head")
     assert reply.data == b"after the head"
-    for name in declared:
-        await fleet.remove(name)
+    await removed(rig, fleet, *declared)
     await fleet.close()
 
 
@@ -210,5 +224,65 @@ async def test_a_raylet_restarted_with_no_room_elsewhere_halts_none_of_its_repli
     assert after.keys() == before.keys()
     for key, row in after.items():
         assert row["pid"] == before[key]["pid"] and row["restarts"] == 0 and row["heartbeat"] > before[key]["heartbeat"]
-    await fleet.remove("heartbeat")
+    await removed(rig, fleet, "heartbeat")
+    await fleet.close()
+
+
+class Twice:
+    """Every 0.25 s, on a thread of its own, every node's daemon asked what it runs: each replica
+    seen on two daemons at one look is kept (``seen``)."""
+
+    def __init__(self, rig: FleetRig):
+        self.rig, self.seen, self.looks = rig, [], 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.25):  # the sampling interval
+            runs: Counter[str] = Counter()
+            for n in list(self.rig.nodes.values()):
+                with contextlib.suppress(ClientError):
+                    runs.update(n.ps().keys())
+            self.looks += 1
+            if twice := {k: c for k, c in runs.items() if c > 1}:
+                self.seen.append(twice)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(30)
+
+
+async def test_the_head_restarted_and_its_nodes_back_late_runs_no_unique_replica_twice(rig, sources):
+    """The head restarts, and two nodes' Ray comes back late (their ``ray start`` run again once
+    their leases ran out): their daemons stop the unique replicas whose leases no agent renews, the
+    new controller starts each again only once every lease the old one granted has run out, and
+    the nodes back run none of their old copies (docs/fleet.md, "Nothing runs twice")."""
+    fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
+    spec = ProgramSpec("heartbeat", sources["heartbeat"], replicas=3, unique=True, strategy="STRICT_SPREAD")
+    await fleet.deploy(spec)
+    p = await fleet.wait("heartbeat", running=3, timeout=UP_S)
+    assert {r.node_name for r in p.replicas} == {"n0", "n1", "n2"} and p.unique
+    assert all(row["lease_until"] for n in rig.nodes.values() for row in n.ps().values()), "each loaded with a lease"
+    on_n0 = {k: row["pid"] for k, row in rig.nodes["n0"].ps().items()}
+    twice = Twice(rig)
+    try:
+        rig.restart_head(late=frozenset({"n1", "n2"}))
+        fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
+        # n1's and n2's replicas stop on their daemons when their leases run out (no agent renews them);
+        # n0's is found running there, adopted and its lease renewed: it runs on, never halted.
+        await until(lambda: not rig.nodes["n1"].ps() and not rig.nodes["n2"].ps(), UP_S,
+                    "the late nodes' unique replicas stopped by their leases")
+        p = await fleet.program("heartbeat")
+        assert [r.state for r in p.replicas] == ["pending"] * 3, "STRICT_SPREAD: 3 nodes wanted, 1 there"
+        rig.rejoin("n1")
+        rig.rejoin("n2")
+        # Each started again only once every lease the controller before granted has run out.
+        p = await fleet.wait("heartbeat", running=3, timeout=UP_S)
+    finally:
+        twice.stop()
+    assert set(on_n0.items()) <= {(k, row["pid"]) for k, row in rig.nodes["n0"].ps().items()}, "n0's not halted"
+    assert twice.looks > 20 and not twice.seen, f"a unique replica ran on two daemons: {twice.seen[:3]}"
+    assert sorted(r.name for r in p.replicas) == [f"heartbeat.fleet-{i}" for i in range(3)]
+    await removed(rig, fleet, "heartbeat")
     await fleet.close()

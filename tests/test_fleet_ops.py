@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
+from ray.util.placement_group import placement_group_table
 
 from meshd_mps.fleet import Fleet, FleetStatus, ProgramSpec
 from meshd_mps.fleet.agent import agent_name
@@ -57,13 +58,20 @@ async def second_fleet(rig: FleetRig):
         yield ns, other
     finally:
         try:
+            theirs = f"meshd-mps.{(await other.status()).fleet['id']}."  # its placement groups' names
             for p in (await other.status()).programs:
                 await other.remove(p.name)
+            await eventually(lambda: _none_left(theirs), "the second fleet's placement groups removed by its loop")
             await other.close()
         finally:
             for name in [CONTROLLER, *(agent_name(n.id) for n in rig.nodes.values())]:
                 with contextlib.suppress(ValueError):
                     ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)
+
+
+async def _none_left(prefix: str) -> bool:
+    table = await asyncio.to_thread(placement_group_table)
+    return not any((t.get("name") or "").startswith(prefix) and t.get("state") != "REMOVED" for t in table.values())
 
 
 async def test_a_second_fleet_on_the_same_daemons_touches_nothing_and_says_why(rig, fleet, heartbeat):
@@ -194,18 +202,20 @@ async def test_the_fleet_metrics_agree_with_its_status(rig, fleet, echo):
     assert got[("meshd_mps_fleet_program_replicas", (("program", "echo"), ("state", "running")))] == 3
     assert sorted(got[("meshd_mps_fleet_node_slots_free", (("node", n),))] for n in rig.nodes) == [1, 1, 1]
 
-    # No capacity for all 4 (3 slots free of 6): every one pending, none dropped.
+    # No capacity for all 4 (3 slots free of 6): 3 run, 1 pending, none dropped.
     await fleet.deploy(ProgramSpec("echo-more", echo, replicas=4))
 
-    async def placed_none() -> bool:
+    async def three_and_one() -> bool:
         p = (await fleet.status("echo-more")).programs[0]
-        return all(x.state == "pending" and x.reason and "free slot" in x.reason for x in p.replicas)
+        waits = [x for x in p.replicas if x.state != "running"]
+        return p.running == 3 and len(waits) == 1 and waits[0].state == "pending" and "free slot" in (waits[0].reason or "")
 
-    await eventually(placed_none, "echo-more pending, for want of a free slot")
+    await eventually(three_and_one, "echo-more: 3 running, 1 pending for want of a free slot")
     r = fleet_cli(rig, "metrics")
     assert r.returncode == 0, r
     got, st = scrape(r.stdout), await fleet.status()
     agree(got, st)
-    assert got[("meshd_mps_fleet_program_replicas", (("program", "echo-more"), ("state", "pending")))] == 4
+    assert got[("meshd_mps_fleet_program_replicas", (("program", "echo-more"), ("state", "pending")))] == 1
+    assert got[("meshd_mps_fleet_program_replicas", (("program", "echo-more"), ("state", "running")))] == 3
     assert got[("meshd_mps_fleet_program_replicas_wanted", (("program", "echo-more"),))] == 4
     assert got[("meshd_mps_fleet_program_replicas_running", (("program", "echo"),))] == 3

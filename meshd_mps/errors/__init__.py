@@ -81,6 +81,7 @@ from meshd_mps.errors.programs import (
     HaltTimeout as HaltTimeout,
     HashMismatch as HashMismatch,
     ImageRefused as ImageRefused,
+    LeaseOver as LeaseOver,
     LimitError as LimitError,
     ManifestError as ManifestError,
     NoFreeSlot as NoFreeSlot,

@@ -151,6 +151,17 @@ class SlotTaken(Conflict):
         self.by = by
 
 
+class LeaseOver(Conflict):
+    """A load whose lease (``lease_until``, wall-clock seconds) has already run out: the program
+    would be unloaded as soon as it ran (serving/leases.py)."""
+
+    FIELDS = ("program", "until", "now")
+
+    def __init__(self, message: str, *, program: str, until: float, now: float):
+        super().__init__(message)
+        self.program, self.until, self.now = program, until, now
+
+
 class NotRunning(Conflict):
     """A call to a program that is not running, or that ended before it answered."""
 

@@ -1,8 +1,9 @@
 """The fleet: many nodes' daemons run as one, on Ray (issue 34; docs/fleet.md).
 
-Ray places (a placement group per program, a bundle per replica, against the resources each node
-advertises from its daemon's limits: ``capacity``), restarts (detached actors: the ``controller``
-and an ``agent`` per node) and routes (``client.Fleet.call``); the node daemons keep the programs.
+Ray places (a placement group per replica, or per program for the strategies that place them
+together, against the resources each node advertises from its daemon's limits: ``capacity``),
+restarts (detached actors: the ``controller`` and an ``agent`` per node) and routes
+(``client.Fleet.call``); the node daemons keep the programs.
 Ray is an optional dependency (``pip install 'meshd-mps[fleet]'``): without it, importing this
 package raises ``errors.FleetUnavailable``.
 """

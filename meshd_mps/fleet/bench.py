@@ -260,6 +260,26 @@ def header(argv: list[str], nodes: int, sim_gpus: int) -> dict[str, str]:
             "command": " ".join(["meshd-mps fleet bench", *argv])}
 
 
+def simulated(argv: list[str], n: int, json_out: str | None) -> int:
+    """``--simulate N``: the rows of fleet/simbench.py, in the same table."""
+    from meshd_mps.fleet.simbench import rows as simulated_rows
+
+    if n < 10:
+        print(f"meshd-mps fleet bench: --simulate {n}: at least 10 nodes", file=sys.stderr)
+        return 2
+    try:
+        out = simulated_rows(n)
+    except Exception as e:  # one ERROR row: the run's failure named
+        out = [Row("s", "fleet bench --simulate", error=describe(e))]
+    h = header(argv, n, 0)
+    h["device"] = f"the controller alone: up to {n} simulated nodes of 48 slots, no Ray (fleet/simulate.py)"
+    print(table(h, out))
+    if json_out:
+        with open(json_out, "w") as f:
+            f.write(as_json(h, out, []))
+    return 1 if any(r.error for r in out) else 0
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="meshd-mps fleet bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -273,9 +293,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--plot", metavar="DIR", help="also draw the figures as SVG plots into DIR (matplotlib: the plot"
                     " extra): (l3)'s call latencies, (l1) and (l2) beside their baselines")
     ap.add_argument("--from", dest="source", metavar="FILE", help="with --plot: draw a run's --json FILE, running nothing")
+    ap.add_argument("--simulate", type=int, metavar="N",
+                    help="instead: the controller alone at 10, 100, ... N simulated nodes of 48 slots, no Ray"
+                         " (rows (s1)-(s6), fleet/simbench.py)")
     args = ap.parse_args(argv)
     if args.source is not None:
         return replot(args.source, args.plot, "meshd-mps fleet bench")
+    if args.simulate is not None:
+        return simulated(argv, args.simulate, args.json)
     for k in ("nodes", "sim_gpus", "replicas", "calls"):
         if getattr(args, k) < (2 if k == "nodes" else 1):  # (l2) kills a node: another must be left
             print(f"meshd-mps fleet bench: --{k.replace('_', '-')} {getattr(args, k)}: too few", file=sys.stderr)

@@ -8,6 +8,10 @@ small and change only at deploy, upgrade and remove: one JSON file, written whol
 enough; a controller that starts (restarted by Ray, or on a head that came back) reloads it.  The
 running programs need neither: their node daemons keep them (``serve --live-restore``).
 
+Each program's entry is its spec (desired.py, the API's) and its rollout (rollout.py, the loop's:
+which image each replica is to run, where each last ran); a file of schema 1, written before the
+two were apart, is read as the same.
+
 The file also keeps the fleet's id (``id``, made at the first start and kept from then on): the
 name its agents claim the node daemons by (claim.py), the same across the controller's and the
 head's restarts.  One file per Ray namespace (``fleet.json`` for the CLI's, ``fleet.<namespace>.json``
@@ -29,7 +33,7 @@ from meshd_mps.strictjson import parse_json
 
 ENV = "MESHD_MPS_FLEET_STATE_DIR"
 FILE = "fleet.json"
-SCHEMA = 1
+SCHEMA = 2
 #: The namespace whose checkpoint is ``FILE`` (the CLI's, ``Fleet.connect``'s default).
 NAMESPACE = "meshd-mps"
 
@@ -59,7 +63,8 @@ class Checkpoint:
         self.fleet = ""
 
     def load(self) -> dict[str, Any]:
-        """The programs declared ({} when nothing was ever saved)."""
+        """The programs declared, each ``{"spec": ..., "rollout": ...}`` ({} when nothing was ever
+        saved)."""
         programs = self._read()
         if not self.fleet:
             self.fleet = secrets.token_hex(4)
@@ -87,8 +92,22 @@ class Checkpoint:
                                  file=self.path, schema=schema, supported=SCHEMA)
         fleet = obj.get("fleet")
         self.fleet = fleet if isinstance(fleet, str) and fleet else ""
-        return dict(obj["programs"])
+        programs = dict(obj["programs"])
+        if schema == 1:
+            programs = {n: _from_schema_1(p) for n, p in programs.items()}
+        return programs
 
     def save(self, programs: Mapping[str, Any]) -> None:
         body = {"schema": SCHEMA, "fleet": self.fleet, "programs": programs}
         atomic_write(self.dir, self.name, json.dumps(body).encode())
+
+
+def _from_schema_1(p: dict[str, Any]) -> dict[str, Any]:
+    """A program of schema 1 (one record, the API's and the loop's fields together) as a spec and
+    a rollout."""
+    spec = {k: p.get(k) for k in ("name", "replicas", "restart", "strategy", "gpu", "node", "image", "generation",
+                                  "token")}
+    spec["previous"] = p.get("old")
+    rollout = {"assigned": p.get("assigned"), "target": p["image"]["hash"], "generation": p.get("generation"),
+               "error": p.get("upgrade_error"), "where": p.get("where")}
+    return {"spec": spec, "rollout": rollout}

@@ -115,6 +115,9 @@ def parser() -> argparse.ArgumentParser:
                    help="how Ray places the replicas: SPREAD (default), PACK or STRICT_SPREAD (one node each)")
     p.add_argument("--gpu", metavar="MODEL", help="only on GPUs of this model (as `meshd-mps fleet resources` names it)")
     p.add_argument("--node", metavar="NAME", help="only on the node of this name (`meshd-mps fleet resources --node NAME`)")
+    p.add_argument("--unique", action="store_true",
+                   help="no replica ever runs on two nodes at once (fenced by a lease; a node or head away longer than"
+                        " the lease halts its replicas); without it a replica may briefly run twice while it moves")
     p.add_argument("--data", metavar="FILE", help="the program's data (default: the manifest's data file): put once into"
                    " Ray's object store, each node's daemon gets it from there")
     p.add_argument("--wait", action="store_true", help="wait until every replica runs")
@@ -216,7 +219,7 @@ def _command(args: argparse.Namespace) -> Command:
     if args.cmd == "deploy":
         src = source(args)
         name: str = args.name or src.manifest.get("name") or ""  # none: refused by the spec's check, as a bad name
-        spec = ProgramSpec(name=name, source=src, replicas=args.replicas,
+        spec = ProgramSpec(name=name, source=src, replicas=args.replicas, unique=args.unique,
                            strategy=args.strategy, gpu=args.gpu, node=args.node, hash=args.hash,
                            **({} if args.restart is None else {"restart": args.restart}))
         spec.check()

@@ -15,9 +15,11 @@ or agent died on the way is sent again only if ``idempotent``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
+import random
 import time
 from typing import Any
 
@@ -35,6 +37,7 @@ from meshd_mps.errors import (
     ReplicaLost,
 )
 from meshd_mps.fleet.controller import CONTROLLER, FleetController
+from meshd_mps.fleet.desired import Image, Spec
 from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.fleet.spec import (
     CallPort,
@@ -67,7 +70,9 @@ class Fleet:
         self.owns_ray = owns_ray
         self.node = ray.get_runtime_context().get_node_id()
         self.cache: dict[str, tuple[float, Routes]] = {}
-        self.turn = itertools.count()
+        # Each caller starts the turn at its own replica: a process that makes one call (the CLI's)
+        # would otherwise always reach the first.
+        self.turn = itertools.count(random.randrange(1 << 30))
         self.direct: dict[str, NodeCalls] = {}  # this node's daemons, called without an actor between
         self.ports: dict[CallPort, NodeCalls] = {}  # other nodes' call ports
         self.unreachable: dict[CallPort, float] = {}  # a call port -> when it may be tried again (monotonic)
@@ -101,13 +106,15 @@ class Fleet:
     async def deploy(self, spec: ProgramSpec) -> FleetProgram:
         """Declare ``spec``: Ray places its replicas, their nodes load them (``wait`` for them)."""
         spec.check()
-        image: dict[str, Any] = {"manifest": spec.source.manifest, "ptx": spec.source.ptx, "hash": spec.source.hash}
+        image = Image(manifest=spec.source.manifest, ptx=spec.source.ptx, hash=spec.source.hash)
+        data_node = None
         if spec.source.data is not None:
-            image["data"], image["data_bytes"] = await asyncio.to_thread(self._put_data, spec.source.data)
-            image["data_node"] = ray.get_runtime_context().get_node_id()
-        fields = {"name": spec.name, "replicas": spec.replicas, "restart": spec.restart, "strategy": spec.strategy,
-                  "gpu": spec.gpu, "node": spec.node}
-        return await self._ask(self.controller.deploy.remote(fields, image))
+            ref, size = await asyncio.to_thread(self._put_data, spec.source.data)
+            image = dataclasses.replace(image, data=ref, data_bytes=size)
+            data_node = ray.get_runtime_context().get_node_id()  # where its bytes are (fleet/data.py)
+        declared = Spec(name=spec.name, replicas=spec.replicas, restart=spec.restart, strategy=spec.strategy,
+                        image=image, gpu=spec.gpu, node=spec.node, unique=spec.unique)
+        return await self._ask(self.controller.deploy.remote(declared, data_node))
 
     def _put_data(self, path: str) -> tuple[Any, int]:
         """A data file into Ray's object store, read through a memory map (this process holds no
@@ -134,7 +141,7 @@ class Fleet:
         if hash is not None and hash.lower() != got:
             raise BadSpec(f"hash {hash}: the image's hash is {got}", field="hash")
         p: FleetProgram = await self._ask(self.controller.upgrade.remote(
-            name, {"manifest": source.manifest, "ptx": source.ptx, "hash": got}))
+            name, Image(manifest=source.manifest, ptx=source.ptx, hash=got)))
         deadline = time.monotonic() + self.d.fleet_upgrade
         while True:
             p = await self._ask(self.controller.program.remote(name))

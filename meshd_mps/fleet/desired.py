@@ -1,24 +1,36 @@
-"""A declared program as the controller keeps it (and its checkpoint holds), and the one step of a
-rolling upgrade: pure decisions over what was declared and what the nodes report, no Ray.
+"""What the API declared of a program: its ``Spec``, written only by the API (a deploy makes it, an
+upgrade replaces it with the next generation, a remove drops it), and read by the controller's
+loop, which never writes it.  What the loop makes of it over time (which image each replica is to
+run, where each ran, the upgrade's progress) is the rollout's (fleet/rollout.py).
 
-``assigned[i]`` is the image hash replica ``i`` is to run: a deploy assigns the image to every
-replica, an upgrade moves one replica at a time to the new one (at most one unavailable: a running
-replica is first drained, taken out of the calls' routes for ``drain`` seconds, then given the new
-image; the next starts only once it runs it, passed its node's start check).  Replicas that are not
-running anyway (pending, failed) take the new image at once: they cost the budget nothing.
+A spec is frozen: the loop's plan reads the one it was handed, and the API replaces the object
+rather than changing it.  Each field is a dataclass field with its JSON form derived from it
+(``to_json``/``from_json``): one more field is one line, with a default, and an older checkpoint
+without it reads as that default.
+
+How Ray places the replicas (``units``): as one placement group, a bundle a replica, or as a group
+each (``each``).  ``PACK`` and ``STRICT_SPREAD`` are constraints on the replicas together: one
+group, which Ray places whole or not at all.  A ``SPREAD`` program (the default) is one group while
+all its replicas fit (Ray then spreads them across the nodes as it places the group, and re-places a
+lost node's bundles at once), and a group each once they do not (what fits runs, the rest waits,
+each placed on its own as room comes): the loop chooses (fleet/plan.py ``_shape``), from Ray's free
+resources, and keeps the choice in the rollout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from meshd_mps.fleet.capacity import bundle
 
+#: The strategies whose replicas Ray places as one group (all or none).
+WHOLE = ("PACK", "STRICT_SPREAD")
 
-@dataclass
+
+@dataclass(frozen=True)
 class Image:
     """A declared program's image, and its data: ``data`` a Ray ObjectRef that the controller owns
     (the bytes are in the object store, never here), ``data_bytes`` its size for the events.  The
@@ -43,121 +55,89 @@ class Image:
         return cls(manifest=d["manifest"], ptx=d["ptx"], hash=d["hash"], data=d.get("data"),
                    data_bytes=int(d.get("data_bytes") or 0))
 
+    def shipped(self) -> dict[str, Any]:
+        """What a node's agent is sent of it (a share's ``images``): the ref of its data, not the data."""
+        return {"manifest": self.manifest, "ptx": self.ptx, "data": self.data, "data_bytes": self.data_bytes}
 
-@dataclass
-class Declared:
+
+@dataclass(frozen=True)
+class Spec:
+    """A declared program.  ``unique``: at most one copy of each replica runs at any time, fenced
+    by a lease on its node (docs/fleet.md, "Nothing runs twice"); otherwise a replica may briefly
+    run on two nodes while it moves.  ``previous``: the image before the last upgrade (a replica
+    that refuses the new one rolls the program back to it).  ``token``: new for each declaration,
+    in its placement groups' names (a removed program's may still be on their way out when the name
+    is declared again)."""
+
     name: str
     replicas: int
     restart: str
     strategy: str
-    gpu: str | None
-    node: str | None
     image: Image
+    gpu: str | None = None
+    node: str | None = None
+    unique: bool = False
     generation: int = 1
-    assigned: list[str] = field(default_factory=list)
-    old: Image | None = None
-    upgrade_error: str | None = None
-    draining: int | None = None  # the replica being drained for the upgrade (not kept: a restart drains anew)
-    drain_since: float = 0.0
-    rolling: int | None = None  # the replica given the new image, until it runs it
-    where: list[str | None] = field(default_factory=list)  # the node (by name) each replica last ran on
-    pins: list[str | None] = field(default_factory=list)  # the node each bundle of the placement group asks for
+    previous: Image | None = None
     token: str = field(default_factory=lambda: secrets.token_hex(4))
 
-    def __post_init__(self) -> None:
-        if not self.assigned:
-            self.assigned = [self.image.hash] * self.replicas
-        self.where = (self.where + [None] * self.replicas)[:self.replicas]
-        self.pins = (self.pins + [None] * self.replicas)[:self.replicas]
-
+    # ---- placement ---------------------------------------------------------------------------
 
     @property
-    def pg_name(self) -> str:
-        """Its placement group's name (detached: it outlives the controller), new for each
-        declaration (a removed one's may still be on its way out when the name is declared again)."""
-        return f"meshd-mps.{self.name}.{self.token}"
+    def whole(self) -> bool:
+        """Whether Ray always places every replica in one group (``WHOLE``: a constraint on them
+        together); a SPREAD program may be placed either way."""
+        return self.strategy in WHOLE
 
-    def bundles(self) -> list[dict[str, float]]:
-        """One per replica; a bundle pinned (``pins``) asks for its node by name."""
-        return [bundle(self.gpu, self.node or self.pins[i]) for i in range(self.replicas)]
+    @property
+    def pg_prefix(self) -> str:
+        """Its placement groups' names start so (the cluster puts the fleet's own prefix first:
+        raycluster.py)."""
+        return f"{self.name}.{self.token}"
 
-    def pin_where_running(self) -> None:
-        """Pin each bundle of the next placement group to the node its replica ran on: after the
-        head's restart the placement groups are gone, and the new ones must land where the programs
-        still run (the nodes Ray chose before), not where a fresh placement would put them."""
-        self.pins = list(self.where) if self.node is None else [None] * self.replicas
+    def unit(self, i: int, each: bool) -> tuple[str, int]:
+        """Replica ``i``'s placement group's name and its bundle's index in it (``each``: a group
+        a replica)."""
+        return (f"{self.pg_prefix}.{i}", 0) if each else (self.pg_prefix, i)
+
+    def units(self, each: bool) -> list[tuple[str, list[int]]]:
+        """Each placement group of the program and the replicas it places (in bundle order)."""
+        if each:
+            return [(f"{self.pg_prefix}.{i}", [i]) for i in range(self.replicas)]
+        return [(self.pg_prefix, list(range(self.replicas)))]
+
+    def bundle(self, pin: str | None = None) -> dict[str, float]:
+        """What one replica asks of a node; ``pin``: the node it must be (by name)."""
+        return bundle(self.gpu, self.node or pin)
+
+    # ---- images --------------------------------------------------------------------------------
+
+    def upgraded(self, image: Image) -> Spec:
+        """The next generation, declaring ``image`` (which keeps the program's data if it brings
+        none: each node's daemon keeps it too)."""
+        if image.data is None:
+            image = dataclasses.replace(image, data=self.image.data, data_bytes=self.image.data_bytes)
+        previous = self.image if image.hash != self.image.hash else self.previous
+        return dataclasses.replace(self, image=image, generation=self.generation + 1, previous=previous)
 
     def image_of(self, hash: str) -> Image | None:
-        return next((im for im in (self.image, self.old) if im is not None and im.hash == hash), None)
-
-    @property
-    def upgrading(self) -> bool:
-        return any(h != self.image.hash for h in self.assigned)
+        return next((im for im in (self.image, self.previous) if im is not None and im.hash == hash), None)
 
     def generation_of(self, hash: str | None) -> int:
         return self.generation if hash == self.image.hash else self.generation - 1
 
+    # ---- the checkpoint -------------------------------------------------------------------------
+
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "replicas": self.replicas, "restart": self.restart, "strategy": self.strategy,
-                "gpu": self.gpu, "node": self.node, "image": self.image.to_json(), "generation": self.generation,
-                "assigned": self.assigned, "old": None if self.old is None else self.old.to_json(),
-                "upgrade_error": self.upgrade_error, "where": self.where,
-                "pins": self.pins, "token": self.token}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["image"] = self.image.to_json()
+        out["previous"] = None if self.previous is None else self.previous.to_json()
+        return out
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Declared:
-        return cls(name=d["name"], replicas=d["replicas"], restart=d["restart"], strategy=d["strategy"], gpu=d["gpu"],
-                   node=d["node"], image=Image.from_json(d["image"]), generation=d["generation"],
-                   assigned=list(d["assigned"]), old=None if d.get("old") is None else Image.from_json(d["old"]),
-                   upgrade_error=d.get("upgrade_error"), where=list(d.get("where") or []),
-                   pins=list(d.get("pins") or []), token=d["token"])
-
-    # ---- the rolling upgrade ---------------------------------------------------------------------
-
-    def upgrade_to(self, image: Image) -> None:
-        """Declare ``image``: the rollout starts at the next step."""
-        if image.hash != self.image.hash:
-            self.old = self.image
-        if image.data is None:  # an upgrade keeps the program's data (each node's daemon keeps it too)
-            image.data, image.data_bytes = self.image.data, self.image.data_bytes
-        self.image = image
-        self.generation += 1
-        self.upgrade_error = None
-        self.draining = self.rolling = None
-
-    def roll_back(self, why: str) -> None:
-        """A replica refused the new image: declare the old one again, and roll every replica that
-        took the new one back to it (the same steps)."""
-        if self.old is not None:
-            self.image, self.old = self.old, self.image
-            self.generation += 1
-        self.upgrade_error = why
-        self.draining = self.rolling = None
-
-    def step(self, running: list[bool], runs: list[str | None], drain: float, now: float | None = None) -> bool:
-        """One step of the rollout given, per replica, whether it runs (``running``) and the hash
-        it runs (``runs``); True if ``assigned`` changed (the checkpoint is written again)."""
-        now = time.monotonic() if now is None else now
-        target = self.image.hash
-        changed = False
-        for i, h in enumerate(self.assigned):
-            if h != target and not running[i] and i != self.draining:
-                self.assigned[i] = target  # not running anyway: it costs the budget nothing
-                changed = True
-        if self.draining is not None:
-            if now - self.drain_since >= drain:
-                self.assigned[self.draining] = target
-                self.rolling, self.draining = self.draining, None
-                changed = True
-            return changed
-        if self.rolling is not None:
-            if not (running[self.rolling] and runs[self.rolling] == target):
-                return changed  # still starting on the new image: the budget is spent
-            self.rolling = None
-        nxt = next((i for i, h in enumerate(self.assigned) if h != target), None)
-        if nxt is not None:
-            self.draining, self.drain_since = nxt, now
-        elif self.old is not None:
-            self.old = None
-            changed = True
-        return changed
+    def from_json(cls, d: dict[str, Any]) -> Spec:
+        """A spec read back; a field it lacks takes its default (written by an older meshd-mps)."""
+        kw = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d}
+        kw["image"] = Image.from_json(d["image"])
+        kw["previous"] = None if d.get("previous") is None else Image.from_json(d["previous"])
+        return cls(**kw)

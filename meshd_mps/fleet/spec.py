@@ -28,7 +28,6 @@ SUFFIX = ".fleet-"
 #: index (at most 999 replicas) take 10 of them.
 MAX_NAME = 54
 MAX_REPLICAS = 999
-_REPLICA = re.compile(r"(.+)\.fleet-([0-9]{1,3})")
 
 
 def replica_name(program: str, index: int) -> str:
@@ -37,9 +36,13 @@ def replica_name(program: str, index: int) -> str:
 
 
 def parse_replica_name(name: str) -> tuple[str, int] | None:
-    """(program, index) of a daemon program the fleet owns; None for any other program."""
-    m = _REPLICA.fullmatch(name)
-    return (m[1], int(m[2])) if m else None
+    """(program, index) of a daemon program the fleet owns (``<program>.fleet-<1 to 3 digits>``);
+    None for any other program.  (Not a regular expression: the controller reads one for each
+    replica a node reports changed.)"""
+    program, suffix, index = name.rpartition(SUFFIX)
+    if not suffix or not program or not 1 <= len(index) <= 3 or not (index.isascii() and index.isdigit()):
+        return None
+    return program, int(index)
 
 
 def gpu_model(name: str) -> str:
@@ -87,7 +90,9 @@ class ProgramSource:
 @dataclass(frozen=True)
 class ProgramSpec:
     """A program declared to the fleet: ``replicas`` copies placed by Ray with ``strategy``, each
-    needing one slot (of a GPU of model ``gpu``, on node ``node``, where given)."""
+    needing one slot (of a GPU of model ``gpu``, on node ``node``, where given).  ``unique``: no
+    replica ever runs on two nodes at once, fenced by a lease (docs/fleet.md, "Nothing runs
+    twice"); without it a replica may briefly run on two while it moves."""
 
     name: str
     source: ProgramSource
@@ -97,6 +102,7 @@ class ProgramSpec:
     gpu: str | None = None
     node: str | None = None
     hash: str | None = None
+    unique: bool = False
 
     def check(self) -> None:
         """BadSpec (or the node API's own BadName, ManifestError, BadRestartPolicy) for a spec
@@ -109,6 +115,8 @@ class ProgramSpec:
                           f" {replica_name(self.name, 0)!r} on their nodes)", field="name")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or not 1 <= self.replicas <= MAX_REPLICAS:
             raise BadSpec(f"replicas {self.replicas!r}: a whole number from 1 to {MAX_REPLICAS}", field="replicas")
+        if not isinstance(self.unique, bool):
+            raise BadSpec(f"unique {self.unique!r}: true or false", field="unique")
         if self.strategy not in STRATEGIES:
             raise BadSpec(f"strategy {self.strategy!r}: one of {', '.join(STRATEGIES)}", field="strategy")
         restart.Policy.parse(self.restart)
@@ -168,8 +176,10 @@ class ReplicaView:
 
 @dataclass(frozen=True)
 class FleetProgram:
-    """A declared program and its replicas; ``hash`` is the image declared (the one an upgrade
-    rolls out), ``upgrading`` whether replicas still run another."""
+    """A declared program and its replicas; ``hash`` is the image its replicas are brought to (the
+    one declared, or after a replica refused it, the one before: ``upgrade_error`` says why),
+    ``generation`` that image's, ``upgrading`` whether replicas still run another; ``unique``: at
+    most one copy of each replica runs at any time."""
 
     name: str
     replicas: tuple[ReplicaView, ...]
@@ -182,6 +192,7 @@ class FleetProgram:
     node: str | None = None
     upgrading: bool = False
     upgrade_error: str | None = None
+    unique: bool = False
 
     @property
     def running(self) -> int:

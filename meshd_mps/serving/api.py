@@ -42,6 +42,7 @@ from meshd_mps.serving.client import MAX_BODY
 from meshd_mps.serving.connection import Protocol
 from meshd_mps.serving.data_api import MAX_DATA, DataRoutes
 from meshd_mps.serving.heads import MAX_HEAD, MAX_HEADERS, check_path, head_size, path_of
+from meshd_mps.serving.leases import Leases
 from meshd_mps.serving.metrics import CONTENT_TYPE as METRICS_TYPE, Metrics
 from meshd_mps.serving.status import (
     ExpectRefused,
@@ -81,8 +82,10 @@ class Api:
     """The routes over one daemon's live objects, and the requests in flight (for the drain)."""
 
     def __init__(self, backend: Backend, programs: Programs, metrics: Metrics, *, socket_path: str,
-                 versions: dict[str, str], started: datetime, t0: float, deadlines: Deadlines):
+                 versions: dict[str, str], started: datetime, t0: float, deadlines: Deadlines,
+                 leases: Leases | None = None):
         self.b, self.ps, self.metrics = backend, programs, metrics
+        self.leases = leases or Leases(None, deadlines, live=False)
         self.socket_path, self.versions, self.started, self.t0 = socket_path, versions, started, t0
         self.deadlines = deadlines
         self.stopping = False
@@ -102,6 +105,7 @@ class Api:
             ("/v1/programs", {"GET": self.get_programs, "POST": self.post_program}),
             ("/v1/programs/{name}", {"GET": self.get_program, "PUT": self.put_program, "DELETE": self.delete_program}),
             ("/v1/programs/{name}/call", {"POST": self.post_call}),
+            ("/v1/leases", {"POST": self.post_leases}),
             ("/v1/programs/{name}/write", {"POST": self.data.post_write}),
             ("/v1/data", {"POST": self.data.post_data}),
             ("/v1/native", {"GET": self.get_native, "POST": self.post_native}),
@@ -243,6 +247,7 @@ class Api:
         d["started"] = datetime.fromtimestamp(p.started_wall, UTC).isoformat()
         d["compile_ms"] = round(p.compile_ms, 3)
         d["cached"] = p.cached
+        d["lease_until"] = self.leases.until.get(p.name)
         return d
 
     def _device(self, d: dict[str, Any]) -> dict[str, Any]:
@@ -276,6 +281,7 @@ class Api:
             "mps_dir": s.get("mps_dir"),
             "cpus": cpus.status(),  # serve --daemon-cpus: the daemon's CPUs and its children's
             "programs": len(ps.by_name),
+            "leases": {"count": len(self.leases.until), "stop_within": self.leases.stop_within},
             "data_bytes": sum(p.data_bytes for p in ps.by_name.values()),  # the programs' data, together
             "stalled": sum(1 for p in ps.by_name.values() if ps.describe(p)["state"] == "stalled"),
             "devices": [self._device(d) for d in s["devices"]],
@@ -320,18 +326,29 @@ class Api:
 
     async def post_program(self, request: web.Request) -> web.Response:
         body = schemas.load_body(await self._json(request))
-        request[PROGRAM] = body.manifest.name  # for the log of a refusal
+        name = request[PROGRAM] = body.manifest.name  # for the log of a refusal
+        # Kept before the load: never a program without its lease (a name loaded already: the load's AlreadyLoaded).
+        until = body.lease_until if name not in self.ps.by_name else None
+        if until is not None:
+            self.leases.take(name, until)
         try:
             p = await self.ps.load(body.manifest, body.text.encode(), body.hash, body.nodes or 1, body.device, body.restart,
                                    restore=body.restore or Restore.RELOAD, data=body.data and DataRef(body.data))
-        except NotServedHere as e:  # Backend's check, said in the body's terms
-            raise NotServedHere(f"field 'device' {e.device}: this daemon serves GPU {', '.join(map(str, e.devices))}"
-                                " (--devices)", device=e.device, devices=e.devices) from e
+        except BaseException as e:
+            if until is not None:
+                self.leases.drop(name)
+            if isinstance(e, NotServedHere):  # Backend's check, said in the body's terms
+                raise NotServedHere(f"field 'device' {e.device}: this daemon serves GPU {', '.join(map(str, e.devices))}"
+                                    " (--devices)", device=e.device, devices=e.devices) from e
+            raise
         return self._loaded(p, 201)
 
     async def put_program(self, request: web.Request) -> web.Response:
         name = _name(request)
         body = schemas.load_body(await self._json(request))
+        if body.lease_until is not None:
+            raise UpgradeMismatch("field 'lease_until': an upgrade keeps the program's lease (renew it: POST /v1/leases)",
+                                  program=name, field="lease_until")
         if body.nodes is not None or body.device is not None or body.restore is not None:
             # What an upgrade keeps; Programs.upgrade takes neither (the manifest's name it checks itself).
             old = self.ps.get(name)
@@ -352,6 +369,7 @@ class Api:
         name = _name(request)
         row = self._describe(self.ps.get(name))  # as it was before it was unloaded
         await self.ps.unload(name)
+        self.leases.drop(name)
         out = {"ok": True, "program": row}
         if warning := self._declared(name):
             log.warning(f"unload: {warning}", program=name)
@@ -366,6 +384,11 @@ class Api:
             return ""
         return (f"{name} is declared in {st.get('config_file')} ([program.{name}]): it is loaded again at the next"
                 " start unless removed from there")
+
+    async def post_leases(self, request: web.Request) -> web.Response:
+        until, names = schemas.leases(await self._json(request))
+        renewed, missing = self.leases.renew(names, until, self.ps.by_name)
+        return answer(200, {"ok": True, "until": until, "renewed": renewed, "missing": missing})
 
     async def post_call(self, request: web.Request) -> web.Response:
         """A call: the JSON form (``data`` or ``hex``, answered in JSON), or the binary one (the body

@@ -266,9 +266,14 @@ class Client:
 
     def load(self, body: dict[str, Any]) -> dict[str, Any]:
         """``body``: {"manifest": {...}, "ptx": text, "hash"?: 16 hex, "nodes"?: N, "device"?: GPU,
-        "restart"?: on-failure | always | never, "restore"?: reload | adopt}
+        "restart"?: on-failure | always | never, "restore"?: reload | adopt, "lease_until"?: epoch seconds}
         (the daemon takes PTX only: see :func:`program_body` for CUDA C)."""
         return self.request("POST", "/v1/programs", body)
+
+    def renew(self, names: list[str], until: float) -> dict[str, Any]:
+        """The leases of programs ``names`` held until ``until`` (epoch seconds): ``renewed`` and
+        ``missing`` (not loaded, or loaded without a lease)."""
+        return self.request("POST", "/v1/leases", {"until": until, "programs": names})
 
     def upgrade(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.request("PUT", f"/v1/programs/{quote(name)}", body)

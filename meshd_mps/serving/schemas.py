@@ -30,7 +30,8 @@ from meshd_mps.serving.client import BINARY, MAX_BODY
 from meshd_mps.serving.status import BadBody, BodyTooLarge, EncodingRefused, LengthRequired, RequestTimeout
 from meshd_mps.strictjson import parse_json
 
-LOAD_FIELDS = ("manifest", "ptx", "hash", "nodes", "device", "restart", "restore", "data")
+LOAD_FIELDS = ("manifest", "ptx", "hash", "nodes", "device", "restart", "restore", "data", "lease_until")
+LEASE_FIELDS = ("until", "programs")
 _KEY = re.compile(r"[0-9a-f]{64}")
 CALL_FIELDS = ("data", "hex", "timeout")
 #: The answer to a body with CUDA C: the daemon never compiles it (an ``#include`` would read any
@@ -126,6 +127,7 @@ class LoadBody:
     restart: Policy | None = None  # None: the daemon's default (a load), the program's own (an upgrade)
     restore: Restore | None = None  # None: reload (a load), the program's own (an upgrade, which keeps it)
     data: str | None = None  # the SHA-256 of data the daemon holds (POST /v1/data); None: none (an upgrade: kept)
+    lease_until: float | None = None  # unloaded by the daemon past this wall-clock time unless renewed (leases.py)
 
 
 def load_body(obj: dict[str, Any]) -> LoadBody:
@@ -177,7 +179,30 @@ def load_body(obj: dict[str, Any]) -> LoadBody:
         if not isinstance(data, str) or not _KEY.fullmatch(data):
             raise BadBody(f"field 'data' {_show(data)}: the SHA-256 (64 lowercase hex digits) that POST /v1/data answered",
                           field="data")
-    return LoadBody(m, text, required, nodes, _int_field(obj, "device"), restart, restore, data)
+    return LoadBody(m, text, required, nodes, _int_field(obj, "device"), restart, restore, data,
+                    _time_field(obj, "lease_until"))
+
+
+def _time_field(obj: dict[str, Any], key: str) -> float | None:
+    """A wall-clock time (seconds since the epoch, a finite number above 0), or None if absent."""
+    v = obj.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e12:
+        raise BadBody(f"field {key!r} {_show(v)}: a time in seconds since the epoch expected", field=key)
+    return float(v)
+
+
+def leases(obj: dict[str, Any]) -> tuple[float, list[str]]:
+    """A lease renewal: ``{"until": T, "programs": [NAME, ...]}``."""
+    check_fields(obj, LEASE_FIELDS)
+    until = _time_field(obj, "until")
+    if until is None:
+        raise BadBody("field 'until' (seconds since the epoch) is missing", field="until")
+    names = obj.get("programs")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise BadBody(f"field 'programs': a list of program names expected, got {_jtype(names)}", field="programs")
+    return until, names
 
 
 @dataclass

@@ -56,10 +56,11 @@ from meshd_mps.mps.control import become_subreaper
 from meshd_mps.neighbours import NeighbourWatch, classify, look
 from meshd_mps.programs import Programs
 from meshd_mps.programs.datastore import DataStore
-from meshd_mps.serving import reaper, sdnotify
+from meshd_mps.serving import leases, reaper, sdnotify
 from meshd_mps.serving.api import Api
 from meshd_mps.serving.client import default_socket, program_body
 from meshd_mps.serving.exporter import Exporter
+from meshd_mps.serving.leases import Leases
 from meshd_mps.serving.metrics import Metrics
 from meshd_mps.serving.unix_socket import BACKLOG, ControlSocket
 from meshd_mps.state.config import SERVE_DEFAULTS, DeclaredProgram, pool_of
@@ -177,6 +178,7 @@ class Daemon:
         self.metrics: Metrics | None = None
         self.store: Store | None = None
         self.restored: Restored | None = None
+        self.leases: Leases | None = None
         self.signals: list[tuple[int, float]] = []  # each signal and when it came
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
@@ -280,6 +282,7 @@ class Daemon:
                                live=self.store.dir if c.live_restore else None,
                                clear=None if c.live_restore else self.store.dir)
         self.backend = b
+        self.leases = Leases(self.store.dir, d, live=c.live_restore)  # read before the restore adopts their programs
         # stall_after only when given: Programs' own default (Deadlines.stall) otherwise.
         data = await anyio.to_thread.run_sync(DataStore, os.path.join(self.store.dir, DATA_DIR))
         self.programs = Programs(b, data=data) if c.stall_after is None else Programs(b, stall_after=c.stall_after, data=data)
@@ -309,7 +312,7 @@ class Daemon:
         b, ps, metrics = self.backend, self.programs, self.metrics
         assert b is not None and ps is not None and metrics is not None and b.caps is not None
         api = Api(b, ps, metrics, socket_path=self.socket_path, versions=self.versions, started=self.started, t0=self.t0,
-                  deadlines=self.deadlines)
+                  deadlines=self.deadlines, leases=self.leases)
         api.state = {"dir": self.store.dir if self.store else None, "live_restore": self.cfg.live_restore,
                      "restore": self.restored.as_dict() if self.restored else None,
                      "adoption": b.adoption if b.live is not None else None,
@@ -339,11 +342,13 @@ class Daemon:
                 log.info(f"the metrics at http://{self.exporter.where}/metrics", metrics_address=self.exporter.where)
             sdnotify.notify("READY=1", f"STATUS=serving on {self.socket_path}", within=self.deadlines.notify)  # Type=notify
             watch: anyio.CancelScope = await tg.start(self._neighbours, name="neighbours")
+            lease: anyio.CancelScope = await tg.start(functools.partial(leases.keep, api.leases, ps), name="leases")
             try:
                 await self._stop.wait()
                 listener.close()  # stop accepting: new connections are refused
                 await api.drain()
             finally:
+                lease.cancel()
                 watch.cancel()
         finally:
             with anyio.CancelScope(shield=True):

@@ -49,9 +49,10 @@ from .waits import poll, until
 NAMESPACE = "meshd-mps"
 #: The fleet's reconcile loops tick every 0.2 s (not 0.5: each wait below waits on a few ticks), busy
 #: or not (at 0.1 s while busy the suite took ~15 s more of the 2 cores: its tests keep replicas
-#: pending for long; the pace itself is tests/test_fleet_pace.py's), and a node that ran replicas has
-#: 5 s to rejoin after the head's restart.
-FLEET_DEADLINES = dataclasses.replace(TEST_DEADLINES, fleet_tick=0.2, fleet_busy_tick=0.2, fleet_rejoin=5.0)
+#: pending for long), a node that ran replicas has 5 s to rejoin after the head's restart, and a
+#: unique replica's lease is 3 s (the daemons' orphan timeout is 5 s: ``start_daemon``).
+FLEET_DEADLINES = dataclasses.replace(TEST_DEADLINES, fleet_tick=0.2, fleet_busy_tick=0.2, fleet_rejoin=5.0,
+                                      fleet_lease=3.0, fleet_skew=0.5, orphan=5.0)
 #: The longest a test waits for the fleet to run, move or unload what it was asked.
 UP_S = 60.0
 
@@ -134,19 +135,26 @@ class FleetRig:
             "include_log_monitor": False,  # no driver here shows the actors' logs: a process less
             "_system_config": NODE_DEATH})
 
-    def restart_head(self) -> None:
+    def restart_head(self, late: frozenset[str] = frozenset()) -> None:
         """The head restarts (without GCS fault tolerance the cluster's state goes with it, so every
         raylet starts again too, as systemd or KubeRay would start them): every Ray process of the
-        cluster ends and a new cluster starts, each node joining with its daemon, which runs on."""
+        cluster ends and a new cluster starts, each node joining with its daemon, which runs on;
+        the nodes ``late`` not yet (``rejoin`` them: their ``ray start`` run again later)."""
         ray.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()
         reap_orphans()
         self.cluster = self.head()
         for name, n in self.nodes.items():
-            self.add(name, n.daemon, n.state, wait=False)
+            if name not in late:
+                self.add(name, n.daemon, n.state, wait=False)
         self.cluster.wait_for_nodes(UP_S)
         ray.init(address=self.cluster.address, namespace=NAMESPACE, log_to_driver=False, logging_level="warning")
+
+    def rejoin(self, name: str) -> None:
+        """Node ``name``'s raylet started again (after ``restart_head(late=...)``), for its daemon."""
+        n = self.nodes[name]
+        self.add(name, n.daemon, n.state)
 
     def start_daemon(self, name: str) -> tuple[Serve, str]:
         state = os.path.join(self.dir, name, "state")
