@@ -28,7 +28,8 @@ STATE = {"phase", "error", "lost_to", "failures", "restart_at", "settled", "fail
 
 async def test_describe_twice_is_the_same_and_moves_nothing(monkeypatch):
     """A launch that ended and that no watcher has taken in yet: describe shows its end, twice the
-    same, and calls no transition (before issue 31, describe -> state -> observe moved it)."""
+    same but for the clock's fields, and calls no transition (describe -> state -> observe must not
+    move it)."""
     fut = asyncio.get_running_loop().create_future()
     launch: Any = SimpleNamespace(finished=fut.done, inner=fut)
     kernel: Any = SimpleNamespace(device=0, pid=9, regs=32)
@@ -40,7 +41,8 @@ async def test_describe_twice_is_the_same_and_moves_nothing(monkeypatch):
     monkeypatch.setattr(Program, "to", lambda self, *a, **kw: moves.append(a) or True)
     first, second = progs.describe(p), progs.describe(p)
     assert (first["state"], first["error"]) == ("failed", "worker 9 exited while its kernel ran")
-    assert {k: v for k, v in first.items() if k != "uptime_s"} == {k: v for k, v in second.items() if k != "uptime_s"}
+    clocked = {"uptime_s", "beat_age_s"}  # read time.monotonic() at each describe
+    assert {k: v for k, v in first.items() if k not in clocked} == {k: v for k, v in second.items() if k not in clocked}
     assert moves == [] and p.phase is ProgramState.RUNNING and p.state() == ("failed", "worker 9 exited while its kernel ran")
 
 
