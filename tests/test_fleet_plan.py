@@ -56,9 +56,8 @@ def observed(nodes: list[int], placed: dict[str, tuple[str | None, ...]], report
 
 
 def one_each(s: Spec, nodes: list[str | None]) -> dict[str, tuple[str | None, ...]]:
-    """Each replica's placement group (a SPREAD program's that did not all fit: one per replica)
-    placed on ``nodes[i]``."""
-    return {s.unit(i, True)[0]: (n,) for i, n in enumerate(nodes)}
+    """Each replica's placement group (SPREAD: one per replica) placed on ``nodes[i]``."""
+    return {s.unit(i)[0]: (n,) for i, n in enumerate(nodes)}
 
 
 def states(p) -> list[tuple[str, str | None]]:
@@ -77,51 +76,15 @@ def ordered(p, nid: str) -> list[str]:
 # ---- placing: what fits runs ---------------------------------------------------------------------
 
 
-def test_a_deploy_that_fits_makes_one_placement_group_and_every_replica_waits_for_it():
+def test_a_deploy_makes_a_placement_group_per_replica_and_every_replica_waits_for_it():
     s = spec(3)
-    p = plan(s, Rollout.start(s), observed([0, 1], {}, {0: report(0), 1: report(1)}, free=4.0))
-    assert p.create == [("echo.t0", [{SLOT: 1.0}] * 3, "SPREAD")] and p.rollout.each is False and p.kept
+    p = plan(s, Rollout.start(s), observed([0, 1], {}, {0: report(0), 1: report(1)}))
+    assert [c[0] for c in p.create] == ["echo.t0.0", "echo.t0.1", "echo.t0.2"]
+    assert all(c[1] == [{SLOT: 1.0}] for c in p.create)
     assert {r.state for r in p.view.replicas} == {"pending"} and p.waiting and not p.orders
     whole = spec(3, strategy="PACK")
     p = plan(whole, Rollout.start(whole), observed([0], {}, {}))
-    assert p.create == [("echo.t0", [{SLOT: 1.0}] * 3, "PACK")], "PACK: one group, placed whole, fitting or not"
-
-
-def test_a_deploy_that_does_not_fit_makes_a_placement_group_per_replica():
-    s = spec(3)
-    p = plan(s, Rollout.start(s), observed([0, 1], {}, {0: report(0), 1: report(1)}, free=2.0))
-    assert [c[0] for c in p.create] == ["echo.t0.0", "echo.t0.1", "echo.t0.2"] and p.rollout.each is True
-    assert all(c[1] == [{SLOT: 1.0}] for c in p.create)
-
-
-def test_one_group_placed_nowhere_while_its_replicas_do_not_all_fit_gives_way_to_a_group_each():
-    s = spec(3)
-    first = plan(s, Rollout.start(s), observed([0, 1], {}, {}, free=4.0))
-    # Another program took the room meanwhile: Ray leaves the group pending, and 2 would fit.
-    obs = pending(observed([0, 1], {}, {}, free=2.0), s.pg_prefix, 3)
-    p = plan(s, first.rollout, obs, first)
-    assert p.rollout.each is True and p.remove == ["echo.t0"]
-    assert [c[0] for c in p.create] == ["echo.t0.0", "echo.t0.1", "echo.t0.2"]
-    assert [e.kind for e in p.events if e.kind == "split"] == ["split"]
-    # Placed nowhere although the free resources, summed, hold it: split after SPLIT_AFTER ticks.
-    fits = pending(observed([0, 1], {}, {}, free=4.0), s.pg_prefix, 3)
-    p = plan(s, first.rollout, fits, first)
-    assert p.rollout.each is False and not p.remove and p.due == pytest.approx(NOW + 4 * D.fleet_tick)
-    later = plan(s, p.rollout, dataclasses.replace(fits, now=NOW + 4 * D.fleet_tick), p)
-    assert later.rollout.each is True and later.remove == ["echo.t0"]
-    # Placed once, it stays one group: its lost nodes' bundles wait for room, the others run on.
-    for at in [("id0", "id0", None), (None, None, None)]:
-        lost = observed([0], {}, {}, free=0.0)
-        lost = dataclasses.replace(lost, ray=dataclasses.replace(lost.ray, placements={
-            s.pg_prefix: Placement(at, "RESCHEDULING")}))
-        p = plan(s, first.rollout, lost, first)
-        assert p.rollout.each is False and not p.remove and not p.create
-
-
-def pending(obs: Observed, name: str, bundles: int) -> Observed:
-    """``obs`` with group ``name`` made and not placed yet."""
-    return dataclasses.replace(obs, ray=dataclasses.replace(obs.ray, placements={
-        **obs.ray.placements, name: Placement((None,) * bundles, "PENDING")}))
+    assert p.create == [("echo.t0", [{SLOT: 1.0}] * 3, "PACK")], "PACK: one group, placed whole"
 
 
 def test_what_fits_runs_and_the_rest_waits_with_the_reason():

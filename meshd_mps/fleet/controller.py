@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -49,13 +48,8 @@ class FleetController:
     # ---- the API (fleet/client.py) ---------------------------------------------------------------
 
     async def ready(self) -> bool:
-        """Once the loop has looked, and every node's agent answered (or failed) or ``fleet_agent``
-        passed: a client's first status sees the fleet as it is, its agents started."""
         self._start()
         await self.loop.ticked.wait()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.loop.d.fleet_agent):
-                await self.loop.heard.wait()
         return True
 
     async def deploy(self, spec: Spec, data_node: str | None = None) -> FleetProgram:

@@ -8,13 +8,11 @@ rather than changing it.  Each field is a dataclass field with its JSON form der
 (``to_json``/``from_json``): one more field is one line, with a default, and an older checkpoint
 without it reads as that default.
 
-How Ray places the replicas (``units``): as one placement group, a bundle a replica, or as a group
-each (``each``).  ``PACK`` and ``STRICT_SPREAD`` are constraints on the replicas together: one
-group, which Ray places whole or not at all.  A ``SPREAD`` program (the default) is one group while
-all its replicas fit (Ray then spreads them across the nodes as it places the group, and re-places a
-lost node's bundles at once), and a group each once they do not (what fits runs, the rest waits,
-each placed on its own as room comes): the loop chooses (fleet/plan.py ``_shape``), from Ray's free
-resources, and keeps the choice in the rollout.
+How Ray places the replicas (``units``): one placement group per replica for ``SPREAD`` (the
+default), so that what fits runs and the rest waits, each placed on its own as room comes (Ray puts
+a one-bundle group on the node with the most room that fits: the replicas spread); one group for
+all of them for ``PACK`` and ``STRICT_SPREAD``, which are constraints on the replicas together,
+and which Ray places whole or not at all.
 """
 
 from __future__ import annotations
@@ -85,8 +83,7 @@ class Spec:
 
     @property
     def whole(self) -> bool:
-        """Whether Ray always places every replica in one group (``WHOLE``: a constraint on them
-        together); a SPREAD program may be placed either way."""
+        """Whether Ray places every replica in one group (``WHOLE``)."""
         return self.strategy in WHOLE
 
     @property
@@ -95,16 +92,15 @@ class Spec:
         raycluster.py)."""
         return f"{self.name}.{self.token}"
 
-    def unit(self, i: int, each: bool) -> tuple[str, int]:
-        """Replica ``i``'s placement group's name and its bundle's index in it (``each``: a group
-        a replica)."""
-        return (f"{self.pg_prefix}.{i}", 0) if each else (self.pg_prefix, i)
+    def unit(self, i: int) -> tuple[str, int]:
+        """Replica ``i``'s placement group's name and its bundle's index in it."""
+        return (self.pg_prefix, i) if self.whole else (f"{self.pg_prefix}.{i}", 0)
 
-    def units(self, each: bool) -> list[tuple[str, list[int]]]:
+    def units(self) -> list[tuple[str, list[int]]]:
         """Each placement group of the program and the replicas it places (in bundle order)."""
-        if each:
-            return [(f"{self.pg_prefix}.{i}", [i]) for i in range(self.replicas)]
-        return [(self.pg_prefix, list(range(self.replicas)))]
+        if self.whole:
+            return [(self.pg_prefix, list(range(self.replicas)))]
+        return [(f"{self.pg_prefix}.{i}", [i]) for i in range(self.replicas)]
 
     def bundle(self, pin: str | None = None) -> dict[str, float]:
         """What one replica asks of a node; ``pin``: the node it must be (by name)."""

@@ -37,7 +37,6 @@ class Why(enum.Enum):
     DECLARED = "declared"  # the API changed a spec
     ANSWERED = "answered"  # an agent answered with news
     FAILED = "failed"  # an agent's call failed
-    PLACED = "placed"  # placement groups made or removed
 
 
 class Wakeup:

@@ -38,8 +38,6 @@ from meshd_mps.fleet.spec import FleetEvent, FleetProgram, parse_replica_name
 from meshd_mps.fleet.views import view_of
 
 EVENTS = 500
-#: Placement groups made at a time (links ``_placing``): the loop looks at Ray between two chunks.
-PLACE_CHUNK = 32
 NodeShare = tuple[tuple[Order, ...], frozenset[str], frozenset[str]]  # orders, keep, leased
 NONE: NodeShare = ((), frozenset(), frozenset())
 
@@ -93,12 +91,7 @@ class Reconciler:
         self.looked = -math.inf  # when the placement groups were last read whole (monotonic)
         self.placed = False  # groups made or removed since
         self.ray_at = -math.inf  # when Ray was last read (monotonic)
-        self.ticked = asyncio.Event()  # set after the first tick
-        self.heard = asyncio.Event()  # set once every node's agent has answered or failed (or a tick found none)
-        #: Placement groups asked for and not yet seen in a look (name -> when): not asked for again meanwhile.
-        self.creating: dict[str, float] = {}
-        self.placing: asyncio.Task[None] | None = None  # the one task that makes and removes them
-        self.queued: tuple[list[tuple[str, list[dict[str, float]], str]], list[str]] = ([], [])
+        self.ticked = asyncio.Event()
         self.event("controller", f"controller started; {len(self.specs)} programs declared"
                    + (f" in {checkpoint.path}" if checkpoint is not None else ""))
 
@@ -153,13 +146,6 @@ class Reconciler:
     # ---- the loop ----------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        try:
-            await self._run()
-        finally:
-            if self.placing is not None:  # the loop's own task goes with it
-                self.placing.cancel()
-
-    async def _run(self) -> None:
         reasons: list[tuple[Why, str]] = []
         while True:
             try:
@@ -169,8 +155,6 @@ class Reconciler:
                 self.event("error", f"controller tick failed: {type(e).__name__}: {e}")
                 pause = self.d.fleet_tick
             self.ticked.set()
-            if all(lk.report is not None or lk.why is not None for lk in self.links.links.values()):
-                self.heard.set()
             reasons = await self.wakeup.wait(pause)
 
     async def tick(self, reasons: list[tuple[Why, str]] | None = None) -> float:
@@ -183,11 +167,15 @@ class Reconciler:
 
     def pause(self) -> float:
         """Until the plans' first due time, within a tick; within a busy tick while a replica
-        waits on Ray or an agent does not answer (neither tells when it is done)."""
+        waits on Ray or an agent does not answer (neither tells when it is done); within a fifth of
+        one while Ray is placing them (the last look found groups placed: after a node's loss Ray
+        places its replicas' groups one after another, over a tenth of a second or more)."""
         d = self.d
         due = min((p.due for p in self.plans.values() if p.due is not None), default=math.inf)
         busy = self.waiting or any(lk.why is not None for lk in self.links.links.values())
         most = min(d.fleet_tick, d.fleet_busy_tick) if busy else d.fleet_tick
+        if self.waiting and self.ray.changed:
+            most = min(most, d.fleet_busy_tick / 5)
         return max(0.0, min(most, due - time.monotonic()))
 
     # ---- observe ------------------------------------------------------------------------------------
@@ -248,7 +236,7 @@ class Reconciler:
             if name not in self.specs or self.plans[name].spec.token != self.specs[name].token:
                 old = self.plans.pop(name)
                 self.by_pg.pop(old.spec.pg_prefix, None)
-                self.owned.difference_update(pg for each in (False, True) for pg, _ in old.spec.units(each))
+                self.owned.difference_update(pg for pg, _ in old.spec.units())
                 touched |= self._forget(name, old)
                 self.rollouts.pop(name, None)  # removed, or declared again: a new declaration starts anew
                 keep = True
@@ -260,10 +248,7 @@ class Reconciler:
             self.plans[name] = pp
             if got is None:
                 self.by_pg[spec.pg_prefix] = name
-            if got is None or got.rollout.each != pp.rollout.each:  # its groups' names follow its shape
-                if got is not None:
-                    self.owned.difference_update(pg for pg, _ in spec.units(bool(got.rollout.each)))
-                self.owned.update(pg for pg, _ in spec.units(bool(pp.rollout.each)))
+                self.owned.update(pg for pg, _ in spec.units())
             keep |= pp.kept or self.rollouts.get(name) is None
             self.rollouts[name] = pp.rollout
             create += pp.create
@@ -366,7 +351,9 @@ class Reconciler:
         if keep:
             await self.saver.save()
         self.views = {name: (pp.spec.token, pp.view) for name, pp in self.plans.items() if pp.view is not None}
-        self._place(obs, create, remove)
+        if create or remove:
+            await self.cluster.place(create, remove)
+            self.placed = True
         now, w = time.monotonic(), wall()
         for nid, lk in self.links.links.items():
             count, share = self.shares.get(nid, (0, NONE))
@@ -394,35 +381,6 @@ class Reconciler:
             # An older apply's answer is only taken in (links.py): this one holds the later share.
             lk.applying = self.links.call(nid, lk.agent.apply(s, lk.report.version), "apply")
             lk.applying_version, lk.apply_by = version, now + self.d.fleet_agent
-
-    def _place(self, obs: Observed, create: list[tuple[str, list[dict[str, float]], str]], remove: list[str]) -> None:
-        """Placement groups made and removed by one task of the loop's, in chunks, the loop woken
-        after each (its look then finds them placed, and their replicas' nodes are sent their shares
-        while Ray places the rest: 200 groups take Ray a few tenths of a second, one after another).
-        A group asked for is not asked for again until a look has shown it, or ``fleet_agent`` on."""
-        now = time.monotonic()
-        for name in [n for n, t in self.creating.items() if n in obs.ray.placements or now - t > self.d.fleet_agent]:
-            del self.creating[name]
-        create = [c for c in create if c[0] not in self.creating]
-        self.creating.update((c[0], now) for c in create)
-        self.queued[0].extend(create)
-        self.queued[1].extend(remove)
-        if (self.queued[0] or self.queued[1]) and (self.placing is None or self.placing.done()):
-            self.placing = asyncio.get_running_loop().create_task(self._placing())
-
-    async def _placing(self) -> None:
-        while self.queued[0] or self.queued[1]:
-            create, remove = self.queued[0][:PLACE_CHUNK], self.queued[1]
-            del self.queued[0][:PLACE_CHUNK]
-            self.queued = (self.queued[0], [])
-            try:
-                await self.cluster.place(create, remove)
-            except Exception as e:  # the GCS away a moment: the next looks ask again
-                self.event("error", f"placement groups not made: {type(e).__name__}: {e}")
-                for name, _b, _s in create:
-                    self.creating.pop(name, None)
-            self.placed = True
-            self.wakeup.wake(Why.PLACED, f"{len(create)} made, {len(remove)} removed")
 
     def _image(self, replica: str, hash: str) -> Image | None:
         program = replica.rsplit(".fleet-", 1)[0]

@@ -41,8 +41,6 @@ T = TypeVar("T")
 #: A node's part of a share, by replica index (the loop joins every program's).
 Part = dict[str, dict[int, T]]
 PARTS = ("orders", "keep", "leased")
-#: A SPREAD program's one group placed nowhere this many ticks gives way to a group each (``_shape``).
-SPLIT_AFTER = 4
 
 
 @dataclass
@@ -77,7 +75,6 @@ class ProgramPlan:
     waiting: bool = False
     touches: frozenset[str] = frozenset()
     kept: bool = False
-    stuck: float | None = None  # since when its one SPREAD group has been seen placed nowhere (monotonic)
 
 
 def plan(spec: Spec, rollout: Rollout, obs: Observed, before: ProgramPlan | None = None,
@@ -86,7 +83,6 @@ def plan(spec: Spec, rollout: Rollout, obs: Observed, before: ProgramPlan | None
     n = spec.replicas
     r = rollout.copy()
     r.follow(spec)
-    split, stuck = _shape(spec, r, obs, before)
     same = before is not None and changed is not None and before.spec is spec and _steady(before.rollout, r)
     if same:
         assert before is not None and changed is not None
@@ -107,13 +103,6 @@ def plan(spec: Spec, rollout: Rollout, obs: Observed, before: ProgramPlan | None
     if not out.views:
         out.views = [ReplicaView(spec.name, i, "pending") for i in range(n)]  # each made below
     names = [replica_name(spec.name, i) for i in range(n)] if not same else None
-    out.stuck = stuck
-    if stuck is not None:
-        out.due = _first(out.due, stuck + SPLIT_AFTER * d.fleet_tick)
-    if split:
-        out.remove.append(spec.pg_prefix)
-        out.events.append(Event("split", f"{spec.name}: its {n} replicas do not all fit ({split}): placed a group"
-                                " each, what fits runs"))
 
     def name(i: int) -> str:
         return names[i] if names is not None else replica_name(spec.name, i)
@@ -152,7 +141,7 @@ def plan(spec: Spec, rollout: Rollout, obs: Observed, before: ProgramPlan | None
 
     # The replicas placed nowhere share one reason: when it changes, each says the new one.
     pending = out.placed.count(None)
-    why = _why_pending(spec, bool(r.each), obs, pending) if pending else None
+    why = _why_pending(spec, out.placed, obs, pending) if pending else None
     if why != out.why:
         idx |= {i for i in range(n) if out.placed[i] is None}
         out.why = why
@@ -173,49 +162,8 @@ def plan(spec: Spec, rollout: Rollout, obs: Observed, before: ProgramPlan | None
 
 def _steady(a: Rollout, b: Rollout) -> bool:
     """Whether two rollouts give every replica's view the same program-level inputs."""
-    return (a.target, a.generation, a.error, a.draining, a.rolling, a.each) == \
-        (b.target, b.generation, b.error, b.draining, b.rolling, b.each)
-
-
-# ---- how Ray places the replicas: one group, or a group each ----------------------------------------
-
-
-def _shape(spec: Spec, r: Rollout, obs: Observed, before: ProgramPlan | None) -> tuple[str | None, float | None]:
-    """``r.each`` chosen (desired.py ``units``): PACK and STRICT_SPREAD one group; a SPREAD
-    program's kept, or read from the groups Ray has (a checkpoint without it), else one group if
-    every replica fits in what the cluster has free, a group each if not.  Its one group not placed
-    yet (``PENDING``; not pinned: after the head's restart the pins wait for their nodes) while its
-    replicas do not all fit, or for ``SPLIT_AFTER`` ticks (the free resources, summed over the
-    nodes, may hold what no node has room for), gives way to a group each: why (None: kept), and
-    since when it has been seen so.  Once placed it stays one group: a lost node's bundles wait for
-    room (``RESCHEDULING``) while the others run on."""
-    if spec.whole:
-        r.each = False
-        return None, None
-    n = spec.replicas
-    if r.each is None:
-        if f"{spec.pg_prefix}.0" in obs.ray.placements:
-            r.each = True
-        elif spec.pg_prefix in obs.ray.placements:
-            r.each = False
-        else:
-            r.each = _free(spec, obs) < n
-        return None, None
-    pl = obs.ray.placements.get(spec.pg_prefix)
-    if r.each or pl is None or pl.state != "PENDING" or any(p is not None for p in r.pins):
-        return None, None  # placed once (its lost nodes' bundles wait for room, RESCHEDULING), or pinned
-    stuck = before.stuck if before is not None and before.stuck is not None else obs.now
-    free = _free(spec, obs)
-    if free >= n and obs.now < stuck + SPLIT_AFTER * obs.deadlines.fleet_tick:
-        return None, stuck
-    r.each = True
-    return (f"{free} free" if free < n else f"not placed in {obs.now - stuck:.1f} s"), None
-
-
-def _free(spec: Spec, obs: Observed) -> int:
-    """How many of its replicas the cluster's free resources, summed over the nodes, hold."""
-    need = spec.bundle()
-    return int(min((obs.ray.available.get(k, 0.0) / v for k, v in need.items() if v > 0), default=0.0))
+    return (a.target, a.generation, a.error, a.draining, a.rolling) == (b.target, b.generation, b.error, b.draining,
+                                                                        b.rolling)
 
 
 def _view(spec: Spec, r: Rollout, obs: Observed, out: ProgramPlan, i: int, name: str) -> ReplicaView:
@@ -276,13 +224,13 @@ def _place(spec: Spec, r: Rollout, obs: Observed, out: ProgramPlan, idx: set[int
     d = obs.deadlines
     missing: set[str] = set()
     for i in idx:
-        pg, b = spec.unit(i, bool(r.each))
+        pg, b = spec.unit(i)
         pl = obs.ray.placements.get(pg)
         nid = None if pl is None or b >= len(pl.nodes) else pl.nodes[b]
         out.placed[i] = nid if nid in obs.ray.nodes else None
         if pl is None:
             missing.add(pg)
-    for pg, idxs in spec.units(bool(r.each)) if missing else ():
+    for pg, idxs in spec.units() if missing else ():
         if pg in missing:
             for i in idxs:
                 r.pins[i] = r.where[i] if spec.node is None else None
@@ -300,11 +248,11 @@ def _place(spec: Spec, r: Rollout, obs: Observed, out: ProgramPlan, idx: set[int
                 out.events.append(Event("unpinned", f"{spec.name}: replica {i}'s node {r.pins[i]} did not rejoin;"
                                         " Ray places it anew", i))
                 r.where[i] = r.pins[i] = None
-            out.remove += sorted({spec.unit(i, bool(r.each))[0] for i in lost})
+            out.remove += sorted({spec.unit(i)[0] for i in lost})
 
 
-def _why_pending(spec: Spec, each: bool, obs: Observed, count: int) -> str:
-    if not any(pg in obs.ray.placements for pg, _ in spec.units(each)):
+def _why_pending(spec: Spec, placed: list[str | None], obs: Observed, count: int) -> str:
+    if not any(pg in obs.ray.placements for pg, _ in spec.units()):
         return "its placement group is being created"
     nodes = [dict(n.resources) for n in obs.ray.nodes.values()]
     return why_pending(spec.bundle(), nodes, dict(obs.ray.available), count, spec.strategy)

@@ -9,9 +9,7 @@ are not running anyway (pending, failed) take the target at once: they cost the 
 A replica that refuses the declared image makes the target the previous one (``error`` says why)
 until the API declares another generation.
 
-``each``: whether the program's replicas are placed a group each, or all in one (desired.py
-``units``; chosen once, and kept: the groups' names follow it).  ``where[i]``: the node (by name)
-replica ``i`` last ran on, kept in the checkpoint: after the head's
+``where[i]``: the node (by name) replica ``i`` last ran on, kept in the checkpoint: after the head's
 restart each placement group is made again pinned there (``pins``), so that the replicas stay where
 they run.  ``owner[i]`` (``unique`` programs only): the node (Ray id) the controller lets run
 replica ``i`` and grants its lease to; ``UNKNOWN`` after the controller's start, until a node is
@@ -42,7 +40,6 @@ class Rollout:
     where: list[str | None] = field(default_factory=list)
     pins: list[str | None] = field(default_factory=list)
     owner: list[str | None] = field(default_factory=list)
-    each: bool | None = None  # placed a group a replica (None: not chosen yet; desired.py "units")
 
     @classmethod
     def start(cls, spec: Spec) -> Rollout:
@@ -66,11 +63,11 @@ class Rollout:
 
     def kept(self) -> tuple[Any, ...]:
         """What the checkpoint keeps of it (a change of this is written once in the tick)."""
-        return (tuple(self.assigned), self.target, self.generation, self.error, tuple(self.where), self.each)
+        return (tuple(self.assigned), self.target, self.generation, self.error, tuple(self.where))
 
     def to_json(self) -> dict[str, Any]:
         return {"assigned": self.assigned, "target": self.target, "generation": self.generation, "error": self.error,
-                "where": self.where, "each": self.each}
+                "where": self.where}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], spec: Spec) -> Rollout:
@@ -82,7 +79,6 @@ class Rollout:
         r.generation = int(d.get("generation") or spec.generation)
         r.error = d.get("error")
         r.where = (list(d.get("where") or []) + [None] * n)[:n]
-        r.each = d.get("each") if isinstance(d.get("each"), bool) else None
         r.owner = [UNKNOWN] * n if spec.unique else [None] * n
         return r
 

@@ -238,22 +238,38 @@ class SimCluster:
             if nid is None:
                 return False
             at = [nid]
-        else:
+        elif strategy == "PACK":
             taken = dict(self.free)
             for j, b in enumerate(bundles):
                 if at[j] is not None:
                     continue
-                order = sorted(self.nodes, key=lambda n: (-taken[n], n))
-                if strategy == "PACK":
-                    order = sorted(self.nodes, key=lambda n: (n not in at, taken[n] == 0, n))
-                fit = [n for n in order if taken[n] >= 1 and all(k in self.nodes[n].resources for k in b)
-                       and (strategy != "STRICT_SPREAD" or n not in at)]
-                if strategy == "SPREAD":
-                    fit.sort(key=lambda n: (n in at, -taken[n], n))
+                used = set(at)
+                order = sorted(self.nodes, key=lambda n: (n not in used, taken[n] == 0, n))
+                fit = [n for n in order if taken[n] >= 1 and all(k in self.nodes[n].resources for k in b)]
                 if not fit:
                     return False
                 at[j] = fit[0]
                 taken[fit[0]] -= 1
+        else:  # SPREAD, STRICT_SPREAD: the node with fewest of the group's bundles, then the most room
+            counts = collections.Counter(n for n in at if n is not None)
+            heap: list[tuple[int, int, str]] = [(counts[n], -f, n) for n, f in self.free.items() if f >= 1]
+            heapq.heapify(heap)
+            for j, b in enumerate(bundles):
+                if at[j] is not None:
+                    continue
+                passed: list[tuple[int, int, str]] = []
+                while heap:
+                    c, neg, n = heapq.heappop(heap)
+                    if all(k in self.nodes[n].resources for k in b) and (strategy != "STRICT_SPREAD" or c == 0):
+                        break
+                    passed.append((c, neg, n))
+                else:
+                    return False
+                at[j] = n
+                if -neg > 1:
+                    passed.append((c + 1, neg + 1, n))
+                for e in passed:
+                    heapq.heappush(heap, e)
         was = pl.nodes if pl is not None else (None,) * len(bundles)
         for nid, before in zip(at, was, strict=True):
             if before is None and nid is not None:
