@@ -62,7 +62,7 @@ class Probe:
         t0 = time.perf_counter()
         out = await self.calls.call(name, data)
         self.inner.setdefault(name, []).append(time.perf_counter() - t0)
-        if isinstance(out, dict):  # before issue 34's (l3)
+        if isinstance(out, dict):  # an older agent's answer
             return out
         return out.data if out.ok else out  # as the agent answers
 
@@ -80,7 +80,7 @@ class Probe:
 
 
 def ok(answer: Any) -> bool:
-    """A node call's answer is good: the agent's bytes, a NodeAnswer, or (before issue 34's (l3)) a dict."""
+    """A node call's answer is good: the agent's bytes, a NodeAnswer, or (an older agent's) a dict."""
     if isinstance(answer, bytes):
         return True
     return bool(answer["ok"] if isinstance(answer, dict) else answer.ok)

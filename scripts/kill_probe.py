@@ -1,6 +1,6 @@
 """What killing one MPS client does to another client's resident kernel, on the real GPU.
 
-tests/gpu/test_faults_real.py found (2026-12-03, H200) that a bystander's heartbeat ended when a
+tests/gpu/test_faults_real.py found that a bystander's heartbeat ended when a
 worker was SIGKILLed while its own kernel ran.  This probe separates the cases, each in a fresh
 backend with a heartbeat bystander on one worker and echo (resident) on another:
 

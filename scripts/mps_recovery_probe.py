@@ -1,4 +1,4 @@
-"""Issue 33's probe: where an MPS fault's recovery spends its time, outside meshd-mps.
+"""Where an MPS fault's recovery spends its time, outside meshd-mps.
 
 A private ``nvidia-cuda-mps-control -d``; N resident clients (a kernel spinning on the GPU, its
 stream polled every 0.5 ms); M held processes (imported, waiting); then a client whose kernel

@@ -1,5 +1,5 @@
-"""The one-off measurements behind docs/benchmarks.md, "Issue 18, 2026-12-04 17:13-17:47", kept so
-that they can be run again (on the GPU machine: python3 scripts/ring_probes.py WHICH).
+"""The one-off measurements behind docs/runs/ring-and-control-path.md (the ring and the control
+path under load), kept so that they can be run again (on the GPU machine: python3 scripts/ring_probes.py WHICH).
 
   ask       32 workers asking at once (bench row b's phase), 5 rounds under each scheduling of
             the workers and the loop: as they are, workers SCHED_BATCH, the loop at nice -10, both
@@ -19,8 +19,8 @@ that they can be run again (on the GPU machine: python3 scripts/ring_probes.py W
             such a client on registered shared memory (a memfd, cuMemHostRegister'ed, as the
             mailbox is) instead of cuMemHostAlloc's, then echo's host spin, 3 rounds
 
-Several names run in turn, in one process.  --loop picks its event loop: asyncio by default, as every
-probe before 2026-12-06 ran, while serve and the bench take uvloop where installed.  --gpu sim runs
+Several names run in turn, in one process.  --loop picks its event loop: asyncio by default, as the probes
+in docs/runs ran, while serve and the bench take uvloop where installed.  --gpu sim runs
 each on the simulated GPU and the stand-in MPS daemon (the figures mean nothing there; it checks
 that the script runs).  The floor on a spread of SMs, once "sm" here, is scripts/ring_variants.py --sm.
 """
@@ -280,7 +280,7 @@ def main() -> None:
     ap.add_argument("which", choices=sorted(PROBES), nargs="+", help="one or more, run in turn")
     ap.add_argument("--gpu", choices=("cuda", "sim"), default="cuda")
     ap.add_argument("--loop", choices=eventloop.CHOICES, default="asyncio",
-                    help="the event loop (default asyncio, as every probe before 2026-12-06 ran; serve's is auto)")
+                    help="the event loop (default asyncio, as the probes in docs/runs ran; serve's is auto)")
     a = ap.parse_args()
     try:
         loop = eventloop.factory(a.loop)[0]

@@ -1,4 +1,4 @@
-"""What each choice of the ring's device side costs, on the GPU, in one table (issue 18).
+"""What each choice of the ring's device side costs, on the GPU, in one table.
 
     python scripts/ring_variants.py [-n 20000] [--sm | --trace SECONDS] [--variants floor,helpers,...]
 
@@ -13,7 +13,7 @@ spins on the response word, as the bench's floor row does.  p50 / p99 in us, 0 B
                (CONTROL, GAP_RESET and REQ_HEAD in one poll; a beat every 100 us)
   helpers-nobeat  the same, never beating (the beat's share of the tail)
   helpers-fences  the helpers with MESH_RING_FENCES: fences instead of the acquire poll and the
-               release of RESP_HEAD (what the header did before 2026-12-04)
+               release of RESP_HEAD (what the header once did)
   mailbox      helpers on meshd-mps's own mailbox (a memfd, cuMemHostRegister'ed as a worker does)
                instead of cuMemHostAlloc's memory: the memory's share
   mailbox-Ring the same, the host's side meshd-mps's Ring.post and Ring.spin (the host spin path of
@@ -21,8 +21,8 @@ spins on the response word, as the bench's floor row does.  p50 / p99 in us, 0 B
 
 With --sm, instead: the floor's kernel on a spread of SMs, 64 B: as block k of one block per SM,
 the others returning at once, for every third k; each block's SM (%smid) and p50/p99, fastest first
-(2026-12-04 18:20 UTC, run as scripts/ring_probes.py's "sm" before it moved here: two groups of
-latency that followed the order of measurement, not the SM).
+(docs/runs/ring-and-control-path.md: two groups of latency that followed the order of measurement,
+not the SM).
 
 With --trace S, instead: the floor's kernel, 64 B, for S seconds in blocks of 500 requests, each
 block's start (ms) and p50: whether, and how often, the machine's round trip changes state.  Run

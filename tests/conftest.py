@@ -120,7 +120,7 @@ def serve(tmp):
         s.kill()
 
 
-#: The tests that take longest (seconds, one at a time on 2 loaded cores, 2026-12-06), by node id
+#: The tests that take longest (seconds, one at a time on 2 loaded cores), by node id
 #: prefix.  make test runs the suite on pytest-xdist workers that each take the next module when
 #: they are free (``--dist loadscope``, in this order: ``OneClusterScope`` keeps it): these modules
 #: go first, longest first, so that none of them starts last and is run alone at the end while the

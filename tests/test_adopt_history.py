@@ -1,4 +1,4 @@
-"""Issue 31, item 7: a program adopted by live restore keeps its history, as docker keeps a
+"""A program adopted by live restore keeps its history, as docker keeps a
 container's across a live restore: ``started`` and ``uptime`` count from its launch (not from the
 adoption), its ``restarts`` count goes on, and the daemon's recent fault reports are carried over.
 End to end on the simulated GPU and the stand-in MPS daemon (tests/test_live_restore.py's rig)."""

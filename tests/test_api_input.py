@@ -737,7 +737,7 @@ def test_the_cli_compiles_cuda_c_and_sends_ptx(daemon, recorder):
     try:
         assert r.returncode == 0, r.stderr
         assert r.stdout.startswith("heartbeat loaded on slot "), r.stdout
-        # It asked whether the name is loaded (before compiling: issue 32), the daemon's status (the
+        # It asked whether the name is loaded (before compiling), the daemon's status (the
         # oldest GPU's compute capability), then sent PTX for it.
         assert [(m, t) for m, t, _b in recorder.requests] == [("GET", "/v1/programs/heartbeat"), ("GET", "/v1/status"),
                                                               ("POST", "/v1/programs")]

@@ -139,7 +139,7 @@ async def test_no_reply_in_time_makes_the_worker_unfit_even_if_its_caller_gave_u
 async def test_a_missed_deadline_makes_the_worker_unfit_even_if_its_ask_is_cancelled_at_once(monkeypatch):
     """The watchdog fires and its ask's caller is cancelled in the same turn of the loop (its own
     timeout of the same length): the worker is unfit all the same, and the next ask is refused,
-    not left waiting with no deadline (before 2026-12-05 the ask's task marked it, if it ran)."""
+    not left waiting with no deadline (once the ask's task marked it, if it ran)."""
     w, _, _ = worker(Deadlines(launch=0.05))
     task = asyncio.ensure_future(w.ask(Op.LAUNCH, LAUNCH))
     watch = w._watch

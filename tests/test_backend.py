@@ -229,7 +229,7 @@ async def test_teardown_and_refill(backend):
     torn = await backend.teardown(0, ahead=1)
     assert sorted(w.pid for w in torn) == before and k.pid in before
     assert all(w.process.returncode is not None for w in torn)
-    with anyio.fail_after(30):  # started by the teardown, not waited for by it (issue 33): refill waits
+    with anyio.fail_after(30):  # started by the teardown, not waited for by it: refill waits
         await backend.isolations[0].held_started()
     held = backend.sup.live()
     assert len(held) == 1 and not set(held) & set(before)  # the lost program's next worker, or the next context

@@ -1,5 +1,5 @@
 """A node agent's call port (meshd_mps/fleet/callport.py): a fleet call over TCP, relayed to the
-node's daemon with no Ray hop (issue 34, (l3)).  The port relays only the fleet's replicas' calls,
+node's daemon with no Ray hop.  The port relays only the fleet's replicas' calls,
 only with its agent's token, and answers every refusal through the one status table; a caller
 (``NodeCalls`` with a ``CallPort``) reads the daemon's answers through it as it reads them on the
 socket, and tells a port it cannot reach (nothing sent: the caller goes through Ray) from a call

@@ -1,4 +1,4 @@
-"""``meshd-mps check DIR`` (issue 32, item 1): a program checked without a GPU, one line per check,
+"""``meshd-mps check DIR``: a program checked without a GPU, one line per check,
 exit 0 only if all pass.  Run in this process (``cli.main``) with a socket nobody serves, so the
 target is the default sm_90 with an H200's figures; every failure is a FAIL line naming the check,
 a one-line verdict on stderr, and never a traceback."""

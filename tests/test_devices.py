@@ -274,7 +274,7 @@ async def test_a_blink_on_one_gpu_does_not_blink_the_other(two_gpus):
 def test_serve_devices_end_to_end(serve, tmp, monkeypatch):
     monkeypatch.setenv(SIM_GPUS_ENV, "2")
     sock = os.path.join(tmp, "s.sock")
-    # pool 2: a load takes one, never the last (each GPU's pool's reserve, kept for upgrades: issue 33)
+    # pool 2: a load takes one, never the last (each GPU's pool's reserve, kept for upgrades)
     s = serve("mps", "--devices", "0,1", "--pool", "2", sock=sock)
     st = s.wait_ready()
     assert [d["device"] for d in st["devices"]] == [0, 1] and all(len(d["pool"]) == 2 for d in st["devices"])

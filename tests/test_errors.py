@@ -25,7 +25,7 @@ EXPECTED = {
     E.NotNative: 404, E.NotOurClient: 409, E.NvmlUnavailable: 500,
     E.ProtocolMismatch: 500, E.PeerMismatch: 500, E.NotAdoptable: 500,
     E.ConfigFileError: 400, E.StateDirRefused: 400, E.StateFileNewer: 400, E.StateIOError: 500,
-    # the fleet's (issue 34): a node's refusal of a fleet call is a bad gateway's, its own status in a field
+    # the fleet's: a node's refusal of a fleet call is a bad gateway's, its own status in a field
     E.FleetError: 500, E.FleetUnavailable: 503, E.BadSpec: 422, E.NoSuchProgram: 404, E.AlreadyDeclared: 409,
     E.NoReplica: 503, E.ReplicaLost: 503, E.UpgradeFailed: 409, E.FleetTimeout: 504, E.CallRefused: 502,
     E.CallPortToken: 401, E.NotAReplica: 404, E.CallPortRelay: 503,

@@ -62,7 +62,7 @@ def test_the_fault_text_prefers_a_dead_workers_account_then_a_cuda_error():
         "worker 2 exited while its kernel ran"
     assert faults.fault_text(Suspect("y", 2, error="worker 2 exited"), first) == ILLEGAL
     assert faults.fault_text(Suspect("y", 2), Suspect("x", 1)) == "fatal GPU error"
-    # H200, 2026-12-04 17:55 (test_faults_real.py, while-running): echo's worker, killed from outside,
+    # H200 (test_faults_real.py, while-running): echo's worker, killed from outside,
     # exited only after the recovery had taken echo over, so echo had no error of its own; the
     # innocent heartbeat's CUDA error is not the fault's text.
     assert faults.fault_text(Suspect("echo", 2, died=True), first) == "worker 2 exited while its kernel ran"

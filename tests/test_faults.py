@@ -64,7 +64,7 @@ async def test_a_retired_worker_stays_local(standin_on_path):
     program fails, with the server's termination as its error; the others never stop and are
     not restarted; the dead worker is reaped and forgotten at once; the pool refills and serves the
     next load; the failed program unloads."""
-    # pool 2: a load takes one, never the last (the pool's reserve, kept for upgrades: issue 33);
+    # pool 2: a load takes one, never the last (the pool's reserve, kept for upgrades);
     # the terminate_client given time even on a loaded machine (a stand-in control command is a
     # Python start): past retire_quit the worker is retired anyway and, its kernel running, it
     # faults the GPU, as on the H200, which is another test's subject
@@ -133,8 +133,8 @@ async def test_a_worker_killed_with_its_kernel_running_is_a_gpu_fault(standin_on
     recovery takes the killed program for the culprit (its worker exited on its own; the torn-down
     ones live on until retired), reports its death as the fault, and relaunches the others on fresh
     workers with a refilled pool; the killed one comes back with them, in the same relaunch (restart
-    policy on-failure: nothing was wrong with it; issue 33), and unloads.  ``linger``: the killed worker's EOF comes
-    that long after its death, as on the H200 (2026-12-04 17:39 and 17:55 UTC), so the recovery
+    policy on-failure: nothing was wrong with it), and unloads.  ``linger``: the killed worker's EOF comes
+    that long after its death, as on the H200, so the recovery
     takes its program over before its worker is seen gone."""
     monkeypatch.setenv(EXIT_LINGER_ENV, str(linger))
     before = children()

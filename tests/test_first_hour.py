@@ -1,4 +1,4 @@
-"""Issue 32, what a new user meets first: each message names the thing that is wrong."""
+"""What a new user meets first: each message names the thing that is wrong."""
 
 from __future__ import annotations
 

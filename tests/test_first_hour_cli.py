@@ -1,4 +1,4 @@
-"""Issue 32, items 5 and 6: what the CLI shows (status's table, ps's BEAT-AGE, the log of a start
+"""What the CLI shows (status's table, ps's BEAT-AGE, the log of a start
 without live restore, an unload the config file undoes, the client's socket from --config and
 $MESHD_MPS_SOCKET), and a ``--gpu sim`` daemon kept apart from the real service's socket and state."""
 

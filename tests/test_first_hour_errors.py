@@ -1,4 +1,4 @@
-"""Issue 32, item 4: errors that name the thing that is wrong, in the error itself (its type and
+"""Errors that name the thing that is wrong, in the error itself (its type and
 fields), the same from the library and the CLI."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 32, item 3: the daemon's log says each refused load once, at warning, with its reason and
+"""The daemon's log says each refused load once, at warning, with its reason and
 the program's name; nothing at error level for what is no error of the daemon's (a client's bad
 input, a call's deadline); and a refused load leaves no "unload failed" behind it."""
 

@@ -1,4 +1,4 @@
-"""Operators' signals and hard deaths of ``meshd-mps serve`` (issue 16, points 4 and 6), end to end
+"""Operators' signals and hard deaths of ``meshd-mps serve``, end to end
 on the simulated GPU and the stand-in MPS daemon:
 
 - a terminal's signals go to the whole process group (Ctrl-C, ``kill -TERM %1``): the workers sit

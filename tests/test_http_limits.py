@@ -1,4 +1,4 @@
-"""The control API's input limits as a raw client meets them (issue 31, item 7): a request head is
+"""The control API's input limits as a raw client meets them: a request head is
 at most 64 KiB as a whole (not per line), and a client that hangs up in the middle of its body is
 counted as gone (``code="499"``), not as an internal error.  And its answers' words (item 4):
 every verb on a program answers its row under ``"program"``, the old keys kept beside it.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +25,7 @@ LAYERS: dict[str, int] = {
     "meshd_mps": 8,
     "meshd_mps.serving": 8,
     "meshd_mps.bench": 8,
-    # 9: the fleet, above one node's daemon and its client (issue 34)
+    # 9: the fleet, above one node's daemon and its client
     "meshd_mps.fleet": 9,
     # 7: what outlives a restart (the desired state kept and restored)
     "meshd_mps.state": 7,
@@ -228,3 +229,39 @@ def test_the_test_import_check_sees_one(tmp_path: Path) -> None:
         "tests/test_c.py": {"tests.test_b", "tests.test_d"},
         "tests/gpu/test_e.py": {"tests.test_b", "tests.gpu.test_f"},
     }
+
+
+# ---- the code says why, never when ---------------------------------------------------------------
+
+#: Where the project's Python lives: every one of its comments and docstrings is checked.
+SOURCES = ("meshd_mps", "workers", "scripts", "examples", "tests")
+#: A tracker's number or a date: history, which docs/runs and the commits keep, not the code.
+WHEN = re.compile(r"\b" + "issues?" + r" \d+\b|\b20\d\d-[01]\d-[0-3]\d\b", re.I)
+
+
+def when_said(path: Path) -> list[str]:
+    """Each comment or triple-quoted string of ``path`` that names an issue or a date, as
+    ``line: text``."""
+    out = []
+    with path.open("rb") as f:
+        for tok in tokenize.tokenize(f.readline):
+            quoted = tok.type == tokenize.STRING and tok.string.lstrip("rbuRBU")[:3] in ('"""', "'''")
+            said = tok.type == tokenize.COMMENT or quoted
+            if said and (m := WHEN.search(tok.string)):
+                out.append(f"{tok.start[0]}: {m.group(0)}")
+    return out
+
+
+def test_comments_and_docstrings_say_why_never_when() -> None:
+    """No issue number and no date in a comment or docstring: the reason stays, its history lives
+    in docs/runs and the commits (a plain string, a test's data, may hold a date)."""
+    found = {str(p.relative_to(ROOT)): w for d in SOURCES for p in sorted((ROOT / d).rglob("*.py"))
+             if ".venv" not in p.parts and (w := when_said(p))}
+    assert not found, "comments or docstrings that say when:\n" + "\n".join(f"{p}: {w}" for p, w in found.items())
+
+
+def test_the_when_check_sees_one(tmp_path: Path) -> None:
+    """The scan is not blind: a comment's issue and a docstring's date are found, a plain string's date is not."""
+    p = tmp_path / "m.py"
+    p.write_text('"""Made for Issue 12."""\nX = "2026-12-06"  # fine\n\ndef f():\n    """Seen 2026-12-03."""\n# see issue 4\n')
+    assert when_said(p) == ["1: Issue 12", "5: 2026-12-03", "6: issue 4"]

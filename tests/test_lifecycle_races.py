@@ -1,5 +1,5 @@
 """Programs under interleavings that a caller, the API's drain or a relaunch can bring about
-(found by review, 2026-12-05; each case failed before its fix): a load cancelled half-way, a
+(found by review; each case failed before its fix): a load cancelled half-way, a
 relaunch whose old module cannot be unloaded, a close during a relaunch, and a later fault beside
 a program left FAILED long before.  On the simulated GPU, through Programs' real paths."""
 

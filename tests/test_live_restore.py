@@ -1,4 +1,4 @@
-"""Live restore (issue 17, points 3, 4, 5 and 8), end to end on the simulated GPU and the stand-in
+"""Live restore, end to end on the simulated GPU and the stand-in
 MPS daemon: ``serve --live-restore`` leaves its programs running when it stops (SIGTERM) or dies
 (SIGKILL), and the next ``serve`` with the same state dir adopts them: the same worker pids, the
 heartbeat counted on (never reset, and beating while no daemon ran); what does not match the

@@ -1,4 +1,4 @@
-"""Live restore's transport (issue 17): workers, their kernels and the mailbox outlive a supervisor.
+"""Live restore's transport: workers, their kernels and the mailbox outlive a supervisor.
 
 Real worker processes on the simulated GPU, each an MPS client of the stand-in daemon, which
 reports a client that exits with its kernel running as a fault (``exited with a kernel running``

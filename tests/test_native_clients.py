@@ -1,4 +1,4 @@
-"""Native clients (issue 16, point 7): a CUDA process that is not one of our workers joins our
+"""Native clients: a CUDA process that is not one of our workers joins our
 MPS server with the environment ``meshd-mps native`` prints, is registered by pid, counted, and
 dropped when it exits.  End to end on the stand-in MPS daemon."""
 

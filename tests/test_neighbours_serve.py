@@ -1,4 +1,4 @@
-"""``serve`` names a process outside our server (issue 16, point 8), end to end on the simulated
+"""``serve`` names a process outside our server, end to end on the simulated
 NVML: in status, in the metrics and once in the log, and again once it is gone."""
 
 from __future__ import annotations

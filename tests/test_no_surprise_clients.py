@@ -1,4 +1,4 @@
-"""No MPS client made by surprise while programs run (issue 33, items 3 and 4), counted by the
+"""No MPS client made by surprise while programs run, counted by the
 stand-in MPS daemon (tests/rigs/made.py), never timed: each new client stalls every running program
 of its GPU once on the GPU (0.5 ms at 8 clients, 1.6 ms at 44 on an H100).
 

@@ -1,6 +1,6 @@
 """The fleet's call to one node daemon (meshd_mps/fleet/nodecalls.py ``NodeCalls``): the bytes back
-as a ``NodeAnswer`` (issue 34, (l3): no hex dict between the agent and the caller), one connection
-kept between calls, and each failure said as the caller retries on it: refused (the daemon's status,
+as a ``NodeAnswer`` (no hex dict between the agent and the caller), one connection kept between
+calls, and each failure said as the caller retries on it: refused (the daemon's status,
 not lost), nothing there (status 0, not lost), lost (sent, no answer), an answer of a shape it
 does not read (refused, never guessed at; lost, for it may have reached the program).
 

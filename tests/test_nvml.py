@@ -275,7 +275,7 @@ class FakePynvml:
 
 
 def test_nvml_view_as_seen_on_the_h200_under_mps():
-    """The lists NVML gave on the H200 (2026-12-03): a plain context, the server, two clients."""
+    """The lists NVML gave on the H200: a plain context, the server, two clients."""
     fake = FakePynvml(mode=0, compute=[(495, 545259520), (521, 69206016), (516, 543162368), (531, 543162368)],
                       mps=[(516, 543162368), (531, 543162368)], names={521: b"nvidia-cuda-mps-server", 600: "/usr/bin/Xorg"},
                       graphics=[(600, None), (495, 1)])

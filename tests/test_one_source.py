@@ -1,4 +1,4 @@
-"""One source for each default and for the version (issue 31, item 4): serve's defaults are
+"""One source for each default and for the version: serve's defaults are
 state/config.py's table wherever they are read (the Config the daemon runs with, the pool it
 sizes, serve --help), and the package's version is meshd_mps/version.py's wherever it is shown."""
 

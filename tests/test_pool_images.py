@@ -1,4 +1,4 @@
-"""A pooled worker that starts is no image (issue 31, item 7): after an idle pooled worker is
+"""A pooled worker that starts is no image: after an idle pooled worker is
 killed, ``status`` counts ``devices[].images`` as the programs' images alone while its replacement
 starts, not the replacement too."""
 

@@ -1,4 +1,4 @@
-"""The pool tells the truth (issue 16, point 5): a pooled worker that dies while idle is dropped at
+"""The pool tells the truth: a pooled worker that dies while idle is dropped at
 once (status, the devices' images and the metrics agree) and replaced, paced."""
 
 from __future__ import annotations

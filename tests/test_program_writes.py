@@ -1,4 +1,4 @@
-"""Issue 31, item 1: ``Program.to`` is the only writer of a program's state, and reading (``state``,
+"""``Program.to`` is the only writer of a program's state, and reading (``state``,
 ``describe``) changes nothing."""
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """README's CPU path, walked as a new user walks it: its shell block's lines run as written, in
-both modes (issue 32: "README's CPU path is walked end to end by a test that runs the README's
-commands as written").
+both modes, so that the README's commands work as written.
 
 What the test adds around the lines, and nothing else: the venv (README's ``.venv``) is this test's
 interpreter's; ``make`` is told not to reinstall it (``-o``: the venv is already installed, and a

@@ -1,4 +1,4 @@
-"""Issue 33 on the simulated GPU: a fault's recovery is as quick under live restore as without it,
+"""On the simulated GPU: a fault's recovery is as quick under live restore as without it,
 and a program whose worker was killed comes back with the innocents.
 
 No wall-clock threshold: what made live restore 2.4x slower was a wait (the teardown awaited each
@@ -45,8 +45,8 @@ def recovered(progs: Programs) -> bool:
 async def test_the_teardown_waits_for_none_of_the_workers_it_starts(standin_on_path, tmp, monkeypatch, mode, live):
     """The lost programs' workers are started during the teardown, held (no context yet), and the
     relaunch takes them; each one's start is held back here until the teardown has returned, so
-    the recovery ends only if the teardown waits for the old workers' exit alone (issue 33: under
-    live restore it awaited each new worker's HELLO in turn, 1.3 s against 0.25 s on the H100)."""
+    the recovery ends only if the teardown waits for the old workers' exit alone (under
+    live restore it once awaited each new worker's HELLO in turn)."""
     async with await open_sim(mode, pool=2 if mode == "mps" else 0, live=tmp if live else None) as b:
         g = b.isolations[0]
         gate = anyio.Event()

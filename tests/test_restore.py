@@ -1,4 +1,4 @@
-"""Desired state across restarts of ``meshd-mps serve`` (issue 17, points 1, 2 and 4), end to end on
+"""Desired state across restarts of ``meshd-mps serve``, end to end on
 the simulated GPU: every successful load, upgrade and unload is recorded in the state dir, and the
 next start loads the recorded programs again on their slots before it answers; a program that no
 longer loads is reported and skipped; programs declared in the config file are loaded when the

@@ -1,9 +1,9 @@
-"""A program's restore mode (issue 34, point 4: "replicas whose node comes back are not run
-twice"), end to end on the simulated GPU through the real daemon: a program loaded with restore
-``adopt`` is adopted by the next start while it runs (live restore), and when it no longer runs
-(the node lost: the daemon and its workers SIGKILLed) the next start does not load it again, drops
-its record and says so, while a ``reload`` program beside it is loaded again as before; a bad mode
-is refused with a 400 and changes nothing."""
+"""A program's restore mode (so that replicas whose node comes back are not run twice), end to end on
+the simulated GPU through the real daemon: a program loaded with restore ``adopt`` is adopted by the
+next start while it runs (live restore), and when it no longer runs (the node lost: the daemon and
+its workers SIGKILLed) the next start does not load it again, drops its record and says so, while a
+``reload`` program beside it is loaded again as before; a bad mode is refused with a 400 and changes
+nothing."""
 
 from __future__ import annotations
 

@@ -192,7 +192,7 @@ def test_forget_frees_an_entry_and_its_late_response_is_not_read(mb):
 
 def test_a_request_forgotten_before_its_answer_keeps_its_entry_while_others_are_unread(mb):
     """The oldest request given up (a CallTimeout) before the program read it, later ones still
-    outstanding: its entry stays taken until the program answers it.  Before 2026-12-05 the room
+    outstanding: its entry stays taken until the program answers it.  Once the room
     was counted from the oldest unread request alone: a 9th request overwrote the forgotten one
     before the program had read it (the program then served the 9th twice)."""
     host, dev = Ring(mb, SLOT), device(mb)
@@ -263,7 +263,7 @@ async def test_call_many_answers_in_order_and_concurrent_callers_share_the_ring(
 async def test_a_call_posted_between_two_batches_of_call_many_keeps_its_own_response(progs, monkeypatch, window):
     """call_many gives the loop back between its batches (every HOLD; 0 here, so at every one),
     and a ``call`` may post then: the next batch's numbers follow the call's, not the batch
-    before.  Before 2026-12-05 call_many took request i's number for ``base + i``: it returned
+    before.  Once call_many took request i's number for ``base + i``: it returned
     the call's response as one of its own, shifted the rest by one, and left an entry unread."""
     monkeypatch.setattr(Calls, "HOLD", 0.0)
     await progs.load(*example("echo"))

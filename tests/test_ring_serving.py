@@ -1,4 +1,4 @@
-"""Issue 32, item 2: a program says whether it serves its request ring (the header's ring helpers
+"""A program says whether it serves its request ring (the header's ring helpers
 mark its slot's SERVES at their first poll), a call to one that does not is refused at once with
 that reason (NotServing, 409), never a timeout, and a full ring names the program and says how it
 empties, which then works (an upgrade, an unload and load)."""

@@ -334,7 +334,7 @@ def test_second_signal_forces_exit(serve):
     status = s.wait_ready()
     s.client.load(program_body(str(EXAMPLES / "echo")))
     # A request that keeps the shutdown waiting: echo's worker stopped, its kernel answers nothing.
-    # (heartbeat, which this test took before issue 32, never polls its ring: a call to it is
+    # (heartbeat never polls its ring: a call to it is
     # refused at once.)  The forced exit's SIGKILL ends a stopped process too.
     os.kill(s.client.program("echo")["pid"], signal.SIGSTOP)
     errors: list[BaseException] = []

@@ -412,7 +412,7 @@ def test_a_payload_region_is_mapped_only_as_the_driver_would_register_it(monkeyp
 
 def test_a_mailbox_that_is_not_shared_memory_is_refused_as_on_the_h200():
     """cuMemHostRegister of a regular file's pages: CUDA_ERROR_INVALID_VALUE on the H200
-    (2026-12-03); a memfd's and /dev/shm's pages are taken."""
+   ; a memfd's and /dev/shm's pages are taken."""
     from workers.sim_gpu import SimGpu
 
     d = _not_shared_memory_dir()
@@ -439,7 +439,7 @@ def test_a_mailbox_that_is_not_shared_memory_is_refused_as_on_the_h200():
 
 def test_a_failed_mps_connection_leaves_the_frame_pipes_alone(worker):
     """On the H200 a worker whose MPS server was shutting down found fd 0 closed after the driver's
-    failed connect, and its next read raised EBADF: a traceback, and no answer (2026-12-04).  The
+    failed connect, and its next read raised EBADF: a traceback, and no answer.  The
     simulated connect does the same (``mps-lost``); the frames are on pipes of the worker's own
     (workers/pipes.py), so every request is answered with the driver's error, and QUIT ends it
     with status 0 and nothing on stderr but its JSON log."""

@@ -1,6 +1,6 @@
 """The simulated GPU's ring poll (workers/sim_kernels.py ``MeshRing.wait``): while calls flow it
-polls every HOT_POLL_S, once idle for HOT_S it polls every POLL_S again, as before (issue 34, (l3):
-a request waited for the idle poll, ~0.3 ms, where the GPU answers in microseconds).  The pauses
+polls every HOT_POLL_S, once idle for HOT_S it polls every POLL_S again, as before (an idle poll made a request wait ~0.3 ms,
+where the GPU answers in microseconds).  The pauses
 are read from the kernel's own sleeps and its clock is the test's (no assertion about time); the
 ring's semantics (every request served, HALT ends the wait, the beat on its timer) stay those of
 tests/test_ring.py, checked here again while the kernel is hot."""
@@ -121,7 +121,7 @@ def test_the_beat_stays_on_its_timer_while_hot(mb, monkeypatch):
 def test_idle_kernels_park_on_one_polling_thread_that_beats_for_them_and_wakes_each_for_its_own_work(mb):
     """A worker's idle kernels (``resident``) park on the process's ``Poller``: one thread polls
     them all every POLL_S (30 idle kernels: 4.4 % of a core, against 23.6 % when each slept between
-    polls of its own; 2026-12-06, the 2-core machine), beats for them on their timers, and wakes a
+    polls of its own, on the 2-core machine), beats for them on their timers, and wakes a
     kernel for a request to it, its HALT, or its context poisoned; the others stay parked."""
     poller = sim_kernels.Poller()
     slots = (1, 2, 3)

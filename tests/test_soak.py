@@ -1,5 +1,5 @@
 """A bounded soak: thousands of load / launch / DONE / unload cycles across 16
-workers with random SIGKILLs, ending with exact counts (issue 7).
+workers with random SIGKILLs, ending with exact counts.
 
 A kill lands between a worker's LOADED and its LAUNCH: its module loaded, no kernel
 on the GPU.  That is the kill MPS keeps to its client; one while the kernel runs

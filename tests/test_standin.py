@@ -405,11 +405,11 @@ def test_bad_hello_is_refused(daemon):
 
 
 # -- a fatal GPU error's recovery ----------------------------------------------------------
-# As the H100's server (driver 580, 2026-12-06, scripts/mps_recovery_probe.py, docs/benchmarks.md
-# "Issue 33: where a fault's recovery goes"): no new client of the device while a torn-down client
-# lives; once the last has exited, the server recreates its contexts for a time that grows with the
-# clients torn down, and a client connecting meanwhile waits (its context creation blocks) instead
-# of being refused.  Other devices' clients are taken at once.
+# As the H100's server (driver 580, scripts/mps_recovery_probe.py,
+# docs/runs/recovery-and-restarts.md): no new client of the device while a torn-down client lives; once the last has exited,
+# the server recreates its contexts for a time that grows with the clients torn down, and a client
+# connecting meanwhile waits (its context creation blocks) instead of being refused.  Other devices'
+# clients are taken at once.
 
 #: Per torn-down client, here (the stand-in's default is scaled down for the CPU suite).
 RECOVER_MS = 200

@@ -101,7 +101,7 @@ async def test_program_observes_the_end_of_its_launch():
 
 
 async def test_a_worker_retired_after_an_outside_kill_died_on_its_own():
-    # H200, 2026-12-03 (tests/gpu/test_faults_real.py, while-running): the fault's teardown retired
+    # H200 (tests/gpu/test_faults_real.py, while-running): the fault's teardown retired
     # the killed worker before its EOF was read; its -9 was still not ours, so it is the culprit.
     w = worker()
     w.to(WorkerState.READY)
@@ -117,7 +117,7 @@ async def test_a_worker_retired_after_an_outside_kill_died_on_its_own():
 
 
 def test_a_process_in_its_exit_is_ending():
-    # H200, 2026-12-04 (test_faults_real.py, while-running): echo's worker, SIGKILLed from outside,
+    # H200 (test_faults_real.py, while-running): echo's worker, SIGKILLed from outside,
     # stayed ~0.2 s in its exit while the driver tore its context down (its stdout still open, not
     # yet a zombie); the fault's teardown killed it again meanwhile.  That kill is not ours.
     head, rest = "4242 (python3 (x)) ", " 1 4242 4242 0 -1 {flags} 99 0 0 0 0 0 0 0 20 0 1 0 667001 3133440 362"
@@ -146,7 +146,7 @@ def test_our_kill_of_a_worker_killed_from_outside_is_not_ours():
 def test_our_kill_stays_ours_when_we_kill_again_during_its_exit():
     """A fault's teardown kills a worker; its retire kills it again while the first SIGKILL's exit
     is under way (~0.2 s for a CUDA client, a zombie here): the -9 is still ours, not the fault
-    evidence of a worker killed from outside (before 2026-12-05 the second kill said so)."""
+    evidence of a worker killed from outside (once the second kill said so)."""
     p = subprocess.Popen(["sleep", "60"])
     try:
         w = worker()

@@ -492,7 +492,7 @@ async def test_a_worker_that_failed_verification_is_never_pooled(rig, monkeypatc
 
 
 async def test_daemon_killed_underneath(rig):
-    """The control daemon SIGKILLed, as it went on the H200 (2026-12-03, scripts/kill_probe.py
+    """The control daemon SIGKILLed, as it went on the H200 (scripts/kill_probe.py
     orphan-server, tests/gpu/test_faults_real.py): its server exits with it (a zombie of ours,
     reaped at the next refusal), yet the running program goes on beating, its completion no longer
     seen; loads and the pool's refill are refused at once, naming the daemon's death (a pooled

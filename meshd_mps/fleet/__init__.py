@@ -1,4 +1,4 @@
-"""The fleet: many nodes' daemons run as one, on Ray (issue 34; docs/fleet.md).
+"""The fleet: many nodes' daemons run as one, on Ray (docs/fleet.md).
 
 Ray places (a placement group per replica, or per program for the strategies that place them
 together, against the resources each node advertises from its daemon's limits: ``capacity``),

@@ -1,6 +1,6 @@
 """``meshd-mps fleet bench``: what the fleet costs over each node's daemon, each figure beside its
 baseline measured in the same run, on a real Ray cluster of simulated-GPU nodes on this machine
-(``fleet/local.py``; issue 34, item 8).  Here and not in ``meshd_mps/bench/`` because the bench's
+(``fleet/local.py``).  Here and not in ``meshd_mps/bench/`` because the bench's
 layer (8) is below the fleet's (9): ``meshd-mps bench`` cannot import it.
 
 (l1) 200 replicas placed and running: ``fleet.deploy`` until ``fleet.wait`` sees every one run,

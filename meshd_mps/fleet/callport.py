@@ -2,7 +2,7 @@
 
 Through Ray a call from another node is an actor call to the replica's agent and then the agent's
 call to its daemon; the actor call alone costs as much as a bare Ray echo, so such a call cost
-2.0-3.5x the echo (docs/benchmarks.md, "Issue 34: (l3) the call path").  The agent therefore also
+2.0-3.5x the echo (docs/runs/fleet.md, (l3) the call path).  The agent therefore also
 listens on a TCP port of its node's address and relays each call it takes there to its daemon
 (``NodeCalls.relay``: the body as the caller wrote it, the daemon's status and answer as they are),
 and a caller that knows the port (``CallPort`` in the controller's routes) calls it directly.  Ray

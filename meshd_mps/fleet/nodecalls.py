@@ -4,7 +4,7 @@
 run in a thread for each fleet call it took twice the time of aiohttp's client, and aiohttp's
 client (its request and response objects, connector, cookie jar, timers) took 0.58 ms a call
 where this module's takes 0.34 ms, the daemon and the ring included (the 2-core CPU machine;
-docs/benchmarks.md, "Issue 34: (l3) the call path").  So a call is written here: one HTTP/1.1
+docs/runs/fleet.md, (l3) the call path).  So a call is written here: one HTTP/1.1
 request of a fixed shape, on a connection kept from the last call, and its answer read by its
 Content-Length, which the daemon's answers always carry (aiohttp's ``web.Response`` with a body).
 An answer of any other shape (chunked, no length, not HTTP/1.x) is refused and its connection

@@ -327,7 +327,7 @@ def test_32_queues_hold_32_residents_through_churn(
 ) -> None:
     """``--queues 32``: 32 heartbeats beat at once; a 33rd module finds no queue (with 8 queues and
     a stream made per module, a 9th module's kernel never started, nor, once that module was
-    unloaded, the next one's: H200, 2026-12-03); after a blink's churn (all halted, two unloaded,
+    unloaded, the next one's: H200); after a blink's churn (all halted, two unloaded,
     two others loaded, all launched again) the new ones take the freed queues and all 32 beat."""
     w = Worker(mailbox, "cuda", "--queues", "32")
     hb = images["heartbeat"]

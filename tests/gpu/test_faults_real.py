@@ -1,4 +1,4 @@
-"""Fault injection against the REAL GPU and the real nvidia-cuda-mps-control (issue 7).
+"""Fault injection against the REAL GPU and the real nvidia-cuda-mps-control.
 
 The faults of tests/test_workers.py's table, each with examples/heartbeat running in another
 worker: the caller's error, the heartbeat still beating, the victim retired and reaped, the pool
@@ -208,7 +208,7 @@ def servers() -> list[str]:
 
 async def test_control_daemon_killed():
     """The control daemon SIGKILLed with a program running: on the H200 its server exits with it (a
-    zombie, 2026-12-03 09:54 UTC) yet the running kernel goes on beating and ends at HALT, its DONE
+    zombie) yet the running kernel goes on beating and ends at HALT, its DONE
     never seen (scripts/kill_probe.py orphan-server); loads and the pool's refill are refused at
     once, naming the daemon's death (a pooled worker's LOAD would fail with MPS_RPC_FAILURE, a fresh
     worker run as a plain context), no pooled worker spent; at close nothing is left."""
@@ -289,7 +289,7 @@ async def test_a_kill_with_its_kernel_running_is_a_gpu_fault(monkeypatch, when):
         await beats(b, hb.slot, b.mailbox.heartbeat(hb.slot) + 100)
         if when == "while-running":
             # A program killed from outside comes back with the innocents, in the same relaunch
-            # (restart policy on-failure; issue 33), on a worker held during the teardown.
+            # (restart policy on-failure), on a worker held during the teardown.
             assert r.relaunched == ["heartbeat", "echo"] and r.not_relaunched == {}, r
             with anyio.fail_after(30):
                 while progs.by_name["echo"].observe() is not ProgramState.RUNNING:

@@ -1,4 +1,4 @@
-"""Live restore on the H200 with NVIDIA's MPS control daemon (issue 17): the sim's cases
+"""Live restore on the H200 with NVIDIA's MPS control daemon: the sim's cases
 (tests/cases/live_restore.py) run on the real GPU.  What only the GPU can say: that the control
 daemon and its server are adopted by their pid file and pidfd, that adopted workers are still
 clients of that server, and that no adoption, halt or orphan timeout faults the GPU (a client

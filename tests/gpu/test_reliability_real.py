@@ -1,4 +1,4 @@
-"""Issue 16's cases against the REAL GPU and NVIDIA's own MPS control (point 9): the same cases as
+"""The reliability cases against the REAL GPU and NVIDIA's own MPS control: the same cases as
 the simulated GPU's tests (tests/test_restart.py, test_pool_truth.py, test_hard_deaths.py,
 test_native_clients.py), so that what the sim models is checked where it comes from.
 
@@ -63,7 +63,7 @@ async def test_a_worker_killed_from_outside_comes_back():
         await until(lambda: progs.faults and progs.faults[-1].ms > 0)
         r = progs.faults[-1]
         report("fault report", r)
-        # The killed one comes back with the innocent, in the same relaunch (issue 33).
+        # The killed one comes back with the innocent, in the same relaunch.
         assert r.gpu_wide and r.faulted == "echo" and r.pid == pid and r.relaunched == ["heartbeat", "echo"], r
         await until(lambda: progs.by_name["echo"].restarts == 1
                     and progs.by_name["echo"].observe() is ProgramState.RUNNING)
