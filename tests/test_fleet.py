@@ -248,10 +248,17 @@ async def test_a_rolling_upgrade_with_calls_in_flight_fails_no_call_and_keeps_tw
     assert sorted(drained) == [0, 1, 2], f"one replica at a time, each once: {drained}"
 
 
+#: The longest an API call may take beside a hung agent (it answers in tens of ms; a call that
+#: waited on the agent would take its fleet_agent deadline, 10 s).
+API_S = 0.5
+
+
 async def test_with_one_agent_hung_the_api_answers_at_once_and_the_other_nodes_go_on(rig, fleet, echo):
     """n2's agent stopped (SIGSTOP: it answers nothing, its node alive to Ray): deploy, status and
-    remove answer within 100 ms, and the replicas on n0 and n1 are placed and upgraded as if it
-    were not there.  The API waits on no agent (fleet/controller.py)."""
+    remove answer at once, and the replicas on n0 and n1 are placed and upgraded as if it were not
+    there.  The API waits on no agent (fleet/controller.py): one that did would take the hung
+    agent's ``fleet_agent`` (10 s).  At once is tens of ms; the bound is ``API_S``, for a suite that
+    holds both cores."""
     agent = next(n.agent_pid for n in (await fleet.status()).nodes if n.name == "n2")
     assert agent is not None
     new = ProgramSource(echo.manifest, echo.ptx + "\n// v2\n")
@@ -279,7 +286,7 @@ async def test_with_one_agent_hung_the_api_answers_at_once_and_the_other_nodes_g
     t0 = time.perf_counter()
     await fleet.remove("echo")
     took["remove"] = time.perf_counter() - t0
-    assert max(took.values()) < 0.1, took
+    assert max(took.values()) < API_S, took
 
 
 async def until_async(cond, what: str) -> None:
