@@ -78,10 +78,10 @@ def test_bench_sim_quick(standin_on_path, tmp_path):
         floor = next(x for x in rows if x["name"] == "ring floor: 64 B, p50")
         assert f"on CPU {cpu}, the workers on the others" in floor["note"], floor
         # (b) once more with the loop's CPU its own (serve --daemon-cpus), the target on that row
-        placed = [x for x in rows if x["name"] == "ask p99, 8 asking at once, the loop's CPU its own"]
+        placed = [x for x in rows if x["name"] == "ask p99, 4 asking at once, the loop's CPU its own"]
         assert len(placed) == 1 and placed[0]["target"] == "< 1000 us", placed
-        assert f"on CPU {max(os.sched_getaffinity(0))} and its 8 workers (and MPS) on the others" in next(
-            x for x in rows if x["name"] == "ask p50, 8 asking at once, the loop's CPU its own")["note"]
+        assert f"on CPU {max(os.sched_getaffinity(0))} and its 4 workers (and MPS) on the others" in next(
+            x for x in rows if x["name"] == "ask p50, 4 asking at once, the loop's CPU its own")["note"]
         # --plot: the plots of this run, drawn from its rows; --from: the same drawn again from its JSON
         plotted(tmp_path / "plots", data)
         assert bench_main(["--from", str(out), "--plot", str(tmp_path / "again")]) == 0
@@ -94,7 +94,7 @@ def test_bench_sim_quick(standin_on_path, tmp_path):
 
 
 def test_versus_runs_every_contender_it_can_and_says_why_not_the_others(standin_on_path, tmp_path):
-    """Row (v) on the simulated GPU (N = 100,000): knn resident in both modes, in-process and through a
+    """Row (v) on the simulated GPU (N = 20,000): knn resident in both modes, in-process and through a
     daemon's socket, each answer numpy's; the GPU's contenders (PyTorch, a launch per batch) skipped
     with their reason; nothing left."""
     out = tmp_path / "bench.json"

@@ -107,7 +107,7 @@ async def asking_at_once(ws: list[Module], each: int) -> tuple[float, float, flo
 
 
 async def sec_ask(bench: Bench) -> list[Row]:
-    n1, nw, each = bench.n(2000, 100), bench.n(32, 8), bench.n(200, 20)
+    n1, nw, each = bench.n(2000, 100), bench.n(32, 4), bench.n(200, 20)
     raw = await anyio.to_thread.run_sync(raw_pipe, n1)
     rp50, rp99 = pct(raw, 0.5) * 1e6, pct(raw, 0.99) * 1e6
     answerer, reader = await answering_child(Deadlines())

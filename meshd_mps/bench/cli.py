@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="python -m meshd_mps.bench", description="meshd-mps's figures, each beside its baseline.")
     ap.add_argument("--gpu", choices=("cuda", "sim"), default="cuda", help="the real GPU (default) or the CPU simulation")
-    ap.add_argument("--quick", action="store_true", help="smaller counts (8 workers, fewer samples): a CPU smoke run")
+    ap.add_argument("--quick", action="store_true", help="smaller counts (4 workers, fewer samples): a CPU smoke run")
     ap.add_argument("--json", metavar="FILE", help="also write the header and rows as JSON")
     ap.add_argument("--mps-dir", metavar="DIR", help="where the private MPS daemons' directories go (default: a temporary one)")
     ap.add_argument("--loop", choices=eventloop.CHOICES, default="auto",

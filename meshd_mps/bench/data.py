@@ -1,5 +1,5 @@
 """Row (m) data: a program's data (docs/program-abi.md, "Data") loaded through ``meshd-mps serve``:
-the daemon's RSS while a 1 GiB data file (256 MiB with --quick; sparse: as large to hold, cheap to
+the daemon's RSS while a 1 GiB data file (64 MiB with --quick; sparse: as large to hold, cheap to
 make) streams in over its socket and is placed in examples/peek's worker, against its RSS idle
 just before (target: within 64 MiB); and the time of the whole load (upload, then load).  The
 daemon's RSS is sampled every 10 ms from /proc in a thread of the bench's.
@@ -23,7 +23,7 @@ def data_load(bench: Bench) -> tuple[float, float, float, float]:
     """(idle RSS MiB, peak RSS MiB during the load, upload s, load s)."""
     from meshd_mps.serving.client import Client, program_body
 
-    n = bench.n(1 << 30, 256 << 20)
+    n = bench.n(1 << 30, 64 << 20)
     s = _Serve(tempfile.mkdtemp(prefix="mbd-", dir=bench.base), bench)
     try:
         s.start()
@@ -65,7 +65,7 @@ async def sec_data(bench: Bench) -> list[Row]:
     import anyio
 
     idle, peak, up, load = await anyio.to_thread.run_sync(data_load, bench)
-    size = "1 GiB" if not bench.quick else "256 MiB"
+    size = "1 GiB" if not bench.quick else "64 MiB"
     return [Row("m", f"data: daemon RSS during a {size} load", "MiB", peak, idle, "idle, just before", "within 64 MiB",
                 peak - idle < 64, f"{peak - idle:.1f} MiB over idle (VmRSS every 10 ms)"),
             Row("m", f"data: a {size} load, placed in its worker", "s", load, up, "its upload (streamed in, hashed)", "-",

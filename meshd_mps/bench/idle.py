@@ -1,5 +1,5 @@
 """Row (g) idle: this supervisor process's CPU (getrusage user + sys) over 5 s
-(2 s with --quick) with 32 (8) idle pooled workers, in % of one core,
+(2 s with --quick) with 32 (4) idle pooled workers, in % of one core,
 against the same window before any backend was opened.
 """
 
@@ -22,7 +22,7 @@ async def cpu_percent(window: float) -> float:
 
 
 async def sec_idle(bench: Bench) -> list[Row]:
-    window, nw = bench.n(5, 1), bench.n(32, 8)
+    window, nw = bench.n(5, 1), bench.n(32, 4)
     base = await cpu_percent(window)
     async with await bench.backend("mps", pool=nw) as b:
         await anyio.sleep(0.5)  # the prewarm's tail settles

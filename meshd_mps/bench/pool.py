@@ -25,7 +25,7 @@ async def sec_pool(bench: Bench) -> list[Row]:
         # The MPS server starts with the first client of a daemon: paid by neither side's timing.
         first, *_ = await bare_clients(bench, b, 1)
         bare += f"; the MPS server started beforehand by one bare client ({first * 1e3:.0f} ms)"
-        for n in (1, 8) if bench.quick else (1, 8, 32):
+        for n in (1, 4) if bench.quick else (1, 8, 32):
             t0 = time.perf_counter()
             await gpu.prewarm(n)
             tw = time.perf_counter() - t0
