@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import struct
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Done, FrameError, LaunchReq, Load, Loaded, Op
-from workers.main import Channel
+from workers.main import Channel, Opened, serve
 
 
 def test_round_trips():
@@ -111,3 +112,22 @@ def test_worker_reader_fuzzed(buf):
         os.close(r)
         if w >= 0:
             os.close(w)
+
+
+@pytest.mark.parametrize("gone", [True, False])
+def test_a_ready_from_a_daemon_that_died_opens_no_gpu(gone):
+    """A READY the daemon sent just before it died (still buffered, its end closed) opens nothing:
+    an MPS client made then would be nobody's.  The same READY from a daemon still there opens the
+    held worker's GPU."""
+    ours, theirs = socket.socketpair()
+    opens: list[int] = []
+    try:
+        theirs.sendall(frames.encode(Op.READY, b"") + (b"" if gone else frames.encode(Op.QUIT, b"")))
+        if gone:
+            theirs.close()
+        opened = Opened(lambda: (opens.append(1), (None, "no GPU here"))[1], hold=True)
+        assert serve(Channel(rfd=ours.fileno(), wfd=ours.fileno()), opened) == (None if gone else 0)
+        assert opens == ([] if gone else [1])
+    finally:
+        ours.close()
+        theirs.close()

@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import functools
 import os
+import select
 import struct
 import threading
 import time
@@ -103,6 +104,14 @@ class Channel:
         frame = bytes(self._buf[frames.HEADER.size : end])
         del self._buf[:end]
         return frames.check_op(frame[0]), frame[1:]
+
+    def peer_gone(self) -> bool:
+        """Whether the daemon has closed its end (what it sent before may still be buffered): a READY
+        it sent just before it died must not open the GPU, which would make an MPS client nobody
+        owns."""
+        p = select.poll()
+        p.register(self.rfd, select.POLLIN)
+        return any(ev & (select.POLLHUP | select.POLLERR) for _, ev in p.poll(0))
 
     def write_raw(self, data: bytes) -> None:
         with self._wlock:
@@ -202,7 +211,7 @@ def _serve(ch: Channel, opened: Opened, inject: dict[str, str], link: live.Link 
                 threading.Event().wait()
             return None
         op, body = got
-        if op == Op.READY:
+        if op == Op.READY and not ch.peer_gone():
             opened.ready()
             gpu = opened.gpu
         if op == Op.QUIT:
