@@ -25,7 +25,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from meshd_mps.errors import CapacityError, ClientLimit, ImageRefused, LimitError, NotStarted, WorkerError
+from meshd_mps.base.errors import CapacityError, ClientLimit, ImageRefused, LimitError, NotStarted, WorkerError
 from meshd_mps.serving import client as client_mod, server, unix_socket
 from meshd_mps.serving.cli import ps_table, status_table
 from meshd_mps.serving.client import (
@@ -454,7 +454,7 @@ async def test_no_request_in_time_is_a_408(tmp):
     handler in this process (no daemon), with deadlines of 0.3 s."""
     from aiohttp import web
 
-    from meshd_mps.deadlines import Deadlines
+    from meshd_mps.base.deadlines import Deadlines
     from meshd_mps.serving.api import Api
 
     count = AnswerCount()
@@ -518,7 +518,7 @@ async def test_typed_errors_through_the_middleware(error, status, fields):
     from aiohttp.test_utils import TestClient, TestServer
     from structlog.testing import capture_logs
 
-    from meshd_mps.deadlines import DEFAULT
+    from meshd_mps.base.deadlines import DEFAULT
     from meshd_mps.serving.api import Api
 
     api = Api(None, None, None, socket_path="/nonexistent/meshd-mps.sock", versions={},  # type: ignore[arg-type]

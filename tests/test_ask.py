@@ -15,8 +15,8 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import NoReply, WorkerUnfit
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.errors import NoReply, WorkerUnfit
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Op
 from meshd_mps.supervision import proc

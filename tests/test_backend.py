@@ -7,7 +7,7 @@ import anyio
 import pytest
 
 from meshd_mps.backend import Backend, Image
-from meshd_mps.errors import AlreadyLoaded, ConfigError, MeshError, NoDriver, NotLoaded, NotServedHere, WorkerError
+from meshd_mps.base.errors import AlreadyLoaded, ConfigError, MeshError, NoDriver, NotLoaded, NotServedHere, WorkerError
 from meshd_mps.gpu.compiler import Prepared
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi

@@ -1,4 +1,4 @@
-"""Each program's calls counted (meshd_mps/callstats.py): by outcome, their time in a histogram, their
+"""Each program's calls counted (meshd_mps/base/callstats.py): by outcome, their time in a histogram, their
 bytes in and out, through the real load and call path on the simulated GPU; exposed in the metrics
 (checked line by line) and in the API's program view; and what ``top`` reads from them from one look
 to the next (serving/figures.py: rates, p50/p99 as Prometheus reads them, events)."""
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from meshd_mps.callstats import BUCKETS, OUTCOMES, CallStats, outcome, quantile
-from meshd_mps.errors import CallTimeout, NotRunning, NotServing, PayloadTooLarge, RingFull
+from meshd_mps.base.callstats import BUCKETS, OUTCOMES, CallStats, outcome, quantile
+from meshd_mps.base.errors import CallTimeout, NotRunning, NotServing, PayloadTooLarge, RingFull
 from meshd_mps.programs import Programs
 from meshd_mps.serving.figures import Rates, changes
 from meshd_mps.serving.metrics import Metrics

@@ -20,14 +20,14 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from meshd_mps import errors as E
+from meshd_mps.base import errors as E
+from meshd_mps.base.strictjson import parse_json
 from meshd_mps.fleet import callport
 from meshd_mps.fleet.callport import CallPortServer
 from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.fleet.spec import CallPort
 from meshd_mps.serving.client import MAX_BODY, program_body
 from meshd_mps.serving.status import status_of
-from meshd_mps.strictjson import parse_json
 
 from .rigs.serve import EXAMPLES, Serve
 

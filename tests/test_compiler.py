@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd_mps.errors import CompileError, ConfigError, HashMismatch, LimitError, ManifestError, NoDriver
+from meshd_mps.base.errors import CompileError, ConfigError, HashMismatch, LimitError, ManifestError, NoDriver
 from meshd_mps.gpu import compiler
 from meshd_mps.gpu.compiler import (
     Compiler,

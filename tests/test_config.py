@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from meshd_mps.errors import ConfigError, ConfigFileError, ManifestError
+from meshd_mps.base.errors import ConfigError, ConfigFileError, ManifestError
 from meshd_mps.serving import cli, server
 from meshd_mps.state.config import SERVE_DEFAULTS, key_line, load_config, merge_serve
 from meshd_mps.supervision import cpus

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from meshd_mps.errors import ConfigError
+from meshd_mps.base.errors import ConfigError
 from meshd_mps.serving.client import program_body
 from meshd_mps.supervision import cpus
 

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.errors import ClientLimit, ConfigError, NotServedHere, WorkerError
+from meshd_mps.base.errors import ClientLimit, ConfigError, NotServedHere, WorkerError
 from meshd_mps.gpu.device import SIM_GPUS_ENV, choose_devices, parse_devices, simulated_count
 from meshd_mps.isolation.limits import MPS_QUEUES
 from meshd_mps.programs import Programs

@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from meshd_mps import errors as E
+from meshd_mps.base import errors as E
 from meshd_mps.serving.status import status_of
 
 #: Every MeshError subclass and the status the API answers it with.  A new error type fails the
@@ -17,7 +17,7 @@ EXPECTED = {
     E.ManifestError: 400, E.BadName: 400, E.BadRestartPolicy: 400, E.HashMismatch: 400, E.LimitError: 400, E.ImageRefused: 400,
     E.AbiMismatch: 400, E.UpgradeMismatch: 400, E.PayloadTooLarge: 413, E.NotLoaded: 404, E.AlreadyLoaded: 409,
     E.NoFreeSlot: 409, E.SlotTaken: 409, E.NotRunning: 409, E.StillRunning: 409, E.CapacityError: 409, E.ClientLimit: 409,
-    E.DataTooLarge: 409, E.WriteOutOfRange: 400, E.NoData: 409, E.DataNotFound: 404,
+    E.DataTooLarge: 409, E.WriteOutOfRange: 400, E.NoData: 409, E.DataNotFound: 404, E.LeaseOver: 409,
     E.NotStarted: 409, E.HaltTimeout: 409, E.CallTimeout: 504, E.MailboxError: 400, E.RingFull: 409,
     E.NotServing: 409, E.BadRestoreMode: 400, E.BadResponse: 502, E.OldWorker: 409,
     E.FrameError: 500, E.WorkerError: 500, E.WorkerGone: 500, E.NoContext: 503, E.WorkerUnfit: 500, E.NoReply: 500,

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from meshd_mps import eventloop
-from meshd_mps.errors import ConfigError
+from meshd_mps.base import eventloop
+from meshd_mps.base.errors import ConfigError
 from meshd_mps.supervision import child
 
 pytestmark = pytest.mark.timeout(60)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from meshd_mps import faults
-from meshd_mps.faults import Stray, Suspect, name_culprit
+from meshd_mps.base import faults
+from meshd_mps.base.faults import Stray, Suspect, name_culprit
 
 ILLEGAL = "cuStreamSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered"
 TORN = "worker {}: exited while its kernel ran"

@@ -10,7 +10,7 @@ import signal
 import anyio
 import pytest
 
-from meshd_mps.errors import WorkerError
+from meshd_mps.base.errors import WorkerError
 from meshd_mps.programs import RECOVERY_STEPS, Programs, ProgramState
 from workers.sim_gpu import EXIT_LINGER_ENV
 

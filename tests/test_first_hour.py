@@ -27,7 +27,7 @@ def test_the_cli_says_it_in_one_line(tmp):
 
 def test_a_file_that_is_not_ptx_is_said_to_be_so():
     """nvJitLink's log ran our input's name into its words ("NVJITLINK_INPUT_PTXprogram.ptx")."""
-    from meshd_mps.errors import CompileError
+    from meshd_mps.base.errors import CompileError
     from meshd_mps.gpu.compiler import ptx_to_cubin
 
     with pytest.raises(CompileError) as e:

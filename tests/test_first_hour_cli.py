@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from meshd_mps import defaults
+from meshd_mps.base import defaults
 from meshd_mps.serving.client import Client, ClientError, client_socket, default_socket, own_socket, program_body
 from meshd_mps.serving.unit import unit_text
 from meshd_mps.state.statedir import resolve_state_dir

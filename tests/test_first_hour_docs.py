@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-from meshd_mps.deadlines import DEFAULT
+from meshd_mps.base.deadlines import DEFAULT
 
 from .rigs.serve import EXAMPLES, REPO, cli, env
 

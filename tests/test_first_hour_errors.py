@@ -133,7 +133,7 @@ def test_sim_mps_without_the_standin_says_where_it_is(tmp):
 
 async def test_no_driver_says_how_to_try_without_one_from_the_library(standin_on_path):
     from meshd_mps.backend import Backend
-    from meshd_mps.errors import NoDriver
+    from meshd_mps.base.errors import NoDriver
     from meshd_mps.gpu.device import query_device
 
     try:
@@ -149,7 +149,7 @@ async def test_no_driver_says_how_to_try_without_one_from_the_library(standin_on
 
 async def test_library_errors_name_no_cli_flags(standin_on_path):
     from meshd_mps.backend import Backend
-    from meshd_mps.errors import ConfigError, MeshError
+    from meshd_mps.base.errors import ConfigError, MeshError
 
     for kw in ({"isolation": "x"}, {"gpu": "x"}, {"pool": -1}):
         with pytest.raises(ConfigError) as e:

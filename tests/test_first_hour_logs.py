@@ -100,7 +100,7 @@ def test_a_refused_load_leaves_no_unload_behind(serve):
 
 
 def test_the_level_of_each_refusal_is_decided_by_its_type():
-    from meshd_mps import errors as E
+    from meshd_mps.base import errors as E
     from meshd_mps.serving.status import HeadTooLarge, log_level
 
     assert log_level(E.CallTimeout("echo", 0.5), False) == "info"  # the caller's deadline

@@ -21,7 +21,7 @@ import time
 import pytest
 import ray
 
-from meshd_mps.errors import AlreadyDeclared, BadName, BadSpec, FleetUnavailable, ManifestError, NoSuchProgram
+from meshd_mps.base.errors import AlreadyDeclared, BadName, BadSpec, FleetUnavailable, ManifestError, NoSuchProgram
 from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
 from meshd_mps.fleet.agent import agent_name
 from meshd_mps.fleet.capacity import node_resources
@@ -388,7 +388,7 @@ async def test_gpu_and_node_constraints_place_the_replicas_only_there(rig, fleet
 
 
 async def test_an_upgrade_a_replica_refuses_stops_and_rolls_back(rig, fleet, echo):
-    from meshd_mps.errors import UpgradeFailed
+    from meshd_mps.base.errors import UpgradeFailed
 
     await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
     before = await fleet.wait("echo", running=3, timeout=UP_S)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from meshd_mps.errors import BadName, BadRestartPolicy, BadSpec, ManifestError, StateFileNewer
+from meshd_mps.base.errors import BadName, BadRestartPolicy, BadSpec, ManifestError, StateFileNewer
 from meshd_mps.fleet.capacity import bundle, why_pending
 from meshd_mps.fleet.checkpoint import Checkpoint
 from meshd_mps.fleet.desired import Image, Spec
@@ -134,7 +134,7 @@ def test_the_checkpoint_keeps_the_declared_programs_and_reads_the_schema_before(
 
 def test_without_ray_the_fleet_says_how_to_get_it():
     code = ("import sys; sys.modules['ray'] = None\n"
-            "from meshd_mps.errors import FleetUnavailable\n"
+            "from meshd_mps.base.errors import FleetUnavailable\n"
             "try:\n    import meshd_mps.fleet\nexcept FleetUnavailable as e:\n    print(e.hint)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env(), timeout=60)
     assert out.stdout.strip() == "pip install 'meshd-mps[fleet]'", out.stderr
@@ -143,7 +143,7 @@ def test_without_ray_the_fleet_says_how_to_get_it():
 def test_the_fleets_errors_cross_ray_whole():
     import pickle
 
-    from meshd_mps.errors import AlreadyDeclared, FleetTimeout, NoSuchProgram
+    from meshd_mps.base.errors import AlreadyDeclared, FleetTimeout, NoSuchProgram
 
     for e in (NoSuchProgram("echo"), AlreadyDeclared("echo"), BadSpec("replicas 0: no", field="replicas"),
               FleetTimeout("echo: 1 of 3", program="echo", running=1, wanted=3)):

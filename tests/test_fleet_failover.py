@@ -18,7 +18,7 @@ from collections import Counter
 
 import pytest
 
-from meshd_mps.errors import ReplicaLost
+from meshd_mps.base.errors import ReplicaLost
 from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
 from meshd_mps.serving.client import ClientError
 

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from meshd_mps.deadlines import Deadlines
+from meshd_mps.base.deadlines import Deadlines
 from meshd_mps.fleet.capacity import SLOT
 from meshd_mps.fleet.desired import Image, Spec
 from meshd_mps.fleet.messages import AgentReport, DaemonProgram, ForeignClaim, Order

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from meshd_mps.deadlines import Deadlines
+from meshd_mps.base.deadlines import Deadlines
 from meshd_mps.fleet.checkpoint import Checkpoint
 from meshd_mps.fleet.claim import FleetId
 from meshd_mps.fleet.controller import status

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.errors import Unavailable
+from meshd_mps.base.errors import Unavailable
 from meshd_mps.programs import Programs, ProgramState
 
 from .rigs.backend import ScriptCompiler, beats, example, man, open_sim

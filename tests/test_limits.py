@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.errors import CapacityError, LimitError, NotStarted
+from meshd_mps.base.errors import CapacityError, LimitError, NotStarted
 from meshd_mps.isolation.limits import BLINK_QUEUES
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi

@@ -22,8 +22,8 @@ import threading
 import anyio
 import pytest
 
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import ConfigError, NotAdoptable, PeerMismatch, ProtocolMismatch, WorkerGone
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.errors import ConfigError, NotAdoptable, PeerMismatch, ProtocolMismatch, WorkerGone
 from meshd_mps.mps.control import MARKER, PID_FILE, ControlDaemon, Owner
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Hello, HelloLaunch, LaunchReq, Load, Op

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from meshd_mps.errors import PayloadTooLarge
+from meshd_mps.base.errors import PayloadTooLarge
 from meshd_mps.fleet import nodecalls
 from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.serving.client import program_body

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from meshd_mps.errors import ConfigError, DeviceError, NvmlUnavailable, Timeout
+from meshd_mps.base.errors import ConfigError, DeviceError, NvmlUnavailable, Timeout
 from meshd_mps.gpu.device import SIM_GPUS_ENV
 from meshd_mps.gpu.nvml import SIM_MEMORY, SIM_NVML_ENV, ComputeMode, DeviceView, GpuProcess, Nvml, SimNvml
 from meshd_mps.neighbours import NeighbourWatch, classify, look, mode_advice

@@ -1,15 +1,15 @@
 """One source for each default and for the version: serve's defaults are
 state/config.py's table wherever they are read (the Config the daemon runs with, the pool it
-sizes, serve --help), and the package's version is meshd_mps/version.py's wherever it is shown."""
+sizes, serve --help), and the package's version is meshd_mps/base/version.py's wherever it is shown."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import meshd_mps
+from meshd_mps.base.version import version
 from meshd_mps.serving import cli, server
 from meshd_mps.state import config
-from meshd_mps.version import version
 
 
 def test_the_daemons_config_defaults_are_the_tables(monkeypatch):

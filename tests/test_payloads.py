@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from meshd_mps.errors import BadResponse, PayloadTooLarge
+from meshd_mps.base.errors import BadResponse, PayloadTooLarge
 from meshd_mps.programs.program import ProgramState
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.payloads import ALIGN, Layout

@@ -12,7 +12,7 @@ import struct
 import anyio
 import pytest
 
-from meshd_mps.errors import DataNotFound, DataTooLarge, NoData, WriteOutOfRange
+from meshd_mps.base.errors import DataNotFound, DataTooLarge, NoData, WriteOutOfRange
 from meshd_mps.gpu.device import SIM_MEMORY_ENV
 from meshd_mps.programs import Programs
 from meshd_mps.programs.data import DataRef

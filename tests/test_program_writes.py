@@ -93,7 +93,7 @@ async def test_a_fault_and_its_recovery_write_state_only_through_to(monkeypatch)
 def test_a_new_launch_is_a_new_generation_from_any_state():
     """``to(RUNNING, run=...)``: from every state, the same object, a new generation, the old launch's
     error and loss forgotten; an upgrade forgets the restarts and failures, a relaunch counts one."""
-    from meshd_mps.errors import StateError
+    from meshd_mps.base.errors import StateError
     from meshd_mps.programs import Run
 
     for frm in ProgramState:

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import yaml
 
-from meshd_mps.errors import ConfigError, ConfigFileError
+from meshd_mps.base.errors import ConfigError, ConfigFileError
 from meshd_mps.serving.client import ClientError, program_body
 from meshd_mps.state.config import load_config, metrics_address
 

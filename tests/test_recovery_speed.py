@@ -18,9 +18,9 @@ import time
 import anyio
 import pytest
 
-from meshd_mps import faults
+from meshd_mps.base import faults
+from meshd_mps.base.restart import CRASH_LOOP_BURST
 from meshd_mps.programs import RECOVERY_STEPS, Programs, ProgramState
-from meshd_mps.restart import CRASH_LOOP_BURST
 
 from .rigs.backend import beats, example, open_sim
 from .rigs.deadlines import TEST_DEADLINES

@@ -9,10 +9,10 @@ import functools
 
 import pytest
 
-from meshd_mps import restart
-from meshd_mps.errors import BadRestartPolicy
+from meshd_mps.base import restart
+from meshd_mps.base.errors import BadRestartPolicy
+from meshd_mps.base.restart import CRASH_LOOP_BURST, End, Policy, decide
 from meshd_mps.programs import Programs, ProgramState
-from meshd_mps.restart import CRASH_LOOP_BURST, End, Policy, decide
 
 from .cases.restart import blink_fault_case, blink_killed_case
 from .rigs.backend import beats, example, open_sim

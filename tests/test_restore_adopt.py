@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from meshd_mps.restore import LEFT
+from meshd_mps.base.restore import LEFT
 from meshd_mps.serving.client import ClientError, program_body
 from meshd_mps.state.record import ProgramRecord
 from meshd_mps.state.store import Store

@@ -14,7 +14,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from meshd_mps.errors import CallTimeout, NotRunning, PayloadTooLarge, RingFull
+from meshd_mps.base.errors import CallTimeout, NotRunning, PayloadTooLarge, RingFull
 from meshd_mps.programs import Programs
 from meshd_mps.programs.calls import Calls
 from meshd_mps.protocol import abi

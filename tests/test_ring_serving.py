@@ -12,7 +12,7 @@ import signal
 import anyio
 import pytest
 
-from meshd_mps.errors import CallTimeout, NotServing, RingFull
+from meshd_mps.base.errors import CallTimeout, NotServing, RingFull
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.ring import Ring

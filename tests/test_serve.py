@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 
-from meshd_mps.defaults import POOL_BY_ISOLATION
+from meshd_mps.base.defaults import POOL_BY_ISOLATION
 from meshd_mps.mps import standin
 from meshd_mps.serving.client import MAX_BODY, Client, ClientError, NoDaemon, program_body
 
@@ -394,7 +394,7 @@ def test_sigint_during_idle_is_clean(serve):
 
 
 def test_no_driver_is_plain(tmp):
-    from meshd_mps.errors import NoDriver
+    from meshd_mps.base.errors import NoDriver
     from meshd_mps.gpu.device import query_device
 
     try:
@@ -419,7 +419,7 @@ def test_a_refused_start_makes_nothing(tmp):
     for first (MPS mode asked for its control binary first, and never spoke of the simulated GPU),
     and nothing is made.  A start refused later (MPS mode on the sim, the stand-in not on PATH)
     removes the socket's directory and the state dir it made."""
-    from meshd_mps.errors import NoDriver
+    from meshd_mps.base.errors import NoDriver
     from meshd_mps.gpu.device import check_driver
 
     def gone(*paths: str) -> None:

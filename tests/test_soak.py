@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from meshd_mps.errors import WorkerError
+from meshd_mps.base.errors import WorkerError
 
 from .rigs.procs import Resources, alive
 from .rigs.sim import sim

@@ -12,7 +12,7 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from meshd_mps.errors import StateDirRefused, StateFileNewer, StateIOError
+from meshd_mps.base.errors import StateDirRefused, StateFileNewer, StateIOError
 from meshd_mps.state import store as S
 from meshd_mps.state.store import ProgramRecord, Store, check_state_dir, open_state_dir, ptx_key, resolve_state_dir
 

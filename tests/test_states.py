@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from meshd_mps.errors import StateError
+from meshd_mps.base.errors import StateError
 from meshd_mps.programs import PROGRAM_MOVES, Program, ProgramState
 from meshd_mps.supervision import procfs
 from meshd_mps.supervision.proc import MOVES, WorkerProc, WorkerState

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshd_mps.errors import FrameError
+from meshd_mps.base.errors import FrameError
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Op
 from meshd_mps.supervision.wire import FrameReader

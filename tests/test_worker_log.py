@@ -1,4 +1,4 @@
-"""The worker's log lines (workers/wlog.py) are the daemon's (meshd_mps/log.py): the same keys and
+"""The worker's log lines (workers/wlog.py) are the daemon's (meshd_mps/base/log.py): the same keys and
 values in JSON, the same console line, the same level filter; and a worker imports no structlog."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 import structlog
 
-from meshd_mps.log import setup_logging
+from meshd_mps.base.log import setup_logging
 from meshd_mps.state.program_files import program_body
 from workers import wlog
 
@@ -18,7 +18,7 @@ from .rigs.serve import EXAMPLES
 
 
 def _structlog_line(capsys, as_json: bool) -> str:
-    """The line meshd_mps.log writes; structlog's configuration (which holds this test's captured
+    """The line meshd_mps.base.log writes; structlog's configuration (which holds this test's captured
     stderr) is put back after, for the tests that run next in this process."""
     was, config = structlog.is_configured(), structlog.get_config()
     setup_logging("worker", json=as_json)

@@ -16,8 +16,8 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import ClientLimit, MeshError, MpsError, WorkerError
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.errors import ClientLimit, MeshError, MpsError, WorkerError
 from meshd_mps.mps import clients as mpsmod
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import Op

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from meshd_mps.deadlines import DEFAULT
+from meshd_mps.base.deadlines import DEFAULT
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import DataReq, Done, FrameError, LaunchReq, Load, Op, PayloadsReq, WriteReq
 from meshd_mps.protocol.mailbox import Mailbox

@@ -42,13 +42,13 @@ from typing import Any, TypeVar
 
 import ray
 
-from meshd_mps import errors as E
-from meshd_mps.deadlines import DEFAULT, Deadlines
+from meshd_mps.base import errors as E
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
+from meshd_mps.base.restore import Restore
 from meshd_mps.fleet import callport, claim
 from meshd_mps.fleet.messages import AgentReport, DaemonProgram, ForeignClaim, Order, Share, changed_since
 from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.fleet.spec import gpu_model, parse_replica_name
-from meshd_mps.restore import Restore
 from meshd_mps.serving.client import Client, ClientError, default_socket
 
 T = TypeVar("T")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshd_mps.errors import BadRequest
+from meshd_mps.base.errors import BadRequest
 from meshd_mps.fleet.spec import gpu_model, resource_key
 from meshd_mps.protocol.abi import SLOTS as MAILBOX_SLOTS
 

@@ -25,8 +25,8 @@ from typing import Any
 import ray
 from ray.cluster_utils import Cluster
 
-from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.errors import Timeout
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
+from meshd_mps.base.errors import Timeout
 from meshd_mps.fleet.capacity import node_resources
 from meshd_mps.fleet.checkpoint import ENV as FLEET_STATE_ENV
 from meshd_mps.gpu.device import SIM_GPUS_ENV

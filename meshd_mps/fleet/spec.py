@@ -10,10 +10,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from meshd_mps import restart
-from meshd_mps.errors import BadSpec
+from meshd_mps.base import restart
+from meshd_mps.base.errors import BadSpec
+from meshd_mps.base.names import check_name
 from meshd_mps.gpu.compiler import Manifest, image_hash
-from meshd_mps.names import check_name
 from meshd_mps.state.program_files import program_body
 
 Strategy = Literal["SPREAD", "PACK", "STRICT_SPREAD"]

@@ -29,8 +29,8 @@ from collections.abc import Callable
 import anyio
 import structlog
 
-from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.errors import MpsError, NotAdoptable
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
+from meshd_mps.base.errors import MpsError, NotAdoptable
 from meshd_mps.mps.owner import (  # the marker's names re-exported: tests and backend.py import them from here
     MARKER as MARKER,
     TEMP_PREFIX as TEMP_PREFIX,

@@ -28,8 +28,8 @@ import anyio
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import MeshError, MpsError, WorkerError
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.errors import MeshError, MpsError, WorkerError
 from meshd_mps.mps import clients as mpsmod
 from meshd_mps.programs import Programs, ProgramState
 from meshd_mps.protocol import abi

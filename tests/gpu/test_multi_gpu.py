@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.errors import DeviceError, NoDriver
+from meshd_mps.base.errors import DeviceError, NoDriver
 from meshd_mps.programs import Programs
 
 from ..rigs.backend import beats, example

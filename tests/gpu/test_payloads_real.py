@@ -13,7 +13,7 @@ import time
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.errors import BadResponse, PayloadTooLarge
+from meshd_mps.base.errors import BadResponse, PayloadTooLarge
 from meshd_mps.gpu.compiler import cuda_to_ptx
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi

@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.errors import DataTooLarge
+from meshd_mps.base.errors import DataTooLarge
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 

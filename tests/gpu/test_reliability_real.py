@@ -28,10 +28,10 @@ import sys
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.deadlines import DEFAULT
+from meshd_mps.base.deadlines import DEFAULT
+from meshd_mps.base.restart import CRASH_LOOP_BURST
 from meshd_mps.programs import Programs, ProgramState
 from meshd_mps.protocol import abi
-from meshd_mps.restart import CRASH_LOOP_BURST
 from meshd_mps.serving.client import program_body
 from meshd_mps.supervision import procfs
 

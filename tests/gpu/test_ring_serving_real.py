@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.errors import NotServing
+from meshd_mps.base.errors import NotServing
 from meshd_mps.gpu.compiler import cuda_to_ptx
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshd_mps.deadlines import Deadlines
+from meshd_mps.base.deadlines import Deadlines
 
 #: Short retire deadlines keep hang tests quick; replies keep the seed's.
 TEST_DEADLINES = Deadlines(retire_quit=1.0, retire_kill=2.0)

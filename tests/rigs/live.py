@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from meshd_mps.backend import live_paths
-from meshd_mps.deadlines import Deadlines
+from meshd_mps.base.deadlines import Deadlines
 from meshd_mps.mps.control import ControlDaemon
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.supervision.argv import worker_argv

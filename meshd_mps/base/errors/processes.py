@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from meshd_mps.errors.base import Conflict, MeshError, Unavailable
-from meshd_mps.errors.config import DeviceError
+from meshd_mps.base.errors.base import Conflict, MeshError, Unavailable
+from meshd_mps.base.errors.config import DeviceError
 
 # ---- the mailbox and the frame protocol ------------------------------------------------------
 

@@ -3,8 +3,8 @@ write or a restore of one can be refused for."""
 
 from __future__ import annotations
 
-from meshd_mps.errors.base import BadRequest, Conflict, NotFound
-from meshd_mps.errors.programs import CapacityError
+from meshd_mps.base.errors.base import BadRequest, Conflict, NotFound
+from meshd_mps.base.errors.programs import CapacityError
 
 
 class DataTooLarge(CapacityError):

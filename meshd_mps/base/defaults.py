@@ -47,5 +47,5 @@ LOG_FORMAT_ENV: Final = "MESHD_MPS_LOG_FORMAT"
 
 def log_level(asked: str | None) -> str:
     """The level's name (INFO, ...): ``asked``, else ``$MESHD_MPS_LOG_LEVEL``, else info; read here
-    by meshd_mps/log.py and workers/wlog.py alike (this module imports nothing that is slow)."""
+    by meshd_mps/base/log.py and workers/wlog.py alike (this module imports nothing that is slow)."""
     return (asked or os.environ.get(LOG_LEVEL_ENV, "info")).upper()

@@ -12,7 +12,7 @@ import sys
 
 import structlog
 
-from meshd_mps.defaults import log_level
+from meshd_mps.base.defaults import log_level
 
 
 def setup_logging(component: str = "meshd", level: str | None = None, json: bool | None = None) -> bool:

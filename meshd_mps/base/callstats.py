@@ -17,7 +17,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
-from meshd_mps.errors import CallTimeout, NotRunning, NotServing, PayloadTooLarge, RingFull
+from meshd_mps.base.errors import CallTimeout, NotRunning, NotServing, PayloadTooLarge, RingFull
 
 #: The latency histogram's upper bounds (seconds): a call through the ring is ~5-20 us on the GPU,
 #: ~0.1 ms on the simulated one, a call over the API a millisecond or so; the call deadline is 5 s.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 
-from meshd_mps.errors import BadRestoreMode
+from meshd_mps.base.errors import BadRestoreMode
 
 
 class Restore(enum.Enum):

@@ -17,8 +17,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import BadRestartPolicy
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.errors import BadRestartPolicy
 
 #: Failures within ``Deadlines.crash_loop_interval`` that make a crash loop (systemd's StartLimitBurst).
 CRASH_LOOP_BURST = 5

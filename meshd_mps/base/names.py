@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from meshd_mps.errors import BadName
+from meshd_mps.base.errors import BadName
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 RULE = "1-64 characters of A-Z a-z 0-9 _ . -, starting with a letter, digit or _, without '..'"

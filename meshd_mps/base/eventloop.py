@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from meshd_mps.errors import ConfigError
+from meshd_mps.base.errors import ConfigError
 
 T = TypeVar("T")
 

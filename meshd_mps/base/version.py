@@ -25,7 +25,7 @@ def version() -> str:
     try:
         import tomllib
 
-        with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+        with open(Path(__file__).resolve().parents[2] / "pyproject.toml", "rb") as f:
             return str(tomllib.load(f)["project"]["version"]) + "+source"
     except (OSError, KeyError, ValueError):
         return "unknown"

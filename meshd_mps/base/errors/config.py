@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from meshd_mps.errors.base import BadRequest, MeshError
+from meshd_mps.base.errors.base import BadRequest, MeshError
 
 # ---- configuration and the machine ----------------------------------------------------------
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshd_mps.errors.base import BadRequest, Conflict, MeshError, NotFound, Timeout, Unavailable
+from meshd_mps.base.errors.base import BadRequest, Conflict, MeshError, NotFound, Timeout, Unavailable
 
 # ---- the fleet (meshd_mps/fleet/, on Ray) ----------------------------------------------------------
 

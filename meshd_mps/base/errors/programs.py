@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from meshd_mps.errors.base import BadRequest, Conflict, MeshError, NotFound, Timeout
+from meshd_mps.base.errors.base import BadRequest, Conflict, MeshError, NotFound, Timeout
 
 # ---- programs: requests -----------------------------------------------------------------------
 

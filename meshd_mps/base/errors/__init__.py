@@ -6,12 +6,12 @@ a timeout, a failure of ours); its fields say who and what.  The API maps branch
 in one table (``serving/status.py``), as supervisord maps its ``Faults``; nothing parses a message.
 This package imports nothing else of meshd-mps: the workers and the frame code use it too.  Its
 modules are the tree's sections (base: the root and the branches; config, programs, data, processes, fleet);
-every type is imported from here, ``meshd_mps.errors``.
+every type is imported from here, ``meshd_mps.base.errors``.
 """
 
 from __future__ import annotations
 
-from meshd_mps.errors.base import (
+from meshd_mps.base.errors.base import (
     BadRequest as BadRequest,
     Conflict as Conflict,
     MeshError as MeshError,
@@ -19,7 +19,7 @@ from meshd_mps.errors.base import (
     Timeout as Timeout,
     Unavailable as Unavailable,
 )
-from meshd_mps.errors.config import (
+from meshd_mps.base.errors.config import (
     ConfigError as ConfigError,
     ConfigFileError as ConfigFileError,
     DeviceError as DeviceError,
@@ -29,13 +29,13 @@ from meshd_mps.errors.config import (
     StateFileNewer as StateFileNewer,
     StateIOError as StateIOError,
 )
-from meshd_mps.errors.data import (
+from meshd_mps.base.errors.data import (
     DataNotFound as DataNotFound,
     DataTooLarge as DataTooLarge,
     NoData as NoData,
     WriteOutOfRange as WriteOutOfRange,
 )
-from meshd_mps.errors.fleet import (
+from meshd_mps.base.errors.fleet import (
     AlreadyDeclared as AlreadyDeclared,
     BadSpec as BadSpec,
     CallPortRelay as CallPortRelay,
@@ -50,7 +50,7 @@ from meshd_mps.errors.fleet import (
     ReplicaLost as ReplicaLost,
     UpgradeFailed as UpgradeFailed,
 )
-from meshd_mps.errors.processes import (
+from meshd_mps.base.errors.processes import (
     FrameError as FrameError,
     MailboxError as MailboxError,
     MpsError as MpsError,
@@ -67,7 +67,7 @@ from meshd_mps.errors.processes import (
     WorkerGone as WorkerGone,
     WorkerUnfit as WorkerUnfit,
 )
-from meshd_mps.errors.programs import (
+from meshd_mps.base.errors.programs import (
     AbiMismatch as AbiMismatch,
     AlreadyLoaded as AlreadyLoaded,
     BadName as BadName,
