@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from meshd_mps.mps import standin
+from meshd_mps import standin
 from meshd_mps.mps.control import become_subreaper
 from meshd_mps.state.statedir import resolve_state_dir
 

@@ -112,7 +112,7 @@ def test_sim_mps_without_the_standin_says_where_it_is(tmp):
     import subprocess
     import sys
 
-    from meshd_mps.mps.standin import BIN_DIR
+    from meshd_mps.standin import BIN_DIR
 
     from .rigs.serve import REPO, env
 

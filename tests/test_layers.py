@@ -43,7 +43,7 @@ LAYERS: dict[str, int] = {
     "workers": 2,
     "meshd_mps.gpu": 2,
     "meshd_mps.protocol": 2,
-    "meshd_mps.mps.standin": 2,  # the stand-in daemon's model, which the simulated GPU reads
+    "meshd_mps.standin": 2,  # the stand-in daemon's model, which the simulated GPU reads
     # 1: imported by every layer; pure decisions and tables, in their own folder
     "meshd_mps.base": 1,
 }

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(120)
 
 #: A "CUDA process" of the user's: on the stand-in, context creation is connect_client.
 NATIVE = ("import os, sys\n"
-          "from meshd_mps.mps.standin import connect_client\n"
+          "from meshd_mps.standin import connect_client\n"
           "s = connect_client(os.environ['CUDA_MPS_PIPE_DIRECTORY'], os.getpid())\n"
           "print('joined' if s else 'plain', flush=True)\n"
           "sys.stdin.read()\n")

@@ -51,7 +51,7 @@ def lines_by_role() -> tuple[dict[str, str], list[str], str]:
     serves = {"blink": command(block[0])}
     assert "make serve" in serves["blink"] and "--isolation" not in serves["blink"], block[0]
     alt = block[1].lstrip("# ").strip()
-    assert "--isolation mps" in alt and "meshd_mps/mps/standin" in alt, block[1]
+    assert "--isolation mps" in alt and "meshd_mps/standin" in alt, block[1]
     serves["mps"] = alt
     assert command(block[2]) == ". .venv/bin/activate", block[2]
     client = [command(line) for line in block[3:-1]]

@@ -18,8 +18,8 @@ import warnings
 
 import pytest
 
+from meshd_mps import standin
 from meshd_mps.base.defaults import POOL_BY_ISOLATION
-from meshd_mps.mps import standin
 from meshd_mps.serving.client import MAX_BODY, Client, ClientError, NoDaemon, program_body
 
 from .rigs.serve import (

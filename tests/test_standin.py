@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd_mps.mps.standin import BIN_DIR, CLIENT_SOCKET, StandinRefused, connect_client
+from meshd_mps.standin import BIN_DIR, CLIENT_SOCKET, StandinRefused, connect_client
 
 from .rigs.waits import poll
 

@@ -25,12 +25,12 @@ from typing import Any
 import ray
 from ray.cluster_utils import Cluster
 
+from meshd_mps import standin
 from meshd_mps.base.deadlines import DEFAULT, Deadlines
 from meshd_mps.base.errors import Timeout
 from meshd_mps.fleet.capacity import node_resources
 from meshd_mps.fleet.checkpoint import ENV as FLEET_STATE_ENV
 from meshd_mps.gpu.device import SIM_GPUS_ENV
-from meshd_mps.mps import standin
 from meshd_mps.serving.client import Client, ClientError
 
 #: A daemon's start (the simulated GPU's worker included) and its stop: the daemon's own API

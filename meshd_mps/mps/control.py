@@ -178,7 +178,7 @@ class ControlDaemon:
         if binary is not None:
             return binary
         if self.gpu == "sim":
-            from meshd_mps.mps.standin import BIN_DIR
+            from meshd_mps.standin import BIN_DIR
 
             fix = (f"the simulated GPU's MPS isolation runs meshd-mps's stand-in daemon, in {BIN_DIR}: put that"
                    f" directory first on PATH (PATH={BIN_DIR}:$PATH; README.md, the CPU section)")
