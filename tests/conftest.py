@@ -1,5 +1,5 @@
 """Shared fixtures (the rigs themselves are in tests/rigs/): the stand-in MPS daemon on PATH, a rig
-of daemon + supervisor + simulated workers, daemons of ``meshd-mps serve``, the check that no test
+of daemon + supervisor + simulated workers (``mps_rig``), daemons of ``meshd-mps serve``, the check that no test
 leaves a child process behind, and (``no_leaks``, used by every fault test) that none leaves an fd
 or a temporary file."""
 
@@ -100,7 +100,7 @@ def standin_on_path(monkeypatch):
 
 
 @pytest.fixture
-def rig(standin_on_path):
+def mps_rig(standin_on_path):
     """Rig(...) as an async context manager: GPU 0's MpsIsolation, on a fresh stand-in daemon."""
     return lambda **kw: MpsRig(**kw)
 
@@ -153,7 +153,7 @@ LONGEST_FIRST = (
 )
 
 #: The fleet test modules (by prefix) run on a Ray cluster a module does not start for itself
-#: (tests/rigs/fleet.py ``rig``): two xdist scopes, the first of all, each on a worker of its own
+#: (tests/rigs/fleet.py ``fleet_rig``): two xdist scopes, the first of all, each on a worker of its own
 #: with its own cluster, side by side.  ``CLUSTER_LAST`` (it kills nodes and restarts the head) is
 #: one; the other modules, which leave the cluster as they found it, share the other, one after
 #: another.  One scope for all of them was one worker's ~190 s on 2 loaded cores: the whole run's

@@ -3,7 +3,7 @@ each node with its own ``meshd-mps serve --gpu sim --live-restore`` daemon, sock
 (tests/rigs/fleet.py), 2 slots a node: deploy over several nodes, capacity exhausted, the agent
 killed, a rolling upgrade with calls in flight, status against each node's ``ps``, calls from a
 node, bad specs; and ``meshd-mps fleet`` as a user runs it, from a shell.  On the fleet tests'
-shared cluster (``rig`` and ``fleet`` from tests/rigs/fleet.py); each test removes what it deployed."""
+shared cluster (``fleet_rig`` and ``fleet`` from tests/rigs/fleet.py); each test removes what it deployed."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from .rigs import fleet as shared
 from .rigs.fleet import NAMESPACE, UP_S, FleetRig
 from .rigs.serve import EXAMPLES, REPO, cli, env
 
-rig, fleet, echo, heartbeat = shared.rig, shared.fleet, shared.echo, shared.heartbeat  # tests/rigs/fleet.py
+fleet_rig, fleet, echo, heartbeat = shared.fleet_rig, shared.fleet, shared.echo, shared.heartbeat  # tests/rigs/fleet.py
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,12 +51,12 @@ async def pending_reason(fleet: Fleet, name: str) -> str:
         await asyncio.sleep(0.05)  # the polling interval
 
 
-def by_node(rig: FleetRig) -> dict[str, str]:
-    return {n.id: name for name, n in rig.nodes.items()}
+def by_node(fleet_rig: FleetRig) -> dict[str, str]:
+    return {n.id: name for name, n in fleet_rig.nodes.items()}
 
 
-async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_answered(rig, fleet, echo):
-    agent = ray.get_actor(agent_name(rig.nodes["n0"].id), namespace=NAMESPACE)
+async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_answered(fleet_rig, fleet, echo):
+    agent = ray.get_actor(agent_name(fleet_rig.nodes["n0"].id), namespace=NAMESPACE)
     version = (await agent.watch.remote(-1)).version  # its report now
     watch = agent.watch.remote(version)  # the controller's, made by the test: it answers once n0's agent loaded
     # STRICT_SPREAD: a replica on each node, always (SPREAD's replicas, each placed on its own, spread as
@@ -64,7 +64,7 @@ async def test_replicas_spread_over_the_nodes_and_each_call_says_which_replica_a
     p = await fleet.deploy(ProgramSpec("echo", echo, replicas=3, strategy="STRICT_SPREAD"))
     assert [r.state for r in p.replicas] != ["running"] * 3 or p.running == 3
     p = await fleet.wait("echo", running=3, timeout=UP_S)
-    nodes = by_node(rig)
+    nodes = by_node(fleet_rig)
     assert sorted(nodes[r.node] for r in p.replicas) == ["n0", "n1", "n2"], "a replica on each node"
     one, st = await fleet.program("echo"), await fleet.status("echo")
     assert [(r.index, r.node, r.state) for r in one.replicas] == \
@@ -116,14 +116,14 @@ async def test_calls_of_any_size_go_through_the_call_ports_and_through_ray_where
     await fleet.remove("echo")
 
 
-async def test_fleet_status_agrees_with_each_nodes_ps(rig, fleet, echo, heartbeat):
+async def test_fleet_status_agrees_with_each_nodes_ps(fleet_rig, fleet, echo, heartbeat):
     await fleet.deploy(ProgramSpec("echo", echo, replicas=2, strategy="PACK"))
     await fleet.deploy(ProgramSpec("heartbeat", heartbeat, replicas=2, restart="always"))
     await fleet.wait("echo", running=2, timeout=UP_S)
     await fleet.wait("heartbeat", running=2, timeout=UP_S)
     st = await fleet.status()
-    nodes = by_node(rig)
-    on_nodes = {(name, row["name"]): row for name, n in rig.nodes.items() for row in n.ps().values()}
+    nodes = by_node(fleet_rig)
+    on_nodes = {(name, row["name"]): row for name, n in fleet_rig.nodes.items() for row in n.ps().values()}
     in_status = {(nodes[r.node], r.name): r for p in st.programs for r in p.replicas}
     assert set(on_nodes) == set(in_status), "the same replicas on the same nodes"
     for key, r in in_status.items():
@@ -134,12 +134,12 @@ async def test_fleet_status_agrees_with_each_nodes_ps(rig, fleet, echo, heartbea
     echo_nodes = {nodes[r.node] for r in st.programs[0].replicas}
     assert len(echo_nodes) == 1, f"PACK: both echo replicas on one node, not {echo_nodes}"
     views = {n.name: n for n in st.nodes}
-    for name, n in rig.nodes.items():
+    for name, n in fleet_rig.nodes.items():
         assert views[name].socket == n.daemon.sock and views[name].daemon_pid == n.daemon.proc.pid
         assert views[name].agent == "up" and views[name].slots == 2
 
 
-async def test_what_fits_runs_and_the_rest_waits_with_the_reason(rig, fleet, echo, heartbeat):
+async def test_what_fits_runs_and_the_rest_waits_with_the_reason(fleet_rig, fleet, echo, heartbeat):
     await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
     await fleet.wait("echo", running=3, timeout=UP_S)
     # 3 slots free for 4 replicas (SPREAD: a placement group each): 3 run, 1 waits, as a Deployment's would.
@@ -164,16 +164,16 @@ async def test_what_fits_runs_and_the_rest_waits_with_the_reason(rig, fleet, ech
     await fleet.wait("heartbeat", running=4, timeout=UP_S)
 
 
-async def test_the_agent_killed_changes_no_worker_and_resets_no_heartbeat(rig, fleet, heartbeat):
+async def test_the_agent_killed_changes_no_worker_and_resets_no_heartbeat(fleet_rig, fleet, heartbeat):
     await fleet.deploy(ProgramSpec("heartbeat", heartbeat, replicas=3))
     await fleet.wait("heartbeat", running=3, timeout=UP_S)
-    before = {(name, k): row for name, n in rig.nodes.items() for k, row in n.ps().items()}
+    before = {(name, k): row for name, n in fleet_rig.nodes.items() for k, row in n.ps().items()}
     agents_before = {n.name: n.agent_pid for n in (await fleet.status()).nodes}
     assert all(n.call_port for n in (await fleet.status()).nodes), "every agent has a call port"
     # The controller learns an agent's end from its watch failing (fleet/loop.py, links.py):
     # one watch of the test's own, which no change answers before the kill.
-    watch = ray.get_actor(agent_name(rig.nodes["n1"].id), namespace=NAMESPACE).watch.remote(2**40)
-    for n in rig.nodes.values():
+    watch = ray.get_actor(agent_name(fleet_rig.nodes["n1"].id), namespace=NAMESPACE).watch.remote(2**40)
+    for n in fleet_rig.nodes.values():
         ray.kill(ray.get_actor(agent_name(n.id), namespace=NAMESPACE), no_restart=False)
     with pytest.raises(ray.exceptions.RayActorError):
         await asyncio.wait_for(watch, 20)
@@ -181,7 +181,7 @@ async def test_the_agent_killed_changes_no_worker_and_resets_no_heartbeat(rig, f
 
     def sample() -> None:
         for (name, k) in before:
-            row = rig.nodes[name].ps()[k]
+            row = fleet_rig.nodes[name].ps()[k]
             assert row["pid"] == before[(name, k)]["pid"], f"{k}'s worker changed"
             assert row["restarts"] == 0 and row["state"] == "running"
             assert row["heartbeat"] >= lowest[(name, k)], f"{k}'s heartbeat went back"
@@ -198,19 +198,19 @@ async def test_the_agent_killed_changes_no_worker_and_resets_no_heartbeat(rig, f
         assert time.monotonic() < deadline, f"the agents did not come back: {(await fleet.status()).nodes}"
         await asyncio.sleep(0.05)  # the polling interval
     p = await fleet.wait("heartbeat", running=3, timeout=UP_S)
-    assert {(r.node, r.pid) for r in p.replicas} == {(rig.nodes[n].id, row["pid"]) for (n, _k), row in before.items()}
+    assert {(r.node, r.pid) for r in p.replicas} == {(fleet_rig.nodes[n].id, row["pid"]) for (n, _k), row in before.items()}
     for (name, k), row in before.items():
-        assert rig.nodes[name].ps()[k]["heartbeat"] > row["heartbeat"], f"{k}'s heartbeat did not advance"
+        assert fleet_rig.nodes[name].ps()[k]["heartbeat"] > row["heartbeat"], f"{k}'s heartbeat did not advance"
 
 
-async def test_a_rolling_upgrade_with_calls_in_flight_fails_no_call_and_keeps_two_replicas(rig, fleet, echo):
+async def test_a_rolling_upgrade_with_calls_in_flight_fails_no_call_and_keeps_two_replicas(fleet_rig, fleet, echo):
     await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
     p = await fleet.wait("echo", running=3, timeout=UP_S)
     new = ProgramSource(echo.manifest, echo.ptx + "\n// v2\n")
     assert new.hash != echo.hash
     calls, failures, answering = 0, [], []
     done = asyncio.Event()
-    socks = {r.index: (rig.nodes[by_node(rig)[r.node]].daemon.sock, r.name) for r in p.replicas}
+    socks = {r.index: (fleet_rig.nodes[by_node(fleet_rig)[r.node]].daemon.sock, r.name) for r in p.replicas}
 
     async def caller() -> None:
         nonlocal calls
@@ -248,7 +248,7 @@ async def test_a_rolling_upgrade_with_calls_in_flight_fails_no_call_and_keeps_tw
     assert sorted(drained) == [0, 1, 2], f"one replica at a time, each once: {drained}"
 
 
-async def test_with_one_agent_hung_the_api_answers_at_once_and_the_other_nodes_go_on(rig, fleet, echo):
+async def test_with_one_agent_hung_the_api_answers_at_once_and_the_other_nodes_go_on(fleet_rig, fleet, echo):
     """n2's agent stopped (SIGSTOP: it answers nothing, its node alive to Ray): deploy, status and
     remove answer within 100 ms, and the replicas on n0 and n1 are placed and upgraded as if it
     were not there.  The API waits on no agent (fleet/controller.py)."""
@@ -289,7 +289,7 @@ async def until_async(cond, what: str) -> None:
         await asyncio.sleep(0.05)  # the polling interval
 
 
-async def test_a_call_from_a_node_goes_to_the_replica_on_that_node(rig, fleet, echo):
+async def test_a_call_from_a_node_goes_to_the_replica_on_that_node(fleet_rig, fleet, echo):
     await fleet.deploy(ProgramSpec("echo", echo, replicas=3, strategy="STRICT_SPREAD"))  # one on n1
     await fleet.wait("echo", running=3, timeout=UP_S)
 
@@ -308,7 +308,7 @@ async def test_a_call_from_a_node_goes_to_the_replica_on_that_node(rig, fleet, e
 
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    node = rig.nodes["n1"].id
+    node = fleet_rig.nodes["n1"].id
     c = Caller.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
     try:
         got = await c.calls.remote(5)
@@ -317,7 +317,7 @@ async def test_a_call_from_a_node_goes_to_the_replica_on_that_node(rig, fleet, e
     assert got == [(f"from here {i}", node) for i in range(5)]
 
 
-async def test_bad_specs_are_refused_with_the_node_apis_errors(rig, fleet, echo):
+async def test_bad_specs_are_refused_with_the_node_apis_errors(fleet_rig, fleet, echo):
     bad = [
         (ProgramSpec("echo", echo, replicas=0), BadSpec, "replicas"),
         (ProgramSpec("echo", echo, strategy="RANDOM"), BadSpec, "strategy"),  # type: ignore[arg-type]
@@ -344,8 +344,8 @@ async def test_bad_specs_are_refused_with_the_node_apis_errors(rig, fleet, echo)
         assert str(e.value) == "no program 'nope' is declared in the fleet" and e.value.program == "nope"
 
 
-def test_capacity_is_the_nodes_limits_as_ray_resources(rig):
-    n = rig.nodes["n0"]
+def test_capacity_is_the_nodes_limits_as_ray_resources(fleet_rig):
+    n = fleet_rig.nodes["n0"]
     st = n.daemon.client.status()
     assert node_resources(st) == {"meshd_slot": 32.0, "meshd_gpu_simulated_h200": 32.0}  # blink: 32 per GPU
     # An MPS daemon's status, two GPUs with a pool of 2 each: each GPU's capacity is 48 less its pool
@@ -357,14 +357,14 @@ def test_capacity_is_the_nodes_limits_as_ray_resources(rig):
     assert replica_name("echo", 2) == "echo.fleet-2"
 
 
-async def test_the_controller_killed_comes_back_from_its_checkpoint_and_halts_nothing(rig, fleet, echo):
+async def test_the_controller_killed_comes_back_from_its_checkpoint_and_halts_nothing(fleet_rig, fleet, echo):
     from meshd_mps.fleet.controller import CONTROLLER
 
     await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
     p = await fleet.wait("echo", running=3, timeout=UP_S)
     pids = {(r.node, r.pid) for r in p.replicas}
     ray.kill(ray.get_actor(CONTROLLER, namespace=NAMESPACE), no_restart=False)
-    started = f"controller started; 1 programs declared in {rig.fleet_state}/fleet.json"
+    started = f"controller started; 1 programs declared in {fleet_rig.fleet_state}/fleet.json"
     deadline = time.monotonic() + UP_S
     while True:  # Ray restarts it (its first words say what it loaded); the same handle reaches the new one
         try:
@@ -379,15 +379,15 @@ async def test_the_controller_killed_comes_back_from_its_checkpoint_and_halts_no
     assert (await fleet.call("echo", b"still here")).data == b"still here"
 
 
-async def test_gpu_and_node_constraints_place_the_replicas_only_there(rig, fleet, heartbeat):
+async def test_gpu_and_node_constraints_place_the_replicas_only_there(fleet_rig, fleet, heartbeat):
     await fleet.deploy(ProgramSpec("heartbeat", heartbeat, replicas=2, gpu="simulated NVIDIA H200", node="n2"))
     p = await fleet.wait("heartbeat", running=2, timeout=UP_S)
     assert {r.node_name for r in p.replicas} == {"n2"} and {r.gpu for r in p.replicas} == {0}
-    assert set(rig.nodes["n2"].ps()) == {"heartbeat.fleet-0", "heartbeat.fleet-1"}
+    assert set(fleet_rig.nodes["n2"].ps()) == {"heartbeat.fleet-0", "heartbeat.fleet-1"}
     assert p.gpu == "simulated NVIDIA H200" and p.node == "n2"
 
 
-async def test_an_upgrade_a_replica_refuses_stops_and_rolls_back(rig, fleet, echo):
+async def test_an_upgrade_a_replica_refuses_stops_and_rolls_back(fleet_rig, fleet, echo):
     from meshd_mps.base.errors import UpgradeFailed
 
     await fleet.deploy(ProgramSpec("echo", echo, replicas=3))
@@ -412,28 +412,28 @@ async def test_an_upgrade_a_replica_refuses_stops_and_rolls_back(rig, fleet, ech
 CLI_S = 120
 
 
-def fleet_cli(rig: FleetRig, *args: str):
-    return cli("fleet", *args, "--address", rig.cluster.address, timeout=CLI_S)
+def fleet_cli(fleet_rig: FleetRig, *args: str):
+    return cli("fleet", *args, "--address", fleet_rig.cluster.address, timeout=CLI_S)
 
 
-def test_deploy_status_call_remove(rig):
-    r = fleet_cli(rig, "deploy", str(EXAMPLES / "echo"), "--replicas", "2", "--strategy", "STRICT_SPREAD", "--wait")
+def test_deploy_status_call_remove(fleet_rig):
+    r = fleet_cli(fleet_rig, "deploy", str(EXAMPLES / "echo"), "--replicas", "2", "--strategy", "STRICT_SPREAD", "--wait")
     assert r.returncode == 0, r
     assert r.stdout == "echo deployed: 2 replicas, STRICT_SPREAD, every one running\n"
 
-    r = fleet_cli(rig, "status", "echo", "--json")
+    r = fleet_cli(fleet_rig, "status", "echo", "--json")
     assert r.returncode == 0, r
     (prog,) = json.loads(r.stdout)["programs"]
     reps = sorted(prog["replicas"], key=lambda x: x["index"])
     assert [x["state"] for x in reps] == ["running", "running"]
-    by_name = {n.name: n for n in rig.nodes.values()}
+    by_name = {n.name: n for n in fleet_rig.nodes.values()}
     assert len({x["node_name"] for x in reps}) == 2 <= len(by_name), "STRICT_SPREAD: on two nodes"
     for x in reps:  # what the fleet says is what each node's daemon runs
         ps = by_name[x["node_name"]].ps()
         assert ps[replica_name("echo", x["index"])]["pid"] == x["pid"]
         assert ps[replica_name("echo", x["index"])]["slot"] == x["slot"]
 
-    r = fleet_cli(rig, "status")
+    r = fleet_cli(fleet_rig, "status")
     assert r.returncode == 0, r
     lines = r.stdout.splitlines()
     assert lines[0].split() == ["PROGRAM", "REPLICA", "NODE", "GPU", "SLOT", "STATE", "BEAT-AGE", "REASON"]
@@ -441,35 +441,35 @@ def test_deploy_status_call_remove(rig):
     assert rows == sorted(["echo", str(x["index"]), x["node_name"], str(x["gpu"]), str(x["slot"]), "running"]
                           for x in reps)
 
-    r = fleet_cli(rig, "call", "echo", "hello fleet")
+    r = fleet_cli(fleet_rig, "call", "echo", "hello fleet")
     assert r.returncode == 0, r
     assert r.stdout == "hello fleet\n"
     assert r.stderr.startswith("# echo[") and " on node n" in r.stderr, r.stderr
     assert r.stderr.rstrip().rsplit(" ", 1)[1] in ("socket", "call-port", "ray") and ", via " in r.stderr, r.stderr
 
-    r = fleet_cli(rig, "remove", "echo")
+    r = fleet_cli(fleet_rig, "remove", "echo")
     assert r.returncode == 0 and r.stdout == "echo removed\n", r
-    r = fleet_cli(rig, "status", "--json")
+    r = fleet_cli(fleet_rig, "status", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["programs"] == [], r
 
 
-def test_removing_a_program_not_declared(rig):
-    r = fleet_cli(rig, "remove", "nothing-here")
+def test_removing_a_program_not_declared(fleet_rig):
+    r = fleet_cli(fleet_rig, "remove", "nothing-here")
     assert (r.returncode, r.stdout) == (1, ""), r
     assert r.stderr == "meshd-mps: no program 'nothing-here' is declared in the fleet\n"
 
 
-def test_calling_a_program_not_declared(rig):
-    r = fleet_cli(rig, "call", "nothing-here", "x")
+def test_calling_a_program_not_declared(fleet_rig):
+    r = fleet_cli(fleet_rig, "call", "nothing-here", "x")
     assert (r.returncode, r.stdout) == (1, ""), r
     assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("meshd-mps: "), r.stderr
     assert "nothing-here" in r.stderr, r.stderr
 
 
-def test_status_watch_prints_each_change(rig):
+def test_status_watch_prints_each_change(fleet_rig):
     """``status --watch``: the table, then a row each time a replica changes (as kubectl get -w),
     until Ctrl-C (exit 130)."""
-    argv = [sys.executable, "-m", "meshd_mps", "fleet", "status", "--watch", "--address", rig.cluster.address]
+    argv = [sys.executable, "-m", "meshd_mps", "fleet", "status", "--watch", "--address", fleet_rig.cluster.address]
     # Ctrl-C reaches it as a shell's foreground job: SIGINT at its default, not ignored as this run's
     # own may be (a background job of a non-interactive shell starts with SIGINT ignored, and so its
     # children: then Python never raises KeyboardInterrupt, and the watch runs on).
@@ -498,10 +498,10 @@ def test_status_watch_prints_each_change(rig):
         try:
             until_row(lambda w: w[:1] == ["PROGRAM"], "header")
             # the simulation runs an example by its name: echo-*
-            r = fleet_cli(rig, "deploy", str(EXAMPLES / "echo"), "--name", "echo-watched", "--wait")
+            r = fleet_cli(fleet_rig, "deploy", str(EXAMPLES / "echo"), "--name", "echo-watched", "--wait")
             assert r.returncode == 0, r
             until_row(lambda w: w[:1] == ["echo-watched"] and w[5:6] == ["running"], "running row")
-            r = fleet_cli(rig, "remove", "echo-watched")
+            r = fleet_cli(fleet_rig, "remove", "echo-watched")
             assert r.returncode == 0, r
             until_row(lambda w: w[:1] == ["echo-watched"] and w[5:6] == ["gone"], "gone row")
         finally:

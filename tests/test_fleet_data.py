@@ -17,12 +17,12 @@ from .rigs import fleet as shared
 from .rigs.fleet import UP_S
 from .rigs.serve import EXAMPLES
 
-rig, fleet = shared.rig, shared.fleet  # tests/rigs/fleet.py
+fleet_rig, fleet = shared.fleet_rig, shared.fleet  # tests/rigs/fleet.py
 
 pytestmark = pytest.mark.timeout(240)
 
 
-async def test_deploy_with_data_reaches_every_node_through_the_object_store(rig, fleet, tmp):
+async def test_deploy_with_data_reaches_every_node_through_the_object_store(fleet_rig, fleet, tmp):
     data = os.urandom(64 << 10)
     path = os.path.join(tmp, "table.bin")
     with open(path, "wb") as f:
@@ -32,7 +32,7 @@ async def test_deploy_with_data_reaches_every_node_through_the_object_store(rig,
     p = await fleet.wait("peek", running=3, timeout=UP_S)
     key = hashlib.sha256(data).hexdigest()
     for r in p.replicas:  # each node's daemon holds the data by its key, and its replica owns it
-        node = next(n for n in rig.nodes.values() if n.id == r.node)
+        node = next(n for n in fleet_rig.nodes.values() if n.id == r.node)
         assert os.path.getsize(os.path.join(node.state, "data", key)) == len(data)
         row = node.ps()[replica_name("peek", r.index)]
         assert (row["data"], row["data_bytes"]) == (key, len(data))

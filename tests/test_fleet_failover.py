@@ -27,7 +27,7 @@ from .rigs.fleet import FLEET_DEADLINES, NAMESPACE, UP_S, FleetRig
 from .rigs.serve import EXAMPLES
 from .rigs.waits import until
 
-rig = shared.rig  # the fleet tests' cluster (tests/rigs/fleet.py)
+fleet_rig = shared.fleet_rig  # the fleet tests' cluster (tests/rigs/fleet.py)
 
 #: A client that keeps its routes for a minute: its calls go to a replica the controller already
 #: knows is gone, as a call on its way when the node died would.
@@ -61,27 +61,27 @@ async def running_where(fleet: Fleet, name: str, n: int, *, not_on: tuple[str, .
         await asyncio.sleep(0.05)  # the polling interval
 
 
-def runs(rig: FleetRig) -> Counter[str]:
+def runs(fleet_rig: FleetRig) -> Counter[str]:
     """How many nodes run each replica (by its name on the daemons)."""
-    return Counter(k for n in rig.nodes.values() for k in n.ps())
+    return Counter(k for n in fleet_rig.nodes.values() for k in n.ps())
 
 
-def once(rig: FleetRig) -> None:
+def once(fleet_rig: FleetRig) -> None:
     """No replica runs on two nodes now."""
-    twice = {k: n for k, n in runs(rig).items() if n > 1}
+    twice = {k: n for k, n in runs(fleet_rig).items() if n > 1}
     assert not twice, f"replicas run on two nodes: {twice}"
 
 
-async def removed(rig, fleet: Fleet, *names: str) -> None:
+async def removed(fleet_rig, fleet: Fleet, *names: str) -> None:
     """The programs removed, and every replica unloaded from its daemon: the next test deploys
     programs of the same names, on the same daemons' slots."""
     for name in names:
         await fleet.remove(name)
-    await until(lambda: not any(n.ps() for n in rig.nodes.values()), UP_S, "every replica unloaded")
+    await until(lambda: not any(n.ps() for n in fleet_rig.nodes.values()), UP_S, "every replica unloaded")
 
 
 async def test_a_lost_nodes_replicas_run_elsewhere_or_wait_with_the_reason_and_its_return_runs_none_twice(
-        rig, sources):
+        fleet_rig, sources):
     fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
     stale = await Fleet.connect(namespace=NAMESPACE, deadlines=STALE_ROUTES)
     await fleet.deploy(ProgramSpec("echo", sources["echo"], replicas=3))
@@ -95,7 +95,7 @@ async def test_a_lost_nodes_replicas_run_elsewhere_or_wait_with_the_reason_and_i
     for i in range(3):
         assert (await stale.call("echo", b"before %d" % i)).data == b"before %d" % i
 
-    rig.kill(victim)
+    fleet_rig.kill(victim)
     # A call sent to the lost node's replica: not sent again unless idempotent (each replica is the
     # first a call tries once in 3 calls).
     lost = []
@@ -118,8 +118,8 @@ async def test_a_lost_nodes_replicas_run_elsewhere_or_wait_with_the_reason_and_i
     assert any(e.kind == "node-lost" for e in moved) and any(e.kind == "moved" for e in moved), moved
 
     # A second node lost: 2 slots left for 4 replicas; those without a slot pending with the reason.
-    second, last = sorted(set(rig.nodes) - {victim})
-    rig.kill(second)
+    second, last = sorted(set(fleet_rig.nodes) - {victim})
+    fleet_rig.kill(second)
     deadline = time.monotonic() + UP_S
     while True:
         st = await fleet.status()
@@ -136,39 +136,39 @@ async def test_a_lost_nodes_replicas_run_elsewhere_or_wait_with_the_reason_and_i
     # The nodes come back, their daemons restarting from their state dirs (the replicas they ran
     # were loaded with restore adopt: not running, they are left to the fleet, not loaded again):
     # every replica runs again, and at no observation on two nodes.
-    rig.add(victim)
-    once(rig)
-    rig.add(second)
-    once(rig)
+    fleet_rig.add(victim)
+    once(fleet_rig)
+    fleet_rig.add(second)
+    once(fleet_rig)
     deadline = time.monotonic() + UP_S
     while True:
-        once(rig)
+        once(fleet_rig)
         st = {p.name: p for p in (await fleet.status()).programs}
-        if st["echo"].running == 3 and st["heartbeat"].running == 1 and len(runs(rig)) == 4:
+        if st["echo"].running == 3 and st["heartbeat"].running == 1 and len(runs(fleet_rig)) == 4:
             break
         assert time.monotonic() < deadline, f"not every replica running again: {st}"
         await asyncio.sleep(0.05)  # the polling interval
     await running_where(fleet, "echo", 3)
     await running_where(fleet, "heartbeat", 1)
     for _ in range(10):  # and stays so
-        assert set(runs(rig).values()) == {1} and len(runs(rig)) == 4, runs(rig)
+        assert set(runs(fleet_rig).values()) == {1} and len(runs(fleet_rig)) == 4, runs(fleet_rig)
         await asyncio.sleep(FLEET_DEADLINES.fleet_tick)
-    await removed(rig, fleet, "echo", "heartbeat")
+    await removed(fleet_rig, fleet, "echo", "heartbeat")
     await stale.close()
     await fleet.close()
 
 
-async def test_the_head_restarted_loses_no_program_and_halts_none(rig, sources):
+async def test_the_head_restarted_loses_no_program_and_halts_none(fleet_rig, sources):
     fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
     await fleet.deploy(ProgramSpec("echo", sources["echo"], replicas=3))
     await fleet.deploy(ProgramSpec("heartbeat", sources["heartbeat"], replicas=2, restart="always"))
     await fleet.wait("echo", running=3, timeout=UP_S)
     await fleet.wait("heartbeat", running=2, timeout=UP_S)
     declared = {p.name: (p.hash, p.wanted, p.restart) for p in (await fleet.status()).programs}
-    before = {(name, k): row for name, n in rig.nodes.items() for k, row in n.ps().items()}
+    before = {(name, k): row for name, n in fleet_rig.nodes.items() for k, row in n.ps().items()}
     assert len(before) == 5
 
-    rig.restart_head()  # the fleet's controller, agents and placement groups end with it
+    fleet_rig.restart_head()  # the fleet's controller, agents and placement groups end with it
 
     fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
     st = await fleet.status()
@@ -177,7 +177,7 @@ async def test_the_head_restarted_loses_no_program_and_halts_none(rig, sources):
     await fleet.wait("heartbeat", running=2, timeout=UP_S)
     for _ in range(5):  # a few ticks: the placements settled, nothing moved or reloaded
         await asyncio.sleep(FLEET_DEADLINES.fleet_tick)
-    after = {(name, k): row for name, n in rig.nodes.items() for k, row in n.ps().items()}
+    after = {(name, k): row for name, n in fleet_rig.nodes.items() for k, row in n.ps().items()}
     assert after.keys() == before.keys(), "each replica on the node it ran on"
     for key, row in after.items():
         assert row["pid"] == before[key]["pid"] and row["restarts"] == 0, f"{key} halted: {row}"
@@ -188,19 +188,19 @@ async def test_the_head_restarted_loses_no_program_and_halts_none(rig, sources):
     assert not [e for e in st.events if e.kind in ("moved", "failed")], st.events
     reply = await fleet.call("echo", b"after the head")
     assert reply.data == b"after the head"
-    await removed(rig, fleet, *declared)
+    await removed(fleet_rig, fleet, *declared)
     await fleet.close()
 
 
-async def test_a_raylet_restarted_with_no_room_elsewhere_halts_none_of_its_replicas(rig, sources):
+async def test_a_raylet_restarted_with_no_room_elsewhere_halts_none_of_its_replicas(fleet_rig, sources):
     fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
     await fleet.deploy(ProgramSpec("heartbeat", sources["heartbeat"], replicas=6, strategy="PACK"))  # every slot
     p = await fleet.wait("heartbeat", running=6, timeout=UP_S)
-    before = {(name, k): row for name, n in rig.nodes.items() for k, row in n.ps().items()}
+    before = {(name, k): row for name, n in fleet_rig.nodes.items() for k, row in n.ps().items()}
     assert len(before) == 6 and {r.node_name for r in p.replicas} == {"n0", "n1", "n2"}
     on_n1 = {k for (name, k) in before if name == "n1"}
 
-    rig.stop_raylet("n1")  # on this thread (cluster_utils sets signal handlers); the loop waits meanwhile
+    fleet_rig.stop_raylet("n1")  # on this thread (cluster_utils sets signal handlers); the loop waits meanwhile
     deadline = time.monotonic() + UP_S
     while True:  # n1's replicas have no node now (no room elsewhere), and its daemon runs them on
         reps = (await fleet.status("heartbeat")).programs[0].replicas
@@ -209,10 +209,10 @@ async def test_a_raylet_restarted_with_no_room_elsewhere_halts_none_of_its_repli
         assert time.monotonic() < deadline, f"n1's replicas not pending: {reps}"
         await asyncio.sleep(0.05)  # the polling interval
     for _ in range(5):
-        assert set(rig.nodes["n1"].ps()) == on_n1, "unloaded while its node had no raylet"
+        assert set(fleet_rig.nodes["n1"].ps()) == on_n1, "unloaded while its node had no raylet"
         await asyncio.sleep(FLEET_DEADLINES.fleet_tick)
-    n1 = rig.nodes["n1"]
-    rig.add("n1", n1.daemon, n1.state)  # the raylet back, for the same daemon
+    n1 = fleet_rig.nodes["n1"]
+    fleet_rig.add("n1", n1.daemon, n1.state)  # the raylet back, for the same daemon
     deadline = time.monotonic() + UP_S
     while True:
         p = (await fleet.status("heartbeat")).programs[0]
@@ -220,11 +220,11 @@ async def test_a_raylet_restarted_with_no_room_elsewhere_halts_none_of_its_repli
             break
         assert time.monotonic() < deadline, f"not all back: {p.replicas}"
         await asyncio.sleep(0.05)  # the polling interval
-    after = {(name, k): row for name, n in rig.nodes.items() for k, row in n.ps().items()}
+    after = {(name, k): row for name, n in fleet_rig.nodes.items() for k, row in n.ps().items()}
     assert after.keys() == before.keys()
     for key, row in after.items():
         assert row["pid"] == before[key]["pid"] and row["restarts"] == 0 and row["heartbeat"] > before[key]["heartbeat"]
-    await removed(rig, fleet, "heartbeat")
+    await removed(fleet_rig, fleet, "heartbeat")
     await fleet.close()
 
 
@@ -232,8 +232,8 @@ class Twice:
     """Every 0.25 s, on a thread of its own, every node's daemon asked what it runs: each replica
     seen on two daemons at one look is kept (``seen``)."""
 
-    def __init__(self, rig: FleetRig):
-        self.rig, self.seen, self.looks = rig, [], 0
+    def __init__(self, fleet_rig: FleetRig):
+        self.fleet_rig, self.seen, self.looks = fleet_rig, [], 0
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -241,7 +241,7 @@ class Twice:
     def _run(self) -> None:
         while not self.done.wait(0.25):  # the sampling interval
             runs: Counter[str] = Counter()
-            for n in list(self.rig.nodes.values()):
+            for n in list(self.fleet_rig.nodes.values()):
                 with contextlib.suppress(ClientError):
                     runs.update(n.ps().keys())
             self.looks += 1
@@ -253,7 +253,7 @@ class Twice:
         self.thread.join(30)
 
 
-async def test_the_head_restarted_and_its_nodes_back_late_runs_no_unique_replica_twice(rig, sources):
+async def test_the_head_restarted_and_its_nodes_back_late_runs_no_unique_replica_twice(fleet_rig, sources):
     """The head restarts, and two nodes' Ray comes back late (their ``ray start`` run again once
     their leases ran out): their daemons stop the unique replicas whose leases no agent renews, the
     new controller starts each again only once every lease the old one granted has run out, and
@@ -263,26 +263,26 @@ async def test_the_head_restarted_and_its_nodes_back_late_runs_no_unique_replica
     await fleet.deploy(spec)
     p = await fleet.wait("heartbeat", running=3, timeout=UP_S)
     assert {r.node_name for r in p.replicas} == {"n0", "n1", "n2"} and p.unique
-    assert all(row["lease_until"] for n in rig.nodes.values() for row in n.ps().values()), "each loaded with a lease"
-    on_n0 = {k: row["pid"] for k, row in rig.nodes["n0"].ps().items()}
-    twice = Twice(rig)
+    assert all(row["lease_until"] for n in fleet_rig.nodes.values() for row in n.ps().values()), "each loaded with a lease"
+    on_n0 = {k: row["pid"] for k, row in fleet_rig.nodes["n0"].ps().items()}
+    twice = Twice(fleet_rig)
     try:
-        rig.restart_head(late=frozenset({"n1", "n2"}))
+        fleet_rig.restart_head(late=frozenset({"n1", "n2"}))
         fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
         # n1's and n2's replicas stop on their daemons when their leases run out (no agent renews them);
         # n0's is found running there, adopted and its lease renewed: it runs on, never halted.
-        await until(lambda: not rig.nodes["n1"].ps() and not rig.nodes["n2"].ps(), UP_S,
+        await until(lambda: not fleet_rig.nodes["n1"].ps() and not fleet_rig.nodes["n2"].ps(), UP_S,
                     "the late nodes' unique replicas stopped by their leases")
         p = await fleet.program("heartbeat")
         assert [r.state for r in p.replicas] == ["pending"] * 3, "STRICT_SPREAD: 3 nodes wanted, 1 there"
-        rig.rejoin("n1")
-        rig.rejoin("n2")
+        fleet_rig.rejoin("n1")
+        fleet_rig.rejoin("n2")
         # Each started again only once every lease the controller before granted has run out.
         p = await fleet.wait("heartbeat", running=3, timeout=UP_S)
     finally:
         twice.stop()
-    assert set(on_n0.items()) <= {(k, row["pid"]) for k, row in rig.nodes["n0"].ps().items()}, "n0's not halted"
+    assert set(on_n0.items()) <= {(k, row["pid"]) for k, row in fleet_rig.nodes["n0"].ps().items()}, "n0's not halted"
     assert twice.looks > 20 and not twice.seen, f"a unique replica ran on two daemons: {twice.seen[:3]}"
     assert sorted(r.name for r in p.replicas) == [f"heartbeat.fleet-{i}" for i in range(3)]
-    await removed(rig, fleet, "heartbeat")
+    await removed(fleet_rig, fleet, "heartbeat")
     await fleet.close()

@@ -22,7 +22,7 @@ from .rigs.serve import cli
 from .rigs.terminal import Tmux
 from .rigs.tools import need
 
-rig, fleet, echo = shared.rig, shared.fleet, shared.echo  # tests/rigs/fleet.py
+fleet_rig, fleet, echo = shared.fleet_rig, shared.fleet, shared.echo  # tests/rigs/fleet.py
 UP_S = 60.0
 
 pytestmark = pytest.mark.timeout(240)
@@ -57,10 +57,10 @@ def term(tmp):
     t.close()
 
 
-async def test_fleet_top_shows_programs_replicas_nodes_and_their_calls(rig, fleet, echo, term):
+async def test_fleet_top_shows_programs_replicas_nodes_and_their_calls(fleet_rig, fleet, echo, term):
     await fleet.deploy(ProgramSpec("echo", echo, replicas=2))
     await fleet.wait("echo", running=2, timeout=UP_S)
-    term.start([sys.executable, "-m", "meshd_mps", "fleet", "top", "--address", rig.cluster.address,
+    term.start([sys.executable, "-m", "meshd_mps", "fleet", "top", "--address", fleet_rig.cluster.address,
                 "--namespace", NAMESPACE])
     term.wait_for(lambda t: [r["PROGRAM"] for r in table(t, PROGRAM_HEAD)] == ["echo"]
                   and sorted(r["NODE"] for r in table(t, NODE_HEAD)) == ["n0", "n1", "n2"]

@@ -105,7 +105,7 @@ def reap(pid: int, within: float = 30.0) -> int:
 
 
 @pytest.fixture
-async def rig(mps, state):
+async def live_rig(mps, state):
     r = LiveRig(state, mps, D)
     try:
         yield r
@@ -147,21 +147,21 @@ def test_a_file_mailbox_is_private_zeroed_and_reopened_as_it_is(state):
 # ---- detach and adopt -------------------------------------------------------------------------
 
 
-async def test_detach_then_adopt_keeps_the_worker_and_its_kernel(rig, mps, state):
-    first = await rig.sup()
-    w = await rig.spawn(first)
+async def test_detach_then_adopt_keeps_the_worker_and_its_kernel(live_rig, mps, state):
+    first = await live_rig.sup()
+    w = await live_rig.spawn(first)
     assert w.hello is not None and w.hello.pid == w.pid and w.hello.version == frames.PROTOCOL_VERSION
-    assert w.hello.launches == () and w.hello.mailbox == rig.mailbox.path
-    sock = frames.listen_path(rig.dir, w.pid)
-    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600 and os.path.exists(os.path.join(rig.dir, f"{w.pid}.log"))
-    await heartbeat(w, rig.mailbox, 3)
-    await beating(rig.mailbox, 3)
+    assert w.hello.launches == () and w.hello.mailbox == live_rig.mailbox.path
+    sock = frames.listen_path(live_rig.dir, w.pid)
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600 and os.path.exists(os.path.join(live_rig.dir, f"{w.pid}.log"))
+    await heartbeat(w, live_rig.mailbox, 3)
+    await beating(live_rig.mailbox, 3)
     assert await first.detach() == [w.pid]
     assert w.state == WorkerState.DETACHED and first.closed and not first.children()
-    await beating(rig.mailbox, 3, times=10)  # no daemon connected: the kernel runs on
-    mailbox = Mailbox.open(rig.mailbox.path)  # what the next meshd-mps maps
+    await beating(live_rig.mailbox, 3, times=10)  # no daemon connected: the kernel runs on
+    mailbox = Mailbox.open(live_rig.mailbox.path)  # what the next meshd-mps maps
     try:
-        second = await rig.sup()
+        second = await live_rig.sup()
         a = await second.adopt(sock)
         assert a.pid == w.pid and a.hello is not None and a.device == 0
         assert [(m.id, m.name, m.gen) for m in a.hello.modules] == [(0, "heartbeat", 1)]
@@ -188,15 +188,15 @@ async def test_detach_then_adopt_keeps_the_worker_and_its_kernel(rig, mps, state
         mailbox.close()
 
 
-async def test_a_done_while_detached_is_delivered_after_hello(rig):
-    first = await rig.sup()
-    w = await rig.spawn(first)
-    await heartbeat(w, rig.mailbox, 5)
+async def test_a_done_while_detached_is_delivered_after_hello(live_rig):
+    first = await live_rig.sup()
+    w = await live_rig.spawn(first)
+    await heartbeat(w, live_rig.mailbox, 5)
     await first.detach()
-    rig.mailbox.halt(5)
-    await until(lambda: rig.mailbox.u32(5, abi.STATE) == abi.EXITED, what="the heartbeat halted while detached")
-    second = await rig.sup()
-    a = await second.adopt(frames.listen_path(rig.dir, w.pid))
+    live_rig.mailbox.halt(5)
+    await until(lambda: live_rig.mailbox.u32(5, abi.STATE) == abi.EXITED, what="the heartbeat halted while detached")
+    second = await live_rig.sup()
+    a = await second.adopt(frames.listen_path(live_rig.dir, w.pid))
     assert a.pid == w.pid and a.hello is not None
     assert a.hello.launches == (HelloLaunch(module=0, gen=1, slot=5, nodes=1, running=False),)
     with anyio.fail_after(10):
@@ -204,8 +204,8 @@ async def test_a_done_while_detached_is_delivered_after_hello(rig):
     assert d.ok and d.gen == 1 and a.done[0] == 1 and not a.running()
     # A second adopter gets no DONE twice: the worker's account says nothing is outstanding.
     await second.detach()
-    third = await rig.sup()
-    b = await third.adopt(frames.listen_path(rig.dir, w.pid))
+    third = await live_rig.sup()
+    b = await third.adopt(frames.listen_path(live_rig.dir, w.pid))
     assert b.hello is not None and b.hello.launches == () and b.outstanding == {} and b.gen == {0: 1}
 
 
@@ -228,21 +228,21 @@ async def test_the_orphan_timeout_halts_the_kernel_and_exits_0(mps, state):
     assert EXIT_FAULT not in control_log(mps)
 
 
-async def test_stdin_eof_halts_the_running_kernel_before_the_worker_exits(rig, mps):
-    sup = await rig.sup()
-    bystander = await rig.spawn(sup, listen=False)
-    by_done = await heartbeat(bystander, rig.mailbox, 1)
-    w = await rig.spawn(sup, listen=False)
-    done = await heartbeat(w, rig.mailbox, 2)
+async def test_stdin_eof_halts_the_running_kernel_before_the_worker_exits(live_rig, mps):
+    sup = await live_rig.sup()
+    bystander = await live_rig.spawn(sup, listen=False)
+    by_done = await heartbeat(bystander, live_rig.mailbox, 1)
+    w = await live_rig.spawn(sup, listen=False)
+    done = await heartbeat(w, live_rig.mailbox, 2)
     w.close_stdin()  # what a SIGKILL of the daemon gives every worker on a pipe
     with anyio.fail_after(20):
         d = await done
         assert await w.process.wait() == 0
-    assert d.ok and rig.mailbox.u32(2, abi.STATE) == abi.EXITED  # halted, not torn down
-    await beating(rig.mailbox, 1)  # the bystander never noticed
+    assert d.ok and live_rig.mailbox.u32(2, abi.STATE) == abi.EXITED  # halted, not torn down
+    await beating(live_rig.mailbox, 1)  # the bystander never noticed
     assert not by_done.done() and bystander.state == WorkerState.READY
     assert EXIT_FAULT not in control_log(mps)
-    rig.mailbox.halt(1)
+    live_rig.mailbox.halt(1)
     with anyio.fail_after(10):
         assert (await by_done).ok
 
@@ -301,27 +301,27 @@ async def test_another_protocol_version_or_a_pid_that_lies_is_refused(state):
         await sup.close()
 
 
-async def test_a_dead_workers_socket_gives_worker_gone_and_is_removed(rig):
-    first = await rig.sup()
-    w = await rig.spawn(first)
+async def test_a_dead_workers_socket_gives_worker_gone_and_is_removed(live_rig):
+    first = await live_rig.sup()
+    w = await live_rig.spawn(first)
     await first.detach()
     os.kill(w.pid, signal.SIGKILL)  # died while orphaned: nothing of it removes its socket
     assert reap(w.pid) == -signal.SIGKILL
-    sock = frames.listen_path(rig.dir, w.pid)
+    sock = frames.listen_path(live_rig.dir, w.pid)
     assert os.path.exists(sock)
-    second = await rig.sup()
+    second = await live_rig.sup()
     with pytest.raises(WorkerGone) as e:
         await second.adopt(sock)
     assert e.value.pid == w.pid and not os.path.exists(sock)
     with pytest.raises(WorkerGone):  # and now there is nothing at all
         await second.adopt(sock)
-    os.unlink(os.path.join(rig.dir, f"{w.pid}.log"))
+    os.unlink(os.path.join(live_rig.dir, f"{w.pid}.log"))
 
 
-async def test_a_socket_path_over_the_limit_is_refused(rig):
-    sup = await rig.sup()
+async def test_a_socket_path_over_the_limit_is_refused(live_rig):
+    sup = await live_rig.sup()
     with pytest.raises(ConfigError, match="over the 107-byte limit"):
-        await sup.spawn(worker_argv(rig.mailbox.path, 0, "sim"), rig.env, listen="/tmp/" + "x" * 100)
+        await sup.spawn(worker_argv(live_rig.mailbox.path, 0, "sim"), live_rig.env, listen="/tmp/" + "x" * 100)
     assert not sup.children()
 
 

@@ -28,12 +28,12 @@ KILL_P = 0.01
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("no_leaks")]
 
 
-async def test_soak_with_random_kills(rig):
+async def test_soak_with_random_kills(mps_rig):
     rnd = random.Random(20261202)
     counts = {"cycles": 0, "faults injected": 0, "faults survived": 0, "programs lost": 0}
     seen: set[int] = set()
     before, t0 = Resources.now(), time.monotonic()
-    r = rig(pool_cap=LANES)
+    r = mps_rig(pool_cap=LANES)
     async with r as m:
         await m.prewarm(LANES)
 

@@ -40,6 +40,6 @@ def test_every_fleet_module_in_a_shared_scope_uses_the_shared_cluster():
     after it (the cluster is closed after the last test that uses it before another), so that the
     next one starts it again; a module that uses it outside the scopes would start one of its own."""
     for path in sorted(HERE.glob("test_fleet*.py")):
-        uses = "shared.rig" in path.read_text()
+        uses = "shared.fleet_rig" in path.read_text()
         assert shares_cluster(f"tests/{path.name}::test_x") == uses, \
             f"{path.name}: {'uses' if uses else 'does not use'} the shared cluster (tests/conftest.py OWN_CLUSTER)"

@@ -44,8 +44,8 @@ async def start_bystander(r, m):
     return by, by_done
 
 
-async def test_prewarm_load_launch_done_and_reuse(rig):
-    async with rig(pool_cap=2) as m:
+async def test_prewarm_load_launch_done_and_reuse(mps_rig):
+    async with mps_rig(pool_cap=2) as m:
         with capture_logs() as logs:
             await m.prewarm(2)
         pooled = set(m.pool.pids())
@@ -64,10 +64,10 @@ async def test_prewarm_load_launch_done_and_reuse(rig):
         assert again.proc.pid in pooled  # the same process serves the next image
 
 
-async def test_asks_at_once_to_one_worker_are_answered_in_order(rig):
+async def test_asks_at_once_to_one_worker_are_answered_in_order(mps_rig):
     # The supervisor writes each ask at once (no lock: replies are matched in order); a real worker
     # reads them back to back off its pipe and answers each, in order.
-    async with rig() as m:
+    async with mps_rig() as m:
         w = await preload(m, kernel="sleep", ms=0)
         p = w.proc
         first, done, last = await asyncio.gather(p.ask(Op.READY), w.start(slot=5, nodes=1), p.ask(Op.READY))
@@ -76,16 +76,16 @@ async def test_asks_at_once_to_one_worker_are_answered_in_order(rig):
         assert d.ok and d.gen == 1 and not p.asking and p.unfit is None
 
 
-async def test_fresh_worker_is_verified_as_client(rig):
-    async with rig(pool_cap=0) as m:
+async def test_fresh_worker_is_verified_as_client(mps_rig):
+    async with mps_rig(pool_cap=0) as m:
         w = await preload(m, "fresh")
         assert w.fresh and m.mps.server is not None
         assert w.proc.pid in await m.mps.clients(m.mps.server)
         assert not await m.give_back(w)  # cap 0: retired, not kept
 
 
-async def test_pool_cap_keeps_one_retires_other(rig):
-    async with rig(pool_cap=1) as m:
+async def test_pool_cap_keeps_one_retires_other(mps_rig):
+    async with mps_rig(pool_cap=1) as m:
         a = await preload(m, "a")
         b = await preload(m, "b")
         assert await m.give_back(a)
@@ -97,9 +97,9 @@ async def test_pool_cap_keeps_one_retires_other(rig):
         assert b.proc.process.returncode == 0  # it obeyed QUIT
 
 
-async def test_worker_not_our_client_is_refused(rig, monkeypatch):
+async def test_worker_not_our_client_is_refused(mps_rig, monkeypatch):
     monkeypatch.setenv("MESHD_MPS_SIM_STARTUP", "no-mps")
-    async with rig(pool_cap=2) as m:
+    async with mps_rig(pool_cap=2) as m:
         with pytest.raises(MpsError, match=r"our daemon runs no server: they are not MPS clients; refusing"):
             await m.prewarm(2)
         assert len(m.pool) == 0
@@ -110,24 +110,24 @@ async def test_worker_not_our_client_is_refused(rig, monkeypatch):
             await preload(m, "x") if len(m.pool) == 0 else await m.prewarm(1)
 
 
-async def test_ready_deadline(rig, monkeypatch):
+async def test_ready_deadline(mps_rig, monkeypatch):
     monkeypatch.setenv("MESHD_MPS_SIM_STARTUP", "hang")
-    async with rig(deadlines=Deadlines(ready=1.0, retire_quit=0.5)) as m:
+    async with mps_rig(deadlines=Deadlines(ready=1.0, retire_quit=0.5)) as m:
         with pytest.raises(WorkerError, match=r"mps: pool: worker \d+: no reply in 1s"):
             await m.prewarm(1)
 
 
-async def test_worker_dies_at_startup(rig, monkeypatch):
+async def test_worker_dies_at_startup(mps_rig, monkeypatch):
     """A worker that exits before its READY fails the prewarm, naming it; nothing is pooled."""
     monkeypatch.setenv("MESHD_MPS_SIM_STARTUP", "exit")
-    async with rig() as m:
+    async with mps_rig() as m:
         with pytest.raises(WorkerError, match=r"^mps: pool: worker \d+ exited$"):
             await m.prewarm(1)
         assert len(m.pool) == 0
 
 
-async def test_stream_error_is_reported_and_worker_not_reused(rig):
-    async with rig() as m:
+async def test_stream_error_is_reported_and_worker_not_reused(mps_rig):
+    async with mps_rig() as m:
         w = await preload(m, "bad", kernel="fail", message="CUDA_ERROR_LAUNCH_FAILED: oops")
         d = await asyncio.wait_for(await w.start(0, 1), 10)
         assert not d.ok and d.message == "CUDA_ERROR_LAUNCH_FAILED: oops"
@@ -137,8 +137,8 @@ async def test_stream_error_is_reported_and_worker_not_reused(rig):
         assert w.proc.pid not in m.pool.pids()
 
 
-async def test_unsolicited_reply_makes_worker_unfit(rig):
-    async with rig() as m:
+async def test_unsolicited_reply_makes_worker_unfit(mps_rig):
+    async with mps_rig() as m:
         w = await preload(m, "chatty", launch="unsolicited")
         done = await w.start(0, 1)  # answered, then a READY nobody asked for
         with anyio.fail_after(10):
@@ -148,8 +148,8 @@ async def test_unsolicited_reply_makes_worker_unfit(rig):
         assert done.done()
 
 
-async def test_worker_ignoring_quit_is_killed(rig):
-    async with rig(deadlines=Deadlines(retire_quit=0.5, retire_kill=2.0), pool_cap=0) as m:
+async def test_worker_ignoring_quit_is_killed(mps_rig):
+    async with mps_rig(deadlines=Deadlines(retire_quit=0.5, retire_kill=2.0), pool_cap=0) as m:
         w = await preload(m, "stubborn", quit="ignore")
         with capture_logs() as logs:
             assert not await m.give_back(w)
@@ -162,8 +162,8 @@ async def test_worker_ignoring_quit_is_killed(rig):
         assert any(f"mps: worker {w.proc.pid} did not exit in 0.5 s; killing it" == e["event"] for e in logs)
 
 
-async def test_cleanup_kills_everything_within_its_deadline(rig):
-    r = rig(pool_cap=2)
+async def test_cleanup_kills_everything_within_its_deadline(mps_rig):
+    r = mps_rig(pool_cap=2)
     async with r as m:
         await m.prewarm(2)
         busy = await preload(m, "busy", kernel="hang", quit="ignore")
@@ -177,8 +177,8 @@ async def test_cleanup_kills_everything_within_its_deadline(rig):
     assert not os.path.exists(r.daemon.dir)
 
 
-async def test_client_limit_refuses_a_load(rig):
-    async with rig(max_clients=2, pool_cap=0) as m:
+async def test_client_limit_refuses_a_load(mps_rig):
+    async with mps_rig(max_clients=2, pool_cap=0) as m:
         a = await preload(m, "a")
         b = await preload(m, "b")
         with pytest.raises(ClientLimit, match=r"2 clients already: the MPS server takes at most 2 .*for c"):
@@ -186,7 +186,7 @@ async def test_client_limit_refuses_a_load(rig):
         assert a.proc.idle() and b.proc.idle()
 
 
-async def test_spawning_many_does_not_freeze_the_loop(rig):
+async def test_spawning_many_does_not_freeze_the_loop(mps_rig):
     gaps = []
 
     async def ticker():
@@ -197,7 +197,7 @@ async def test_spawning_many_does_not_freeze_the_loop(rig):
             gaps.append(now - last)
             last = now
 
-    async with rig(pool_cap=8) as m:
+    async with mps_rig(pool_cap=8) as m:
         async with anyio.create_task_group() as tg:
             tg.start_soon(ticker)
             await m.prewarm(8)
@@ -322,11 +322,11 @@ async def victim(m, case: Fault) -> MeshError | None:
 
 
 @pytest.mark.parametrize("case", list(FAULTS.values()), ids=list(FAULTS))
-async def test_a_fault_stays_with_its_worker(rig, monkeypatch, case):
+async def test_a_fault_stays_with_its_worker(mps_rig, monkeypatch, case):
     """Each fault of a worker: the caller gets its own error; the worker is retired and reaped;
     a program running in another worker keeps beating; the pool refills and serves the next
     load (and the fixtures: no fd, temporary entry or process left)."""
-    r = rig(pool_cap=2, deadlines=Deadlines(**{**RETIRE, **case.deadlines}))
+    r = mps_rig(pool_cap=2, deadlines=Deadlines(**{**RETIRE, **case.deadlines}))
     async with r as m:
         await m.prewarm(1)
         by, by_done = await start_bystander(r, m)  # takes the pooled worker: the victim's is fresh
@@ -375,7 +375,7 @@ KILLED_RUNNING = {
 
 
 @pytest.mark.parametrize("case", list(KILLED_RUNNING.values()), ids=list(KILLED_RUNNING))
-async def test_a_kill_with_its_kernel_running_faults_its_gpu(rig, monkeypatch, case):
+async def test_a_kill_with_its_kernel_running_faults_its_gpu(mps_rig, monkeypatch, case):
     """On the H200 an MPS client that exits with its kernel running faults the other clients of
     its GPU (scripts/kill_probe.py, docs/reliability.md), and the stand-in does the same: the
     caller gets its own error; the bystander's DONE and the pooled worker's next load say
@@ -383,7 +383,7 @@ async def test_a_kill_with_its_kernel_running_faults_its_gpu(rig, monkeypatch, c
     torn-down ones exit, then a fresh worker loads and runs.  (Programs' recovery of this:
     test_faults.py; meshd-mps's own retire of such a worker terminates its client first and
     faults nobody: the no-reply-to-launch case above.)"""
-    r = rig(pool_cap=2, deadlines=Deadlines(**RETIRE))
+    r = mps_rig(pool_cap=2, deadlines=Deadlines(**RETIRE))
     async with r as m:
         await m.prewarm(2)
         by, by_done = await start_bystander(r, m)
@@ -416,10 +416,10 @@ async def test_a_kill_with_its_kernel_running_faults_its_gpu(rig, monkeypatch, c
         await m.give_back(nxt)
 
 
-async def test_a_dead_worker_is_retired_at_once(rig):
+async def test_a_dead_worker_is_retired_at_once(mps_rig):
     """A worker that dies while its kernel runs is retired and reaped at once, not only when its
     program is unloaded: meanwhile it is not a live worker, nor counted against the client limit."""
-    async with rig(max_clients=2, pool_cap=0) as m:
+    async with mps_rig(max_clients=2, pool_cap=0) as m:
         a = await preload(m, "a", kernel="exit")
         with pytest.raises(WorkerError, match=r"^worker \d+ exited while its kernel ran$"):
             with anyio.fail_after(10):
@@ -433,11 +433,11 @@ async def test_a_dead_worker_is_retired_at_once(rig):
         await m.give_back(c)
 
 
-async def test_out_of_fds_to_verify_a_fresh_worker(rig, monkeypatch):
+async def test_out_of_fds_to_verify_a_fresh_worker(mps_rig, monkeypatch):
     """The worker started, but the control command that verifies it cannot (EMFILE): an MpsError
     naming the command and the cause, not a bare OSError; the worker is retired, not pooled; the
     next load works."""
-    async with rig(pool_cap=1) as m:
+    async with mps_rig(pool_cap=1) as m:
         check = m.mps.check_clients
 
         async def starved(want):
@@ -456,14 +456,14 @@ async def test_out_of_fds_to_verify_a_fresh_worker(rig, monkeypatch):
         await m.give_back(w)
 
 
-async def test_out_of_fds_for_the_pidfd(rig, monkeypatch):
+async def test_out_of_fds_for_the_pidfd(mps_rig, monkeypatch):
     """No fd left for a worker's pidfd: the worker still works, and its exit is seen by polling."""
     from meshd_mps.supervision import child
 
     def emfile(pid):
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
 
-    async with rig(pool_cap=0) as m:
+    async with mps_rig(pool_cap=0) as m:
         monkeypatch.setattr(child.os, "pidfd_open", emfile)
         w = await preload(m, "polled", kernel="sleep", ms=1)
         monkeypatch.undo()
@@ -476,9 +476,9 @@ async def test_out_of_fds_for_the_pidfd(rig, monkeypatch):
         await until(lambda: m.sup.children() == [], 10, lambda: f"the worker reaped, not {m.sup.children()}")
 
 
-async def test_a_worker_that_failed_verification_is_never_pooled(rig, monkeypatch):
+async def test_a_worker_that_failed_verification_is_never_pooled(mps_rig, monkeypatch):
     """A fresh worker that is not our server's client is refused, and not kept for the next load."""
-    async with rig(pool_cap=2) as m:
+    async with mps_rig(pool_cap=2) as m:
         await m.prewarm(1)  # the server is up
         held = await preload(m, "held")
         monkeypatch.setenv("MESHD_MPS_SIM_STARTUP", "no-mps")  # a plain context, as with another pipe dir
@@ -491,7 +491,7 @@ async def test_a_worker_that_failed_verification_is_never_pooled(rig, monkeypatc
             await m.give_back(held)
 
 
-async def test_daemon_killed_underneath(rig):
+async def test_daemon_killed_underneath(mps_rig):
     """The control daemon SIGKILLed, as it went on the H200 (scripts/kill_probe.py
     orphan-server, tests/gpu/test_faults_real.py): its server exits with it (a zombie of ours,
     reaped at the next refusal), yet the running program goes on beating, its completion no longer
@@ -499,7 +499,7 @@ async def test_daemon_killed_underneath(rig):
     worker would fail its LOAD with MPS_RPC_FAILURE, a fresh one run as a plain context), and no
     pooled worker is spent on them; the running one is retired at its unload, without the server to
     terminate it first; at close nothing is left (no_child_left, no_leaks)."""
-    r = rig(pool_cap=2)
+    r = mps_rig(pool_cap=2)
     async with r as m:
         await m.prewarm(2)
         by, by_done = await start_bystander(r, m)
@@ -530,13 +530,13 @@ async def test_daemon_killed_underneath(rig):
         await until(lambda: m.sup.children() == [m.pool.pids()[0]], 10, lambda: f"the bystander reaped, not {m.sup.children()}")
 
 
-async def test_mps_dir_removed_underneath(rig):
+async def test_mps_dir_removed_underneath(mps_rig):
     """The MPS directory removed: the daemon's sockets go with it.  Programs already running keep
     running and pooled workers (verified when they started) still load; a fresh worker cannot be
     verified: refused with the control's own error, without a hang; the directory is not re-made."""
     import shutil
 
-    r = rig(pool_cap=2)
+    r = mps_rig(pool_cap=2)
     async with r as m:
         await m.prewarm(2)
         by, by_done = await start_bystander(r, m)
@@ -558,11 +558,11 @@ async def test_mps_dir_removed_underneath(rig):
     assert not os.path.exists(r.daemon.dir)
 
 
-async def test_a_pooled_worker_that_hangs_on_load_is_not_retried(rig):
+async def test_a_pooled_worker_that_hangs_on_load_is_not_retried(mps_rig):
     """Only a pooled worker that died while idle is replaced by the next one; a live one that
     does not answer LOAD fails the load after one deadline (a retry would cost a second one)."""
     d = Deadlines(load=1.0, retire_quit=1.0, retire_kill=2.0)
-    async with rig(pool_cap=2, deadlines=d) as m:
+    async with mps_rig(pool_cap=2, deadlines=d) as m:
         await m.prewarm(2)
         pooled = m.pool.pids()
         t0 = time.monotonic()

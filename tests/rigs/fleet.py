@@ -7,10 +7,10 @@ with a small ``slots`` so that capacity runs out early, and its daemon's socket 
 environment (``$MESHD_MPS_SOCKET``, which its agent reads).  ``close`` removes every program, stops
 the daemons with nothing running (a live-restore stop then leaves nothing) and the cluster.
 
-One cluster serves every fleet test module (fixtures ``rig`` and ``fleet`` here): one less saved
+One cluster serves every fleet test module (fixtures ``fleet_rig`` and ``fleet`` here): one less saved
 14 s of the CPU of test_fleet.py and test_fleet_failover.py (4 raylets with their agents, 3
 daemons, the controller and agents).  A module joins with ``from .rigs import fleet as shared`` and
-``rig, fleet = shared.rig, shared.fleet`` (not imported by name: ruff takes the tests' arguments for
+``fleet_rig, fleet = shared.fleet_rig, shared.fleet`` (not imported by name: ruff takes the tests' arguments for
 redefinitions); tests/conftest.py runs the modules whose names start with tests/test_fleet on one
 pytest-xdist worker, one after another, test_fleet_failover.py last, and closes the cluster after
 the last test that uses it.  Each test leaves it as it found it: its programs removed (``fleet``
@@ -241,7 +241,7 @@ _shared: list[FleetRig] = []
 
 
 @pytest.fixture(scope="module")
-def rig() -> FleetRig:
+def fleet_rig() -> FleetRig:
     """The fleet tests' cluster: a head and 3 nodes of 2 slots each.  Started by the first module
     that uses it; the next ones find it as the last left it (each test removes what it deployed,
     and puts back a node it removed); closed by ``close_shared`` after the last (tests/conftest.py)."""
@@ -251,7 +251,7 @@ def rig() -> FleetRig:
 
 
 @pytest.fixture
-async def fleet(rig: FleetRig):
+async def fleet(fleet_rig: FleetRig):
     """A client of the cluster's fleet, in the fleet's own namespace; after the test, every program
     removed and every replica unloaded from its node."""
     f = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
@@ -260,7 +260,7 @@ async def fleet(rig: FleetRig):
     finally:
         for p in (await f.status()).programs:
             await f.remove(p.name)
-        await until(lambda: not any(n.ps() for n in rig.nodes.values()), UP_S, "every replica unloaded")
+        await until(lambda: not any(n.ps() for n in fleet_rig.nodes.values()), UP_S, "every replica unloaded")
         await f.close()
 
 
@@ -281,8 +281,8 @@ def held() -> set[int]:
 
 
 def uses_shared(item: pytest.Item | None) -> bool:
-    """Whether ``item``'s module takes its ``rig`` from here (the shared cluster)."""
-    return item is not None and getattr(getattr(item, "module", None), "rig", None) is rig
+    """Whether ``item``'s module takes its ``fleet_rig`` from here (the shared cluster)."""
+    return item is not None and getattr(getattr(item, "module", None), "fleet_rig", None) is fleet_rig
 
 
 def close_shared() -> None:
