@@ -1,5 +1,6 @@
 """The package's shape, checked: imports point down the layers of docs/architecture.md, never in a
-circle, and no module is over 500 lines unless docs/architecture.md says why.
+circle, and no module is over 500 lines unless docs/architecture.md says why (meshd_mps/, workers/
+and scripts/).
 
 Read from the source (ast), not by importing it: an import inside a function counts as much as one
 at the top, and one under ``if TYPE_CHECKING`` too (a type drawn from above is a dependency on it).
@@ -13,11 +14,14 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("meshd_mps", "workers")
+PACKAGES = ("meshd_mps", "workers", "scripts")
 
 #: Each module's layer, by the longest prefix that names it: a module imports only from its own
 #: layer or lower ones.  The same table is drawn in docs/architecture.md ("Layers and modules").
 LAYERS: dict[str, int] = {
+    # 11: the scripts (probes, device runs): above everything, as the command is; they may import
+    # any of meshd_mps and workers, and nothing imports them
+    "scripts": 11,
     # 10: the command's entry: `fleet ...` to the fleet's CLI, the rest to the node's (meshd_mps/cli.py)
     "meshd_mps.cli": 10,
     "meshd_mps.__main__": 10,
