@@ -16,7 +16,7 @@ from meshd_mps.fleet.capacity import bundle, why_pending
 from meshd_mps.fleet.checkpoint import Checkpoint
 from meshd_mps.fleet.desired import Image, Spec
 from meshd_mps.fleet.rollout import Rollout
-from meshd_mps.fleet.spec import ProgramSource, ProgramSpec, gpu_model, parse_replica_name, replica_name
+from meshd_mps.fleet.spec import ProgramSource, ProgramSpec, parse_replica_name, replica_name, resource_key
 
 from .rigs.serve import EXAMPLES, env
 
@@ -46,7 +46,8 @@ def test_a_spec_that_cannot_be_deployed_is_refused_naming_the_field(spec, err, f
 def test_names_and_keys():
     assert replica_name("echo", 12) == "echo.fleet-12" and parse_replica_name("echo.fleet-12") == ("echo", 12)
     assert parse_replica_name("echo") is None and parse_replica_name("echo.fleet-x") is None
-    assert gpu_model("NVIDIA H200") == "h200" and gpu_model("simulated NVIDIA H200 (meshd-mps --gpu sim)") == "simulated_h200"
+    assert resource_key("NVIDIA H200") == "h200"
+    assert resource_key("simulated NVIDIA H200 (meshd-mps --gpu sim)") == "simulated_h200"
     assert bundle("H100 80GB", "gpu-box-1") == {"meshd_slot": 1.0, "meshd_gpu_h100_80gb": 1.0, "meshd_node_gpu_box_1": 1.0}
 
 

@@ -45,14 +45,6 @@ def parse_replica_name(name: str) -> tuple[str, int] | None:
     return program, int(index)
 
 
-def gpu_model(name: str) -> str:
-    """A GPU's model as a resource key: lower case, the vendor and any parenthesis dropped, every
-    other run of non-alphanumerics one ``_`` ("NVIDIA H200" -> ``h200``; the simulation's
-    "simulated NVIDIA H200 (meshd-mps --gpu sim)" -> ``simulated_h200``)."""
-    s = re.sub(r"\(.*?\)", " ", name).lower().replace("nvidia", " ")
-    return re.sub(r"[^a-z0-9]+", "_", s).strip("_")
-
-
 @dataclass(frozen=True)
 class ProgramSource:
     """A program's image: its manifest (a JSON object) and its PTX text, as ``meshd-mps load``
@@ -132,8 +124,13 @@ class ProgramSpec:
 
 
 def resource_key(name: str) -> str:
-    """A node or GPU model name as it appears in a Ray resource key (``gpu_model``'s rule)."""
-    return gpu_model(name)
+    """A GPU model's or a node's name as it appears in a Ray resource key (``meshd_gpu_<key>``,
+    ``meshd_node_<key>``), the same on the node that advertises it and in the bundle that asks for
+    it: lower case, the vendor and any parenthesis dropped, every other run of non-alphanumerics one
+    ``_`` ("NVIDIA H200" -> ``h200``; the simulation's "simulated NVIDIA H200 (meshd-mps --gpu sim)"
+    -> ``simulated_h200``)."""
+    s = re.sub(r"\(.*?\)", " ", name).lower().replace("nvidia", " ")
+    return re.sub(r"[^a-z0-9]+", "_", s).strip("_")
 
 
 # ---- the views ------------------------------------------------------------------------------------
