@@ -14,7 +14,7 @@ the verdict) is:
   then every program there is innocent;
 - when each program was seen failing: with nothing else, the first one is taken for the culprit.
 
-Every function here is pure: tests/test_fault_verdict.py feeds it evidence and checks the verdict.
+Every function here is pure: tests/unit/test_fault_verdict.py feeds it evidence and checks the verdict.
 """
 
 from __future__ import annotations

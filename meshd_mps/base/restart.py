@@ -8,7 +8,7 @@ relaunched again, and says why, until it is upgraded or loaded anew.  A program 
 program's fault did nothing wrong: it is relaunched at once, and that is not counted against it.
 
 Everything here is pure: ``decide`` maps a program's end, its policy and its history of
-failures to what to do (tests/test_restart.py).
+failures to what to do (tests/rig/test_restart.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The reliability cases against the REAL GPU and NVIDIA's own MPS control: the same cases as
-the simulated GPU's tests (tests/test_restart.py, test_pool_truth.py, test_hard_deaths.py,
+the simulated GPU's tests (tests/rig/test_restart.py, test_pool_truth.py, test_hard_deaths.py,
 test_native_clients.py), so that what the sim models is checked where it comes from.
 
 - a program whose worker is killed from outside comes back (restart policy on-failure);

@@ -9,14 +9,15 @@ capacity runs out early, and its daemon's socket in the node's environment (``$M
 which its agent reads).  ``close`` removes every program, stops
 the daemons with nothing running (a live-restore stop then leaves nothing) and the cluster.
 
-One cluster serves every fleet test module (fixtures ``fleet_rig`` and ``fleet`` here): one less saved
-14 s of the CPU of test_fleet.py and test_fleet_failover.py (4 raylets with their agents, 3
-daemons, the controller and agents).  A module joins with ``from .rigs import fleet as shared`` and
-``fleet_rig, fleet = shared.fleet_rig, shared.fleet`` (not imported by name: ruff takes the tests' arguments for
-redefinitions); tests/conftest.py runs the modules whose names start with tests/test_fleet on one
-pytest-xdist worker, one after another, test_fleet_failover.py last, and closes the cluster after
-the last test that uses it.  Each test leaves it as it found it: its programs removed (``fleet``
-does), every node it removed added back.
+One cluster serves the cluster tests' modules (fixtures ``fleet_rig`` and ``fleet`` here): one less
+saved 14 s of the CPU of test_fleet.py and test_fleet_failover.py (4 raylets with their agents, 3
+daemons, the controller and agents).  A module joins with ``from ..rigs import fleet as shared`` and
+``fleet_rig, fleet = shared.fleet_rig, shared.fleet`` (not imported by name: ruff takes the tests'
+arguments for redefinitions); tests/conftest.py runs the modules of tests/cluster/ (the bench's
+smoke aside, which starts its own) as two pytest-xdist scopes, each with its cluster: the failover
+tests one, the others one after another, and closes each cluster after the last test that uses
+it.  Each test leaves it as it found it: its programs removed (``fleet`` does), every node it
+removed added back.
 """
 
 from __future__ import annotations

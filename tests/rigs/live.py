@@ -1,5 +1,5 @@
 """Supervisors that detach and adopt workers (live restore's transport): one file mailbox, the
-workers' sockets under ``state/workers``, a supervisor at a time (tests/test_live_transport.py)."""
+workers' sockets under ``state/workers``, a supervisor at a time (tests/rig/test_live_transport.py)."""
 
 from __future__ import annotations
 
