@@ -45,7 +45,7 @@ PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
 # The lint runs beside the suite, its output after the suite's: mypy's ~10 s on a fresh clone (no
 # cache) overlap the suite's start, which waits on its Ray clusters and daemons; either failing
 # fails make test.  So does scripts/test-tools.sh: tmux and Prometheus, which the see-it tests run
-# (tests/test_top.py, tests/test_prometheus.py), installed from Debian's packages where they are
+# (tests/serve/test_top.py, tests/serve/test_prometheus.py), installed from Debian's packages where they are
 # missing and this is root (CI), while the suite starts; a test that needs one first waits for it.
 test: $(STAMP)
 	@scripts/test-tools.sh > $(VENV)/tools.log 2>&1 & tools=$$!; \

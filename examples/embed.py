@@ -1,7 +1,7 @@
 """Embedding meshd-mps in an asyncio host (docs/api.md): run as written.
 
     python examples/embed.py            # on the GPU, blink mode
-    python examples/embed.py --gpu sim --isolation mps   # no GPU (put meshd_mps/mps/standin on PATH for mps)
+    python examples/embed.py --gpu sim --isolation mps   # no GPU (put meshd_mps/standin on PATH for mps)
 """
 
 import argparse

@@ -13,18 +13,18 @@ __all__ = ["Backend", "Deadlines", "Launch", "MeshError", "Programs", "__version
 
 if TYPE_CHECKING:
     from meshd_mps.backend import Backend
-    from meshd_mps.deadlines import Deadlines
-    from meshd_mps.errors import MeshError
+    from meshd_mps.base.deadlines import Deadlines
+    from meshd_mps.base.errors import MeshError
     from meshd_mps.isolation.launch import Launch
     from meshd_mps.programs import Programs
 
-_WHERE = {"Backend": "backend", "Programs": "programs", "Launch": "isolation.launch", "Deadlines": "deadlines",
-          "MeshError": "errors"}
+_WHERE = {"Backend": "backend", "Programs": "programs", "Launch": "isolation.launch", "Deadlines": "base.deadlines",
+          "MeshError": "base.errors"}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "__version__":  # read in one place, when asked (meshd_mps/version.py)
-        from meshd_mps.version import version
+    if name == "__version__":  # read in one place, when asked (meshd_mps/base/version.py)
+        from meshd_mps.base.version import version
 
         return version()
     if name in _WHERE:

@@ -43,7 +43,7 @@ def _command(argv: list[str]) -> int:
 def fleet(argv: list[str]) -> int:
     """``meshd-mps fleet ...``; without Ray installed, one line saying how to get it, exit 2 (as a
     usage error: nothing was tried)."""
-    from meshd_mps.errors import FleetUnavailable
+    from meshd_mps.base.errors import FleetUnavailable
 
     try:
         from meshd_mps.fleet.cli import main as fleet_main

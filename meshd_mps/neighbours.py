@@ -23,7 +23,7 @@ from typing import Any, Literal, NamedTuple
 import anyio
 import structlog
 
-from meshd_mps.errors import Timeout
+from meshd_mps.base.errors import Timeout
 from meshd_mps.gpu.nvml import ComputeMode, DeviceView, GpuProcess, NvmlLike
 
 log = structlog.get_logger("meshd_mps")

@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from meshd_mps.base.deadlines import Deadlines  # noqa: E402
 from meshd_mps.bench import ECHO_CHILD, answering_child, ask_only  # noqa: E402
-from meshd_mps.deadlines import Deadlines  # noqa: E402
 from meshd_mps.protocol import frames  # noqa: E402
 from meshd_mps.protocol.frames import LaunchReq, Op  # noqa: E402
 from meshd_mps.supervision import child  # noqa: E402

@@ -1,4 +1,4 @@
-"""What counting each call (meshd_mps/callstats.py: its outcome, time and bytes) costs the ring's fast
+"""What counting each call (meshd_mps/base/callstats.py: its outcome, time and bytes) costs the ring's fast
 path: the bench's row (f) figures, Programs.call's round trip and call_many's throughput on echo, with
 the counting on and off in turns in one process (off: CallStats' two recorders replaced by no-ops),
 so that the machine's load falls on both alike.
@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from meshd_mps.base.callstats import CallStats
 from meshd_mps.bench import measure as M
 from meshd_mps.bench.rig import Bench, echo_loaded
-from meshd_mps.callstats import CallStats
 from meshd_mps.programs import Programs
 
 ON = (CallStats.answered, CallStats.failed)

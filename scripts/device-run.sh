@@ -18,7 +18,7 @@ if [ "$GPU" = cuda ] && ls .whl/*.whl >/dev/null 2>&1; then  # the GPU machine h
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
-if [ "$GPU" = sim ]; then RING=0; export PATH=$PWD/meshd_mps/mps/standin:$PATH; fi
+if [ "$GPU" = sim ]; then RING=0; export PATH=$PWD/meshd_mps/standin:$PATH; fi
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; which nvidia-cuda-mps-control; } > "$OUT/env.txt" 2>&1
 if [ "$RING" = 1 ]; then timeout 60 python3 scripts/ring_variants.py -n 10000 > "$OUT/ring-variants.txt" 2>&1; fi
 if [ "$TESTS" != skip ]; then

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from meshd_mps.backend import Backend  # noqa: E402
 from meshd_mps.protocol import abi  # noqa: E402
-from tests.test_backend import example  # noqa: E402
+from tests.rigs.backend import example  # noqa: E402
 
 BY, VIC = 7, 9
 

@@ -41,7 +41,8 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from meshd_mps import bench as B, eventloop
+from meshd_mps import bench as B
+from meshd_mps.base import eventloop
 from meshd_mps.bench import floor as F  # the module whose FLOOR_CUDA ring_floor reads (mps_floor patches it)
 from meshd_mps.isolation.base import Module
 from meshd_mps.programs.calls import Calls

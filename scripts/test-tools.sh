@@ -1,7 +1,7 @@
 #!/bin/sh
 # The programs the suite's see-it tests run beside the daemon, as a person would: tmux (meshd-mps top
-# in a real terminal, tests/test_top.py) and Prometheus with promtool (the dashboard's queries and the
-# alerts, tests/test_prometheus.py).  Where one is missing and this is root with apt-get (CI: a fresh
+# in a real terminal, tests/serve/test_top.py) and Prometheus with promtool (the dashboard's queries and the
+# alerts, tests/serve/test_prometheus.py).  Where one is missing and this is root with apt-get (CI: a fresh
 # Debian-like machine), Debian's packages are installed; else it says why and exits 3 (the tests then
 # skip, saying so).  Started by `make test` in the background as the suite starts, and by the tests'
 # set-up (tests/rigs/tools.py) where they still miss one: one install at a time (flock), the second

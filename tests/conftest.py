@@ -1,5 +1,5 @@
 """Shared fixtures (the rigs themselves are in tests/rigs/): the stand-in MPS daemon on PATH, a rig
-of daemon + supervisor + simulated workers, daemons of ``meshd-mps serve``, the check that no test
+of daemon + supervisor + simulated workers (``mps_rig``), daemons of ``meshd-mps serve``, the check that no test
 leaves a child process behind, and (``no_leaks``, used by every fault test) that none leaves an fd
 or a temporary file."""
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from meshd_mps.mps import standin
+from meshd_mps import standin
 from meshd_mps.mps.control import become_subreaper
 from meshd_mps.state.statedir import resolve_state_dir
 
@@ -100,7 +100,7 @@ def standin_on_path(monkeypatch):
 
 
 @pytest.fixture
-def rig(standin_on_path):
+def mps_rig(standin_on_path):
     """Rig(...) as an async context manager: GPU 0's MpsIsolation, on a fresh stand-in daemon."""
     return lambda **kw: MpsRig(**kw)
 
@@ -127,44 +127,43 @@ def serve(tmp):
 #: other workers idle.  Only the order changes (a name that is no longer a test's does nothing).
 #: The fleet modules on the shared clusters (``cluster_scope``) come before all of them.
 LONGEST_FIRST = (
-    "tests/test_bench.py::test_bench_sim_quick",  # 77
-    "tests/test_fleet_bench.py::test_fleet_bench_smoke",  # 27 (its own cluster of 2 nodes, one killed)
-    "tests/test_scripts.py::test_ring_probes_run",  # 33
-    "tests/test_prometheus.py::test_every_panel_and_alert_on_a_real_prometheus",  # 15 (two daemons and a Prometheus)
-    "tests/test_live_restore.py::test_reconcile_",  # 18
-    "tests/test_serve.py::test_serve_end_to_end",  # 13 + 8
-    "tests/test_top.py::",  # 10 (top in tmux, beside a daemon)
-    "tests/test_soak.py::",  # 13
-    "tests/test_restore.py::",  # 12 + 8 + 6
-    "tests/test_live_restore.py::",  # 11 + 11 + 11 + 10 + 4
-    "tests/test_devices.py::test_serve_devices_end_to_end",  # 7
-    "tests/test_restart.py::test_a_program_that_keeps_faulting_the_gpu_is_a_crash_loop",  # 7
-    "tests/test_workers.py::test_a_fault_stays_with_its_worker",  # 7 + 6 + 4 + ...
-    "tests/test_native_clients.py::",  # 7 + 3
-    "tests/test_limits.py::test_mps_programs_are_the_clients_less_the_pool",  # 7
-    "tests/test_neighbours_serve.py::",  # 6 + 5
-    "tests/test_lifecycle_races.py::",  # 6 + 4 + ...
-    "tests/test_config.py::test_serve_",  # 5 + 5
-    "tests/test_hard_deaths.py::",  # 5 + 4 + 3 + ...
-    "tests/test_readme_walk.py::",  # 10 + 10 (make serve, then the CLI, in both modes)
-    "tests/test_first_hour_cli.py::",  # three daemons in turn, and more
-    "tests/test_no_surprise_clients.py::",  # live restarts
-    "tests/test_recovery_speed.py::",  # faults in both modes
+    "tests/serve/test_bench.py::test_bench_sim_quick",  # 77
+    "tests/cluster/test_fleet_bench.py::test_fleet_bench_smoke",  # 27 (its own cluster of 2 nodes, one killed)
+    "tests/rig/test_scripts.py::test_ring_probes_run",  # 33
+    "tests/serve/test_prometheus.py::test_every_panel_and_alert_on_a_real_prometheus",  # 15 (two daemons and a Prometheus)
+    "tests/serve/test_live_restore.py::test_reconcile_",  # 18
+    "tests/serve/test_serve.py::test_serve_end_to_end",  # 13 + 8
+    "tests/serve/test_top.py::",  # 10 (top in tmux, beside a daemon)
+    "tests/rig/test_soak.py::",  # 13
+    "tests/serve/test_restore.py::",  # 12 + 8 + 6
+    "tests/serve/test_live_restore.py::",  # 11 + 11 + 11 + 10 + 4
+    "tests/serve/test_devices.py::test_serve_devices_end_to_end",  # 7
+    "tests/rig/test_restart.py::test_a_program_that_keeps_faulting_the_gpu_is_a_crash_loop",  # 7
+    "tests/rig/test_workers.py::test_a_fault_stays_with_its_worker",  # 7 + 6 + 4 + ...
+    "tests/serve/test_native_clients.py::",  # 7 + 3
+    "tests/rig/test_limits.py::test_mps_programs_are_the_clients_less_the_pool",  # 7
+    "tests/serve/test_neighbours_serve.py::",  # 6 + 5
+    "tests/rig/test_lifecycle_races.py::",  # 6 + 4 + ...
+    "tests/serve/test_config.py::test_serve_",  # 5 + 5
+    "tests/serve/test_hard_deaths.py::",  # 5 + 4 + 3 + ...
+    "tests/serve/test_readme_walk.py::",  # 10 + 10 (make serve, then the CLI, in both modes)
+    "tests/serve/test_first_hour_cli.py::",  # three daemons in turn, and more
+    "tests/serve/test_no_surprise_clients.py::",  # live restarts
+    "tests/rig/test_recovery_speed.py::",  # faults in both modes
 )
 
-#: The fleet test modules (by prefix) run on a Ray cluster a module does not start for itself
-#: (tests/rigs/fleet.py ``rig``): two xdist scopes, the first of all, each on a worker of its own
+#: The cluster tests (tests/cluster/) run on a Ray cluster a module does not start for itself
+#: (tests/rigs/fleet.py ``fleet_rig``): two xdist scopes, the first of all, each on a worker of its own
 #: with its own cluster, side by side.  ``CLUSTER_LAST`` (it kills nodes and restarts the head) is
 #: one; the other modules, which leave the cluster as they found it, share the other, one after
 #: another.  One scope for all of them was one worker's ~190 s on 2 loaded cores: the whole run's
 #: length.  Not the modules in ``OWN_CLUSTER``: the bench's smoke starts its own (``meshd-mps fleet
-#: bench``), and the others start none; each is a scope of its own, run beside.  A module of no
-#: cluster left in a shared scope ends the cluster before it (``pytest_runtest_teardown``): the next
-#: module starts another, ~18 s more (test_suite_order.py checks every fleet module's place).
-SHARED_CLUSTER = "tests/test_fleet"
-CLUSTER_LAST = "tests/test_fleet_failover.py::"
-OWN_CLUSTER = ("tests/test_fleet_bench.py::", "tests/test_fleet_api.py::", "tests/test_fleet_cli.py::",
-               "tests/test_fleet_claim.py::", "tests/test_fleet_plan.py::", "tests/test_fleet_sim.py::")
+#: bench``); it is a scope of its own, run beside.  A module of no cluster left in a shared scope
+#: ends the cluster before it (``pytest_runtest_teardown``): the next module starts another, ~18 s
+#: more (test_suite_order.py checks every module's place).
+SHARED_CLUSTER = "tests/cluster/"
+CLUSTER_LAST = "tests/cluster/test_fleet_failover.py::"
+OWN_CLUSTER = ("tests/cluster/test_fleet_bench.py::",)
 
 
 def shares_cluster(nodeid: str) -> bool:
@@ -180,14 +179,20 @@ def cluster_scope(nodeid: str) -> str | None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The shared cluster's modules first (``CLUSTER_LAST`` last of them), then LONGEST_FIRST's
-    tests in its order, then the others in the order collected."""
+    tests in its order, then the others by module file name (a module's own tests, and the shared
+    cluster's, in the order collected)."""
 
-    def rank(item: pytest.Item) -> tuple[int, bool]:
+    def rank(item: pytest.Item) -> tuple[int, bool, bool, str]:
+        # Past the shared cluster's, by the module's file name (tests/gpu/ first) within a rank, as
+        # when every module was in tests/ itself: the folders by level change no module's place.
+        module = item.nodeid.split("::")[0]
+        by_name = (not module.startswith("tests/gpu/"), module.rsplit("/", 1)[-1])
         if shares_cluster(item.nodeid):
-            return (-1, item.nodeid.startswith(CLUSTER_LAST))
-        return (next((i for i, p in enumerate(LONGEST_FIRST) if item.nodeid.startswith(p)), len(LONGEST_FIRST)), False)
+            return (-1, item.nodeid.startswith(CLUSTER_LAST), False, "")
+        return (next((i for i, p in enumerate(LONGEST_FIRST) if item.nodeid.startswith(p)), len(LONGEST_FIRST)), False,
+                *by_name)
 
-    items.sort(key=rank)  # stable: each group keeps the order collected
+    items.sort(key=rank)  # stable: a module's tests keep the order collected
 
 
 @pytest.hookimpl(optionalhook=True)

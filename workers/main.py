@@ -19,7 +19,7 @@ loaded, the kernel launched).  Hows: ``hang`` (never reply), ``exit`` (exit 3),
 op), ``short`` (a reply too short for its ok word), ``close-stdout`` (close
 stdout, stay alive), ``unsolicited`` (the true reply, then a READY nobody asked
 for).  A value that does not parse makes the worker exit at start with status 2
-and an error on stderr.  Only tests set it (tests/test_workers.py,
+and an error on stderr.  Only tests set it (tests/rig/test_workers.py,
 tests/gpu/test_faults_real.py); meshd-mps itself never does.
 """
 
@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from meshd_mps.deadlines import DEFAULT
+from meshd_mps.base.deadlines import DEFAULT
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import DataReq, Done, FrameError, LaunchReq, Load, Op, PayloadsReq, WriteReq
 from meshd_mps.protocol.mailbox import Mailbox

@@ -224,7 +224,7 @@ class SimGpu:
             _linger_at_exit(linger)
 
     def _connect(self) -> None:
-        from meshd_mps.mps.standin import StandinRefused, connect_client
+        from meshd_mps.standin import StandinRefused, connect_client
 
         if self.startup == "no-mps":
             return

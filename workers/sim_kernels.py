@@ -4,7 +4,7 @@ What runs on the GPU, apart from the GPU itself: heartbeat's beat (``mesh_beat_t
 loop over the header's warp-wide ring helpers (``mesh_ring_*``), line for line, reading and
 writing the real mailbox; sim_gpu.py models the driver and the hardware around them (contexts,
 queues, co-residency, sticky errors) and calls ``resident`` in a kernel's thread.  Kept apart so
-that the ring's device side can be driven step by step without a worker (tests/test_ring.py).
+that the ring's device side can be driven step by step without a worker (tests/rig/test_ring.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The worker's log: the daemon's line format (meshd_mps/log.py), written without structlog.
+"""The worker's log: the daemon's line format (meshd_mps/base/log.py), written without structlog.
 
 Why not structlog here: importing it costs a worker 78 ms of its ~180 ms start (it imports
 asyncio, which no worker uses), paid by every pooled worker and every relaunch, and by each of
@@ -17,7 +17,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
-from meshd_mps.defaults import LOG_FORMAT_ENV, log_level
+from meshd_mps.base.defaults import LOG_FORMAT_ENV, log_level
 
 #: logging's numbers (the levels setup_logging filters by), without importing logging.
 _LEVELS = {"CRITICAL": 50, "ERROR": 40, "WARNING": 30, "INFO": 20, "DEBUG": 10, "NOTSET": 0}
@@ -26,7 +26,7 @@ _bound: dict[str, Any] = {}
 
 
 def setup(component: str = "worker", level: str | None = None, as_json: bool | None = None) -> None:
-    """As ``meshd_mps.log.setup_logging``: the level from ``MESHD_MPS_LOG_LEVEL`` (default info);
+    """As ``meshd_mps.base.log.setup_logging``: the level from ``MESHD_MPS_LOG_LEVEL`` (default info);
     the daemon's format (``MESHD_MPS_LOG_FORMAT``, its stderr is ours), else JSON unless stderr is a
     terminal."""
     name = log_level(level)

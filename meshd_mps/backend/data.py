@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
-from meshd_mps.errors import MeshError, WorkerError
+from meshd_mps.base.errors import MeshError, WorkerError
 from meshd_mps.gpu.device import simulated_memory
 from meshd_mps.gpu.nvml import Nvml
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import DataReq, Op, WriteReq
 
 if TYPE_CHECKING:
-    from meshd_mps.deadlines import Deadlines
+    from meshd_mps.base.deadlines import Deadlines
     from meshd_mps.supervision.proc import WorkerProc
 
 log = structlog.get_logger("meshd_mps")

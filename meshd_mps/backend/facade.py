@@ -25,16 +25,17 @@ from typing import Any, Literal
 import anyio
 import structlog
 
-from meshd_mps import defaults
 from meshd_mps.backend import leftovers
 from meshd_mps.backend.data import DataRegions
 from meshd_mps.backend.inventory import inventory
 from meshd_mps.backend.leftovers import live_mailbox, live_paths
 from meshd_mps.backend.native import NativeClients
 from meshd_mps.backend.opening import Opening
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import ConfigError, MailboxError, NotServedHere, Unavailable
-from meshd_mps.faults import Stray
+from meshd_mps.base import defaults
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.errors import ConfigError, MailboxError, NotServedHere, Unavailable
+from meshd_mps.base.faults import Stray
+from meshd_mps.base.log import setup_logging
 from meshd_mps.gpu.compiler import Compiler, Manifest
 from meshd_mps.gpu.device import Caps, DeviceInfo, check_driver, check_unique, ordinals_text
 from meshd_mps.isolation import limits
@@ -43,7 +44,6 @@ from meshd_mps.isolation.blink import Blink, last_blink_ms
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.isolation.mps import Mps
 from meshd_mps.isolation.preflight import preflight
-from meshd_mps.log import setup_logging
 from meshd_mps.mps.clients import MAX_CLIENTS
 from meshd_mps.mps.control import ControlDaemon
 from meshd_mps.protocol import abi

@@ -19,7 +19,7 @@ import anyio
 import structlog
 
 from meshd_mps.backend import payloads
-from meshd_mps.errors import MailboxError, MpsError, ProtocolMismatch, WorkerError, WorkerGone
+from meshd_mps.base.errors import MailboxError, MpsError, ProtocolMismatch, WorkerError, WorkerGone
 from meshd_mps.mps.control import ControlDaemon, Owner
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.mailbox import Mailbox

@@ -3,7 +3,7 @@ only; docs/operations.md).  The backend's part of them, a mixin of :class:`Backe
 
 from __future__ import annotations
 
-from meshd_mps.errors import MpsError, NotOurClient, WrongMode
+from meshd_mps.base.errors import MpsError, NotOurClient, WrongMode
 from meshd_mps.mps.clients import Clients
 
 

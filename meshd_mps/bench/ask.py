@@ -18,10 +18,10 @@ import time
 
 import anyio
 
+from meshd_mps.base.deadlines import Deadlines
 from meshd_mps.bench.measure import ROUNDS, launch_sync, median, pct, timed, until
 from meshd_mps.bench.report import Row, quantiles
 from meshd_mps.bench.rig import Bench, daemon_cpu, placement, returning_worker
-from meshd_mps.deadlines import Deadlines
 from meshd_mps.isolation.base import Module
 from meshd_mps.protocol import abi, frames
 from meshd_mps.protocol.frames import LaunchReq, Op

@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshd_mps import defaults, eventloop
+from meshd_mps.base import defaults, eventloop
+from meshd_mps.base.errors import ConfigError
+from meshd_mps.base.log import setup_logging
 from meshd_mps.bench.children import leftovers
 from meshd_mps.bench.report import as_json, header, table
 from meshd_mps.bench.rig import Bench
 from meshd_mps.bench.runner import SECTIONS, run_bench
-from meshd_mps.errors import ConfigError
-from meshd_mps.log import setup_logging
 from meshd_mps.supervision import cpus
 
 

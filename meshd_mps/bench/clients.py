@@ -42,7 +42,7 @@ HELD_CUDA = BARE_CUDA.replace("ck(cu.cuInit(0)", "print('held', flush=True)\nsys
 
 HELD_SIM = r"""
 import os, sys
-from meshd_mps.mps.standin import connect_client
+from meshd_mps.standin import connect_client
 print('held', flush=True)
 sys.stdin.readline()
 s = connect_client(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), os.getpid())

@@ -18,10 +18,10 @@ from typing import Any
 
 import anyio
 
+from meshd_mps.base.errors import CapacityError
 from meshd_mps.bench.measure import beat, pct, until
 from meshd_mps.bench.report import Row
 from meshd_mps.bench.rig import Bench
-from meshd_mps.errors import CapacityError
 from meshd_mps.isolation.limits import BLINK_QUEUES
 from meshd_mps.mps.clients import MAX_CLIENTS, stall_estimate_us
 from meshd_mps.programs import Programs

@@ -88,7 +88,7 @@ def gpu_mib(gpu: str, pids: list[int], device: int = 0) -> float | None:
     where NVML is not there, or where it does not say for these processes."""
     if gpu != "cuda" or not pids:
         return None
-    from meshd_mps.errors import DeviceError, NvmlUnavailable
+    from meshd_mps.base.errors import DeviceError, NvmlUnavailable
     from meshd_mps.gpu.nvml import Nvml
 
     try:

@@ -23,8 +23,8 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+from meshd_mps.base.errors import ConfigError
 from meshd_mps.bench.report import QS
-from meshd_mps.errors import ConfigError
 
 HINT = "pip install 'meshd-mps[plot]' (matplotlib)"
 #: The recovery's steps in order (programs/report.py's RECOVERY_STEPS, after the fault's detection).

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
 
-from meshd_mps import eventloop
+from meshd_mps.base import eventloop
 from meshd_mps.bench.rig import Bench
 from meshd_mps.gpu.compiler import nvjitlink_version
 

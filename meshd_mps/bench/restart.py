@@ -13,7 +13,7 @@
     sent as the refill's worker starts) and just after a fault's recovery (a program's worker
     killed, the stop sent as the heartbeat beats again): the same gaps (target: within 2x) and the
     MPS clients made from the stop to the API answering (the control daemon's log; target: none);
-    not with ``--quick`` (tests/test_no_surprise_clients.py counts those clients on the CPU).
+    not with ``--quick`` (tests/serve/test_no_surprise_clients.py counts those clients on the CPU).
 """
 
 from __future__ import annotations

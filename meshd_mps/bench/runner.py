@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 
-from meshd_mps import eventloop
+from meshd_mps.base import eventloop
 from meshd_mps.bench.ask import sec_ask
 from meshd_mps.bench.data import sec_data
 from meshd_mps.bench.done import sec_done

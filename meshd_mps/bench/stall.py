@@ -19,8 +19,8 @@ from typing import Any
 
 import anyio
 
-from meshd_mps import defaults
 from meshd_mps.backend import Backend
+from meshd_mps.base import defaults
 from meshd_mps.bench.measure import beat, until
 from meshd_mps.bench.report import Row
 from meshd_mps.bench.rig import Bench, mps_gpu, retire_idle

@@ -10,7 +10,7 @@ package raises ``errors.FleetUnavailable``.
 
 from __future__ import annotations
 
-from meshd_mps.errors import FleetUnavailable
+from meshd_mps.base.errors import FleetUnavailable
 
 try:
     import ray  # noqa: F401

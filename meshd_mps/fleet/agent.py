@@ -42,13 +42,13 @@ from typing import Any, TypeVar
 
 import ray
 
-from meshd_mps import errors as E
-from meshd_mps.deadlines import DEFAULT, Deadlines
+from meshd_mps.base import errors as E
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
+from meshd_mps.base.restore import Restore
 from meshd_mps.fleet import callport, claim
 from meshd_mps.fleet.messages import AgentReport, DaemonProgram, ForeignClaim, Order, Share, changed_since
 from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
-from meshd_mps.fleet.spec import gpu_model, parse_replica_name
-from meshd_mps.restore import Restore
+from meshd_mps.fleet.spec import parse_replica_name, resource_key
 from meshd_mps.serving.client import Client, ClientError, default_socket
 
 T = TypeVar("T")
@@ -383,7 +383,7 @@ class NodeAgent:
         """The GPU of ``model`` with the fewest programs on this node (a ``gpu`` constraint: Ray
         counted a slot of that model here; the daemon would otherwise take its least loaded GPU)."""
         status = await self._blocking(lambda c: c.status())
-        gpus = [d for d in status.get("devices") or [] if gpu_model(str(d.get("name"))) == model]
+        gpus = [d for d in status.get("devices") or [] if resource_key(str(d.get("name"))) == model]
         best = min(gpus, key=lambda d: (d.get("programs") or 0, d.get("device") or 0), default=None)
         return None if best is None else int(best["device"])
 

@@ -33,14 +33,14 @@ from typing import Any
 
 from aiohttp import web
 
-from meshd_mps import errors as E
+from meshd_mps.base import errors as E
+from meshd_mps.base.strictjson import parse_json
 from meshd_mps.fleet.nodecalls import NodeAnswer, NodeCalls
 from meshd_mps.fleet.spec import CallPort, parse_replica_name
 from meshd_mps.serving import schemas
 from meshd_mps.serving.answers import answer, refused
 from meshd_mps.serving.client import MAX_BODY
 from meshd_mps.serving.status import BodyTooLarge, LengthRequired, MethodNotAllowed, NoRoute
-from meshd_mps.strictjson import parse_json
 
 ENV = "MESHD_MPS_FLEET_CALL_PORT"
 PREFIX, SUFFIX = "/v1/programs/", "/call"

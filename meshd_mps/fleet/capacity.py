@@ -5,7 +5,8 @@ asks of them.  Ray's scheduler places replicas against these numbers; the fleet 
   status says it (``capacity``, from the isolation that refuses past it: in blink mode the
   context's 32 hardware queues, in MPS mode the server's 48 clients less that GPU's pool and its
   native clients); at most the mailbox's 256 slots for the whole node.
-- ``meshd_gpu_<model>``: the same slots, per GPU model (``spec.gpu_model``), for a ``gpu`` constraint.
+- ``meshd_gpu_<model>``: the same slots, per GPU model (its name as ``spec.resource_key`` keys it),
+  for a ``gpu`` constraint.
 - ``meshd_node_<name>``: the same slots again under the node's name, for a ``node`` constraint.
 
 ``slots`` lowers the node's figure (never raises it): an operator who keeps room for programs
@@ -16,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshd_mps.errors import BadRequest
-from meshd_mps.fleet.spec import gpu_model, resource_key
+from meshd_mps.base.errors import BadRequest
+from meshd_mps.fleet.spec import resource_key
 from meshd_mps.protocol.abi import SLOTS as MAILBOX_SLOTS
 
 SLOT = "meshd_slot"
@@ -28,7 +29,7 @@ NODE_PREFIX = "meshd_node_"
 def per_gpu(status: dict[str, Any]) -> list[tuple[str, int]]:
     """(model, programs it runs at once) for each GPU a daemon's ``GET /v1/status`` names: its
     ``capacity``, what that GPU's isolation refuses at (``Isolation.capacity``)."""
-    return [(gpu_model(str(d.get("name") or status.get("device") or "gpu")), max(0, int(d.get("capacity") or 0)))
+    return [(resource_key(str(d.get("name") or status.get("device") or "gpu")), max(0, int(d.get("capacity") or 0)))
             for d in status.get("devices") or []]
 
 

@@ -27,9 +27,9 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from meshd_mps.errors import StateFileNewer, StateIOError
+from meshd_mps.base.errors import StateFileNewer, StateIOError
+from meshd_mps.base.strictjson import parse_json
 from meshd_mps.state.statedir import atomic_write, open_state_dir, resolve_state_dir
-from meshd_mps.strictjson import parse_json
 
 ENV = "MESHD_MPS_FLEET_STATE_DIR"
 FILE = "fleet.json"

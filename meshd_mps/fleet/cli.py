@@ -17,8 +17,8 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn
 
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import BadRequest, FleetUnavailable, MeshError
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.errors import BadRequest, FleetUnavailable, MeshError
 from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
 from meshd_mps.fleet.checkpoint import NAMESPACE
 from meshd_mps.fleet.metrics import exposition

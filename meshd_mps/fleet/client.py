@@ -26,8 +26,8 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnschedulableError, RayActorError, RayTaskError
 
-from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.errors import (
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
+from meshd_mps.base.errors import (
     CallPortToken,
     CallRefused,
     FleetTimeout,
@@ -122,7 +122,7 @@ class Fleet:
         spec (fleet/data.py), and each node's agent takes it from there for its daemon."""
         import numpy as np
 
-        from meshd_mps.errors import BadSpec
+        from meshd_mps.base.errors import BadSpec
 
         try:
             size = os.path.getsize(path)
@@ -135,7 +135,7 @@ class Fleet:
         """A rolling upgrade to ``source``: one replica at a time, each passing its node's start check
         before the next; the program once every replica placed runs it, UpgradeFailed if one
         refused it (every replica is rolled back to the image before)."""
-        from meshd_mps.errors import BadSpec, UpgradeFailed
+        from meshd_mps.base.errors import BadSpec, UpgradeFailed
 
         got = source.hash
         if hash is not None and hash.lower() != got:

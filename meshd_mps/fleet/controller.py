@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from meshd_mps.deadlines import DEFAULT, Deadlines
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
 from meshd_mps.fleet import data as fleet_data
 from meshd_mps.fleet.capacity import SLOT, gpu_models
 from meshd_mps.fleet.checkpoint import Checkpoint, fleet_state_dir

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from meshd_mps.deadlines import Deadlines
+from meshd_mps.base.deadlines import Deadlines
 from meshd_mps.fleet.checkpoint import Checkpoint
 from meshd_mps.fleet.claim import FleetId
 from meshd_mps.fleet.messages import AgentReport, Share

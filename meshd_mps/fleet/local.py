@@ -4,6 +4,10 @@ and N nodes (``ray.cluster_utils.Cluster``), each node with its own ``meshd-mps 
 daemon reports (``capacity.node_resources``), and its agent told the socket through the raylet's
 environment (``$MESHD_MPS_SOCKET``), as ``ray start`` beside a daemon on a host does.
 
+The cluster's parts (``start_head``, ``join_node``, ``shutdown_cluster``) are the fleet tests' too
+(tests/rigs/fleet.py, whose daemons are the tests' own ``meshd-mps serve`` rig): one way to build a
+fleet on one machine.
+
 Everything it starts is stopped and waited for at ``close()``: the cluster (``cluster.shutdown()``
 after ``ray.shutdown()``), every daemon (SIGTERM, then SIGKILL past its deadline) and the temporary
 directory.  Ray's subreaper option is never enabled.
@@ -25,12 +29,13 @@ from typing import Any
 import ray
 from ray.cluster_utils import Cluster
 
-from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.errors import Timeout
+from meshd_mps import standin
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
+from meshd_mps.base.defaults import SOCKET_ENV
+from meshd_mps.base.errors import Timeout
 from meshd_mps.fleet.capacity import node_resources
 from meshd_mps.fleet.checkpoint import ENV as FLEET_STATE_ENV
 from meshd_mps.gpu.device import SIM_GPUS_ENV
-from meshd_mps.mps import standin
 from meshd_mps.serving.client import Client, ClientError
 
 #: A daemon's start (the simulated GPU's worker included) and its stop: the daemon's own API
@@ -45,6 +50,44 @@ POLL_S = 0.05
 #: answered, and a node its first 5 s, so that a node that is alive but slow on a loaded machine is
 #: never declared dead (its raylet then exits, and what is pinned to it with NodeAffinity cannot run).
 NODE_DEATH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+
+
+def start_head(state_dir: str, num_cpus: int = 0) -> Cluster:
+    """A new cluster of one head: no ``meshd_slot`` (it places no replica), the controller's
+    checkpoint in ``state_dir``, a killed raylet known dead in ~3 s (``NODE_DEATH``); no dashboard
+    and no log monitor (nothing reads them, and the drivers connect with ``log_to_driver=False``:
+    two processes less)."""
+    return Cluster(initialize_head=True, head_node_args={
+        "num_cpus": num_cpus, "env_vars": {FLEET_STATE_ENV: state_dir}, "include_dashboard": False,
+        "include_log_monitor": False, "_system_config": NODE_DEATH})
+
+
+def join_node(cluster: Cluster, name: str, socket: str, status: dict[str, Any], *, slots: int | None = None,
+              num_cpus: int = 0, wait: bool = True) -> tuple[Any, dict[str, float]]:
+    """Node ``name`` joins ``cluster`` beside its daemon: a raylet advertising the capacity that the
+    daemon's ``status`` reports (``capacity.node_resources``, at most ``slots``), the daemon's socket
+    in its environment (``$MESHD_MPS_SOCKET``, which its agent reads).  ``wait``: until the cluster
+    has it (else the caller waits for all it added, ``cluster.wait_for_nodes``).  Returns the Ray
+    node and its resources."""
+    res = node_resources(status, node=name, slots=slots)
+    return cluster.add_node(wait=wait, num_cpus=num_cpus, resources=res, env_vars={SOCKET_ENV: socket}), res
+
+
+def shutdown_cluster(cluster: Cluster | None) -> None:
+    """This process's driver disconnected, then ``cluster`` shut down, and its session's directory
+    removed: Ray keeps a session's logs and sockets under its temporary dir after shutdown, for
+    debugging; a cluster of ours alone goes with them."""
+    session = None
+    try:
+        if ray.is_initialized():
+            ray.shutdown()
+        if cluster is not None:
+            head = cluster.head_node
+            session = head.get_session_dir_path() if head is not None else None
+            cluster.shutdown()
+    finally:
+        if session is not None:
+            _remove_session(session)
 
 
 @dataclass(eq=False)  # one object per node: hashed by identity (the bench counts replicas per node)
@@ -98,20 +141,16 @@ class LocalFleet:
     def start(self) -> LocalFleet:
         for i in range(self.count):
             self.nodes.append(self._daemon(f"n{i}"))
-        for n in self.nodes:
-            n.resources = node_resources(self._ready(n), node=n.name)
-        # The head places no replica (no meshd_slot): the controller and the bench's driver run there.
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 1, "env_vars": {FLEET_STATE_ENV: self.state_dir},  # the controller's checkpoint
-            "_system_config": NODE_DEATH, "include_dashboard": False})  # nothing reads it: a process less
-        for n in self.nodes:
-            n.ray_node = self.cluster.add_node(num_cpus=1, resources=n.resources,
-                                               env_vars={"MESHD_MPS_SOCKET": n.socket})
+        statuses = [self._ready(n) for n in self.nodes]
+        # A CPU on the head: the controller and the bench's driver run there.
+        self.cluster = start_head(self.state_dir, num_cpus=1)
+        for n, status in zip(self.nodes, statuses, strict=True):
+            n.ray_node, n.resources = join_node(self.cluster, n.name, n.socket, status, num_cpus=1)
         self.cluster.wait_for_nodes(START_S)
         return self
 
     def _env(self) -> dict[str, str]:
-        e = {k: v for k, v in os.environ.items() if k not in ("MESHD_MPS_SOCKET", "CUDA_MPS_PIPE_DIRECTORY")}
+        e = {k: v for k, v in os.environ.items() if k not in (SOCKET_ENV, "CUDA_MPS_PIPE_DIRECTORY")}
         e["PATH"] = os.pathsep.join([standin.BIN_DIR, os.path.dirname(sys.executable), e.get("PATH", "")])
         e[SIM_GPUS_ENV] = str(self.sim_gpus)
         e.setdefault("MESHD_MPS_LOG_LEVEL", "warning")
@@ -150,19 +189,9 @@ class LocalFleet:
         n.stop()
 
     def close(self) -> None:
-        session = None
         try:
-            if ray.is_initialized():
-                ray.shutdown()
-            if self.cluster is not None:
-                # Ray keeps a session's logs and sockets under its temporary dir after shutdown, for
-                # debugging; a bench's fleet is ours alone, so its session goes with it.
-                head = self.cluster.head_node
-                session = head.get_session_dir_path() if head is not None else None
-                self.cluster.shutdown()
+            shutdown_cluster(self.cluster)
         finally:
-            if session is not None:
-                _remove_session(session)
             for n in self.nodes:
                 n.stop()
             shutil.rmtree(self.dir, ignore_errors=True)

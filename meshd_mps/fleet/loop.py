@@ -24,8 +24,8 @@ import secrets
 import time
 from typing import Any, Protocol
 
-from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.errors import AlreadyDeclared, NoSuchProgram
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
+from meshd_mps.base.errors import AlreadyDeclared, NoSuchProgram
 from meshd_mps.fleet.checkpoint import Checkpoint
 from meshd_mps.fleet.claim import FleetId
 from meshd_mps.fleet.desired import Image, Spec

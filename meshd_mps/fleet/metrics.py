@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from meshd_mps.callstats import BUCKETS, OUTCOMES
+from meshd_mps.base.callstats import BUCKETS, OUTCOMES
 from meshd_mps.fleet.spec import FleetStatus, NodeView, ReplicaView
 from meshd_mps.serving.metrics import CONTENT_TYPE, Buckets, Family, Labels, Live, new_registry
 

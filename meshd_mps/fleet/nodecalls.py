@@ -40,9 +40,9 @@ import time
 import urllib.parse
 from typing import NamedTuple
 
+from meshd_mps.base.strictjson import parse_json
 from meshd_mps.fleet.spec import CallPort
 from meshd_mps.serving.client import BINARY, MAX_BODY, ClientError, check_peer, check_socket_owner
-from meshd_mps.strictjson import parse_json
 
 #: A connection idle longer than this is closed, not used again: the daemon closes an idle one
 #: after its ``Deadlines.http_head`` (30 s), and a request written as it closes would be lost.

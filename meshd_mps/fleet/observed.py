@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 
-from meshd_mps.deadlines import DEFAULT, Deadlines
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
 from meshd_mps.fleet.capacity import node_name
 from meshd_mps.fleet.messages import AgentReport
 

@@ -1,6 +1,6 @@
 """``plan``: what the controller does about one declared program, given what it observed.  A pure
 function: no I/O, no clock of its own, its inputs left as they are; tested as a function over the
-situations of docs/fleet.md's failure table (tests/test_fleet_plan.py).
+situations of docs/fleet.md's failure table (tests/unit/test_fleet_plan.py).
 
 From the spec (what the API declared), the rollout (the loop's progress so far) and one look
 (observed.py) it makes: the program's view (``FleetProgram``: each replica's state and why), the
@@ -19,7 +19,7 @@ placed it at once, and the node it leaves unloads it when its share no longer na
 Its cost is the replicas whose inputs changed, not the program's: given the plan before
 (``before``) and the replicas whose node's report, placement or lease changed since
 (``changed``), it works out only those, and takes the others from ``before`` as they were (the
-same result as a plan of every replica: tests/test_fleet_plan.py checks it).  Without them it
+same result as a plan of every replica: tests/unit/test_fleet_plan.py checks it).  Without them it
 plans every replica.
 """
 

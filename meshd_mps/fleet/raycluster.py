@@ -22,7 +22,7 @@ import ray
 from ray.util.placement_group import get_placement_group, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from meshd_mps.deadlines import DEFAULT, Deadlines
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
 from meshd_mps.fleet.agent import NodeAgent, agent_name
 from meshd_mps.fleet.capacity import SLOT
 from meshd_mps.fleet.messages import AgentReport, Share

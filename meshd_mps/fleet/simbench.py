@@ -33,9 +33,9 @@ import tempfile
 import time
 from typing import Any
 
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
 from meshd_mps.bench.measure import vmrss_mib
 from meshd_mps.bench.report import Row
-from meshd_mps.deadlines import DEFAULT, Deadlines
 from meshd_mps.fleet.checkpoint import Checkpoint
 from meshd_mps.fleet.claim import FleetId
 from meshd_mps.fleet.controller import routes, status

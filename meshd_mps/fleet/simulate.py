@@ -5,7 +5,7 @@ the replicas it runs, loaded, upgraded and unloaded at once, or after ``delay``,
 ``hung``).  Ray cannot run 1,000 nodes on one machine; the controller's own work (its ticks, its
 memory, its lookups) can be measured here (``meshd-mps fleet bench --simulate N``: simbench.py),
 and its behaviour through a hung agent or a lost tenth of the nodes tested cheaply
-(tests/test_fleet_sim.py).
+(tests/unit/test_fleet_sim.py).
 
 How Ray places, as far as the controller can tell: a one-bundle group goes on the node with the
 most free slots among those that have what it asks (Ray's scorer for bundles); a ``SPREAD``

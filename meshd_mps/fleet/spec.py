@@ -10,10 +10,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
-from meshd_mps import restart
-from meshd_mps.errors import BadSpec
+from meshd_mps.base import restart
+from meshd_mps.base.errors import BadSpec
+from meshd_mps.base.names import check_name
 from meshd_mps.gpu.compiler import Manifest, image_hash
-from meshd_mps.names import check_name
 from meshd_mps.state.program_files import program_body
 
 Strategy = Literal["SPREAD", "PACK", "STRICT_SPREAD"]
@@ -43,14 +43,6 @@ def parse_replica_name(name: str) -> tuple[str, int] | None:
     if not suffix or not program or not 1 <= len(index) <= 3 or not (index.isascii() and index.isdigit()):
         return None
     return program, int(index)
-
-
-def gpu_model(name: str) -> str:
-    """A GPU's model as a resource key: lower case, the vendor and any parenthesis dropped, every
-    other run of non-alphanumerics one ``_`` ("NVIDIA H200" -> ``h200``; the simulation's
-    "simulated NVIDIA H200 (meshd-mps --gpu sim)" -> ``simulated_h200``)."""
-    s = re.sub(r"\(.*?\)", " ", name).lower().replace("nvidia", " ")
-    return re.sub(r"[^a-z0-9]+", "_", s).strip("_")
 
 
 @dataclass(frozen=True)
@@ -132,8 +124,13 @@ class ProgramSpec:
 
 
 def resource_key(name: str) -> str:
-    """A node or GPU model name as it appears in a Ray resource key (``gpu_model``'s rule)."""
-    return gpu_model(name)
+    """A GPU model's or a node's name as it appears in a Ray resource key (``meshd_gpu_<key>``,
+    ``meshd_node_<key>``), the same on the node that advertises it and in the bundle that asks for
+    it: lower case, the vendor and any parenthesis dropped, every other run of non-alphanumerics one
+    ``_`` ("NVIDIA H200" -> ``h200``; the simulation's "simulated NVIDIA H200 (meshd-mps --gpu sim)"
+    -> ``simulated_h200``)."""
+    s = re.sub(r"\(.*?\)", " ", name).lower().replace("nvidia", " ")
+    return re.sub(r"[^a-z0-9]+", "_", s).strip("_")
 
 
 # ---- the views ------------------------------------------------------------------------------------

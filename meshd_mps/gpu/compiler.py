@@ -32,12 +32,12 @@ from typing import Any
 
 import anyio.to_thread
 
-from meshd_mps.errors import CompileError, HashMismatch, LimitError, ManifestError
+from meshd_mps.base.errors import CompileError, HashMismatch, LimitError, ManifestError
+from meshd_mps.base.names import check_name
+from meshd_mps.base.strictjson import parse_json
 from meshd_mps.gpu.device import DeviceInfo
-from meshd_mps.names import check_name
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.payloads import MAX_PAYLOAD, Layout
-from meshd_mps.strictjson import parse_json
 
 #: The device-side header's folder, passed to NVRTC with -I (a source checkout only).
 INCLUDE_DIR = Path(__file__).resolve().parents[2] / "examples" / "include"

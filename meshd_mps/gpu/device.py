@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, SupportsInt
 
-from meshd_mps.errors import ConfigError, DeviceError, NoDriver
+from meshd_mps.base.errors import ConfigError, DeviceError, NoDriver
 
 #: How many GPUs the CPU simulation has (``--gpu sim``); the workers inherit it.
 SIM_GPUS_ENV = "MESHD_MPS_SIM_GPUS"

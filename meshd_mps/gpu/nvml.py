@@ -59,7 +59,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, Self
 
-from meshd_mps.errors import ConfigError, DeviceError, NoDriver, NvmlUnavailable
+from meshd_mps.base.errors import ConfigError, DeviceError, NoDriver, NvmlUnavailable
 
 #: The JSON file of processes that the simulated NVML shows (``--gpu sim``); unset: none.
 SIM_NVML_ENV = "MESHD_MPS_SIM_NVML"

@@ -21,8 +21,8 @@ from typing import Any
 import anyio
 import structlog
 
-from meshd_mps.errors import FrameError, MeshError, OldWorker, WorkerError
-from meshd_mps.faults import Stray
+from meshd_mps.base.errors import FrameError, MeshError, OldWorker, WorkerError
+from meshd_mps.base.faults import Stray
 from meshd_mps.gpu.compiler import Manifest, Prepared
 from meshd_mps.isolation.launch import Launch
 from meshd_mps.isolation.preflight import abi_mismatch

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import anyio
 import structlog
 
-from meshd_mps.errors import (
+from meshd_mps.base.errors import (
     CapacityError,
     DeviceError,
     FrameError,
@@ -36,7 +36,7 @@ from meshd_mps.errors import (
     Unavailable,
     WorkerError,
 )
-from meshd_mps.faults import Stray
+from meshd_mps.base.faults import Stray
 from meshd_mps.gpu.compiler import Prepared
 from meshd_mps.isolation.base import Admit, BlinkStats, Evidence, Image, Isolation, Kernel, Mode, Module
 from meshd_mps.isolation.launch import Launch

@@ -19,7 +19,7 @@ Every figure was measured on the H200 (driver 580, CUDA 13.0; docs/operations.md
 
 from __future__ import annotations
 
-from meshd_mps.errors import CapacityError, LimitError
+from meshd_mps.base.errors import CapacityError, LimitError
 from meshd_mps.gpu.device import DeviceInfo
 from meshd_mps.supervision.argv import MPS_QUEUES
 

@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import structlog
 
-from meshd_mps.errors import (
+from meshd_mps.base.errors import (
     CapacityError,
     DeviceError,
     FrameError,
@@ -34,7 +34,7 @@ from meshd_mps.errors import (
     WorkerError,
     WorkerGone,
 )
-from meshd_mps.faults import Stray
+from meshd_mps.base.faults import Stray
 from meshd_mps.gpu.compiler import Prepared
 from meshd_mps.isolation.base import Admit, Evidence, Image, Isolation, Kernel, Mode, Module
 from meshd_mps.isolation.mps_evidence import ServerEvidence

@@ -8,7 +8,7 @@ from collections.abc import Collection
 
 import anyio
 
-from meshd_mps.faults import Stray
+from meshd_mps.base.faults import Stray
 from meshd_mps.isolation.base import Evidence
 from meshd_mps.mps.clients import Clients
 from meshd_mps.supervision.supervisor import Supervisor

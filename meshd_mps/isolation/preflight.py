@@ -11,7 +11,7 @@ worker, inside the blink.
 
 from __future__ import annotations
 
-from meshd_mps.errors import AbiMismatch, ImageRefused
+from meshd_mps.base.errors import AbiMismatch, ImageRefused
 from meshd_mps.gpu.compiler import Prepared
 from meshd_mps.gpu.cubin import STT_FUNC, STT_OBJECT, Cubin, CubinError
 from meshd_mps.gpu.device import DeviceInfo

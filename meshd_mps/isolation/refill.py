@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 import structlog
 
-from meshd_mps.errors import MeshError
+from meshd_mps.base.errors import MeshError
 from meshd_mps.supervision.pool import Pool
 from meshd_mps.supervision.supervisor import Supervisor
 

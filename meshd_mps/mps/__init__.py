@@ -1,1 +1,2 @@
-"""NVIDIA MPS: the private control daemon, its server's clients, the stand-in."""
+"""NVIDIA MPS: the private control daemon and its server's clients (the stand-in daemon that the tests
+put first on PATH is meshd_mps/standin/, a layer below)."""

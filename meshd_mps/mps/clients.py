@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from meshd_mps.errors import ClientLimit, MpsError, NotAdoptable, WorkerError
+from meshd_mps.base.errors import ClientLimit, MpsError, NotAdoptable, WorkerError
 from meshd_mps.mps.control import PIPE_ENV, ControlDaemon
 from meshd_mps.mps.serverlog import FatalLog
 from meshd_mps.protocol import abi

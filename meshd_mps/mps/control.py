@@ -29,8 +29,8 @@ from collections.abc import Callable
 import anyio
 import structlog
 
-from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.errors import MpsError, NotAdoptable
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
+from meshd_mps.base.errors import MpsError, NotAdoptable
 from meshd_mps.mps.owner import (  # the marker's names re-exported: tests and backend.py import them from here
     MARKER as MARKER,
     TEMP_PREFIX as TEMP_PREFIX,
@@ -178,7 +178,7 @@ class ControlDaemon:
         if binary is not None:
             return binary
         if self.gpu == "sim":
-            from meshd_mps.mps.standin import BIN_DIR
+            from meshd_mps.standin import BIN_DIR
 
             fix = (f"the simulated GPU's MPS isolation runs meshd-mps's stand-in daemon, in {BIN_DIR}: put that"
                    f" directory first on PATH (PATH={BIN_DIR}:$PATH; README.md, the CPU section)")

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 import anyio
 import structlog
 
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import MpsError
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.errors import MpsError
 from meshd_mps.supervision import procfs
 from meshd_mps.supervision.procfs import processes
 

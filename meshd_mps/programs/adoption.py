@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from meshd_mps.errors import AlreadyLoaded
+from meshd_mps.base.errors import AlreadyLoaded
+from meshd_mps.base.restart import Policy
+from meshd_mps.base.restore import Restore
 from meshd_mps.programs.data import Recorded
 from meshd_mps.programs.datastore import ProgramData
 from meshd_mps.programs.program import Program
 from meshd_mps.protocol import frames
-from meshd_mps.restart import Policy
-from meshd_mps.restore import Restore
 
 if TYPE_CHECKING:
     from meshd_mps.gpu.compiler import Manifest

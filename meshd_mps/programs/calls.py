@@ -1,5 +1,5 @@
 """Requests through a program's ring, and their responses: one (``call``) or many pipelined
-(``call_many``).  Each is counted in its program's ``calls`` (meshd_mps/callstats.py): its outcome,
+(``call_many``).  Each is counted in its program's ``calls`` (meshd_mps/base/callstats.py): its outcome,
 its time from the call to the response, its bytes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from meshd_mps.errors import CallTimeout, NotRunning, NotServing
+from meshd_mps.base.errors import CallTimeout, NotRunning, NotServing
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.payloads import Layout
 from meshd_mps.protocol.ring import MASK, SPIN, Ring

@@ -19,7 +19,7 @@ from typing import IO, TYPE_CHECKING, Any
 import anyio
 import structlog
 
-from meshd_mps.errors import DataTooLarge, NoData, WorkerError, WriteOutOfRange
+from meshd_mps.base.errors import DataTooLarge, NoData, WorkerError, WriteOutOfRange
 from meshd_mps.programs.datastore import DataSpec, ProgramData
 from meshd_mps.protocol import abi
 

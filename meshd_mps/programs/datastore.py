@@ -34,7 +34,7 @@ from typing import IO, Any
 
 import anyio
 
-from meshd_mps.errors import DataNotFound, StateIOError, WriteOutOfRange
+from meshd_mps.base.errors import DataNotFound, StateIOError, WriteOutOfRange
 
 #: A file's name in the store: its SHA-256 in hex.
 KEY = re.compile(r"[0-9a-f]{64}")

@@ -17,7 +17,9 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from meshd_mps.errors import ConfigError, MeshError
+from meshd_mps.base.errors import ConfigError, MeshError
+from meshd_mps.base.restart import DEFAULT as DEFAULT_RESTART, Policy
+from meshd_mps.base.restore import Restore
 from meshd_mps.programs.adoption import Adoption
 from meshd_mps.programs.calls import Calls
 from meshd_mps.programs.data import DataSource, Recorded, Written
@@ -28,12 +30,10 @@ from meshd_mps.programs.lifecycle import Lifecycle
 from meshd_mps.programs.recovery import Recovery
 from meshd_mps.programs.registry import Registry
 from meshd_mps.protocol import abi
-from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
-from meshd_mps.restore import Restore
 
 if TYPE_CHECKING:
     from meshd_mps.backend import Backend
-    from meshd_mps.deadlines import Deadlines
+    from meshd_mps.base.deadlines import Deadlines
     from meshd_mps.gpu.compiler import Manifest
     from meshd_mps.isolation.base import Found
     from meshd_mps.programs.program import Program

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
-from meshd_mps.errors import HaltTimeout, NotStarted, WorkerError
+from meshd_mps.base.errors import HaltTimeout, NotStarted, WorkerError
 from meshd_mps.isolation import limits
 from meshd_mps.programs.data import Data
 from meshd_mps.protocol import abi, frames

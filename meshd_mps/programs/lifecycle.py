@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import structlog
 
-from meshd_mps.errors import AlreadyLoaded, ManifestError, MeshError, Unavailable, UpgradeMismatch
+from meshd_mps.base.errors import AlreadyLoaded, ManifestError, MeshError, Unavailable, UpgradeMismatch
+from meshd_mps.base.restart import Policy
+from meshd_mps.base.restore import Restore
 from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.programs.data import Recorded
 from meshd_mps.programs.program import Program, ProgramState, Run
-from meshd_mps.restart import Policy
-from meshd_mps.restore import Restore
 
 if TYPE_CHECKING:
     from meshd_mps.programs.data import DataSource

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from meshd_mps.callstats import CallStats
-from meshd_mps.errors import StateError
+from meshd_mps.base.callstats import CallStats
+from meshd_mps.base.errors import StateError
+from meshd_mps.base.restart import DEFAULT as DEFAULT_RESTART, Policy
+from meshd_mps.base.restore import DEFAULT as DEFAULT_RESTORE, Restore
 from meshd_mps.isolation import limits
-from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
-from meshd_mps.restore import DEFAULT as DEFAULT_RESTORE, Restore
 
 if TYPE_CHECKING:
     from meshd_mps.backend import Kernel

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
-from meshd_mps import faults, restart
-from meshd_mps.errors import MeshError, WorkerError
+from meshd_mps.base import faults, restart
+from meshd_mps.base.errors import MeshError, WorkerError
 from meshd_mps.isolation import limits
 from meshd_mps.programs.program import LIVE, ProgramState, Run
 from meshd_mps.programs.report import FaultReport

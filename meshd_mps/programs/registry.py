@@ -12,9 +12,9 @@ import anyio
 import structlog
 
 from meshd_mps.backend import payloads
-from meshd_mps.errors import MeshError, NoFreeSlot, NotLoaded, SlotTaken
+from meshd_mps.base.errors import MeshError, NoFreeSlot, NotLoaded, SlotTaken
+from meshd_mps.base.restart import Policy
 from meshd_mps.protocol import abi
-from meshd_mps.restart import Policy
 
 if TYPE_CHECKING:
     from meshd_mps.backend import Backend

@@ -13,7 +13,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from meshd_mps.errors import (
+from meshd_mps.base.errors import (
     FrameError as FrameError,  # re-exported: the frame code's callers catch it here
     ImageRefused,
 )

@@ -18,7 +18,7 @@ import mmap
 import os
 import struct
 
-from meshd_mps.errors import MailboxError as MailboxError  # re-exported for the workers
+from meshd_mps.base.errors import MailboxError as MailboxError  # re-exported for the workers
 from meshd_mps.protocol import abi, doorbell
 
 _U32 = struct.Struct("<I")

@@ -23,7 +23,7 @@ import mmap
 import os
 from dataclasses import dataclass, field
 
-from meshd_mps.errors import MailboxError
+from meshd_mps.base.errors import MailboxError
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.mailbox import Mailbox
 

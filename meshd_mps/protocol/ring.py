@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from meshd_mps.errors import BadResponse, PayloadTooLarge, RingFull
+from meshd_mps.base.errors import BadResponse, PayloadTooLarge, RingFull
 from meshd_mps.protocol import abi
 from meshd_mps.protocol.doorbell import wake
 from meshd_mps.protocol.mailbox import Mailbox

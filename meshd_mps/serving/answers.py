@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from meshd_mps.errors import MeshError
+from meshd_mps.base.errors import MeshError
 from meshd_mps.serving.status import status_of
 
 #: On every answer of ours: which server, without aiohttp's and Python's versions.

@@ -30,12 +30,12 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 
 from meshd_mps.backend import Backend
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import MeshError, NotNative, NotServedHere, Unavailable, UpgradeMismatch
-from meshd_mps.names import check_name
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.errors import MeshError, NotNative, NotServedHere, Unavailable, UpgradeMismatch
+from meshd_mps.base.names import check_name
+from meshd_mps.base.restore import Restore
 from meshd_mps.programs import Program, Programs
 from meshd_mps.programs.data import DataRef
-from meshd_mps.restore import Restore
 from meshd_mps.serving import schemas
 from meshd_mps.serving.answers import SERVER, answer, refused
 from meshd_mps.serving.client import MAX_BODY

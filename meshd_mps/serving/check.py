@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from meshd_mps.errors import MeshError
+from meshd_mps.base.errors import MeshError
 from meshd_mps.gpu.device import DeviceInfo, simulated_device
 from meshd_mps.protocol import abi
 

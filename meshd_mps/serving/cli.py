@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(argv[1:])
     args = parser().parse_args(argv)
     if args.cmd == "serve":
-        from meshd_mps.errors import ConfigError
+        from meshd_mps.base.errors import ConfigError
         from meshd_mps.serving import server
 
         try:
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return server.main(cfg)
     if args.cmd == "unit":
-        from meshd_mps.errors import ConfigError
+        from meshd_mps.base.errors import ConfigError
         from meshd_mps.serving.unit import unit_text
 
         try:
@@ -304,7 +304,7 @@ def serve_config(args: argparse.Namespace) -> Config:
     """serve's options: the flags given, over the ``--config`` file's ``[serve]``, over
     ``SERVE_DEFAULTS`` (``state/config.py``), with the file's ``[program.NAME]`` tables; ConfigError
     (ConfigFileError naming the file, line and key) for a value that cannot work."""
-    from meshd_mps.errors import ConfigError
+    from meshd_mps.base.errors import ConfigError
     from meshd_mps.gpu.device import parse_devices
     from meshd_mps.serving import server
     from meshd_mps.state.config import check_seconds, load_config, merge_serve, metrics_address
@@ -342,10 +342,10 @@ def serve_config(args: argparse.Namespace) -> Config:
 
 def version_line() -> str:
     """``meshd-mps X.Y.Z (frame protocol P, program ABI N, state schema M)``."""
+    from meshd_mps.base.version import version  # here, not at the top: the worker starts through this module
     from meshd_mps.protocol.abi import RT_ABI
     from meshd_mps.protocol.frames import PROTOCOL_VERSION
     from meshd_mps.state.store import SCHEMA
-    from meshd_mps.version import version  # here, not at the top: the worker starts through this module
 
     return f"meshd-mps {version()} (frame protocol {PROTOCOL_VERSION}, program ABI {RT_ABI}, state schema {SCHEMA})"
 
@@ -450,7 +450,7 @@ def _socket_of(args: argparse.Namespace) -> str:
 
     file_socket = None
     if args.config is not None:
-        from meshd_mps.errors import ConfigError
+        from meshd_mps.base.errors import ConfigError
         from meshd_mps.state.config import load_config
 
         try:

@@ -9,7 +9,7 @@ user's own rights (``#include`` reads the user's files, never the daemon's),
 for the oldest GPU the daemon serves (its ``GET /v1/status``).
 
 JSON read here and by the daemon goes through :func:`parse_json` (from
-:mod:`meshd_mps.strictjson`, re-exported here for the CLI): at most
+:mod:`meshd_mps.base.strictjson`, re-exported here for the CLI): at most
 ``MAX_JSON_DEPTH`` levels of nesting, checked by a scan before ``json.loads``
 runs (so that it never recurses deeply).
 """
@@ -27,8 +27,17 @@ import struct
 import urllib.parse
 from typing import Any
 
-from meshd_mps import defaults
-from meshd_mps.errors import AlreadyLoaded
+from meshd_mps.base import defaults
+from meshd_mps.base.errors import AlreadyLoaded
+
+# Re-exported (``X as X``): the CLI and its users read JSON through the client module.
+from meshd_mps.base.strictjson import (
+    MAX_INT_DIGITS as MAX_INT_DIGITS,
+    MAX_JSON_DEPTH as MAX_JSON_DEPTH,
+    JSONRefused as JSONRefused,
+    json_deeper_than as json_deeper_than,
+    parse_json,
+)
 
 # Re-exported (``X as X``): the program files' reader (state/program_files.py), as the CLI used it here.
 from meshd_mps.state.program_files import (
@@ -40,16 +49,7 @@ from meshd_mps.state.program_files import (
     read_file as read_file,
 )
 
-# Re-exported (``X as X``): the CLI and its users read JSON through the client module.
-from meshd_mps.strictjson import (
-    MAX_INT_DIGITS as MAX_INT_DIGITS,
-    MAX_JSON_DEPTH as MAX_JSON_DEPTH,
-    JSONRefused as JSONRefused,
-    json_deeper_than as json_deeper_than,
-    parse_json,
-)
-
-#: ``$MESHD_MPS_SOCKET``, named in meshd_mps/defaults.py.
+#: ``$MESHD_MPS_SOCKET``, named in meshd_mps/base/defaults.py.
 SOCKET_ENV = defaults.SOCKET_ENV
 #: The daemon refuses bodies over this (413); the client does not send them.
 MAX_BODY = 64 << 20

@@ -16,8 +16,8 @@ import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import MeshError
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.errors import MeshError
 from meshd_mps.serving.answers import SERVER, body, refused
 from meshd_mps.serving.heads import path_of
 from meshd_mps.serving.metrics import Metrics

@@ -25,8 +25,8 @@ from typing import Any
 import anyio
 from aiohttp import web
 
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.names import check_name
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.names import check_name
 from meshd_mps.programs import Programs
 from meshd_mps.serving.status import BadBody, RequestTimeout
 

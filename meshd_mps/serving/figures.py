@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from meshd_mps.callstats import quantile
+from meshd_mps.base.callstats import quantile
 
 #: The window the rates and quantiles are taken over (s): long enough for a p99 of a few calls a
 #: second, short enough to follow a change within it.

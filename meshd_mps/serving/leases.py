@@ -31,11 +31,11 @@ import anyio
 import anyio.abc
 import structlog
 
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import LeaseOver, MeshError, NotLoaded
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.errors import LeaseOver, MeshError, NotLoaded
+from meshd_mps.base.strictjson import parse_json
 from meshd_mps.programs import Programs
 from meshd_mps.state.statedir import atomic_write
-from meshd_mps.strictjson import parse_json
 
 log = structlog.get_logger("meshd_mps")
 

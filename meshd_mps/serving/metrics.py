@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from meshd_mps.callstats import BUCKETS
+from meshd_mps.base.callstats import BUCKETS
 
 if TYPE_CHECKING:
     from meshd_mps.backend import Backend

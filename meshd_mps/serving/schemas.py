@@ -21,14 +21,14 @@ from typing import Any
 import anyio
 from aiohttp import web
 
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import BadRestartPolicy, BadRestoreMode
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.errors import BadRestartPolicy, BadRestoreMode
+from meshd_mps.base.restart import Policy
+from meshd_mps.base.restore import Restore
+from meshd_mps.base.strictjson import parse_json
 from meshd_mps.gpu.compiler import Manifest
-from meshd_mps.restart import Policy
-from meshd_mps.restore import Restore
 from meshd_mps.serving.client import BINARY, MAX_BODY
 from meshd_mps.serving.status import BadBody, BodyTooLarge, EncodingRefused, LengthRequired, RequestTimeout
-from meshd_mps.strictjson import parse_json
 
 LOAD_FIELDS = ("manifest", "ptx", "hash", "nodes", "device", "restart", "restore", "data", "lease_until")
 LEASE_FIELDS = ("until", "programs")

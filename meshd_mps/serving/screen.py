@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshd_mps.errors import ConfigError
+from meshd_mps.base.errors import ConfigError
 
 #: How often the frame is polled and redrawn (s): a poll interval, not a deadline.
 EVERY_S = 1.0

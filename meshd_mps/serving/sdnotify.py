@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import structlog
 
-from meshd_mps.deadlines import DEFAULT
+from meshd_mps.base.deadlines import DEFAULT
 
 log = structlog.get_logger("meshd_mps")
 

@@ -44,14 +44,15 @@ import anyio.to_thread
 import structlog
 from aiohttp import web
 
-from meshd_mps import defaults, eventloop
 from meshd_mps.backend import Backend
-from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.errors import MeshError, NoDriver
+from meshd_mps.base import defaults, eventloop
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
+from meshd_mps.base.errors import MeshError, NoDriver
+from meshd_mps.base.log import setup_logging
+from meshd_mps.base.version import version
 from meshd_mps.gpu.compiler import nvjitlink_version
 from meshd_mps.gpu.device import check_driver
 from meshd_mps.gpu.nvml import Nvml, NvmlLike, SimNvml
-from meshd_mps.log import setup_logging
 from meshd_mps.mps.control import become_subreaper
 from meshd_mps.neighbours import NeighbourWatch, classify, look
 from meshd_mps.programs import Programs
@@ -68,7 +69,6 @@ from meshd_mps.state.desired import Recorder, Restored, restore
 from meshd_mps.state.statedir import DATA_DIR, resolve_state_dir
 from meshd_mps.state.store import Store
 from meshd_mps.supervision import cpus
-from meshd_mps.version import version
 
 log = structlog.get_logger("meshd_mps")
 

@@ -6,12 +6,12 @@ its message says which.  Nothing here reads a message.
 
 The few errors only HTTP has (no such route, a method the route lacks, a body's framing, a head
 the parser refused, a request not sent in time) are types here too, on the branches of
-``meshd_mps.errors``, so that every refusal is answered through this one table.
+``meshd_mps.base.errors``, so that every refusal is answered through this one table.
 """
 
 from __future__ import annotations
 
-from meshd_mps import errors as E
+from meshd_mps.base import errors as E
 
 
 class NoRoute(E.NotFound):

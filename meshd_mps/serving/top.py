@@ -125,7 +125,7 @@ class NodeTop:
 
 def main(args: argparse.Namespace, socket: Callable[[], str]) -> int:
     """``meshd-mps top``: 0 at ``q``, 1 if no daemon answers at the start, 2 without Rich."""
-    from meshd_mps.errors import ConfigError
+    from meshd_mps.base.errors import ConfigError
 
     try:
         need_rich()

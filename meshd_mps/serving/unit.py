@@ -14,7 +14,7 @@ def unit_text(executable: str | None = None) -> str:
     found) in ExecStart= instead of the bare name systemd would look up in its own PATH."""
     from importlib.resources import files
 
-    from meshd_mps.errors import ConfigError
+    from meshd_mps.base.errors import ConfigError
 
     if executable is not None and (not os.path.isabs(executable)
                                    or any(not c.isprintable() or c in '"\\' for c in executable)):

@@ -15,8 +15,8 @@ import stat
 
 import structlog
 
-from meshd_mps.deadlines import DEFAULT
-from meshd_mps.errors import MeshError
+from meshd_mps.base.deadlines import DEFAULT
+from meshd_mps.base.errors import MeshError
 from meshd_mps.serving.client import private_dirs
 
 log = structlog.get_logger("meshd_mps")

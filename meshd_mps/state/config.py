@@ -31,10 +31,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from meshd_mps import defaults
-from meshd_mps.errors import BadName, ConfigError, ConfigFileError, ManifestError
-from meshd_mps.names import check_name
-from meshd_mps.restart import DEFAULT as DEFAULT_RESTART
+from meshd_mps.base import defaults
+from meshd_mps.base.errors import BadName, ConfigError, ConfigFileError, ManifestError
+from meshd_mps.base.names import check_name
+from meshd_mps.base.restart import DEFAULT as DEFAULT_RESTART
 from meshd_mps.state.store import RESTART
 
 #: serve's options and their defaults, applied after the file and the flags: the one place they are.
@@ -58,7 +58,7 @@ SERVE_DEFAULTS: dict[str, Any] = {
     "metrics_address": None,  # off: /metrics on the control socket only (serving/exporter.py)
 }
 
-#: ``pool`` when it is None: the idle workers kept ready on each GPU, by isolation (meshd_mps/defaults.py).
+#: ``pool`` when it is None: the idle workers kept ready on each GPU, by isolation (meshd_mps/base/defaults.py).
 POOL_BY_ISOLATION = defaults.POOL_BY_ISOLATION
 
 
@@ -70,7 +70,7 @@ def pool_of(isolation: str, pool: int | None) -> int:
 def help_defaults() -> dict[str, str]:
     """Each serve option's default as ``meshd-mps serve --help`` prints it: SERVE_DEFAULTS's value,
     and for a None that stands for a number, that number (read where it is set)."""
-    from meshd_mps.deadlines import DEFAULT as D
+    from meshd_mps.base.deadlines import DEFAULT as D
 
     out = {k: str(v) for k, v in SERVE_DEFAULTS.items() if v is not None and not isinstance(v, bool)}
     out["live_restore"] = "on" if SERVE_DEFAULTS["live_restore"] else "off"

@@ -23,14 +23,14 @@ from typing import Any
 import anyio
 import structlog
 
-from meshd_mps.errors import MeshError
+from meshd_mps.base.errors import MeshError
+from meshd_mps.base.restore import LEFT, Restore
 from meshd_mps.gpu.compiler import Manifest
 from meshd_mps.isolation.base import Found
 from meshd_mps.programs import FaultReport, Program, Programs
 from meshd_mps.programs.data import Recorded
 from meshd_mps.programs.datastore import Kept
 from meshd_mps.protocol import abi
-from meshd_mps.restore import LEFT, Restore
 from meshd_mps.state.config import DeclaredProgram
 from meshd_mps.state.history import History, Launched
 from meshd_mps.state.store import ProgramRecord, Store

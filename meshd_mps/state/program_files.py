@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from meshd_mps.errors import BadRequest
-from meshd_mps.strictjson import parse_json
+from meshd_mps.base.errors import BadRequest
+from meshd_mps.base.strictjson import parse_json
 
 #: The architecture CUDA C is compiled for when no daemon is asked (``program_body`` without ``arch``).
 DEFAULT_ARCH = "compute_90"
@@ -34,7 +34,7 @@ def compile_cuda(source: bytes, name: str, arch: str, include: list[str] | None 
     examples' ``mesh_program.h`` on the include path): ProgramFilesError with NVRTC's log, never a
     traceback."""
     try:
-        from meshd_mps.errors import CompileError
+        from meshd_mps.base.errors import CompileError
         from meshd_mps.gpu.compiler import cuda_to_ptx
     except ImportError as e:
         raise ProgramFilesError(f"{name}: compiling CUDA C needs meshd-mps's compiler: {e}") from e

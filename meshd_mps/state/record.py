@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from meshd_mps.errors import BadName
-from meshd_mps.names import check_name
+from meshd_mps.base.errors import BadName
+from meshd_mps.base.names import check_name
+from meshd_mps.base.restart import DEFAULT as DEFAULT_RESTART, Policy
+from meshd_mps.base.restore import DEFAULT as DEFAULT_RESTORE, Restore
 from meshd_mps.programs.datastore import DataSpec
-from meshd_mps.restart import DEFAULT as DEFAULT_RESTART, Policy
-from meshd_mps.restore import DEFAULT as DEFAULT_RESTORE, Restore
 
 #: A program's restart policies (``restart.Policy``), by name.
 RESTART = tuple(p.value for p in Policy)

@@ -13,8 +13,8 @@ from typing import ClassVar
 
 import structlog
 
-from meshd_mps import defaults
-from meshd_mps.errors import StateDirRefused, StateIOError
+from meshd_mps.base import defaults
+from meshd_mps.base.errors import StateDirRefused, StateIOError
 
 log = structlog.get_logger("meshd_mps")
 

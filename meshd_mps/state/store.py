@@ -40,7 +40,7 @@ from typing import Any
 
 import structlog
 
-from meshd_mps.errors import StateFileNewer, StateIOError
+from meshd_mps.base.errors import StateFileNewer, StateIOError
 from meshd_mps.state.history import History, read_history, write_history
 
 # Re-exported (``X as X``): the store's names, as they were before statedir.py and record.py.

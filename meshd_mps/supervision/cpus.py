@@ -20,7 +20,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 
-from meshd_mps.errors import ConfigError
+from meshd_mps.base.errors import ConfigError
 
 #: CPU numbers run below this: Linux's largest CONFIG_NR_CPUS (x86-64's MAXSMP).  A range is
 #: refused past it before it is expanded ("0-4000000000" would not fit in memory).

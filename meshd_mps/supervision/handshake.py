@@ -19,8 +19,8 @@ from typing import Any
 
 import anyio
 
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import (
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.errors import (
     ConfigError,
     FrameError,
     NoReply,

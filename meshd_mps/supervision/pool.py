@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import structlog
 
-from meshd_mps.errors import FrameError, WorkerError
+from meshd_mps.base.errors import FrameError, WorkerError
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Op
 from meshd_mps.supervision.proc import WorkerProc

@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 import structlog
 
-from meshd_mps import faults
-from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.errors import (
+from meshd_mps.base import faults
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
+from meshd_mps.base.errors import (
     FrameError,
     ImageRefused,
     NoContext,

@@ -30,8 +30,8 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup
 
-from meshd_mps.deadlines import DEFAULT, Deadlines
-from meshd_mps.errors import MeshError, ProtocolMismatch, SpawnFailed, WorkerError, WorkerGone
+from meshd_mps.base.deadlines import DEFAULT, Deadlines
+from meshd_mps.base.errors import MeshError, ProtocolMismatch, SpawnFailed, WorkerError, WorkerGone
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Op
 from meshd_mps.supervision import child, handshake, procfs

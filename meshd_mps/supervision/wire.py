@@ -17,7 +17,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 
-from meshd_mps.errors import FrameError
+from meshd_mps.base.errors import FrameError
 from meshd_mps.protocol import frames
 from meshd_mps.protocol.frames import Op
 

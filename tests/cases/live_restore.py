@@ -1,4 +1,4 @@
-"""Live restore's cases, run on the simulated GPU by tests/test_live_restore.py and on the
+"""Live restore's cases, run on the simulated GPU by tests/serve/test_live_restore.py and on the
 H200 by tests/gpu/test_live_restore_real.py: a ``serve --live-restore`` stops or dies and the next
 one adopts, halts and loads; ``gpu`` is serve's ``--gpu``."""
 

@@ -1,4 +1,4 @@
-"""Fault recovery in blink mode: the cases run on the simulated GPU (tests/test_restart.py) and on
+"""Fault recovery in blink mode: the cases run on the simulated GPU (tests/rig/test_restart.py) and on
 the H200 (tests/gpu/test_reliability_real.py).  ``warm``: the beats seen before the fault; ``more``:
 the beats to see after the recovery."""
 

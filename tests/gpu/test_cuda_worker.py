@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd_mps.errors import NoDriver
+from meshd_mps.base.errors import NoDriver
 from meshd_mps.gpu.compiler import Manifest, cuda_to_ptx, ptx_to_cubin, reg_cap
 from meshd_mps.gpu.device import DeviceInfo, query_device
 from meshd_mps.protocol import abi, frames

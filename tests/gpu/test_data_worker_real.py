@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from meshd_mps.errors import NoDriver
+from meshd_mps.base.errors import NoDriver
 from meshd_mps.gpu.compiler import Manifest, cuda_to_ptx, ptx_to_cubin, reg_cap
 from meshd_mps.gpu.device import query_device
 from meshd_mps.protocol import abi, frames

@@ -1,6 +1,6 @@
 """Fault injection against the REAL GPU and the real nvidia-cuda-mps-control.
 
-The faults of tests/test_workers.py's table, each with examples/heartbeat running in another
+The faults of tests/rig/test_workers.py's table, each with examples/heartbeat running in another
 worker: the caller's error, the heartbeat still beating, the victim retired and reaped, the pool
 refilled and serving the next load; after each test no MPS process, fd or temporary entry left.
 Protocol misbehaviours come from the workers' test hook (``MESHD_MPS_WORKER_INJECT``,
@@ -28,8 +28,8 @@ import anyio
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.deadlines import Deadlines
-from meshd_mps.errors import MeshError, MpsError, WorkerError
+from meshd_mps.base.deadlines import Deadlines
+from meshd_mps.base.errors import MeshError, MpsError, WorkerError
 from meshd_mps.mps import clients as mpsmod
 from meshd_mps.programs import Programs, ProgramState
 from meshd_mps.protocol import abi

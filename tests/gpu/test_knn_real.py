@@ -3,7 +3,7 @@ its share of a table in the program's data, the answers equal to numpy's exact s
 bit on a table of whole numbers (every fp32 sum exact, whatever the order of the adds), batches of 1,
 8 and 64 queries, both metrics; rows appended by writes while it runs found by the next query; a
 bad request refused with its status; the heartbeat beside it never halted.  The simulated GPU runs
-the same (tests/test_knn.py).  Run on the device: `python3 -m pytest tests/gpu/test_knn_real.py -v -rA`.
+the same (tests/serve/test_knn.py).  Run on the device: `python3 -m pytest tests/gpu/test_knn_real.py -v -rA`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.errors import ClientLimit, MpsError
+from meshd_mps.base.errors import ClientLimit, MpsError
 from meshd_mps.mps.control import LOG_ENV, PIPE_ENV
 from meshd_mps.programs import Programs
 

@@ -3,7 +3,7 @@
 Skipped, with the reason printed, unless at least two GPUs are visible (and,
 for the MPS test, NVIDIA's nvidia-cuda-mps-control is on PATH).  Written for
 a several-GPU machine and not yet run on one: the CPU suite's
-tests/test_devices.py covers the same on the simulated GPU and the stand-in
+tests/serve/test_devices.py covers the same on the simulated GPU and the stand-in
 daemon.  Run on the device: `python3 -m pytest tests/gpu/test_multi_gpu.py -v -rA -s`.
 """
 
@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.errors import DeviceError, NoDriver
+from meshd_mps.base.errors import DeviceError, NoDriver
 from meshd_mps.programs import Programs
 
 from ..rigs.backend import beats, example

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from structlog.testing import capture_logs
 
-from meshd_mps.errors import NoDriver, NvmlUnavailable
+from meshd_mps.base.errors import NoDriver, NvmlUnavailable
 from meshd_mps.gpu.nvml import ComputeMode, DeviceView, Nvml
 from meshd_mps.mps.control import PIPE_ENV
 from meshd_mps.neighbours import NeighbourWatch, classify

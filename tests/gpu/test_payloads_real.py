@@ -3,7 +3,7 @@ place, a program that reads its request from its payload region and writes its r
 own area (the region registered with its context, its device address in the slot), a program that
 writes a response length or offset past its region refused on the host, and the region kept
 through a blink's relaunch and an upgrade to other sizes.  The simulated GPU models the same
-(tests/test_payloads.py).  Run on the device: `python3 -m pytest tests/gpu -v -rA`."""
+(tests/rig/test_payloads.py).  Run on the device: `python3 -m pytest tests/gpu -v -rA`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.errors import BadResponse, PayloadTooLarge
+from meshd_mps.base.errors import BadResponse, PayloadTooLarge
 from meshd_mps.gpu.compiler import cuda_to_ptx
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi

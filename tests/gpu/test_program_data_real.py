@@ -3,7 +3,7 @@ of 1 GiB placed in device memory (cuMemAllocAsync, copied in through a pinned bu
 examples/peek, whose sums over ranges of it equal the host's; writes while it runs, seen through
 DATA_SEQ, never halting a resident neighbour (heartbeat's MAX_GAP stays small and no blink is
 counted); the data kept across an upgrade; data too big for the GPU refused before anything runs.
-The simulated GPU runs the same (tests/test_program_data.py).  Run on the device:
+The simulated GPU runs the same (tests/rig/test_program_data.py).  Run on the device:
 `python3 -m pytest tests/gpu/test_program_data_real.py -v -rA`.
 """
 
@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.errors import DataTooLarge
+from meshd_mps.base.errors import DataTooLarge
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 

@@ -1,5 +1,5 @@
 """The reliability cases against the REAL GPU and NVIDIA's own MPS control: the same cases as
-the simulated GPU's tests (tests/test_restart.py, test_pool_truth.py, test_hard_deaths.py,
+the simulated GPU's tests (tests/rig/test_restart.py, test_pool_truth.py, test_hard_deaths.py,
 test_native_clients.py), so that what the sim models is checked where it comes from.
 
 - a program whose worker is killed from outside comes back (restart policy on-failure);
@@ -28,10 +28,10 @@ import sys
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.deadlines import DEFAULT
+from meshd_mps.base.deadlines import DEFAULT
+from meshd_mps.base.restart import CRASH_LOOP_BURST
 from meshd_mps.programs import Programs, ProgramState
 from meshd_mps.protocol import abi
-from meshd_mps.restart import CRASH_LOOP_BURST
 from meshd_mps.serving.client import program_body
 from meshd_mps.supervision import procfs
 

@@ -1,7 +1,7 @@
 """On the REAL GPU: the header's ring helpers mark the slot served (SERVES), the
 warp-wide ones before RUNNING (echo), the one-thread ``mesh_take`` at its first poll; a program
 that never polls (heartbeat) is refused at once.  The simulated GPU models the same
-(tests/test_ring_serving.py).  Run on the device: `python3 -m pytest tests/gpu -v -rA`.
+(tests/serve/test_ring_serving.py).  Run on the device: `python3 -m pytest tests/gpu -v -rA`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from meshd_mps.backend import Backend
-from meshd_mps.errors import NotServing
+from meshd_mps.base.errors import NotServing
 from meshd_mps.gpu.compiler import cuda_to_ptx
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi

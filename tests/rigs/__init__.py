@@ -1,5 +1,5 @@
 """What the tests are built on, one module per level, imported by test modules (which never
-import one another; tests/test_layers.py checks it):
+import one another; tests/unit/test_layers.py checks it):
 
 - ``waits``: the one polling loop (``poll``, ``until``: cond, within, what, every);
 - ``procs``: processes, fds and temporary files, read from /proc;

@@ -7,22 +7,22 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshd_mps.deadlines import Deadlines
+from meshd_mps.base.deadlines import Deadlines
 
 #: Short retire deadlines keep hang tests quick; replies keep the seed's.
 TEST_DEADLINES = Deadlines(retire_quit=1.0, retire_kill=2.0)
 
-#: Quick backoffs: a crash loop is reached in well under a second of backoff (tests/test_restart.py,
+#: Quick backoffs: a crash loop is reached in well under a second of backoff (tests/rig/test_restart.py,
 #: tests/cases/restart.py).
 QUICK_RESTARTS = dataclasses.replace(TEST_DEADLINES, restart_backoff=0.02, restart_backoff_max=0.1)
 
-#: A quick relaunch, and failures 0.5 s apart already two faults (tests/test_lifecycle_races.py).
+#: A quick relaunch, and failures 0.5 s apart already two faults (tests/rig/test_lifecycle_races.py).
 QUICK_RECOVERY = dataclasses.replace(TEST_DEADLINES, restart_backoff=0.05, fault_window=0.5)
 
-#: Detached workers wait a minute for the next supervisor (tests/test_live_transport.py).
+#: Detached workers wait a minute for the next supervisor (tests/rig/test_live_transport.py).
 LIVE = Deadlines(retire_quit=1.0, retire_kill=2.0, orphan=60.0)
 
-# tests/test_workers.py's fault table, as Deadlines fields: retirement waits up to 10 s for a worker
+# tests/rig/test_workers.py's fault table, as Deadlines fields: retirement waits up to 10 s for a worker
 # to exit at QUIT or EOF (one that does: its status is its own, never a kill that came early); one
 # that hangs gets 0.5 s and is killed.  A reply that never comes is given up on after 1 s: the
 # cases wait these deadlines out.

@@ -2,19 +2,22 @@
 own raylet) with a ``meshd-mps serve --gpu sim --live-restore`` daemon per node (its own socket and
 state dir, started here, outside Ray's process tree, as systemd would start it): the fleet's tests.
 
-Each node advertises the resources ``capacity.node_resources`` computes from its daemon's status,
-with a small ``slots`` so that capacity runs out early, and its daemon's socket in the node's
-environment (``$MESHD_MPS_SOCKET``, which its agent reads).  ``close`` removes every program, stops
+The cluster is built as ``meshd-mps fleet bench`` builds its own (meshd_mps/fleet/local.py:
+``start_head``, ``join_node``, ``shutdown_cluster``): each node advertises the resources
+``capacity.node_resources`` computes from its daemon's status, here with a small ``slots`` so that
+capacity runs out early, and its daemon's socket in the node's environment (``$MESHD_MPS_SOCKET``,
+which its agent reads).  ``close`` removes every program, stops
 the daemons with nothing running (a live-restore stop then leaves nothing) and the cluster.
 
-One cluster serves every fleet test module (fixtures ``rig`` and ``fleet`` here): one less saved
-14 s of the CPU of test_fleet.py and test_fleet_failover.py (4 raylets with their agents, 3
-daemons, the controller and agents).  A module joins with ``from .rigs import fleet as shared`` and
-``rig, fleet = shared.rig, shared.fleet`` (not imported by name: ruff takes the tests' arguments for
-redefinitions); tests/conftest.py runs the modules whose names start with tests/test_fleet on one
-pytest-xdist worker, one after another, test_fleet_failover.py last, and closes the cluster after
-the last test that uses it.  Each test leaves it as it found it: its programs removed (``fleet``
-does), every node it removed added back.
+One cluster serves the cluster tests' modules (fixtures ``fleet_rig`` and ``fleet`` here): one less
+saved 14 s of the CPU of test_fleet.py and test_fleet_failover.py (4 raylets with their agents, 3
+daemons, the controller and agents).  A module joins with ``from ..rigs import fleet as shared`` and
+``fleet_rig, fleet = shared.fleet_rig, shared.fleet`` (not imported by name: ruff takes the tests'
+arguments for redefinitions); tests/conftest.py runs the modules of tests/cluster/ (the bench's
+smoke aside, which starts its own) as two pytest-xdist scopes, each with its cluster: the failover
+tests one, the others one after another, and closes each cluster after the last test that uses
+it.  Each test leaves it as it found it: its programs removed (``fleet`` does), every node it
+removed added back.
 """
 
 from __future__ import annotations
@@ -33,9 +36,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from meshd_mps.fleet import Fleet, ProgramSource
-from meshd_mps.fleet.capacity import node_resources
-from meshd_mps.fleet.checkpoint import ENV as FLEET_STATE_ENV
-from meshd_mps.fleet.local import NODE_DEATH
+from meshd_mps.fleet.local import join_node, shutdown_cluster, start_head
 from meshd_mps.fleet.spec import parse_replica_name
 from meshd_mps.serving.client import ClientError
 
@@ -128,21 +129,15 @@ class FleetRig:
             raise
 
     def head(self) -> Cluster:
-        """A new cluster: its head (no slots; the controller's checkpoint in ``fleet_state``; a killed
-        raylet known dead in ~3 s, ``NODE_DEATH``)."""
-        return Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "env_vars": {FLEET_STATE_ENV: self.fleet_state}, "include_dashboard": False,
-            "include_log_monitor": False,  # no driver here shows the actors' logs: a process less
-            "_system_config": NODE_DEATH})
+        """A new cluster: its head (the controller's checkpoint in ``fleet_state``)."""
+        return start_head(self.fleet_state)
 
     def restart_head(self, late: frozenset[str] = frozenset()) -> None:
         """The head restarts (without GCS fault tolerance the cluster's state goes with it, so every
         raylet starts again too, as systemd or KubeRay would start them): every Ray process of the
         cluster ends and a new cluster starts, each node joining with its daemon, which runs on;
         the nodes ``late`` not yet (``rejoin`` them: their ``ray start`` run again later)."""
-        ray.shutdown()
-        if self.cluster is not None:
-            self.cluster.shutdown()
+        shutdown_cluster(self.cluster)
         reap_orphans()
         self.cluster = self.head()
         for name, n in self.nodes.items():
@@ -180,11 +175,9 @@ class FleetRig:
             daemon, state = self.start_daemon(name)
         daemon.wait_ready()
         self.nodes[name] = Node(name, daemon, state, None)  # stopped by close() from here on
-        res = node_resources(daemon.client.status(), node=name, slots=self.slots)
         assert self.cluster is not None
         n = self.nodes[name]
-        n.ray_node = self.cluster.add_node(wait=False, num_cpus=0, resources=res,
-                                           env_vars={"MESHD_MPS_SOCKET": daemon.sock})
+        n.ray_node, _res = join_node(self.cluster, name, daemon.sock, daemon.client.status(), slots=self.slots, wait=False)
         if wait:
             self.cluster.wait_for_nodes(UP_S)
         return n
@@ -219,10 +212,7 @@ class FleetRig:
 
     def close(self) -> None:
         try:
-            if ray.is_initialized():
-                ray.shutdown()
-            if self.cluster is not None:
-                self.cluster.shutdown()
+            shutdown_cluster(self.cluster)
         finally:
             for s in {id(s): s for s in [*self.starting, *(n.daemon for n in self.nodes.values())]}.values():
                 with contextlib.suppress(ClientError):
@@ -241,7 +231,7 @@ _shared: list[FleetRig] = []
 
 
 @pytest.fixture(scope="module")
-def rig() -> FleetRig:
+def fleet_rig() -> FleetRig:
     """The fleet tests' cluster: a head and 3 nodes of 2 slots each.  Started by the first module
     that uses it; the next ones find it as the last left it (each test removes what it deployed,
     and puts back a node it removed); closed by ``close_shared`` after the last (tests/conftest.py)."""
@@ -251,7 +241,7 @@ def rig() -> FleetRig:
 
 
 @pytest.fixture
-async def fleet(rig: FleetRig):
+async def fleet(fleet_rig: FleetRig):
     """A client of the cluster's fleet, in the fleet's own namespace; after the test, every program
     removed and every replica unloaded from its node."""
     f = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
@@ -260,7 +250,7 @@ async def fleet(rig: FleetRig):
     finally:
         for p in (await f.status()).programs:
             await f.remove(p.name)
-        await until(lambda: not any(n.ps() for n in rig.nodes.values()), UP_S, "every replica unloaded")
+        await until(lambda: not any(n.ps() for n in fleet_rig.nodes.values()), UP_S, "every replica unloaded")
         await f.close()
 
 
@@ -281,8 +271,8 @@ def held() -> set[int]:
 
 
 def uses_shared(item: pytest.Item | None) -> bool:
-    """Whether ``item``'s module takes its ``rig`` from here (the shared cluster)."""
-    return item is not None and getattr(getattr(item, "module", None), "rig", None) is rig
+    """Whether ``item``'s module takes its ``fleet_rig`` from here (the shared cluster)."""
+    return item is not None and getattr(getattr(item, "module", None), "fleet_rig", None) is fleet_rig
 
 
 def close_shared() -> None:

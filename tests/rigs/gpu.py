@@ -11,9 +11,9 @@ import sys
 import anyio
 import pytest
 
+from meshd_mps import standin
 from meshd_mps.backend import Backend
-from meshd_mps.errors import NoDriver
-from meshd_mps.mps import standin
+from meshd_mps.base.errors import NoDriver
 from meshd_mps.protocol import abi
 
 from .backend import beats

@@ -1,12 +1,12 @@
 """Supervisors that detach and adopt workers (live restore's transport): one file mailbox, the
-workers' sockets under ``state/workers``, a supervisor at a time (tests/test_live_transport.py)."""
+workers' sockets under ``state/workers``, a supervisor at a time (tests/rig/test_live_transport.py)."""
 
 from __future__ import annotations
 
 import os
 
 from meshd_mps.backend import live_paths
-from meshd_mps.deadlines import Deadlines
+from meshd_mps.base.deadlines import Deadlines
 from meshd_mps.mps.control import ControlDaemon
 from meshd_mps.protocol.mailbox import Mailbox
 from meshd_mps.supervision.argv import worker_argv

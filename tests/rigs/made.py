@@ -8,7 +8,7 @@ import os
 import re
 import subprocess
 
-from meshd_mps.mps.standin import BIN_DIR
+from meshd_mps.standin import BIN_DIR
 
 _LINE = re.compile(r"(New client (\d+) connected|Client (\d+) kernel running)")
 

@@ -1,5 +1,5 @@
 """MPS mode below the backend: the host-wide part (the stand-in control daemon, a supervisor, the
-mailbox) and one GPU's ``MpsIsolation``; the ``rig`` fixture (tests/conftest.py) builds it."""
+mailbox) and one GPU's ``MpsIsolation``; the ``mps_rig`` fixture (tests/conftest.py) builds it."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd_mps.mps import standin
+from meshd_mps import standin
 from meshd_mps.mps.control import MARKER, Owner
 from meshd_mps.serving.client import Client, ClientError
 from meshd_mps.supervision import procfs

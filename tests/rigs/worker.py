@@ -1,5 +1,5 @@
 """One ``meshd-mps worker`` process spoken to frame by frame over its pipes, with no supervisor:
-the rig of tests/test_sim_limits.py (``--gpu sim``) and tests/gpu/test_cuda_worker.py
+the rig of tests/rig/test_sim_limits.py (``--gpu sim``) and tests/gpu/test_cuda_worker.py
 (``--gpu cuda``), so that both read frames, and fail, the same way.
 
 Replies are taken in order from a queue; DONEs, which come whenever a kernel ends, are collected

@@ -1,0 +1,1 @@
+"""The tests whose heaviest dependency is a real Ray cluster."""

@@ -1,0 +1,1 @@
+"""The tests whose heaviest dependency is pure units: no process, no daemon."""
