@@ -12,8 +12,8 @@ path under load), kept so that they can be run again (on the GPU machine: python
             twice a turn, a pause of 1-3 us before the first poll, Programs.call yielding first (as it does) or
             spinning at once; Programs.call and the host spin p50/p99, call_many 1 and 8 outstanding
   hold      Programs.call_many's throughput with 1 and 8 outstanding, yielding to the loop every
-            20, 50 or 100 us (Calls.HOLD), interleaved over 3 rounds.  (At 18:04 UTC this was
-            "batches", posts published 8, 4 or 2 at a time: no faster than 8, and that knob is gone.)
+            20, 50 or 100 us (Calls.HOLD), interleaved over 3 rounds.  (Once this was "batches",
+            posts published 8, 4 or 2 at a time: no faster than 8, and that knob is gone.)
   modes     echo's host spin in an MPS worker and in blink mode's context, beside the floor, 3 rounds
   mps-floor the bench's floor as a plain context, as a native client of our MPS server, and as
             such a client on registered shared memory (a memfd, cuMemHostRegister'ed, as the

@@ -228,8 +228,8 @@ def test_the_test_import_check_sees_one(tmp_path: Path) -> None:
 
 #: Where the project's Python lives: every one of its comments and docstrings is checked.
 SOURCES = ("meshd_mps", "workers", "scripts", "examples", "tests")
-#: A tracker's number or a date: history, which docs/runs and the commits keep, not the code.
-WHEN = re.compile(r"\b" + "issues?" + r" \d+\b|\b20\d\d-[01]\d-[0-3]\d\b", re.I)
+#: A tracker's number, a date or a time of day: history, which docs/runs and the commits keep, not the code.
+WHEN = re.compile(r"\b" + "issues?" + r" \d+\b|\b20\d\d-[01]\d-[0-3]\d\b|\b[0-2]\d:[0-5]\d UTC\b", re.I)
 
 
 def when_said(path: Path) -> list[str]:
@@ -256,5 +256,6 @@ def test_comments_and_docstrings_say_why_never_when() -> None:
 def test_the_when_check_sees_one(tmp_path: Path) -> None:
     """The scan is not blind: a comment's issue and a docstring's date are found, a plain string's date is not."""
     p = tmp_path / "m.py"
-    p.write_text('"""Made for Issue 12."""\nX = "2026-12-06"  # fine\n\ndef f():\n    """Seen 2026-12-03."""\n# see issue 4\n')
-    assert when_said(p) == ["1: Issue 12", "5: 2026-12-03", "6: issue 4"]
+    p.write_text('"""Made for Issue 12."""\nX = "2026-12-06"  # fine\n\ndef f():\n    """Seen 2026-12-03."""\n# see issue 4\n'
+                 '# ran at 18:04 UTC\n')
+    assert when_said(p) == ["1: Issue 12", "5: 2026-12-03", "6: issue 4", "7: 18:04 UTC"]
