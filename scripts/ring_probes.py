@@ -19,10 +19,11 @@ path under load), kept so that they can be run again (on the GPU machine: python
             such a client on registered shared memory (a memfd, cuMemHostRegister'ed, as the
             mailbox is) instead of cuMemHostAlloc's, then echo's host spin, 3 rounds
 
-Several names run in turn, in one process.  --loop picks its event loop: asyncio by default, as the probes
-in docs/runs ran, while serve and the bench take uvloop where installed.  --gpu sim runs
-each on the simulated GPU and the stand-in MPS daemon (the figures mean nothing there; it checks
-that the script runs).  The floor on a spread of SMs, once "sm" here, is scripts/ring_variants.py --sm.
+Several names run in turn, in one process. --loop picks its event loop: asyncio by default, as the
+probes in docs/runs ran, while serve and the bench take uvloop where installed. --gpu sim runs each
+on the simulated GPU and the stand-in MPS daemon, one round each and fewer samples (the figures mean
+nothing there; it checks that the script runs). The floor on a spread of SMs, once "sm" here, is
+scripts/ring_variants.py --sm.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ async def ask(bench: B.Bench) -> None:
     nw = bench.n(32, 8)
     async with await bench.backend("mps", pool=nw + 1) as b:
         ws = [await B.returning_worker(bench, b, 100 + i) for i in range(nw)]
-        for _ in range(2):
+        for _ in range(bench.n(2, 1)):
             for tag, batch, nice in (("as-is", False, False), ("batch", True, False), ("nice", False, True),
                                      ("both", True, True)):
                 schedule(ws, batch, nice)
@@ -109,7 +110,7 @@ async def ask_cpu(bench: B.Bench) -> None:
                     with contextlib.suppress(OSError):  # a thread gone meanwhile
                         os.sched_setaffinity(int(t), where)
 
-        for _ in range(3):
+        for _ in range(bench.n(3, 1)):
             for tag, loop_cpu, off in (("as-is", None, False), ("pinned", cpu, False), ("alone", cpu, True)):
                 workers_on(others if off else every)
                 # the loop's thread alone there; its other threads and the workers where they are
@@ -194,7 +195,7 @@ async def ring_ab(bench: B.Bench) -> None:
                     raise RuntimeError("echo answered something else")
 
             try:
-                for rnd in range(3):
+                for rnd in range(bench.n(3, 1)):
                     for name, (spin, callf) in VARIANTS.items():
                         Ring.spin, Calls.call = spin, callf  # type: ignore[assignment, method-assign]
                         c, s = await B.timed(n, call), B.spun_round_trips(ring, payload, n)
@@ -212,7 +213,7 @@ async def hold(bench: B.Bench) -> None:
     async with await bench.backend("mps", pool=2) as b, B.echo_loaded(bench, b) as (progs, _):
         payload, as_is = bytes(range(64)), Calls.HOLD
         try:
-            for rnd in range(3):
+            for rnd in range(bench.n(3, 1)):
                 for every in (20e-6, 50e-6, 100e-6):
                     Calls.HOLD = every
                     r1, r8 = await B.throughput(progs, payload, 1, nt), await B.throughput(progs, payload, 8, nt)
@@ -231,7 +232,7 @@ async def echo_spin(bench: B.Bench, b: Any, n: int) -> list[float]:
 
 async def modes(bench: B.Bench) -> None:
     n = bench.n(3000, 100)
-    for rnd in range(3):
+    for rnd in range(bench.n(3, 1)):
         async with await bench.backend("mps", pool=2) as b:
             fl = await B.ring_floor(bench, b, bench.n(10000, 500))
             mps = await echo_spin(bench, b, n)
@@ -253,7 +254,7 @@ async def mps_floor(bench: B.Bench) -> None:
     assert ALLOC in F.FLOOR_CUDA, "the floor's host no longer allocates as this probe expects"
     async with await bench.backend("mps", pool=2) as b:
         env = {**os.environ, **b.native_env()}
-        for rnd in range(3):
+        for rnd in range(bench.n(3, 1)):
             plain = await B.ring_floor(bench, b, bench.n(10000, 500))
             client = await B.ring_floor(bench, b, bench.n(10000, 500), env=env)
             alloc = F.FLOOR_CUDA

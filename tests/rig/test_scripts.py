@@ -17,9 +17,9 @@ from ..rigs.serve import REPO as ROOT
 PROBES = {
     "ask": r"^as-is +p50 +\d+ p90 +\d+ p99 +\d+ us; per ask user",
     "ask-cpu": r"^alone +p50 +\d+ p90 +\d+ p99 +\d+ us; per ask user",
-    "hold": r"^2 a yield every 100 us: 1 outstanding +\d+ k/s, 8 +\d+ k/s",
-    "modes": r"^2 floor 64 B [\d.]+/[\d.]+ \| echo's host spin, 64 B: MPS worker",
-    "mps-floor": r"^2 floor, a plain context: 0 B [\d.]+/[\d.]+",
+    "hold": r"^0 a yield every 100 us: 1 outstanding +\d+ k/s, 8 +\d+ k/s",
+    "modes": r"^0 floor 64 B [\d.]+/[\d.]+ \| echo's host spin, 64 B: MPS worker",
+    "mps-floor": r"^0 floor, a plain context: 0 B [\d.]+/[\d.]+",
 }
 
 
