@@ -1,5 +1,5 @@
 """Row (v) versus: examples/knn's exact top-k (k = 10) over a table of N vectors of 128 fp16 numbers
-(N = 1,000,000; 20,000 with --quick), batches of 1, 8 and 64 queries, resident in meshd-mps beside
+(N = 1,000,000; 100,000 with --quick), batches of 1, 8 and 64 queries, resident in meshd-mps beside
 what a user runs instead, the same table and queries for every contender:
 
 - meshd-mps resident, both isolation modes: ``Programs.call`` in this process, and through a
@@ -185,7 +185,7 @@ def contenders(bench: Bench, x_path: str, qs_path: str, check_path: str, reps: i
 
 async def sec_versus(bench: Bench) -> list[Row]:
     rows: list[Row] = []
-    n, reps = bench.n(1_000_000, 20_000), bench.n(1000, 3)
+    n, reps = bench.n(1_000_000, 100_000), bench.n(1000, 3)
     gpu = bench.gpu == "cuda"  # the targets are the GPU's: the simulated GPU's figures only show the path runs
     make_table, kc = _example("make_table"), _example("knn_client")
     x = make_table.table(n, DIM, "f16", seed=11, integers=True)

@@ -94,7 +94,7 @@ def test_bench_sim_quick(standin_on_path, tmp_path):
 
 
 def test_versus_runs_every_contender_it_can_and_says_why_not_the_others(standin_on_path, tmp_path):
-    """Row (v) on the simulated GPU (N = 20,000): knn resident in both modes in-process, and through
+    """Row (v) on the simulated GPU (N = 100,000): knn resident in both modes in-process, and through
     an MPS daemon's socket (--quick takes one mode's), each answer numpy's; the GPU's contenders
     (PyTorch, a launch per batch) skipped with their reason; nothing left."""
     out = tmp_path / "bench.json"
