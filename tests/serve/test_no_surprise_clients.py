@@ -209,7 +209,8 @@ def test_an_adopting_start_while_the_pool_refills_makes_no_client(tmp):
     b = _serve_live(tmp, "b")
     try:
         assert b.client.status()["state"]["restore"]["adopted"] == ["heartbeat"]
-        assert made.made() == [], "a client was made across the restart"
+        assert made.made() == [], (f"a client was made across the restart: {made.since()} (the old daemon's"
+                                   f" refill worker: {late}; the new daemon's workers: {b.client.status()['workers']})")
         _clean_up(b)
     finally:
         _full_stop(b)
