@@ -65,13 +65,18 @@ def _largest_gap(samples: list[tuple[float, int]]) -> float:
     return max((b - a for a, b in itertools.pairwise(changes)), default=0.0)
 
 
-class _Serve:
-    """A ``meshd-mps serve`` of the bench's in directory ``d``, started again as often as asked,
-    and timed from its start (or an earlier moment) to its control API answering."""
+#: The longest a bench's ``meshd-mps serve`` may take to answer (its start and restore).
+SERVE_S = 120.0
 
-    def __init__(self, d: str, bench: Bench, *extra: str):
+
+class _Serve:
+    """A ``meshd-mps serve`` of the bench's in directory ``d`` (``isolation``, a pool of one), started
+    again as often as asked, and timed from its start (or an earlier moment) to its control API
+    answering."""
+
+    def __init__(self, d: str, bench: Bench, *extra: str, isolation: str = "mps"):
         self.d, self.sock, self.state = d, os.path.join(d, "s.sock"), os.path.join(d, "state")
-        self.argv = [sys.executable, "-m", "meshd_mps", "serve", "--gpu", bench.gpu, "--isolation", "mps", "--pool",
+        self.argv = [sys.executable, "-m", "meshd_mps", "serve", "--gpu", bench.gpu, "--isolation", isolation, "--pool",
                      "1", "--socket", self.sock, "--state-dir", self.state, "--log-format", "json", *extra]
         self.p: subprocess.Popen[bytes] | None = None
 
@@ -84,6 +89,8 @@ class _Serve:
             self.p = p = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         c = Client(self.sock, timeout=5)
         while True:
+            if time.monotonic() - t0 > SERVE_S:
+                raise RuntimeError(f"serve at {self.sock} did not answer within {SERVE_S:g} s")
             if p.poll() is not None:
                 with open(os.path.join(self.d, "serve.log"), errors="replace") as f:
                     tail = f.read()[-600:]
@@ -95,9 +102,14 @@ class _Serve:
                 time.sleep(0.005)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stopped by ``sig``; SIGKILLed if it has not exited within a minute."""
         if self.p is not None and self.p.poll() is None:
             self.p.send_signal(sig)
-            self.p.wait(60)
+            try:
+                self.p.wait(60)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
 
 
 def restart_by_reload(bench: Bench) -> tuple[float, float, float, float]:

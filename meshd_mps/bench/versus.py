@@ -34,6 +34,7 @@ import numpy as np
 
 from meshd_mps.bench.measure import beat, pct, until
 from meshd_mps.bench.report import Row, quantiles
+from meshd_mps.bench.restart import _Serve
 from meshd_mps.bench.rig import EXAMPLES, Bench
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
@@ -119,18 +120,10 @@ def through_socket(bench: Bench, mode: str, path: str, qs: np.ndarray, reps: int
     kc = _example("knn_client")
     d = os.path.join(bench.base, f"versus-{mode}")
     os.makedirs(d, exist_ok=True)
-    sock = os.path.join(d, "s.sock")
-    argv = [sys.executable, "-m", "meshd_mps", "serve", "--gpu", bench.gpu, "--isolation", mode, "--socket", sock,
-            "--state-dir", os.path.join(d, "state"), "--pool", "1", "--devices", "0"]
-    with open(os.path.join(d, "serve.log"), "wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    s = _Serve(d, bench, "--devices", "0", isolation=mode)
     try:
-        c = Client(sock, timeout=120)
-        end = time.monotonic() + 120
-        while not (os.path.exists(sock) and _answers(c)):
-            if time.monotonic() > end or proc.poll() is not None:
-                raise RuntimeError(f"the daemon at {sock} did not answer (exit status {proc.poll()})")
-            time.sleep(0.05)
+        s.start()
+        c = Client(s.sock, timeout=120)
         nodes = nodes_for(int(c.status()["caps"]["sms_total"]))
         c.load(c.with_data(c.program_body(str(EXAMPLES / "knn"), nodes=nodes, loading=True), path))
         out: dict[int, list[float]] = {}
@@ -146,20 +139,7 @@ def through_socket(bench: Bench, mode: str, path: str, qs: np.ndarray, reps: int
             out[nq] = xs
         return out
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _answers(c: Any) -> bool:
-    try:
-        c.status()
-        return True
-    except Exception:
-        return False
+        s.stop()
 
 
 def contenders(bench: Bench, x_path: str, qs_path: str, check_path: str, reps: int) -> dict[str, Any]:
