@@ -23,7 +23,7 @@ from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
 from meshd_mps.serving.client import ClientError
 
 from ..rigs import fleet as shared
-from ..rigs.fleet import FLEET_DEADLINES, NAMESPACE, UP_S, FleetRig
+from ..rigs.fleet import FLEET_DEADLINES, NAMESPACE, UP_S, FleetRig, removed
 from ..rigs.serve import EXAMPLES
 from ..rigs.waits import until
 
@@ -70,14 +70,6 @@ def once(fleet_rig: FleetRig) -> None:
     """No replica runs on two nodes now."""
     twice = {k: n for k, n in runs(fleet_rig).items() if n > 1}
     assert not twice, f"replicas run on two nodes: {twice}"
-
-
-async def removed(fleet_rig, fleet: Fleet, *names: str) -> None:
-    """The programs removed, and every replica unloaded from its daemon: the next test deploys
-    programs of the same names, on the same daemons' slots."""
-    for name in names:
-        await fleet.remove(name)
-    await until(lambda: not any(n.ps() for n in fleet_rig.nodes.values()), UP_S, "every replica unloaded")
 
 
 async def test_a_lost_nodes_replicas_run_elsewhere_or_wait_with_the_reason_and_its_return_runs_none_twice(

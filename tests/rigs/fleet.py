@@ -240,6 +240,14 @@ def fleet_rig() -> FleetRig:
     return _shared[0]
 
 
+async def removed(fleet_rig: FleetRig, fleet: Fleet, *names: str) -> None:
+    """The programs removed, and every replica unloaded from its daemon: the next test deploys
+    programs of the same names, on the same daemons' slots."""
+    for name in names:
+        await fleet.remove(name)
+    await until(lambda: not any(n.ps() for n in fleet_rig.nodes.values()), UP_S, "every replica unloaded")
+
+
 @pytest.fixture
 async def fleet(fleet_rig: FleetRig):
     """A client of the cluster's fleet, in the fleet's own namespace; after the test, every program
@@ -248,9 +256,7 @@ async def fleet(fleet_rig: FleetRig):
     try:
         yield f
     finally:
-        for p in (await f.status()).programs:
-            await f.remove(p.name)
-        await until(lambda: not any(n.ps() for n in fleet_rig.nodes.values()), UP_S, "every replica unloaded")
+        await removed(fleet_rig, f, *(p.name for p in (await f.status()).programs))
         await f.close()
 
 
