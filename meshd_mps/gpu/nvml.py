@@ -48,6 +48,8 @@ by :meth:`Nvml.open` alone, never when meshd-mps is imported: the CLI and the wo
 :class:`SimNvml` is NVML for ``--gpu sim``, chosen explicitly, never as a fallback: the processes
 of ``$MESHD_MPS_SIM_NVML`` (a JSON file, read at every view so that a test can change it) beside
 the ones its caller says are its own.
+
+:meth:`Nvml.activity` is the bench's gauge of what an idle resident program costs (gpu/activity.py).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, Self
 
 from meshd_mps.base.errors import ConfigError, DeviceError, NoDriver, NvmlUnavailable
+from meshd_mps.gpu.activity import Activity, measure
 
 #: The JSON file of processes that the simulated NVML shows (``--gpu sim``); unset: none.
 SIM_NVML_ENV = "MESHD_MPS_SIM_NVML"
@@ -258,6 +261,14 @@ class Nvml:
         except self._n.NVMLError as e:
             raise DeviceError(f"GPU {device}: nvmlDeviceGetMemoryInfo: {e}") from e
         return int(m.total), int(m.free)
+
+    def activity(self, device: int, seconds: float) -> Activity:
+        """GPU ``device``'s power and SM activity over the next ``seconds`` (gpu/activity.py)."""
+        if not self._open:
+            raise DeviceError(f"GPU {device}: NVML is closed")
+        if not seconds > 0:
+            raise ValueError(f"a window of {seconds!r} s: more than 0 expected")
+        return measure(self._n, self._handle(device), device, seconds)
 
     def _process_name(self, pid: int) -> str:
         """/proc's name where we see the pid, else NVML's (nvmlSystemGetProcessName), else "?".
