@@ -7,6 +7,7 @@ scan's shares, the merge) is one computation here."""
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -17,9 +18,10 @@ from .sim_kernels import MeshRing, View, mesh_entry_offset, mesh_entry_size
 
 MAGIC, F16, F32, HEADER = 0x314E4E4B, 1, 2, 64
 IP, L2 = 0, 1
-E_SIZE, E_NQ, E_K, E_METRIC, E_TABLE, E_ROOM = 1, 2, 3, 4, 5, 6
+E_SIZE, E_NQ, E_K, E_METRIC, E_TABLE, E_ROOM, E_FLAGS = 1, 2, 3, 4, 5, 6, 7
+TIMES = 1  # the request's flag: the response ends with its steps' times (ns)
 NQ_MAX, K_MAX, QCAP, MERGE = 64, 32, 8192, 64 * 128
-REQ = struct.Struct("<III")
+REQ = struct.Struct("<IIII")
 OUT = struct.Struct("<IIII")
 
 
@@ -62,9 +64,12 @@ def best(key: np.ndarray, k: int) -> np.ndarray:
 
 def answer(req: bytes, data: memoryview | None, nodes: int, room: int, slot: int = -1, seq: int = 0) -> bytes:
     """knn.cu's answer to one request: the response's bytes (its first word, the status).  ``slot``
-    and ``seq`` (its DATA_SEQ) name the data, for the fp32 rows kept between requests."""
+    and ``seq`` (its DATA_SEQ) name the data, for the fp32 rows kept between requests.  With the TIMES
+    flag the response ends with its steps' times, as knn.cu's: here numpy's (the read, the scores and
+    each query's selection as the scan, no merge: one computation, the response's packing)."""
+    t0 = time.perf_counter_ns()
     size = len(req)
-    nq, k, metric = REQ.unpack_from(req) if size >= 16 else (0, 0, 0)
+    nq, k, metric, flags = REQ.unpack_from(req) if size >= 16 else (0, 0, 0, 0)
     status, t = table(data)
     if size < 16:
         status = E_SIZE
@@ -79,7 +84,9 @@ def answer(req: bytes, data: memoryview | None, nodes: int, room: int, slot: int
             status = E_K
         elif metric not in (IP, L2):
             status = E_METRIC
-        elif 16 + nq * k * 8 > room:
+        elif flags & ~TIMES:
+            status = E_FLAGS
+        elif 16 + nq * k * 8 + (16 if flags & TIMES else 0) > room:
             status = E_ROOM
     if status:
         return OUT.pack(status, nq, k, 0)
@@ -88,6 +95,7 @@ def answer(req: bytes, data: memoryview | None, nodes: int, room: int, slot: int
     q = np.frombuffer(req, np.float32, nq * dim, 16).reshape(nq, dim)
     k = min(k, rows)
     x = rows32(slot, data, t, seq)
+    t1 = time.perf_counter_ns()
     dots = x @ q.T  # (rows, nq), fp32
     if metric == IP:
         scores = dots
@@ -99,7 +107,11 @@ def answer(req: bytes, data: memoryview | None, nodes: int, room: int, slot: int
         s = scores[:, i]
         ids[i] = best(s if metric == IP else -s, k)
         out[i] = s[ids[i]]
-    return OUT.pack(0, nq, k, rows & 0xFFFFFFFF) + ids.tobytes() + out.tobytes()
+    t2 = time.perf_counter_ns()
+    body = OUT.pack(0, nq, k, rows & 0xFFFFFFFF) + ids.tobytes() + out.tobytes()
+    if flags & TIMES:
+        body += struct.pack("<IIII", t1 - t0, t2 - t1, 0, time.perf_counter_ns() - t2)
+    return body
 
 
 def knn_turn(r: MeshRing, poisoned: Callable[[], bool], data: View, region: View, nodes: int) -> int:

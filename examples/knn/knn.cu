@@ -4,18 +4,28 @@
 // fp16 or fp32 numbers, row after row:
 //     u32 magic 'KNN1', u32 dtype (1: fp16, 2: fp32), u32 dim, u32 0, u64 rows, 40 bytes 0
 // A request is a batch of queries: u32 nq, u32 k, u32 metric (0: inner product, larger is nearer;
-// 1: squared L2 distance, smaller is nearer), u32 0, then nq * dim fp32 numbers.  The response:
-// u32 status (0: ok, else KNN_E_*), u32 nq, u32 k (the neighbours given a query: k, or fewer where
-// the table has fewer rows), u32 rows (the rows searched), then nq * k u32 row ids, then nq * k fp32
-// scores, each query's best first; equal scores go by row id, the smaller first.  The answer is exact.
+// 1: squared L2 distance, smaller is nearer), u32 flags (KNN_TIMES, or 0), then nq * dim fp32 numbers.
+// The response: u32 status (0: ok, else KNN_E_*), u32 nq, u32 k (the neighbours given a query: k, or
+// fewer where the table has fewer rows), u32 rows (the rows searched), then nq * k u32 row ids, then
+// nq * k fp32 scores, each query's best first; equal scores go by row id, the smaller first.  The
+// answer is exact.  With KNN_TIMES, four u32 follow: the nanoseconds (the GPU's global timer) the
+// request took to read (its queries copied in, the blocks told), to scan (every block's share scored,
+// each block's best k a query kept), to merge (the blocks' bests into each query's answer) and to
+// write (the response's header and entry): where a call's time goes, for the bench.
 //
 // Every block of the launch (`nodes`) takes part in each request.  Block 0's first warp serves the
 // ring; on a request its block copies the queries from the payload region to device memory and
 // starts a new epoch in the program's scratch; every block then scans a contiguous share of the
-// rows, a warp eight rows at a time, the lanes of a row splitting it in 16-byte chunks (one
-// coalesced load of the whole row, from L2: the host may write the table while the kernel runs).
+// rows, a warp a round of rows at a time (four 16-byte loads a lane: 8 rows of 256 bytes; fewer
+// where a round's rows would not fit each query's buffer),
+// the lanes of a row splitting it in 16-byte chunks (one coalesced load of the whole row, from L2:
+// the host may write the table while the kernel runs), the next round's loads in flight while it
+// scores this one.
 // A row's score against each query goes through a threshold (the k-th best so far) into a small
 // buffer per query in shared memory, which a warp selects the best k from whenever it may fill.
+// A batch of two or more queries over fp16 rows of up to 128 numbers is scored on the tensor cores
+// instead (knn_scan_mma: a warp 16 rows against 8 queries an mma), one query on the CUDA cores,
+// where the scan is the memory's and the row is read once either way.
 // A grid barrier (every block is resident at once: meshd-mps checks it at load), then block q
 // merges query q's candidates from every block, and writes its answer; a last barrier, and block 0
 // posts the response.
@@ -44,6 +54,9 @@ MESH_DEFINE_DATA();
 #define KNN_E_METRIC 4u  /* metric is neither 0 nor 1 */
 #define KNN_E_TABLE 5u   /* no table in the data, or a dtype or dim this program does not take */
 #define KNN_E_ROOM 6u    /* the response does not fit the program's max_response */
+#define KNN_E_FLAGS 7u   /* a flag this program does not know */
+
+#define KNN_TIMES 1u     /* the request's flag: the response ends with its four steps' times */
 
 #define KNN_WARPS 8u
 #define KNN_THREADS (KNN_WARPS * 32u)
@@ -51,12 +64,13 @@ MESH_DEFINE_DATA();
 #define KNN_K_MAX 32u
 #define KNN_QCAP 8192u                  /* query numbers a request may carry (nq * dim) */
 #define KNN_CB 128u                     /* candidate buffer entries per query */
-#define KNN_ROUND (KNN_WARPS * 8u)      /* rows a block scans between two looks at its buffers */
 #define KNN_MERGE (KNN_NQ_MAX * KNN_CB) /* candidates one query's merge holds: nodes * k at most */
 
 /* Shared memory, dynamic (the manifest's smem): the queries, each query's candidates, each query's
- * threshold and count, and each warp's selection. */
-#define KNN_SMEM (KNN_QCAP * 4u + KNN_NQ_MAX * KNN_CB * 8u + KNN_NQ_MAX * 12u + KNN_WARPS * KNN_K_MAX * 8u + 64u)
+ * threshold and count, each warp's selection, and each query's scale and squared norm (the tensor
+ * cores' path). */
+#define KNN_SMEM \
+    (KNN_QCAP * 4u + KNN_NQ_MAX * KNN_CB * 8u + KNN_NQ_MAX * 12u + KNN_WARPS * KNN_K_MAX * 8u + KNN_NQ_MAX * 8u + 64u)
 
 /* The scratch: the epoch and the job (block 0 writes them for every block), the grid barrier, the
  * queries, each block's candidates. */
@@ -67,6 +81,7 @@ struct knn_job {
     unsigned int gen;   /* and its generation */
     unsigned long long rows;
     unsigned long long out; /* the response area, in the payload region */
+    unsigned int flags;
 };
 #define KNN_JOB_BYTES 64u
 #define KNN_QBUF(sc) ((float *)((sc) + KNN_JOB_BYTES))
@@ -74,6 +89,12 @@ struct knn_job {
 
 static __device__ __forceinline__ bool knn_better(float ka, unsigned int ia, float kb, unsigned int ib) {
     return ka > kb || (ka == kb && ia < ib);
+}
+
+static __device__ __forceinline__ unsigned long long knn_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
 }
 
 static __device__ __forceinline__ float knn_h2f(unsigned int h) {
@@ -154,6 +175,8 @@ struct knn_smem {
     unsigned int *cnt; /* per query: candidates in its buffer */
     float *wkey;      /* per warp: a selection's keys ... */
     unsigned int *wid; /* ... and ids */
+    float *qscale;    /* per query, the tensor cores' path: the power of two its numbers were scaled by ... */
+    float *qnorm;     /* ... and its squared norm */
 };
 
 static __device__ knn_smem knn_layout(unsigned char *base) {
@@ -167,16 +190,19 @@ static __device__ knn_smem knn_layout(unsigned char *base) {
     m.cnt = (unsigned int *)(t + KNN_NQ_MAX * 8u);
     m.wkey = (float *)(t + KNN_NQ_MAX * 12u);
     m.wid = (unsigned int *)(t + KNN_NQ_MAX * 12u + KNN_WARPS * KNN_K_MAX * 4u);
+    m.qscale = (float *)(t + KNN_NQ_MAX * 12u + KNN_WARPS * KNN_K_MAX * 8u);
+    m.qnorm = m.qscale + KNN_NQ_MAX;
     return m;
 }
 
 /* Warp-wide: query q's buffer (``cbq`` entries a query) cut to its best k, and its threshold raised
- * to the k-th. */
+ * to the k-th.  A count past the buffer (offers it had no room for: the tensor cores' path) counts
+ * the buffer's entries only. */
 static __device__ void knn_compact(const knn_smem &m, unsigned int q, unsigned int k, unsigned int cbq) {
     const unsigned int lane = threadIdx.x & 31u, w = threadIdx.x >> 5;
     float *wk = m.wkey + w * KNN_K_MAX;
     unsigned int *wi = m.wid + w * KNN_K_MAX;
-    const unsigned int got = knn_select(m.bkey + q * cbq, m.bid + q * cbq, m.cnt[q], k, wk, wi);
+    const unsigned int got = knn_select(m.bkey + q * cbq, m.bid + q * cbq, min(m.cnt[q], cbq), k, wk, wi);
     __syncwarp();
     for (unsigned int j = lane; j < got; j += 32u) {
         m.bkey[q * cbq + j] = wk[j];
@@ -209,6 +235,27 @@ static __device__ __forceinline__ unsigned int knn_room(unsigned int nq) {
     return KNN_NQ_MAX * KNN_CB / nq;
 }
 
+/* Loads of 16 bytes a lane makes for one round of its warp's rows.  Two rounds' worth are held: the
+ * next round's loads are in flight while the current one is scored, so that the table streams while
+ * the warps compute (a warp that loads, waits and then scores reached ~40 % of the device's copy
+ * bandwidth).  More loads a round would take registers that two blocks an SM do not have. */
+#define KNN_LOADS 4u
+
+/* A round of the warp's rows, ``steps`` loads a lane from row ``wrow`` on (rows past ``hi`` read as 0). */
+static __device__ __forceinline__ void knn_load(uint4 (&v)[KNN_LOADS], const unsigned char *table,
+                                                unsigned long long wrow, unsigned long long hi, unsigned int steps,
+                                                unsigned int G, unsigned int C, unsigned int rowbytes) {
+    const unsigned int lane = threadIdx.x & 31u;
+#pragma unroll
+    for (unsigned int j = 0; j < KNN_LOADS; j++) {
+        const unsigned long long row = wrow + j * G + lane / C;
+        if (j < steps && row < hi)
+            v[j] = __ldcg((const uint4 *)(table + row * rowbytes) + lane % C);
+        else
+            v[j] = make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
 /* The block's rows [lo, hi) scored against every query; each query's best k left in its buffer. */
 static __device__ void knn_scan(const knn_smem &m, const unsigned char *table, unsigned long long lo,
                                 unsigned long long hi, unsigned int nq, unsigned int k, unsigned int metric,
@@ -221,25 +268,25 @@ static __device__ void knn_scan(const knn_smem &m, const unsigned char *table, u
     const unsigned int per = 16u / esize;      /* numbers a chunk */
     const unsigned int chunk = lane % C;
     const unsigned int d0 = chunk * per;
-    const unsigned int steps = 8u / G;         /* loads a lane makes for its warp's 8 rows */
     const unsigned int cbq = knn_room(nq);
+    /* Loads a lane makes a round: as many as held, while a round's rows (each a candidate, at most)
+     * fit a query's buffer beside its best k. */
+    unsigned int steps = KNN_LOADS;
+    while (steps > 1u && KNN_WARPS * steps * G > cbq - k)
+        steps >>= 1;
+    const unsigned int RW = steps * G;         /* rows a warp scores a round */
+    const unsigned int R = KNN_WARPS * RW;     /* rows the block scores a round */
     /* Rounds between two looks at the buffers: at least 1, at most 4, so that the thresholds rise early
      * (until the first look every row is a candidate) and a look selects from a few hundred at most. */
-    const unsigned int every = min((cbq - k) / KNN_ROUND, 4u);
+    const unsigned int every = max(1u, min((cbq - k) / R, 4u));
     unsigned int since = 0;
-    for (unsigned long long base = lo; base < hi; base += KNN_ROUND) {
-        const unsigned long long wrow = base + w * 8u;
-        uint4 v[8];
+    uint4 v[KNN_LOADS], nx[KNN_LOADS];
+    knn_load(v, table, lo + w * RW, hi, steps, G, C, rowbytes);
+    for (unsigned long long base = lo; base < hi; base += R) {
+        const unsigned long long wrow = base + w * RW;
+        knn_load(nx, table, wrow + R, hi, steps, G, C, rowbytes); /* the next round's, in flight meanwhile */
 #pragma unroll
-        for (unsigned int j = 0; j < 8u; j++) {
-            const unsigned long long row = wrow + j * G + lane / C;
-            if (j < steps && row < hi)
-                v[j] = __ldcg((const uint4 *)(table + row * rowbytes) + chunk);
-            else
-                v[j] = make_uint4(0u, 0u, 0u, 0u);
-        }
-#pragma unroll
-        for (unsigned int j = 0; j < 8u; j++) {
+        for (unsigned int j = 0; j < KNN_LOADS; j++) {
             if (j >= steps)
                 break;
             const unsigned long long row = wrow + j * G + lane / C;
@@ -276,11 +323,14 @@ static __device__ void knn_scan(const knn_smem &m, const unsigned char *table, u
                     knn_offer(m, q, metric == KNN_IP ? s : -s, (unsigned int)row, cbq);
             }
         }
+#pragma unroll
+        for (unsigned int j = 0; j < KNN_LOADS; j++)
+            v[j] = nx[j];
         if (++since == every) { /* the buffers looked at: each may take `every` rounds' rows more */
             since = 0;
             __syncthreads();
             for (unsigned int q = w; q < nq; q += KNN_WARPS)
-                if (m.cnt[q] > cbq - every * KNN_ROUND)
+                if (m.cnt[q] > cbq - every * R)
                     knn_compact(m, q, k, cbq);
             __syncthreads();
         }
@@ -291,29 +341,267 @@ static __device__ void knn_scan(const knn_smem &m, const unsigned char *table, u
     __syncthreads();
 }
 
-/* Every block: the queries (``qbuf``, device memory) scored against the table's ``rows`` rows, each
-block its share, and each query's best k written to ``out`` (ids at 16 + q * k * 4, scores after
-them), the header's 16 bytes left to the caller; between two grid barriers (``job``'s), so that
-every block is done with the request when it returns.  The resident kernel runs it for each request
-of its ring; ``knn_once`` for one launch (the bench's kernel launched per request). */
-static __device__ void knn_run(const knn_smem &m, volatile knn_job *job, const float *qbuf, float2 *cand,
-                               const unsigned char *table, unsigned long long rows, unsigned int nq, unsigned int k,
-                               unsigned int metric, unsigned int dim, unsigned int dtype, volatile unsigned char *out) {
+/* ---- batches on the tensor cores: 16 rows x 8 queries an mma (m16n8k16: fp16 in, fp32 sums) ----
+ *
+ * Each warp scores a tile of 16 rows against every query of the batch.  A lane loads, for its rows g
+ * and g + 8 of the tile (g its group, lane / 4), 16 bytes of each 64 (its 8 numbers at 32L + 8t, t
+ * lane % 4): an mma's k-order is any order both operands agree on, so k-step (L, h) takes numbers
+ * 32L + 8t + 4h .. + 3 of every row as its k = 2t, 2t + 1, 2t + 8, 2t + 9, and the queries' numbers
+ * in the same order.  A query's fp32 numbers are scaled by a power of two (their largest to 2^10 ..
+ * 2^11) and split into two fp16, hi + lo, each product exact, the sums in fp32: the scores are the
+ * CUDA cores' to about fp32's precision, and exact where the sums are (whole numbers); the lo half
+ * is skipped where every query is hi alone.  A query's numbers lie in shared memory as fp16, each
+ * 8 bytes a lane reads (2 words) XOR-swizzled by the query so that a warp's reads take every bank
+ * once.  The squared L2 distance is |x|^2 - 2 x.q + |q|^2, |x|^2 from the lane's own loads. */
+
+/* Batches of at least this many queries, of fp16 rows of at most 128 numbers, take this path. */
+#define KNN_MMA_MIN 2u
+/* n-tiles (8 queries each) whose sums a lane holds at once: the registers two blocks an SM leave. */
+#define KNN_MMA_TILES 4u
+
+static __device__ __forceinline__ bool knn_mma_takes(unsigned int nq, unsigned int dim, unsigned int dtype) {
+    return dtype == KNN_F16 && dim <= 128u && nq >= KNN_MMA_MIN;
+}
+
+static __device__ __forceinline__ unsigned int knn_f2h(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+/* The 8-byte unit ``u`` of query ``q``'s numbers (``units`` a query), as its place in shared memory. */
+static __device__ __forceinline__ unsigned int knn_unit(unsigned int q, unsigned int u, unsigned int units) {
+    return q * units + (u ^ ((((q & 1u) << 3) | ((q >> 1) & 1u)) & (units - 1u)));
+}
+
+static __device__ __forceinline__ void knn_mma(float (&c)[4], unsigned int a0, unsigned int a1, unsigned int a2,
+                                               unsigned int a3, unsigned int b0, unsigned int b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* One candidate offered as knn_offer does; false where the buffer had no room (offered again after
+ * the buffer is cut). */
+static __device__ __forceinline__ bool knn_offer_room(const knn_smem &m, unsigned int q, float key, unsigned int id,
+                                                      unsigned int cbq) {
+    if (!knn_better(key, id, m.tkey[q], m.tid[q]))
+        return true;
+    const unsigned int at = atomicAdd(&m.cnt[q], 1u);
+    if (at >= cbq)
+        return false;
+    m.bkey[q * cbq + at] = key;
+    m.bid[q * cbq + at] = id;
+    return true;
+}
+
+/* The queries (``qbuf``, fp32, device memory) into shared memory as scaled fp16 hi and lo halves
+ * (``m.qs``: hi for the batch padded to 8 queries, then lo), with each query's scale and squared
+ * norm; whether any lo half is not 0. */
+static __device__ bool knn_mma_queries(const knn_smem &m, const float *qbuf, unsigned int nq, unsigned int dim) {
     const unsigned int lane = threadIdx.x & 31u, w = threadIdx.x >> 5;
-    /* ---- the scan: this block's share of the rows, against every query */
-    for (unsigned int i = threadIdx.x; i < nq * dim; i += KNN_THREADS)
-        m.qs[i] = __ldcg(qbuf + i);
+    const unsigned int units = dim / 4u, nq8 = (nq + 7u) & ~7u;
+    for (unsigned int q = w; q < nq; q += KNN_WARPS) {
+        float most = 0.0f, norm = 0.0f;
+        for (unsigned int i = lane; i < dim; i += 32u) {
+            const float v = __ldcg(qbuf + q * dim + i);
+            most = fmaxf(most, fabsf(v));
+            norm = fmaf(v, v, norm);
+        }
+#pragma unroll
+        for (unsigned int o = 16u; o; o >>= 1u) {
+            most = fmaxf(most, __shfl_xor_sync(MESH_WARP, most, o));
+            norm += __shfl_xor_sync(MESH_WARP, norm, o);
+        }
+        if (lane == 0) {
+            /* 2^(10 - e), e the largest number's exponent: that number in [2^10, 2^11); none: 1 */
+            int e = most > 0.0f ? (int)((__float_as_uint(most) >> 23) & 0xffu) - 127 : 10;
+            e = e < -100 ? -100 : e > 100 ? 100 : e;
+            m.qscale[q] = __uint_as_float((unsigned int)(127 + 10 - e) << 23);
+            m.qnorm[q] = norm;
+        }
+    }
+    __syncthreads();
+    unsigned int *hi = (unsigned int *)m.qs, *lo = hi + nq8 * dim / 2u;
+    bool any = false;
+    for (unsigned int i = threadIdx.x; i < nq8 * units; i += KNN_THREADS) {
+        const unsigned int q = i / units, u = i % units, at = 2u * knn_unit(q, u, units);
+        unsigned int h[4] = {0u, 0u, 0u, 0u}, l[4] = {0u, 0u, 0u, 0u};
+        if (q < nq) {
+            const float4 v = __ldcg((const float4 *)(qbuf + q * dim) + u);
+            const float s = m.qscale[q], x[4] = {v.x * s, v.y * s, v.z * s, v.w * s};
+#pragma unroll
+            for (unsigned int j = 0; j < 4u; j++) {
+                h[j] = knn_f2h(x[j]);
+                l[j] = knn_f2h(x[j] - knn_h2f(h[j]));
+                any |= l[j] != 0u;
+            }
+        }
+        hi[at] = h[0] | h[1] << 16;
+        hi[at + 1u] = h[2] | h[3] << 16;
+        lo[at] = l[0] | l[1] << 16;
+        lo[at + 1u] = l[2] | l[3] << 16;
+    }
+    return __syncthreads_or(any) != 0;
+}
+
+/* The block's rows [lo, hi) scored against every query on the tensor cores; each query's best k left
+ * in its buffer.  A round is a tile of 16 rows a warp; an offer a buffer has no room for is made
+ * again once the buffers are cut, so that no round overflows whatever the batch's room. */
+static __device__ void knn_scan_mma(const knn_smem &m, const float *qbuf, const unsigned char *table,
+                                    unsigned long long lo, unsigned long long hi, unsigned int nq, unsigned int k,
+                                    unsigned int metric, unsigned int dim) {
+    const unsigned int lane = threadIdx.x & 31u, w = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3u;
+    const unsigned int units = dim / 4u, steps = dim / 32u, nt = (nq + 7u) / 8u, rowbytes = dim * 2u;
+    const unsigned int cbq = knn_room(nq);
+    const bool two = knn_mma_queries(m, qbuf, nq, dim);
+    const uint2 *qhi = (const uint2 *)m.qs, *qlo = qhi + ((nq + 7u) & ~7u) * units;
     for (unsigned int q = threadIdx.x; q < nq; q += KNN_THREADS) {
         m.cnt[q] = 0;
         m.tkey[q] = KNN_NEG_INF;
         m.tid[q] = 0xffffffffu;
     }
     __syncthreads();
+    for (unsigned long long base = lo; base < hi; base += KNN_WARPS * 16u) {
+        const unsigned long long r0 = base + w * 16u + g, r1 = r0 + 8u;
+        uint4 va[4], vb[4];
+#pragma unroll
+        for (unsigned int L = 0; L < 4u; L++) {
+            va[L] = L < steps && r0 < hi ? __ldcg((const uint4 *)(table + r0 * rowbytes + 64u * L) + t4)
+                                         : make_uint4(0u, 0u, 0u, 0u);
+            vb[L] = L < steps && r1 < hi ? __ldcg((const uint4 *)(table + r1 * rowbytes + 64u * L) + t4)
+                                         : make_uint4(0u, 0u, 0u, 0u);
+        }
+        float n0 = 0.0f, n1 = 0.0f; /* rows r0's and r1's squared norms, for L2 */
+        if (metric == KNN_L2) {
+#pragma unroll
+            for (unsigned int L = 0; L < 4u; L++) {
+                if (L >= steps)
+                    break;
+                const unsigned int wa[4] = {va[L].x, va[L].y, va[L].z, va[L].w};
+                const unsigned int wb[4] = {vb[L].x, vb[L].y, vb[L].z, vb[L].w};
+#pragma unroll
+                for (unsigned int j = 0; j < 4u; j++) {
+                    const float x0 = knn_h2f(wa[j]), x1 = knn_h2f(wa[j] >> 16);
+                    const float y0 = knn_h2f(wb[j]), y1 = knn_h2f(wb[j] >> 16);
+                    n0 = fmaf(x0, x0, fmaf(x1, x1, n0));
+                    n1 = fmaf(y0, y0, fmaf(y1, y1, n1));
+                }
+            }
+            n0 += __shfl_xor_sync(MESH_WARP, n0, 1);
+            n0 += __shfl_xor_sync(MESH_WARP, n0, 2);
+            n1 += __shfl_xor_sync(MESH_WARP, n1, 1);
+            n1 += __shfl_xor_sync(MESH_WARP, n1, 2);
+        }
+        /* the batch's queries KNN_MMA_TILES n-tiles at a time (their sums held in registers) */
+#pragma unroll 1
+        for (unsigned int t0 = 0; t0 < nt; t0 += KNN_MMA_TILES) {
+            float c[KNN_MMA_TILES][4];
+#pragma unroll
+            for (unsigned int t = 0; t < KNN_MMA_TILES; t++)
+                c[t][0] = c[t][1] = c[t][2] = c[t][3] = 0.0f;
+#pragma unroll
+            for (unsigned int L = 0; L < 4u; L++) {
+                if (L >= steps)
+                    break;
+#pragma unroll
+                for (unsigned int h = 0; h < 2u; h++) {
+                    const unsigned int a0 = h ? va[L].z : va[L].x, a1 = h ? vb[L].z : vb[L].x;
+                    const unsigned int a2 = h ? va[L].w : va[L].y, a3 = h ? vb[L].w : vb[L].y;
+                    const unsigned int u = 8u * L + 2u * t4 + h;
+#pragma unroll
+                    for (unsigned int t = 0; t < KNN_MMA_TILES; t++) {
+                        if (t0 + t >= nt)
+                            break;
+                        const unsigned int at = knn_unit(8u * (t0 + t) + g, u, units);
+                        const uint2 b = qhi[at];
+                        knn_mma(c[t], a0, a1, a2, a3, b.x, b.y);
+                        if (two) {
+                            const uint2 bl = qlo[at];
+                            knn_mma(c[t], a0, a1, a2, a3, bl.x, bl.y);
+                        }
+                    }
+                }
+            }
+            /* c[t][e]: row e < 2 ? r0 : r1, query 8 (t0 + t) + 2 t4 + (e & 1); made its key (larger is
+             * nearer) in place, and offered */
+            unsigned int pending = 0; /* bit 4t + e: an offer to make again */
+#pragma unroll
+            for (unsigned int t = 0; t < KNN_MMA_TILES; t++) {
+                if (t0 + t >= nt)
+                    break;
+#pragma unroll
+                for (unsigned int e = 0; e < 4u; e++) {
+                    const unsigned int q = 8u * (t0 + t) + 2u * t4 + (e & 1u);
+                    const unsigned long long row = e < 2u ? r0 : r1;
+                    if (q < nq && row < hi) {
+                        /* 1 / scale, exactly: a power of two's exponent negated */
+                        const float dot = c[t][e] * __uint_as_float((254u << 23) - __float_as_uint(m.qscale[q]));
+                        c[t][e] = metric == KNN_IP ? dot : -(fmaf(-2.0f, dot, e < 2u ? n0 : n1) + m.qnorm[q]);
+                        if (!knn_offer_room(m, q, c[t][e], (unsigned int)row, cbq))
+                            pending |= 1u << (4u * t + e);
+                    }
+                }
+            }
+            /* the buffers looked at: each cut past half full (every one with offers it had no room
+             * for), then those offers made again, until none is left */
+            for (;;) {
+                __syncthreads();
+                for (unsigned int q = w; q < nq; q += KNN_WARPS)
+                    if (m.cnt[q] > cbq / 2u && m.cnt[q] > k)
+                        knn_compact(m, q, k, cbq);
+                if (!__syncthreads_or(pending != 0u))
+                    break;
+#pragma unroll
+                for (unsigned int t = 0; t < KNN_MMA_TILES; t++) {
+                    if (t0 + t >= nt)
+                        break;
+#pragma unroll
+                    for (unsigned int e = 0; e < 4u; e++)
+                        if (pending & (1u << (4u * t + e))) {
+                            const unsigned int q = 8u * (t0 + t) + 2u * t4 + (e & 1u);
+                            if (knn_offer_room(m, q, c[t][e], (unsigned int)(e < 2u ? r0 : r1), cbq))
+                                pending &= ~(1u << (4u * t + e));
+                        }
+                }
+            }
+        }
+    }
+    for (unsigned int q = w; q < nq; q += KNN_WARPS)
+        knn_compact(m, q, k, cbq);
+    __syncthreads();
+}
+
+/* Every block: the queries (``qbuf``, device memory) scored against the table's ``rows`` rows, each
+block its share, and each query's best k written to ``out`` (ids at 16 + q * k * 4, scores after
+them), the header's 16 bytes left to the caller; between two grid barriers (``job``'s), so that
+every block is done with the request when it returns.  The resident kernel runs it for each request
+of its ring; ``knn_once`` for one launch (the bench's kernel launched per request).  ``at``: where block
+0's first thread writes the times its scan and its merge ended (or 0). */
+static __device__ void knn_run(const knn_smem &m, volatile knn_job *job, const float *qbuf, float2 *cand,
+                               const unsigned char *table, unsigned long long rows, unsigned int nq, unsigned int k,
+                               unsigned int metric, unsigned int dim, unsigned int dtype, volatile unsigned char *out,
+                               unsigned long long *at) {
+    const unsigned int lane = threadIdx.x & 31u, w = threadIdx.x >> 5;
+    /* ---- the scan: this block's share of the rows, against every query */
     const unsigned long long share = (rows + gridDim.x - 1u) / gridDim.x;
     const unsigned long long lo = share * blockIdx.x < rows ? share * blockIdx.x : rows;
     const unsigned long long hi = lo + share < rows ? lo + share : rows;
-    if (k > 0)
-        knn_scan(m, table, lo, hi, nq, k, metric, dim, dtype);
+    if (k > 0 && knn_mma_takes(nq, dim, dtype)) {
+        knn_scan_mma(m, qbuf, table, lo, hi, nq, k, metric, dim);
+    } else {
+        for (unsigned int i = threadIdx.x; i < nq * dim; i += KNN_THREADS)
+            m.qs[i] = __ldcg(qbuf + i);
+        for (unsigned int q = threadIdx.x; q < nq; q += KNN_THREADS) {
+            m.cnt[q] = 0;
+            m.tkey[q] = KNN_NEG_INF;
+            m.tid[q] = 0xffffffffu;
+        }
+        __syncthreads();
+        if (k > 0)
+            knn_scan(m, table, lo, hi, nq, k, metric, dim, dtype);
+    }
     /* each block's best k a query, padded, to the scratch */
     for (unsigned int i = threadIdx.x; i < nq * k; i += KNN_THREADS) {
         const unsigned int q = i / k, j = i % k;
@@ -323,6 +611,8 @@ static __device__ void knn_run(const knn_smem &m, volatile knn_job *job, const f
             make_float2(have ? m.bkey[at] : KNN_NEG_INF, __uint_as_float(have ? m.bid[at] : 0xffffffffu));
     }
     knn_grid_sync(job);
+    if (at && blockIdx.x == 0 && threadIdx.x == 0)
+        at[0] = knn_now();
     /* ---- the merge: block q takes query q's candidates from every block and writes its answer */
     for (unsigned int q = blockIdx.x; q < nq; q += gridDim.x) {
         const unsigned int total = gridDim.x * k;
@@ -365,15 +655,20 @@ static __device__ void knn_run(const knn_smem &m, volatile knn_job *job, const f
         __syncthreads();
     }
     knn_grid_sync(job);
+    if (at && blockIdx.x == 0 && threadIdx.x == 0)
+        at[1] = knn_now();
 }
 
-MESH_MAIN {
+/* MESH_MAIN, with launch bounds: two blocks an SM must be resident at once (the grid barrier waits for
+ * every block, and the bench launches two an SM), so the compiler keeps to 128 registers a thread. */
+extern "C" __global__ void __launch_bounds__(KNN_THREADS, 2) mesh_main(unsigned long long mailbox, unsigned int slot) {
     extern __shared__ __align__(16) unsigned char smem[];
     const knn_smem m = knn_layout(smem);
     /* block 0's view of the request, for all its threads (only its first warp holds the ring) */
     __shared__ unsigned int s_n, s_size, s_max;
     __shared__ unsigned long long s_req, s_out, s_base;
     __shared__ unsigned int s_go;
+    __shared__ unsigned long long s_t[4]; /* block 0's: the request seen, read, scanned, merged */
     unsigned char *sc = (unsigned char *)mesh_scratch;
     volatile knn_job *job = (volatile knn_job *)sc;
     float *qbuf = KNN_QBUF(sc);
@@ -405,6 +700,7 @@ MESH_MAIN {
                     req = mesh_request_bytes(&r, &pay, r.next, e);
                 }
                 if (lane == 0) {
+                    s_t[0] = knn_now();
                     s_n = n;
                     s_size = size;
                     s_req = (unsigned long long)req;
@@ -414,7 +710,7 @@ MESH_MAIN {
                 }
             }
             __syncthreads();
-            unsigned int status = 0, nq = 0, k = 0, metric = 0, dim = 0, dtype = 0;
+            unsigned int status = 0, nq = 0, k = 0, metric = 0, flags = 0, dim = 0, dtype = 0;
             unsigned long long rows = 0;
             if (s_n != 0) {
                 const unsigned int size = s_size;
@@ -423,6 +719,7 @@ MESH_MAIN {
                 nq = size >= 16u ? h[0] : 0u;
                 k = size >= 16u ? h[1] : 0u;
                 metric = size >= 16u ? h[2] : 0u;
+                flags = size >= 16u ? h[3] : 0u;
                 const volatile unsigned int *t = (const volatile unsigned int *)mesh_data;
                 if (mesh_data == 0 || mesh_data_bytes < KNN_HEADER || t[0] != KNN_MAGIC) {
                     status = KNN_E_TABLE;
@@ -448,7 +745,9 @@ MESH_MAIN {
                         status = KNN_E_K;
                     else if (metric != KNN_IP && metric != KNN_L2)
                         status = KNN_E_METRIC;
-                    else if (16u + nq * k * 8u > s_max || s_out == 0)
+                    else if (flags & ~KNN_TIMES)
+                        status = KNN_E_FLAGS;
+                    else if (16u + nq * k * 8u + (flags & KNN_TIMES ? 16u : 0u) > s_max || s_out == 0)
                         status = KNN_E_ROOM;
                 }
                 if (status == 0) { /* the queries, from host memory: every thread of the block, 16 bytes a load */
@@ -474,7 +773,9 @@ MESH_MAIN {
                 job->dtype = dtype;
                 job->rows = rows;
                 job->out = s_out;
+                job->flags = flags;
                 __threadfence();
+                s_t[1] = knn_now();
                 job->epoch = ++epoch;
             }
             __syncthreads();
@@ -511,19 +812,27 @@ MESH_MAIN {
                 continue;
         }
         knn_run(m, job, qbuf, cand, (const unsigned char *)mesh_data + KNN_HEADER, job->rows, job->nq, job->k,
-                job->metric, job->dim, job->dtype, (volatile unsigned char *)job->out);
-        const unsigned int nq = job->nq, k = job->k;
+                job->metric, job->dim, job->dtype, (volatile unsigned char *)job->out, blockIdx.x == 0 ? s_t + 2 : 0);
+        const unsigned int nq = job->nq, k = job->k, times = job->flags & KNN_TIMES;
         const unsigned long long rows = job->rows;
         volatile unsigned char *out = (volatile unsigned char *)job->out;
         /* ---- the answer posted: its header, in the entry itself where it is small */
         if (blockIdx.x == 0 && w == 0) {
-            const unsigned int len = 16u + nq * k * 8u;
+            const unsigned int len = 16u + nq * k * 8u + (times ? 16u : 0u);
             volatile unsigned int *hdr = (volatile unsigned int *)out;
             if (lane == 0) {
                 hdr[0] = 0u;
                 hdr[1] = nq;
                 hdr[2] = k;
                 hdr[3] = (unsigned int)rows;
+                if (times) { /* the write's own time ends here: the entry's copy and the post are after */
+                    volatile unsigned int *t = hdr + 4u + nq * k * 2u;
+                    const unsigned long long now = knn_now();
+                    t[0] = (unsigned int)(s_t[1] - s_t[0]);
+                    t[1] = (unsigned int)(s_t[2] - s_t[1]);
+                    t[2] = (unsigned int)(s_t[3] - s_t[2]);
+                    t[3] = (unsigned int)(now - s_t[3]);
+                }
             }
             __threadfence_system();
             __syncwarp();
@@ -547,12 +856,12 @@ MESH_MAIN {
  * "Against what users run instead"), so that what residency saves is measured apart from the
  * kernel's own quality.  `table` is the table's first row; `scratch` a zeroed buffer the size of the
  * manifest's scratch, kept from one launch to the next (its grid barrier). */
-extern "C" __global__ void knn_once(const unsigned char *table, unsigned long long rows, unsigned int dim,
+extern "C" __global__ void __launch_bounds__(KNN_THREADS, 2) knn_once(const unsigned char *table, unsigned long long rows, unsigned int dim,
                                     unsigned int dtype, const float *queries, unsigned int nq, unsigned int k,
                                     unsigned int metric, unsigned char *out, unsigned char *scratch) {
     extern __shared__ __align__(16) unsigned char smem[];
     const knn_smem m = knn_layout(smem);
-    knn_run(m, (volatile knn_job *)scratch, queries, KNN_CAND(scratch), table, rows, nq, k, metric, dim, dtype, out);
+    knn_run(m, (volatile knn_job *)scratch, queries, KNN_CAND(scratch), table, rows, nq, k, metric, dim, dtype, out, 0);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         unsigned int *h = (unsigned int *)out;
         h[0] = 0u;

@@ -1,9 +1,11 @@
 """examples/knn's wire format, and the exact search it must agree with, in numpy.
 
 A request (knn.cu): u32 nq, u32 k, u32 metric (0: inner product, larger is nearer; 1: squared L2
-distance, smaller is nearer), u32 0, then the nq queries, fp32.  A response: u32 status, u32 nq, u32
-k, u32 rows searched, then nq * k u32 row ids, then nq * k fp32 scores, each query's best first,
-equal scores by row id.  Used by the example's README, the tutorial, the tests and the bench.
+distance, smaller is nearer), u32 flags (1: the steps' times asked for, else 0), then the nq queries,
+fp32.  A response: u32 status, u32 nq, u32 k, u32 rows searched, then nq * k u32 row ids, then nq * k
+fp32 scores, each query's best first, equal scores by row id; where the times were asked for, four
+u32 after them: the nanoseconds the GPU took to read the request, to scan, to merge and to write.
+Used by the example's README, the tutorial, the tests and the bench.
 """
 
 from __future__ import annotations
@@ -24,13 +26,26 @@ NQ_MAX, K_MAX, QCAP = 64, 32, 8192
 ERRORS = {1: "the request's length is not 16 + nq * dim * 4", 2: f"nq is 0, over {NQ_MAX}, or nq * dim over {QCAP}",
           3: f"k is 0, over {K_MAX}, or nodes * k over 8192", 4: "the metric is neither 0 (ip) nor 1 (l2)",
           5: "the program's data holds no table it takes (dtype f16 or f32, dim a power of two of 16..512 bytes)",
-          6: "the response does not fit the program's max_response"}
+          6: "the response does not fit the program's max_response", 7: "a flag knn does not know (1: times)"}
+#: The request's flag that asks for the steps' times.
+TIMES = 1
+
+
+class Times(NamedTuple):
+    """Where a request's time went on the GPU (ns, its global timer): the request read (its queries
+    copied in, every block told), the scan, the merge of the blocks' bests, the response written."""
+
+    read: int
+    scan: int
+    merge: int
+    write: int
 
 
 class Answer(NamedTuple):
     ids: np.ndarray  # (nq, k) uint32
     scores: np.ndarray  # (nq, k) float32
     rows: int  # the rows searched
+    times: Times | None = None  # where the request asked for them
 
 
 class Refused(Exception):
@@ -54,9 +69,9 @@ def rows_offset(row: int, dim: int, dtype: str) -> int:
 ROWS_AT = 16
 
 
-def request(queries: np.ndarray, k: int, metric: str = "ip") -> bytes:
+def request(queries: np.ndarray, k: int, metric: str = "ip", times: bool = False) -> bytes:
     q = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
-    return struct.pack("<IIII", q.shape[0], k, METRICS[metric], 0) + q.tobytes()
+    return struct.pack("<IIII", q.shape[0], k, METRICS[metric], TIMES if times else 0) + q.tobytes()
 
 
 def answer(data: bytes) -> Answer:
@@ -66,7 +81,8 @@ def answer(data: bytes) -> Answer:
     n = nq * k
     ids = np.frombuffer(data, np.uint32, n, 16).reshape(nq, k)
     scores = np.frombuffer(data, np.float32, n, 16 + 4 * n).reshape(nq, k)
-    return Answer(ids, scores, rows)
+    times = Times(*struct.unpack_from("<IIII", data, 16 + 8 * n)) if len(data) >= 16 + 8 * n + 16 else None
+    return Answer(ids, scores, rows, times)
 
 
 def search(x: np.ndarray, queries: np.ndarray, k: int, metric: str = "ip") -> Answer:

@@ -72,3 +72,36 @@ async def test_knn_answers_as_numpy_does(isolation, tmp):
             await ask(np.zeros((1, DIM), np.float32), 0, "ip")
         assert e.value.status == 3
         assert b.status().get("blinks", 0) == blinks  # a call or a write halts nobody
+        # the steps' times, asked for: the same answer, and the GPU's four steps within the call's time
+        q = rng.integers(-8, 9, size=(8, DIM)).astype(np.float32)
+        got = knn.answer(await ps.call("knn", knn.request(q, 10, times=True), timeout=30))
+        np.testing.assert_array_equal(got.ids, knn.search(x, q, 10).ids)
+        assert got.times is not None and got.times.scan > 0 and sum(got.times) < 1e9, got.times
+
+
+#: Every row width the scan takes a different way: 4, 8, 16 and 32 loads of 16 bytes a row (fp16 of 32
+#: to 256 numbers, fp32 of 16 to 128), a row count that leaves every block's share uneven.
+SHAPES = [("f16", 32), ("f16", 64), ("f16", 256), ("f32", 16), ("f32", 128)]
+
+
+async def test_knn_answers_as_numpy_does_for_every_row_width(tmp):
+    rng = np.random.default_rng(5)
+    async with await Backend.open(isolation="mps", gpu="cuda", pool=1) as b:
+        ps = Programs(b)
+        info = b.info
+        assert info is not None
+        for dtype, dim in SHAPES:
+            x = make_table.table(50_021, dim, dtype, seed=dim, integers=True)
+            path = os.path.join(tmp, f"table-{dtype}-{dim}.bin")
+            make_table.write(path, x)
+            await ps.load(*example("knn"), nodes=2 * info.sms_total, data=path)
+            try:
+                for nq in (1, 7, min(64, knn.QCAP // dim)):  # as many numbers as a request takes
+                    q = rng.integers(-8, 9, size=(nq, dim)).astype(np.float32)
+                    for metric in ("ip", "l2"):
+                        got = knn.answer(await ps.call("knn", knn.request(q, 10, metric), timeout=30))
+                        want = knn.search(x, q, 10, metric)
+                        np.testing.assert_array_equal(got.ids, want.ids, err_msg=f"{dtype} {dim}, nq {nq}, {metric}")
+                        np.testing.assert_array_equal(got.scores, want.scores, err_msg=f"{dtype} {dim}, nq {nq}")
+            finally:
+                await ps.unload("knn")

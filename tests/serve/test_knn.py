@@ -90,13 +90,25 @@ def test_rows_appended_while_it_runs_are_found_by_the_next_query(daemon):
     s.client.write("knn", knn.ROWS_AT, ROWS.to_bytes(8, "little"))  # as it was, for the other tests
 
 
+def test_a_request_that_asks_for_its_times_gets_the_same_answer_and_four_times(daemon):
+    s, x, _ = daemon
+    q = x[3:5].astype(np.float32)
+    got = knn.answer(s.client.call_bytes("knn", knn.request(q, 10, times=True)))
+    plain = knn.answer(s.client.call_bytes("knn", knn.request(q, 10)))
+    np.testing.assert_array_equal(got.ids, plain.ids)
+    np.testing.assert_array_equal(got.scores, plain.scores)
+    assert plain.times is None and got.times is not None
+    assert got.times.scan > 0 and all(t >= 0 for t in got.times), got.times
+
+
 @pytest.mark.parametrize(("request_", "status"), [
     (knn.request(np.zeros((1, DIM)), 10)[:-4], 1),  # a query short of its numbers
     (knn.request(np.zeros((65, 64)), 10), 2),  # more queries than a request takes
     (knn.request(np.zeros((1, DIM)), 0), 3),  # k 0
     (knn.request(np.zeros((1, DIM)), 33), 3),  # k over 32
     (knn.request(np.zeros((1, DIM)), 10)[:8] + (7).to_bytes(4, "little") + bytes(4 + DIM * 4), 4),  # a metric 7
-], ids=["size", "nq", "k0", "k33", "metric"])
+    (knn.request(np.zeros((1, DIM)), 10)[:12] + (2).to_bytes(4, "little") + bytes(DIM * 4), 7),  # a flag unknown
+], ids=["size", "nq", "k0", "k33", "metric", "flag"])
 def test_a_bad_request_is_refused_with_its_reason(daemon, request_, status):
     s, _x, _ = daemon
     with pytest.raises(knn.Refused) as e:
