@@ -1,6 +1,7 @@
 """Row (v) versus: examples/knn's exact top-k (k = 10) over a table of N vectors of 128 fp16 numbers
 (N = 1,000,000; 100,000 with --quick), batches of 1, 8 and 64 queries, resident in meshd-mps beside
-what a user runs instead, the same table and queries for every contender:
+what a user runs instead, the same table and queries for every contender; then the same with fp32
+numbers (meshd-mps in MPS mode, in-process, beside the same contenders):
 
 - meshd-mps resident, both isolation modes: ``Programs.call`` in this process, and through a
   daemon's socket as a client process calls it (``Client.call_bytes``, the CLI's HTTP client);
@@ -11,9 +12,12 @@ what a user runs instead, the same table and queries for every contender:
 Per contender and batch: p50 and p99 (``reps`` batches after a warm-up), batches a second with 8 in
 flight (meshd-mps's), and the scan's bandwidth (the table's bytes over the p50) against the device's
 copy bandwidth measured in the same run.  Every contender's answer to the same check queries equals
-numpy's exact one (ties at the k-th score aside, which topk orders as it likes).  Also shown: a
-resident heartbeat's largest gap while knn answers at full rate, against its idle one.  The table's
-numbers are whole (-8..8), so that every contender's sums are exact and the answers comparable.
+numpy's exact one (ties at the k-th score aside, which topk orders as it likes).  Also shown: where a
+resident call's time goes (knn's own times of its steps on the GPU, asked for by its request's flag,
+the rest the host's and the bus's); a resident heartbeat's largest gap while knn answers at full
+rate, against its idle one; and what a resident knn costs while nothing asks it (the GPU's power and
+SM activity from NVML, against the same backend with nothing loaded).  The table's numbers are whole
+(-8..8), so that every contender's sums are exact and the answers comparable.
 """
 
 from __future__ import annotations
@@ -36,10 +40,15 @@ from meshd_mps.bench.measure import beat, pct, until
 from meshd_mps.bench.report import Row, quantiles
 from meshd_mps.bench.restart import _Serve
 from meshd_mps.bench.rig import EXAMPLES, Bench
+from meshd_mps.gpu.nvml import Activity, Nvml
 from meshd_mps.programs import Programs
 from meshd_mps.protocol import abi
 
 K, DIM, BATCHES = 10, 128, (1, 8, 64)
+#: The window NVML's power and SM activity are read over (s): its energy counter moves in steps.
+IDLE_S = 2.0
+#: Calls a batch that ask for knn's times of its steps (the medians are shown).
+SPLIT = 200
 #: Blocks of knn a launch: two an SM (as many as its registers and shared memory let be resident), on
 #: every SM but one, which is left for the heartbeat beside it.
 NODES_PER_SM = 2
@@ -73,20 +82,35 @@ def same(a_ids: np.ndarray, a_scores: np.ndarray, b_ids: np.ndarray, b_scores: n
     return True
 
 
+def activity(seconds: float) -> Activity | str:
+    """GPU 0's power and SM activity over ``seconds`` (NVML), or why it cannot be read here."""
+    try:
+        with Nvml.open() as nvml:
+            return nvml.activity(0, seconds)
+    except Exception as e:  # NvmlUnavailable (the simulated GPU, no driver), DeviceError: said, not raised
+        return f"{type(e).__name__}: {e}"
+
+
 async def resident(bench: Bench, mode: str, path: str, qs: np.ndarray, check: np.ndarray,
-                   reps: int) -> tuple[dict[int, list[float]], dict[int, float], Any, tuple[float, float]]:
-    """knn resident, called in this process: (latencies by batch, batches a second with 8 in flight by
-    batch, its answer to ``check``, (heartbeat's gap at full rate, idle) us)."""
+                   reps: int, power: bool = False) -> dict[str, Any]:
+    """knn resident, called in this process: ``lat`` (latencies by batch), ``rate`` (batches a second
+    with 8 in flight, by batch), ``got`` (its answer to ``check``), ``gaps`` ((heartbeat's gap at full
+    rate, idle) us), ``split`` (by batch: the call's p50 and each of knn's steps' median, us); with
+    ``power``, ``activity`` (the GPU's, with nothing loaded and with knn resident and idle)."""
     kc = _example("knn_client")
     async with await bench.backend(mode, pool=3 if mode == "mps" else 0) as b:
         ps = Programs(b)
         try:
-            hb = await ps.load(*await bench.src(b, "heartbeat"))
+            before = await anyio.to_thread.run_sync(activity, IDLE_S) if power else None
             assert b.info is not None
             await ps.load(*await bench.src(b, "knn"), nodes=nodes_for(b.info.sms_total), data=path)
+            await ps.call("knn", kc.request(check[:1], K), timeout=60)  # serving: its first request answered
+            loaded = await anyio.to_thread.run_sync(activity, IDLE_S) if power else None
+            hb = await ps.load(*await bench.src(b, "heartbeat"))
             await until(lambda: b.mailbox.heartbeat(hb.slot) > 0, 10, "the heartbeat's first beat")
             lat: dict[int, list[float]] = {}
             rate: dict[int, float] = {}
+            split: dict[int, dict[str, float]] = {}
             for nq in BATCHES:
                 req = kc.request(qs[:nq], K)
                 for _ in range(bench.n(5, 1)):
@@ -97,6 +121,7 @@ async def resident(bench: Bench, mode: str, path: str, qs: np.ndarray, check: np
                     await ps.call("knn", req, timeout=60)
                     xs.append(time.perf_counter() - t0)
                 lat[nq] = xs
+                split[nq] = await steps(ps, kc.request(qs[:nq], K, times=True), bench.n(SPLIT, 3), kc)
                 await beat(b, hb.slot, reset=True)
                 t0 = time.perf_counter()
                 await ps.call_many("knn", [req] * reps, timeout=60, window=8)
@@ -107,9 +132,28 @@ async def resident(bench: Bench, mode: str, path: str, qs: np.ndarray, check: np
             await beat(b, hb.slot)
             idle = float(b.mailbox.u64(hb.slot, abi.MAX_GAP))
             got = kc.answer(await ps.call("knn", kc.request(check, K), timeout=60))
-            return lat, rate, got, (busy / 1e3, idle / 1e3)
+            return {"lat": lat, "rate": rate, "got": got, "gaps": (busy / 1e3, idle / 1e3), "split": split,
+                    "activity": (before, loaded)}
         finally:
             await ps.close()
+
+
+async def steps(ps: Programs, req: bytes, n: int, kc: ModuleType) -> dict[str, float]:
+    """Where ``n`` calls of ``req`` (which asks for knn's times) spent their time, medians in us: the
+    call (``call``), knn's steps on the GPU (``read``, ``scan``, ``merge``, ``write``), and the rest
+    (``host``: the request written, its entry and REQ_HEAD crossing the bus, the response's polled
+    and read)."""
+    rows: list[tuple[float, ...]] = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        got = kc.answer(await ps.call("knn", req, timeout=60))
+        took = time.perf_counter() - t0
+        t = got.times
+        assert t is not None
+        rows.append((took * 1e6, t.read / 1e3, t.scan / 1e3, t.merge / 1e3, t.write / 1e3,
+                     took * 1e6 - sum(t) / 1e3))
+    cols = list(zip(*rows, strict=True))
+    return {k: float(np.median(v)) for k, v in zip(("call", "read", "scan", "merge", "write", "host"), cols, strict=True)}
 
 
 def through_socket(bench: Bench, mode: str, path: str, qs: np.ndarray, reps: int) -> dict[int, list[float]]:
@@ -163,27 +207,8 @@ def contenders(bench: Bench, x_path: str, qs_path: str, check_path: str, reps: i
     return out
 
 
-async def sec_versus(bench: Bench) -> list[Row]:
-    rows: list[Row] = []
-    n, reps = bench.n(1_000_000, 100_000), bench.n(1000, 3)
-    gpu = bench.gpu == "cuda"  # the targets are the GPU's: the simulated GPU's figures only show the path runs
-    make_table, kc = _example("make_table"), _example("knn_client")
-    x = make_table.table(n, DIM, "f16", seed=11, integers=True)
-    rng = np.random.default_rng(12)
-    qs = rng.integers(-8, 9, size=(max(BATCHES), DIM)).astype(np.float32)
-    check = qs[:4]
-    d = os.path.join(bench.base, "versus")
-    os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, "table.bin")
-    make_table.write(path, x)
-    for name, arr in (("x", x), ("qs", qs), ("check", check)):
-        np.save(os.path.join(d, f"{name}.npy"), arr)
-    want = kc.search(x, check, K)
-    table_bytes = x.nbytes
-    files = [os.path.join(d, f"{name}.npy") for name in ("x", "qs", "check")]
-    x_path, qs_path, check_path = files
-    other = await anyio.to_thread.run_sync(functools.partial(contenders, bench, x_path, qs_path, check_path, reps))
-    copy_gbs = other.get("torch", {}).get("copy_gbs")
+def _contender_base(other: dict[str, Any]) -> tuple[dict[str, dict[int, list[float]]], dict[str, str]]:
+    """The contenders' latencies by name and batch, and why each one skipped did."""
     skipped = {k: v["skipped"] for k, v in other.items() if "skipped" in v}
     base: dict[str, dict[int, list[float]]] = {}
     if "torch" not in skipped:
@@ -191,17 +216,83 @@ async def sec_versus(bench: Bench) -> list[Row]:
         base["CUDA graph"] = {int(k): v for k, v in other["torch"]["graph"].items()}
     if "once" not in skipped:
         base["a launch per batch"] = {int(k): v for k, v in other["once"]["once"].items()}
+    return base, skipped
+
+
+def _answers(other: dict[str, Any], skipped: dict[str, str], want: Any, what: str) -> list[Row]:
+    rows = []
     for who in ("torch", "once"):
         if who not in skipped:
             a = other[who]["answer"]
             ok = same(np.array(a["ids"]), np.array(a["scores"], np.float32), want.ids, want.scores)
-            rows.append(Row("v", f"versus: {'PyTorch' if who == 'torch' else 'a launch per batch'}'s answer is numpy's",
-                            target="equal", ok=ok, note=f"{len(check)} queries, k {K}"))
+            rows.append(Row("v", f"versus{what}: {'PyTorch' if who == 'torch' else 'a launch per batch'}'s answer is"
+                                 " numpy's", target="equal", ok=ok, note=f"{len(want.ids)} queries, k {K}"))
+    return rows
+
+
+def _split_row(mode: str, nq: int, sp: dict[str, float], what: str = "") -> Row:
+    gpu = sp["read"] + sp["scan"] + sp["merge"] + sp["write"]
+    return Row("v", f"versus{what}: where a resident call's time goes ({mode}), batch {nq}", "us", sp["call"],
+               note=(f"medians of calls that ask knn for its steps' times: on the GPU {gpu:.1f} us (the request read"
+                     f" {sp['read']:.1f}, the scan {sp['scan']:.1f}, the merge of the blocks' bests {sp['merge']:.1f},"
+                     f" the response written {sp['write']:.1f}); the host and the bus {sp['host']:.1f} (the request"
+                     " written, its entry read by the GPU, the response polled and read)"),
+               parts={k: sp[k] for k in ("host", "read", "scan", "merge", "write")})
+
+
+def _idle_rows(mode: str, act: tuple[Activity | str | None, Activity | str | None]) -> list[Row]:
+    before, loaded = act
+    if not isinstance(before, Activity) or not isinstance(loaded, Activity):
+        why = next(a for a in act if not isinstance(a, Activity))
+        return [Row("v", f"versus: an idle resident knn's cost ({mode})", note=f"skipped: {why}")]
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f} %"
+
+    def said(a: Activity) -> str:
+        return (f"GPU utilization {pct(a.gpu_util)}, SM active {pct(a.sm_active)}, SM occupancy {pct(a.sm_occupancy)}"
+                + (f" ({a.why})" if a.why else ""))
+
+    note = (f"NVML over {loaded.seconds:.1f} s each: knn resident and idle (no request): {said(loaded)}; nothing"
+            f" loaded: {said(before)}")
+    return [Row("v", f"versus: an idle resident knn's power ({mode})", "W", loaded.watts, before.watts,
+                "the same backend, nothing loaded", note=note)]
+
+
+async def sec_versus(bench: Bench) -> list[Row]:
+    rows: list[Row] = []
+    n, reps = bench.n(1_000_000, 100_000), bench.n(1000, 3)
+    gpu = bench.gpu == "cuda"  # the targets are the GPU's: the simulated GPU's figures only show the path runs
+    make_table, kc = _example("make_table"), _example("knn_client")
+    rng = np.random.default_rng(12)
+    qs = rng.integers(-8, 9, size=(max(BATCHES), DIM)).astype(np.float32)
+    check = qs[:4]
+    d = os.path.join(bench.base, "versus")
+    os.makedirs(d, exist_ok=True)
+    for name, arr in (("qs", qs), ("check", check)):
+        np.save(os.path.join(d, f"{name}.npy"), arr)
+    qs_path, check_path = (os.path.join(d, f"{name}.npy") for name in ("qs", "check"))
+
+    def table(dtype: str) -> tuple[np.ndarray, str, str]:
+        x = make_table.table(n, DIM, dtype, seed=11, integers=True)
+        path, x_path = os.path.join(d, f"table-{dtype}.bin"), os.path.join(d, f"x-{dtype}.npy")
+        make_table.write(path, x)
+        np.save(x_path, x)
+        return x, path, x_path
+
+    x, path, x_path = table("f16")
+    want = kc.search(x, check, K)
+    table_bytes = x.nbytes
+    other = await anyio.to_thread.run_sync(functools.partial(contenders, bench, x_path, qs_path, check_path, reps))
+    copy_gbs = other.get("torch", {}).get("copy_gbs")
+    base, skipped = _contender_base(other)
+    rows += _answers(other, skipped, want, "")
     eager = base.get("PyTorch eager")
     graph = base.get("CUDA graph")
     note0 = f"N {n}, D {DIM} fp16, k {K}; {reps} batches after a warm-up"
     for mode in ("blink", "mps"):
-        lat, rate, got, (busy, idle) = await resident(bench, mode, path, qs, check, reps)
+        r0 = await resident(bench, mode, path, qs, check, reps, power=True)
+        lat, rate, got, (busy, idle) = r0["lat"], r0["rate"], r0["got"], r0["gaps"]
         rows.append(Row("v", f"versus: meshd-mps ({mode})'s answer is numpy's", target="equal",
                         ok=same(got.ids, got.scores, want.ids, want.scores), note=f"{len(check)} queries, k {K}"))
         # --quick: through one daemon's socket (MPS mode's), the client's path being the same in both
@@ -228,6 +319,7 @@ async def sec_versus(bench: Bench) -> list[Row]:
                 rows.append(Row("v", f"versus: the scan's bandwidth ({mode}), batch 64", "GB/s", gbs, copy_gbs,
                                 "device copy (read + write)" if copy_gbs else "", ">= 0.7x copy" if copy_gbs else "-",
                                 gbs >= 0.7 * copy_gbs if copy_gbs else None, "the table's bytes over the call's p50"))
+            rows.append(_split_row(mode, nq, r0["split"][nq]))
             if sock is None:
                 continue
             s50 = pct(sock[nq], 0.5)
@@ -235,6 +327,7 @@ async def sec_versus(bench: Bench) -> list[Row]:
                             s50 * 1e6, p50 * 1e6, "in-process p50", note=f"p99 {pct(sock[nq], 0.99) * 1e6:.0f} us"))
         rows.append(Row("v", f"versus: a resident heartbeat's largest gap while knn answers at full rate ({mode})", "us",
                         busy, idle, "idle gap", note="the batches of 64, 8 in flight"))
+        rows += _idle_rows(mode, r0["activity"])
     for who, by in base.items():
         for nq in BATCHES:
             rows.append(Row("v", f"versus: {who}, batch {nq}, p50", "us", pct(by[nq], 0.5) * 1e6, None,
@@ -243,4 +336,37 @@ async def sec_versus(bench: Bench) -> list[Row]:
     for who, why in skipped.items():
         rows.append(Row("v", f"versus: {'PyTorch eager and its CUDA graph' if who == 'torch' else 'a launch per batch'}",
                         note=f"skipped: {why}"))
+    rows += await _fp32(bench, table, qs, qs_path, check, check_path, reps, gpu)
+    return rows
+
+
+async def _fp32(bench: Bench, table: Any, qs: np.ndarray, qs_path: str, check: np.ndarray, check_path: str,
+                reps: int, gpu: bool) -> list[Row]:
+    """The same search over fp32 numbers (twice the table's bytes): meshd-mps in MPS mode, in-process,
+    beside the same contenders (PyTorch's matmul in fp32, as torch does by default)."""
+    kc = _example("knn_client")
+    x, path, x_path = table("f32")
+    want = kc.search(x, check, K)
+    other = await anyio.to_thread.run_sync(functools.partial(contenders, bench, x_path, qs_path, check_path, reps))
+    base, skipped = _contender_base(other)
+    rows = _answers(other, skipped, want, " fp32")
+    r0 = await resident(bench, "mps", path, qs, check, reps)
+    rows.append(Row("v", "versus fp32: meshd-mps (mps)'s answer is numpy's", target="equal",
+                    ok=same(r0["got"].ids, r0["got"].scores, want.ids, want.scores), note=f"{len(check)} queries, k {K}"))
+    eager = base.get("PyTorch eager")
+    note0 = f"N {x.shape[0]}, D {DIM} fp32, k {K}; {reps} batches after a warm-up"
+    for nq in BATCHES:
+        p50 = pct(r0["lat"][nq], 0.5)
+        r = Row("v", f"versus fp32: meshd-mps resident (mps, in-process), batch {nq}, p50", "us", p50 * 1e6,
+                pct(eager[nq], 0.5) * 1e6 if eager else None, "PyTorch eager p50" if eager else "",
+                note=f"{note0}; p99 {pct(r0['lat'][nq], 0.99) * 1e6:.0f} us; the scan {x.nbytes / p50 / 1e9:.0f} GB/s at"
+                     " the p50" + (f"; {skipped['torch']}" if not eager else ""),
+                dist={"meshd-mps": quantiles(r0["lat"][nq])})
+        if nq == 1 and eager and gpu:
+            r.target, r.ok = "<= 0.5x eager", p50 <= 0.5 * pct(eager[nq], 0.5)
+        rows.append(r)
+        rows.append(_split_row("mps", nq, r0["split"][nq], " fp32"))
+        for who, by in base.items():
+            rows.append(Row("v", f"versus fp32: {who}, batch {nq}, p50", "us", pct(by[nq], 0.5) * 1e6, None,
+                            note=f"{note0}; p99 {pct(by[nq], 0.99) * 1e6:.0f} us", dist={who: quantiles(by[nq])}))
     return rows
