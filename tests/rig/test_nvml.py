@@ -19,6 +19,8 @@ from meshd_mps.gpu.device import SIM_GPUS_ENV
 from meshd_mps.gpu.nvml import SIM_MEMORY, SIM_NVML_ENV, ComputeMode, DeviceView, GpuProcess, Nvml, SimNvml
 from meshd_mps.neighbours import NeighbourWatch, classify, look, mode_advice
 
+from ..rigs.nvml import NvmlErrors
+
 
 def proc(pid: int, name: str = "python", used: int | None = 1 << 20, mps: bool = False) -> GpuProcess:
     return GpuProcess(pid, name, used, "compute", mps)
@@ -217,17 +219,8 @@ def test_a_missing_simulation_file_is_refused(tmp_path, monkeypatch):
 # ---- Nvml over a stand-in pynvml ----------------------------------------------------------------------
 
 
-class FakePynvml:
+class FakePynvml(NvmlErrors):
     """What Nvml uses of pynvml, answering from tables."""
-
-    class NVMLError(Exception):
-        pass
-
-    class NVMLError_NotSupported(NVMLError):
-        pass
-
-    class NVMLError_FunctionNotFound(NVMLError):
-        pass
 
     def __init__(self, mode=0, compute=(), graphics=(), mps=(), names=None, fail=None, memory=(1 << 30, 80 << 30)):
         self.mode, self.compute, self.graphics, self.mps, self.memory = mode, compute, graphics, mps, memory

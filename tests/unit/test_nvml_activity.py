@@ -13,6 +13,8 @@ import pytest
 from meshd_mps.base.errors import DeviceError
 from meshd_mps.gpu.nvml import Activity, Nvml
 
+from ..rigs.nvml import NvmlErrors
+
 WINDOW = 0.01
 
 
@@ -20,7 +22,7 @@ def address(sample) -> int:
     return ctypes.cast(sample, ctypes.c_void_p).value or 0
 
 
-class FakePynvml:
+class FakePynvml(NvmlErrors):
     """What Nvml.activity uses of pynvml, answering from tables; the constants and structures are
     pynvml's."""
 
@@ -29,15 +31,6 @@ class FakePynvml:
     NVML_GPM_METRIC_SM_UTIL = pynvml.NVML_GPM_METRIC_SM_UTIL
     NVML_GPM_METRIC_SM_OCCUPANCY = pynvml.NVML_GPM_METRIC_SM_OCCUPANCY
     c_nvmlGpmMetricsGet_t = pynvml.c_nvmlGpmMetricsGet_t
-
-    class NVMLError(Exception):
-        pass
-
-    class NVMLError_NotSupported(NVMLError):
-        pass
-
-    class NVMLError_FunctionNotFound(NVMLError):
-        pass
 
     def __init__(self, energy=(5_000_000, 5_000_700), util=7, gpm=True, metrics=None, fail=None):
         self.energy = list(energy)
