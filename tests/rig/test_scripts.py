@@ -45,3 +45,11 @@ def test_ask_breakdown_worker_runs():
     """WorkerProc.ask to a real worker process on its frame pipes (the bench's row (b), split)."""
     out = run("scripts/ask_breakdown.py", "--gpu", "sim", "--only", "worker", "-n", "50")
     assert re.search(r"^worker p50 [\d.]+ us p99 [\d.]+ us$", out, re.M), out
+
+
+def test_knn_variants_says_why_a_source_cannot_run_here():
+    """scripts/knn_variants.py needs CUDA: without it, each source's line says why, and the rest run."""
+    out = run("scripts/knn_variants.py", "--rows", "1000", "--reps", "2", "examples/knn/knn.cu")
+    assert out.startswith("N 1000, D 128, k 10, 2 launches a batch"), out
+    for dtype in ("f16", "f32"):
+        assert re.search(rf"^{dtype} examples/knn/knn.cu: \w+(Error|NotFound\w*): ", out, re.M), out
