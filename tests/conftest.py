@@ -129,6 +129,7 @@ def serve(tmp):
 LONGEST_FIRST = (
     "tests/serve/test_bench.py::test_bench_sim_quick",  # 77
     "tests/cluster/test_fleet_bench.py::test_fleet_bench_smoke",  # 27 (its own cluster of 2 nodes, one killed)
+    "tests/serve/test_bench_versus.py::",  # 17 (knn in both modes, through a socket, and over fp32)
     "tests/rig/test_scripts.py::test_ring_probes_run",  # 33
     "tests/serve/test_prometheus.py::test_every_panel_and_alert_on_a_real_prometheus",  # 15 (two daemons and a Prometheus)
     "tests/serve/test_live_restore.py::test_reconcile_",  # 18

@@ -38,6 +38,12 @@ class Bench:
         self.base = mps_dir or tempfile.mkdtemp(prefix="meshd-bench.")  # short: AF_UNIX paths stop at 108 bytes
         self.dirs: list[str] = []
         self.device = ""
+        #: The cubins the bench's backends JIT, shared by them: a figure is never a JIT's (but (e)'s
+        #: cold case, which takes a Compiler of its own), and each backend's JIT of the same example
+        #: was most of a short section's CPU.
+        self.cubins = os.path.join(self.base, "cubins")
+        if not self.own_base:
+            self.dirs.append(self.cubins)
         self._src: dict[tuple[str, str], tuple[dict[str, Any], bytes]] = {}
 
     def n(self, full: int, quick: int) -> int:
@@ -55,7 +61,7 @@ class Bench:
             self.dirs.append(state)
         # GPU 0 only: on a several-GPU host every figure stays one GPU's
         b = await Backend.open(isolation=isolation, pool=pool, gpu=self.gpu, mps_dir=d, devices=[0],  # type: ignore[arg-type]
-                               live=state)
+                               live=state, cache_dir=self.cubins)
         if not self.device and b.caps is not None:
             c = b.caps
             self.device = f"{c.name} (sm_{c.cc_major}{c.cc_minor}, {c.sms_total} SMs, {c.blocks_per_sm} blocks/SM)"
