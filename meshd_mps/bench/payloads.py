@@ -2,9 +2,10 @@
 region (its manifest here declares 1 MiB each): a 4 KiB request with its 4 KiB response against the
 64 B call, in the same rounds, and 1 MiB ones: one at a time, against the host's own copy of the
 same bytes in and out, and eight outstanding with every response kept, against the host's own
-copies kept (the fresh memory that 64 MiB of new responses take bounds both).  echo answers a large request in place (its response
-names the request's own bytes), so that the figures are the transport's: the host's writes and
-reads of the region, the ring, and the GPU's look at the entry, not a copy made on the GPU."""
+copies kept (the fresh memory that 64 MiB of new responses take bounds both).  echo answers a
+large request in place (its response names the request's own bytes), so that the figures are the
+transport's: the host's writes and reads of the region, the ring, and the GPU's look at the entry,
+not a copy made on the GPU."""
 
 from __future__ import annotations
 

@@ -259,6 +259,32 @@ def _idle_rows(mode: str, act: tuple[Activity | str | None, Activity | str | Non
                 "the same backend, nothing loaded", note=note)]
 
 
+def _numpys(what: str, mode: str, got: Any, want: Any) -> Row:
+    """meshd-mps's answer against numpy's."""
+    return Row("v", f"versus{what}: meshd-mps ({mode})'s answer is numpy's", target="equal",
+               ok=same(got.ids, got.scores, want.ids, want.scores), note=f"{len(want.ids)} queries, k {K}")
+
+
+def _resident_p50(what: str, mode: str, nq: int, lat: list[float], eager: dict[int, list[float]] | None, gpu: bool,
+                  note0: str, table_bytes: int, extra: str = "", why: str = "") -> Row:
+    """A resident batch's p50 against PyTorch eager's (the target at batch 1, on the GPU); ``extra``
+    joins its note after the p99, ``why`` says why eager is missing."""
+    p50 = pct(lat, 0.5)
+    r = Row("v", f"versus{what}: meshd-mps resident ({mode}, in-process), batch {nq}, p50", "us", p50 * 1e6,
+            pct(eager[nq], 0.5) * 1e6 if eager else None, "PyTorch eager p50" if eager else "",
+            note=(f"{note0}; p99 {pct(lat, 0.99) * 1e6:.0f} us{extra}; the scan {table_bytes / p50 / 1e9:.0f} GB/s at the"
+                  " p50" + (f"; {why}" if not eager else "")),
+            dist={"meshd-mps": quantiles(lat)})
+    if nq == 1 and eager and gpu:
+        r.target, r.ok = "<= 0.5x eager", p50 <= 0.5 * pct(eager[nq], 0.5)
+    return r
+
+
+def _contender_row(what: str, who: str, nq: int, by: dict[int, list[float]], note0: str) -> Row:
+    return Row("v", f"versus{what}: {who}, batch {nq}, p50", "us", pct(by[nq], 0.5) * 1e6, None,
+               note=f"{note0}; p99 {pct(by[nq], 0.99) * 1e6:.0f} us", dist={who: quantiles(by[nq])})
+
+
 async def sec_versus(bench: Bench) -> list[Row]:
     rows: list[Row] = []
     n, reps = bench.n(1_000_000, 100_000), bench.n(1000, 3)
@@ -293,21 +319,14 @@ async def sec_versus(bench: Bench) -> list[Row]:
     for mode in ("blink", "mps"):
         r0 = await resident(bench, mode, path, qs, check, reps, power=True)
         lat, rate, got, (busy, idle) = r0["lat"], r0["rate"], r0["got"], r0["gaps"]
-        rows.append(Row("v", f"versus: meshd-mps ({mode})'s answer is numpy's", target="equal",
-                        ok=same(got.ids, got.scores, want.ids, want.scores), note=f"{len(check)} queries, k {K}"))
+        rows.append(_numpys("", mode, got, want))
         # --quick: through one daemon's socket (MPS mode's), the client's path being the same in both
         sock = None if bench.quick and mode == "blink" else await anyio.to_thread.run_sync(
             functools.partial(through_socket, bench, mode, path, qs, reps))
         for nq in BATCHES:
             p50, p99 = pct(lat[nq], 0.5), pct(lat[nq], 0.99)
-            r = Row("v", f"versus: meshd-mps resident ({mode}, in-process), batch {nq}, p50", "us", p50 * 1e6,
-                    pct(eager[nq], 0.5) * 1e6 if eager else None, "PyTorch eager p50" if eager else "")
-            if nq == 1 and eager and gpu:
-                r.target, r.ok = "<= 0.5x eager", p50 <= 0.5 * pct(eager[nq], 0.5)
-            r.note = (f"{note0}; p99 {p99 * 1e6:.0f} us; {rate[nq] * nq:.0f} queries/s with 8 in flight; the scan"
-                      f" {table_bytes / p50 / 1e9:.0f} GB/s at the p50" + (f"; {skipped['torch']}" if not eager else ""))
-            r.dist = {"meshd-mps": quantiles(lat[nq])}
-            rows.append(r)
+            rows.append(_resident_p50("", mode, nq, lat[nq], eager, gpu, note0, table_bytes,
+                                      f"; {rate[nq] * nq:.0f} queries/s with 8 in flight", skipped.get("torch", "")))
             if nq == 1 and graph:
                 rows.append(Row("v", f"versus: meshd-mps resident ({mode}, in-process), batch 1, p50 against the graph", "us",
                                 p50 * 1e6, pct(graph[1], 0.5) * 1e6, "CUDA graph p50", "<= 0.8x graph",
@@ -328,11 +347,7 @@ async def sec_versus(bench: Bench) -> list[Row]:
         rows.append(Row("v", f"versus: a resident heartbeat's largest gap while knn answers at full rate ({mode})", "us",
                         busy, idle, "idle gap", note="the batches of 64, 8 in flight"))
         rows += _idle_rows(mode, r0["activity"])
-    for who, by in base.items():
-        for nq in BATCHES:
-            rows.append(Row("v", f"versus: {who}, batch {nq}, p50", "us", pct(by[nq], 0.5) * 1e6, None,
-                            note=f"{note0}; p99 {pct(by[nq], 0.99) * 1e6:.0f} us",
-                            dist={who: quantiles(by[nq])}))
+    rows += [_contender_row("", who, nq, by, note0) for who, by in base.items() for nq in BATCHES]
     for who, why in skipped.items():
         rows.append(Row("v", f"versus: {'PyTorch eager and its CUDA graph' if who == 'torch' else 'a launch per batch'}",
                         note=f"skipped: {why}"))
@@ -351,22 +366,12 @@ async def _fp32(bench: Bench, table: Any, qs: np.ndarray, qs_path: str, check: n
     base, skipped = _contender_base(other)
     rows = _answers(other, skipped, want, " fp32")
     r0 = await resident(bench, "mps", path, qs, check, reps)
-    rows.append(Row("v", "versus fp32: meshd-mps (mps)'s answer is numpy's", target="equal",
-                    ok=same(r0["got"].ids, r0["got"].scores, want.ids, want.scores), note=f"{len(check)} queries, k {K}"))
+    rows.append(_numpys(" fp32", "mps", r0["got"], want))
     eager = base.get("PyTorch eager")
     note0 = f"N {x.shape[0]}, D {DIM} fp32, k {K}; {reps} batches after a warm-up"
     for nq in BATCHES:
-        p50 = pct(r0["lat"][nq], 0.5)
-        r = Row("v", f"versus fp32: meshd-mps resident (mps, in-process), batch {nq}, p50", "us", p50 * 1e6,
-                pct(eager[nq], 0.5) * 1e6 if eager else None, "PyTorch eager p50" if eager else "",
-                note=f"{note0}; p99 {pct(r0['lat'][nq], 0.99) * 1e6:.0f} us; the scan {x.nbytes / p50 / 1e9:.0f} GB/s at"
-                     " the p50" + (f"; {skipped['torch']}" if not eager else ""),
-                dist={"meshd-mps": quantiles(r0["lat"][nq])})
-        if nq == 1 and eager and gpu:
-            r.target, r.ok = "<= 0.5x eager", p50 <= 0.5 * pct(eager[nq], 0.5)
-        rows.append(r)
+        rows.append(_resident_p50(" fp32", "mps", nq, r0["lat"][nq], eager, gpu, note0, x.nbytes,
+                                  why=skipped.get("torch", "")))
         rows.append(_split_row("mps", nq, r0["split"][nq], " fp32"))
-        for who, by in base.items():
-            rows.append(Row("v", f"versus fp32: {who}, batch {nq}, p50", "us", pct(by[nq], 0.5) * 1e6, None,
-                            note=f"{note0}; p99 {pct(by[nq], 0.99) * 1e6:.0f} us", dist={who: quantiles(by[nq])}))
+        rows += [_contender_row(" fp32", who, nq, by, note0) for who, by in base.items()]
     return rows
