@@ -402,16 +402,21 @@ class Supervisor:
             for w in kids:
                 await w.process.wait()
         late = [w for w in kids if not w.process.exited]
+        d = self.deadlines
         for w in late:
-            log.error(f"mps: worker {w.pid} not reaped {self.deadlines.cleanup_reap * 1e3:.0f} ms after SIGKILL; left behind")
+            log.warning(f"mps: worker {w.pid} not reaped {d.cleanup_reap * 1e3:.0f} ms after SIGKILL; waiting up to"
+                        f" {d.cleanup_grace:g} s more")
         if late:
             # A process in the middle of a CUDA teardown exits a little later: reap it if it does
-            # within a grace period, so that an embedding host is not left with zombies.
-            with anyio.move_on_after(self.deadlines.cleanup_grace, shield=True):
+            # within a grace period, so that an embedding host is not left with zombies; only what
+            # outlives that is left behind, and said so.
+            with anyio.move_on_after(d.cleanup_grace, shield=True):
                 for w in late:
                     await w.process.wait()
         for w in kids:
             if not w.process.exited:
+                log.error(f"mps: worker {w.pid} not reaped {d.cleanup_reap + d.cleanup_grace:g} s after SIGKILL;"
+                          " left behind")
                 self.left_behind.append(w.pid)
             else:
                 self._children.pop(w.pid, None)

@@ -177,6 +177,22 @@ async def test_cleanup_kills_everything_within_its_deadline(mps_rig):
     assert not os.path.exists(r.daemon.dir)
 
 
+async def test_a_worker_reaped_in_the_grace_period_is_not_left_behind(mps_rig):
+    """At exit, a worker still there when the shared deadline ends (a CUDA teardown takes longer on
+    the GPU; here the deadline is 0) is waited for up to the grace period, said in a warning, and
+    counted as left behind only if it outlives that."""
+    r = mps_rig(deadlines=Deadlines(cleanup_reap=0.0, cleanup_grace=10.0), pool_cap=2)
+    with capture_logs() as logs:
+        async with r as m:
+            await m.prewarm(2)
+            pids = r.sup.children()
+    assert len(pids) == 2 and not any(alive(p) for p in pids)
+    assert r.sup.left_behind == []
+    late = [e for e in logs if "after SIGKILL" in e["event"]]
+    assert late and all(e["log_level"] == "warning" and "waiting up to 10 s more" in e["event"] for e in late), late
+    assert not any("left behind" in e["event"] for e in logs), logs
+
+
 async def test_client_limit_refuses_a_load(mps_rig):
     async with mps_rig(max_clients=2, pool_cap=0) as m:
         a = await preload(m, "a")
