@@ -23,16 +23,17 @@
 // scores this one.
 // A row's score against each query goes through a threshold (the k-th best so far) into a small
 // buffer per query in shared memory, which a warp selects the best k from whenever it may fill.
-// A batch of two or more queries over fp16 rows of up to 128 numbers is scored on the tensor cores
-// instead (knn_scan_mma: a warp 16 rows against 8 queries an mma), one query on the CUDA cores,
-// where the scan is the memory's and the row is read once either way.
+// Queries over fp16 rows of up to 128 numbers are scored on the tensor cores instead (knn_scan_mma:
+// a warp 16 rows against 8 queries an mma), a single query too: a tile of 8 with 7 empty streams the
+// table faster than the CUDA cores' rounds do.
 // A grid barrier (every block is resident at once: meshd-mps checks it at load), then block q
 // merges query q's candidates from every block, and writes its answer; a last barrier, and block 0
 // posts the response.
 //
 // Rows are appended by writes to the program's data while it runs (`meshd-mps write`): the rows
-// first, then the header's `rows`; each request reads `rows` anew, so the next request after a
-// write sees them.
+// first, then the header's `rows`.  Block 0 keeps the header it read with the slot's DATA_SEQ, and
+// reads it again when DATA_SEQ has moved (a write is complete), so the next request after a write
+// sees its rows.
 #include "mesh_program.h"
 
 MESH_DEFINE_RT_ABI();
@@ -65,6 +66,7 @@ MESH_DEFINE_DATA();
 #define KNN_QCAP 8192u                  /* query numbers a request may carry (nq * dim) */
 #define KNN_CB 128u                     /* candidate buffer entries per query */
 #define KNN_MERGE (KNN_NQ_MAX * KNN_CB) /* candidates one query's merge holds: nodes * k at most */
+#define KNN_QLOADS 8u                   /* 16-byte loads of the queries a thread has in flight (32 KiB a block) */
 
 /* Shared memory, dynamic (the manifest's smem): the queries, each query's candidates, each query's
  * threshold and count, each warp's selection, and each query's scale and squared norm (the tensor
@@ -354,13 +356,12 @@ static __device__ void knn_scan(const knn_smem &m, const unsigned char *table, u
  * 8 bytes a lane reads (2 words) XOR-swizzled by the query so that a warp's reads take every bank
  * once.  The squared L2 distance is |x|^2 - 2 x.q + |q|^2, |x|^2 from the lane's own loads. */
 
-/* Batches of at least this many queries, of fp16 rows of at most 128 numbers, take this path. */
-#define KNN_MMA_MIN 2u
 /* n-tiles (8 queries each) whose sums a lane holds at once: the registers two blocks an SM leave. */
 #define KNN_MMA_TILES 4u
 
-static __device__ __forceinline__ bool knn_mma_takes(unsigned int nq, unsigned int dim, unsigned int dtype) {
-    return dtype == KNN_F16 && dim <= 128u && nq >= KNN_MMA_MIN;
+/* Tables of fp16 rows of at most 128 numbers take this path, whatever the batch. */
+static __device__ __forceinline__ bool knn_mma_takes(unsigned int dim, unsigned int dtype) {
+    return dtype == KNN_F16 && dim <= 128u;
 }
 
 static __device__ __forceinline__ unsigned int knn_f2h(float f) {
@@ -455,14 +456,8 @@ static __device__ void knn_scan_mma(const knn_smem &m, const float *qbuf, const 
     const unsigned int lane = threadIdx.x & 31u, w = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3u;
     const unsigned int units = dim / 4u, steps = dim / 32u, nt = (nq + 7u) / 8u, rowbytes = dim * 2u;
     const unsigned int cbq = knn_room(nq);
-    const bool two = knn_mma_queries(m, qbuf, nq, dim);
+    const bool two = knn_mma_queries(m, qbuf, nq, dim); /* its barriers publish the caller's reset too */
     const uint2 *qhi = (const uint2 *)m.qs, *qlo = qhi + ((nq + 7u) & ~7u) * units;
-    for (unsigned int q = threadIdx.x; q < nq; q += KNN_THREADS) {
-        m.cnt[q] = 0;
-        m.tkey[q] = KNN_NEG_INF;
-        m.tid[q] = 0xffffffffu;
-    }
-    __syncthreads();
     for (unsigned long long base = lo; base < hi; base += KNN_WARPS * 16u) {
         const unsigned long long r0 = base + w * 16u + g, r1 = r0 + 8u;
         uint4 va[4], vb[4];
@@ -588,16 +583,16 @@ static __device__ void knn_run(const knn_smem &m, volatile knn_job *job, const f
     const unsigned long long share = (rows + gridDim.x - 1u) / gridDim.x;
     const unsigned long long lo = share * blockIdx.x < rows ? share * blockIdx.x : rows;
     const unsigned long long hi = lo + share < rows ? lo + share : rows;
-    if (k > 0 && knn_mma_takes(nq, dim, dtype)) {
+    for (unsigned int q = threadIdx.x; q < nq; q += KNN_THREADS) { /* each query's buffer empty, no threshold */
+        m.cnt[q] = 0;
+        m.tkey[q] = KNN_NEG_INF;
+        m.tid[q] = 0xffffffffu;
+    }
+    if (k > 0 && knn_mma_takes(dim, dtype)) {
         knn_scan_mma(m, qbuf, table, lo, hi, nq, k, metric, dim);
     } else {
         for (unsigned int i = threadIdx.x; i < nq * dim; i += KNN_THREADS)
             m.qs[i] = __ldcg(qbuf + i);
-        for (unsigned int q = threadIdx.x; q < nq; q += KNN_THREADS) {
-            m.cnt[q] = 0;
-            m.tkey[q] = KNN_NEG_INF;
-            m.tid[q] = 0xffffffffu;
-        }
         __syncthreads();
         if (k > 0)
             knn_scan(m, table, lo, hi, nq, k, metric, dim, dtype);
@@ -668,6 +663,10 @@ extern "C" __global__ void __launch_bounds__(KNN_THREADS, 2) mesh_main(unsigned 
     __shared__ unsigned int s_n, s_size, s_max;
     __shared__ unsigned long long s_req, s_out, s_base;
     __shared__ unsigned int s_go;
+    /* block 0's copy of the table's header, and the DATA_SEQ it was read at: a request reads the
+     * header again only once a write to the data is complete, not each time */
+    __shared__ unsigned int s_seq, s_have, s_dseq, s_tstatus, s_dtype, s_dim;
+    __shared__ unsigned long long s_rows;
     __shared__ unsigned long long s_t[4]; /* block 0's: the request seen, read, scanned, merged */
     unsigned char *sc = (unsigned char *)mesh_scratch;
     volatile knn_job *job = (volatile knn_job *)sc;
@@ -681,6 +680,8 @@ extern "C" __global__ void __launch_bounds__(KNN_THREADS, 2) mesh_main(unsigned 
     /* Every block has read it before block 0 can start another: a request pending at a relaunch is
      * taken at once. */
     knn_grid_sync(job);
+    if (threadIdx.x == 0)
+        s_have = 0u;
     if (blockIdx.x == 0 && w == 0) {
         mesh_payloads_init(s, &pay);
         mesh_ring_init(s, &r, MESH_BEAT_EVERY);
@@ -701,6 +702,7 @@ extern "C" __global__ void __launch_bounds__(KNN_THREADS, 2) mesh_main(unsigned 
                 }
                 if (lane == 0) {
                     s_t[0] = knn_now();
+                    s_dseq = n != 0 ? mesh_data_seq(s) : 0u; /* an acquire: the header read after it is the write's */
                     s_n = n;
                     s_size = size;
                     s_req = (unsigned long long)req;
@@ -712,6 +714,33 @@ extern "C" __global__ void __launch_bounds__(KNN_THREADS, 2) mesh_main(unsigned 
             __syncthreads();
             unsigned int status = 0, nq = 0, k = 0, metric = 0, flags = 0, dim = 0, dtype = 0;
             unsigned long long rows = 0;
+            if (s_n != 0 && (s_have == 0u || s_dseq != s_seq)) { /* the table's header, read again */
+                if (threadIdx.x == 0) {
+                    const volatile unsigned int *t = (const volatile unsigned int *)mesh_data;
+                    unsigned int ts = 0, dt = 0, dm = 0;
+                    unsigned long long rw = 0;
+                    if (mesh_data == 0 || mesh_data_bytes < KNN_HEADER || t[0] != KNN_MAGIC) {
+                        ts = KNN_E_TABLE;
+                    } else {
+                        dt = t[1];
+                        dm = t[2];
+                        rw = *(const volatile unsigned long long *)(t + 4);
+                        const unsigned int esize = dt == KNN_F16 ? 2u : dt == KNN_F32 ? 4u : 0u;
+                        const unsigned int chunks = esize ? dm * esize / 16u : 0u;
+                        if (!esize || dm * esize % 16u || chunks < 4u || chunks > 32u || (chunks & (chunks - 1u)))
+                            ts = KNN_E_TABLE;
+                        else if (rw > (mesh_data_bytes - KNN_HEADER) / (dm * esize))
+                            rw = (mesh_data_bytes - KNN_HEADER) / (dm * esize);
+                    }
+                    s_tstatus = ts;
+                    s_dtype = dt;
+                    s_dim = dm;
+                    s_rows = rw;
+                    s_seq = s_dseq;
+                    s_have = 1u;
+                }
+                __syncthreads();
+            }
             if (s_n != 0) {
                 const unsigned int size = s_size;
                 const volatile unsigned char *req = (const volatile unsigned char *)s_req;
@@ -720,20 +749,10 @@ extern "C" __global__ void __launch_bounds__(KNN_THREADS, 2) mesh_main(unsigned 
                 k = size >= 16u ? h[1] : 0u;
                 metric = size >= 16u ? h[2] : 0u;
                 flags = size >= 16u ? h[3] : 0u;
-                const volatile unsigned int *t = (const volatile unsigned int *)mesh_data;
-                if (mesh_data == 0 || mesh_data_bytes < KNN_HEADER || t[0] != KNN_MAGIC) {
-                    status = KNN_E_TABLE;
-                } else {
-                    dtype = t[1];
-                    dim = t[2];
-                    rows = *(const volatile unsigned long long *)(t + 4);
-                    const unsigned int esize = dtype == KNN_F16 ? 2u : dtype == KNN_F32 ? 4u : 0u;
-                    const unsigned int chunks = esize ? dim * esize / 16u : 0u;
-                    if (!esize || dim * esize % 16u || chunks < 4u || chunks > 32u || (chunks & (chunks - 1u)))
-                        status = KNN_E_TABLE;
-                    else if (rows > (mesh_data_bytes - KNN_HEADER) / (dim * esize))
-                        rows = (mesh_data_bytes - KNN_HEADER) / (dim * esize);
-                }
+                status = s_tstatus;
+                dtype = s_dtype;
+                dim = s_dim;
+                rows = s_rows;
                 if (size < 16u)
                     status = KNN_E_SIZE;
                 else if (status == 0) {
@@ -754,8 +773,20 @@ extern "C" __global__ void __launch_bounds__(KNN_THREADS, 2) mesh_main(unsigned 
                     const unsigned char *src = (const unsigned char *)(req + 16);
                     const unsigned int n = nq * dim;
                     if (((unsigned long long)src & 15ull) == 0)
-                        for (unsigned int i = threadIdx.x; i < n / 4u; i += KNN_THREADS)
-                            ((uint4 *)qbuf)[i] = __ldcv((const uint4 *)src + i);
+                        for (unsigned int i0 = 0; i0 < n / 4u; i0 += KNN_QLOADS * KNN_THREADS) {
+                            uint4 v[KNN_QLOADS]; /* all in flight, then stored: a round trip over the bus a round */
+#pragma unroll
+                            for (unsigned int u = 0; u < KNN_QLOADS; u++) {
+                                const unsigned int i = i0 + u * KNN_THREADS + threadIdx.x;
+                                v[u] = i < n / 4u ? __ldcv((const uint4 *)src + i) : make_uint4(0u, 0u, 0u, 0u);
+                            }
+#pragma unroll
+                            for (unsigned int u = 0; u < KNN_QLOADS; u++) {
+                                const unsigned int i = i0 + u * KNN_THREADS + threadIdx.x;
+                                if (i < n / 4u)
+                                    ((uint4 *)qbuf)[i] = v[u];
+                            }
+                        }
                     for (unsigned int i = ((unsigned long long)src & 15ull) ? threadIdx.x : n / 4u * 4u + threadIdx.x;
                          i < n; i += KNN_THREADS)
                         qbuf[i] = __int_as_float(((const volatile unsigned int *)src)[i]);
