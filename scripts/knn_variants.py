@@ -26,11 +26,15 @@ import json
 import sys
 from pathlib import Path
 
+import anyio
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from meshd_mps.bench import contenders
+from meshd_mps.bench.rig import Bench
 from meshd_mps.bench.versus import BATCHES, DIM, NODES_PER_SM, K, _example, nodes_for, same, steps
+from meshd_mps.gpu.compiler import cuda_to_ptx
+from meshd_mps.programs import Programs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,12 +92,6 @@ async def resident(a: argparse.Namespace, sources: dict[str, bytes], x: np.ndarr
                    dtype: str) -> None:
     """Each source (its path, its CUDA C) resident in a backend of its own over table ``x``: a line per
     source and batch."""
-    import anyio
-
-    from meshd_mps.bench.rig import Bench
-    from meshd_mps.gpu.compiler import cuda_to_ptx
-    from meshd_mps.programs import Programs
-
     make_table, kc = _example("make_table"), _example("knn_client")
     bench = Bench(a.gpu, quick=False, mps_dir=None)
     try:
