@@ -17,6 +17,7 @@ import time
 from collections import Counter
 
 import pytest
+import ray
 
 from meshd_mps.base.errors import ReplicaLost
 from meshd_mps.fleet import Fleet, ProgramSource, ProgramSpec
@@ -43,6 +44,24 @@ def no_child_left():
     process of the cluster or its daemons is left at the end (``leftovers`` of its directory, which
     every raylet, Ray worker, daemon and program worker has in its environment or command line)."""
     yield
+
+
+@pytest.fixture(autouse=True)
+async def as_found(fleet_rig):
+    """After each test, passed or failed: a node Ray declared dead (a raylet that missed its health
+    checks on a loaded machine) joins again, and every program declared is removed and unloaded, as
+    a test's own end does; so that one failure leaves the next test the cluster it expects rather than
+    failing it too."""
+    yield
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    for name, n in list(fleet_rig.nodes.items()):
+        if n.id not in alive:
+            fleet_rig.rejoin(name)
+    fleet = await Fleet.connect(namespace=NAMESPACE, deadlines=FLEET_DEADLINES)
+    try:
+        await removed(fleet_rig, fleet, *(p.name for p in (await fleet.status()).programs))
+    finally:
+        await fleet.close()
 
 
 @pytest.fixture(scope="module")
