@@ -887,9 +887,9 @@ extern "C" __global__ void __launch_bounds__(KNN_THREADS, 2) mesh_main(unsigned 
  * "Against what users run instead"), so that what residency saves is measured apart from the
  * kernel's own quality.  `table` is the table's first row; `scratch` a zeroed buffer the size of the
  * manifest's scratch, kept from one launch to the next (its grid barrier). */
-extern "C" __global__ void __launch_bounds__(KNN_THREADS, 2) knn_once(const unsigned char *table, unsigned long long rows, unsigned int dim,
-                                    unsigned int dtype, const float *queries, unsigned int nq, unsigned int k,
-                                    unsigned int metric, unsigned char *out, unsigned char *scratch) {
+extern "C" __global__ void __launch_bounds__(KNN_THREADS, 2)
+knn_once(const unsigned char *table, unsigned long long rows, unsigned int dim, unsigned int dtype, const float *queries,
+         unsigned int nq, unsigned int k, unsigned int metric, unsigned char *out, unsigned char *scratch) {
     extern __shared__ __align__(16) unsigned char smem[];
     const knn_smem m = knn_layout(smem);
     knn_run(m, (volatile knn_job *)scratch, queries, KNN_CAND(scratch), table, rows, nq, k, metric, dim, dtype, out, 0);

@@ -246,11 +246,12 @@ def _idle_rows(mode: str, act: tuple[Activity | str | None, Activity | str | Non
         why = next(a for a in act if not isinstance(a, Activity))
         return [Row("v", f"versus: an idle resident knn's cost ({mode})", note=f"skipped: {why}")]
 
-    def pct(v: float | None) -> str:
+    def percent(v: float | None) -> str:
         return "-" if v is None else f"{v:.1f} %"
 
     def said(a: Activity) -> str:
-        return (f"GPU utilization {pct(a.gpu_util)}, SM active {pct(a.sm_active)}, SM occupancy {pct(a.sm_occupancy)}"
+        return (f"GPU utilization {percent(a.gpu_util)}, SM active {percent(a.sm_active)}, SM occupancy"
+                f" {percent(a.sm_occupancy)}"
                 + (f" ({a.why})" if a.why else ""))
 
     note = (f"NVML over {loaded.seconds:.1f} s each: knn resident and idle (no request): {said(loaded)}; nothing"

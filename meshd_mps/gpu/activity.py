@@ -30,7 +30,6 @@ class Activity:
     why: str = ""
 
 
-
 def measure(n: Any, h: Any, device: int, seconds: float) -> Activity:
     """GPU ``device``'s (handle ``h``, pynvml ``n``) power and SM activity over the next ``seconds``,
     slept here (a thread's call, as every NVML one).  The energy counter moves in the driver's own
